@@ -1,0 +1,48 @@
+# The README's commands. Each creates .venv if missing and installs the project into it.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: demo test lint format bench bench-levanter docs install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e ".[test,docs]"
+	$(BIN)/python -c "import loomax, jax, haliax, equinox, optax, draccus"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/loomax train --config_path config/quickstart.yaml
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests bench
+	$(BIN)/ruff check --fix src tests bench
+
+bench: $(STAMP)
+	$(BIN)/loomax bench --config_path config/bench/gpt2_tiny.yaml
+
+bench-levanter: $(STAMP)
+	$(PYTHON) bench/compare_levanter.py
+
+docs: $(STAMP)
+	$(BIN)/python -m loomax.docs_reference docs/reference/config.md
+	$(BIN)/mkdocs build --strict
+
+clean:
+	rm -rf $(VENV) .cache site

@@ -1,0 +1,92 @@
+"""``loomax bench``: time the jitted train step of a run config on synthetic batches."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from loomax.peak_flops import device_peak_flops, measure_matmul_flops
+from loomax.tracking import NoopTrackerConfig
+from loomax.train import Trainer
+from loomax.train_lm import TrainLmConfig, lm_loss
+
+
+def run_benchmark(config: TrainLmConfig, *, steps: int = 10, warmup: int = 2) -> dict[str, float]:
+    """Compile the step, run ``warmup`` untimed steps, then time ``steps`` steps.
+
+    Prints a human-readable report and, last, one JSON line with ``compile_s``,
+    ``step_ms_median``, ``tokens_per_second``, ``flops_per_token`` and ``mfu``.
+    """
+    model_config = config.model
+    vocab_size = model_config.vocab_size
+    if vocab_size is None:
+        raise ValueError(
+            "loomax bench needs model.vocab_size (it uses random token ids, no tokenizer)"
+        )
+    trainer_config = dataclasses.replace(
+        config.trainer, tracker=NoopTrackerConfig(), progress_bar=False
+    )
+    trainer = Trainer(
+        trainer_config,
+        config.optimizer.build(trainer_config.num_train_steps),
+        lm_loss(model_config.cross_entropy_block_size),
+        lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps),
+    )
+    batch_size, seq_len = trainer_config.train_batch_size, model_config.seq_len
+    rng = np.random.default_rng(trainer_config.seed)
+    batches = [rng.integers(0, vocab_size, (batch_size, seq_len), dtype=np.int32) for _ in range(4)]
+
+    state = trainer.initial_state(lambda key: model_config.build(vocab_size, key=key))
+    start = time.perf_counter()
+    step_fn = trainer.train_step.lower(state, batches[0]).compile()
+    compile_s = time.perf_counter() - start
+
+    times = []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        state, metrics = step_fn(state, batches[i % len(batches)])
+        jax.block_until_ready(metrics)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+
+    step_s = statistics.median(times)
+    tokens_per_second = batch_size * seq_len / step_s
+    flops_per_token = 3 * model_config.flops_per_token(vocab_size)
+    peak = trainer_config.device_peak_flops or device_peak_flops(
+        trainer_config.policy.compute_dtype
+    )
+    peak_total = peak * jax.device_count() if peak else None
+    mfu = tokens_per_second * flops_per_token / peak_total if peak_total else None
+    result = {
+        "compile_s": round(compile_s, 3),
+        "step_ms_median": round(step_s * 1e3, 2),
+        "step_ms_min": round(min(times) * 1e3, 2),
+        "tokens_per_second": round(tokens_per_second, 1),
+        "flops_per_token": flops_per_token,
+        "achieved_gflops": round(tokens_per_second * flops_per_token / 1e9, 2),
+        "peak_gflops": round(peak_total / 1e9, 2) if peak_total else None,
+        "mfu": round(mfu, 4) if mfu is not None else None,
+        "params": model_config.param_count(vocab_size),
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "final_loss": float(metrics["train/loss"]),
+    }
+    if jax.devices()[0].platform == "cpu" and trainer_config.device_peak_flops is None:
+        result["matmul_probe_gflops"] = round(measure_matmul_flops("float32") / 1e9, 2)
+    print(
+        f"model {type(model_config).__name__}: {result['params'] / 1e6:.2f}M params, batch {batch_size} x {seq_len}"
+    )
+    print(f"compile:        {compile_s:8.2f} s")
+    print(f"step (median):  {step_s * 1e3:8.1f} ms over {steps} steps")
+    print(f"tokens/s:       {tokens_per_second:8.1f}")
+    print(f"FLOPs/token:    {flops_per_token / 1e6:8.1f} M (train: 3 x forward)")
+    print(f"achieved:       {result['achieved_gflops']:8.1f} GFLOP/s")
+    if mfu is not None:
+        print(f"MFU:            {mfu:8.1%} of {peak_total / 1e9:.1f} GFLOP/s peak")
+    print(json.dumps(result))
+    return result

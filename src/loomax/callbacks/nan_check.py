@@ -1,0 +1,34 @@
+"""Stop the run with a clear error as soon as the training loss is NaN or infinite."""
+
+from __future__ import annotations
+
+import math
+
+from loomax.train.hooks import CompletedStep, Hook, StepInfo
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+class NanCheckHook(Hook):
+    """Checks the loss of each finished step (one step behind, so it never stalls the device)."""
+
+    every = 1
+
+    def on_step(self, info: StepInfo) -> None:
+        if info.previous is not None:
+            _check(info.previous)
+
+    def on_train_end(self, info: StepInfo) -> None:
+        if info.previous is not None:
+            _check(info.previous)
+
+
+def _check(done: CompletedStep) -> None:
+    loss = done.metrics.get("train/loss")
+    if loss is not None and not math.isfinite(loss):
+        raise NonFiniteLossError(
+            f"training loss is {loss} at step {done.step}; stopping (set trainer.crash_on_nan: false to "
+            "continue). Lower optimizer.learning_rate, raise optimizer.warmup, or check the data."
+        )

@@ -1,0 +1,42 @@
+"""A tqdm progress bar with the latest loss and tokens/s (never waits on the device)."""
+
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+from loomax.train.hooks import Hook, StepInfo
+
+
+class ProgressBarHook(Hook):
+    """Advances every step; shows the loss and speed of the last finished step."""
+
+    def __init__(self, total_steps: int, tokens_per_step: int):
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self.bar: tqdm | None = None
+
+    def on_train_begin(self, info: StepInfo) -> None:
+        self.bar = tqdm(
+            total=self.total_steps, initial=info.step, desc="train", unit="step", dynamic_ncols=True
+        )
+
+    def on_step(self, info: StepInfo) -> None:
+        assert self.bar is not None
+        self.bar.update(info.step - self.bar.n)
+        if info.previous is not None:
+            self._show(info)
+
+    def on_train_end(self, info: StepInfo) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(info.step - self.bar.n)
+        if info.previous is not None:
+            self._show(info)
+        self.bar.close()
+
+    def _show(self, info: StepInfo) -> None:
+        done = info.previous
+        postfix = {"loss": f"{done.metrics.get('train/loss', float('nan')):.3f}"}
+        if done.duration > 0:
+            postfix["tok/s"] = f"{self.tokens_per_step / done.duration:,.0f}"
+        self.bar.set_postfix(postfix, refresh=False)

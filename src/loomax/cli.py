@@ -1,0 +1,89 @@
+"""``loomax train|bench``: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from loomax.config import ConfigError, main_error, parse_config
+
+COMMANDS = {
+    "train": "train a language model: loomax train --config_path FILE [--section.field VALUE ...]",
+    "bench": "time the jitted train step on synthetic data: loomax bench --config_path FILE [--steps N]",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``loomax`` command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        usage = "usage: loomax COMMAND [options]\n\ncommands:\n" + "\n".join(
+            f"  {name:<7} {text}" for name, text in COMMANDS.items()
+        )
+        print(usage, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        _train(rest)
+    elif command == "bench":
+        _bench(rest)
+
+
+def _split_config_path(args: list[str]) -> tuple[str | None, list[str]]:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config_path", default=None)
+    known, rest = parser.parse_known_args(args)
+    return known.config_path, rest
+
+
+def _load(cls, args: list[str]):
+    config_path, rest = _split_config_path(args)
+    try:
+        return parse_config(cls, config_path, rest)
+    except ConfigError as e:
+        main_error(str(e))
+
+
+def _train(args: list[str]) -> None:
+    from loomax.train_lm import TrainLmConfig, train_lm
+
+    config = _load(TrainLmConfig, args)
+    try:
+        result = train_lm(config)
+    except (ValueError, FileNotFoundError) as e:
+        main_error(str(e))
+    evals = result.evals
+    if evals:
+        first, last = evals[0], evals[-1]
+        print(
+            f"eval loss: step {first[0]}: {first[1]['eval/loss']:.4f} -> step {last[0]}: {last[1]['eval/loss']:.4f}"
+        )
+    if result.sample is not None:
+        print("sample:\n" + "-" * 60 + "\n" + result.sample + "\n" + "-" * 60)
+    print(f"metrics: {result.run_dir / 'metrics.jsonl'}")
+
+
+def _bench(args: list[str]) -> None:
+    from loomax.benchmark import run_benchmark
+    from loomax.train_lm import TrainLmConfig
+
+    parser = argparse.ArgumentParser(prog="loomax bench", add_help=False)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after warmup")
+    parser.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps after the compile step"
+    )
+    known, rest = parser.parse_known_args(args)
+    config = _load(TrainLmConfig, rest)
+    try:
+        run_benchmark(config, steps=known.steps, warmup=known.warmup)
+    except ValueError as e:
+        main_error(str(e))
+
+
+if __name__ == "__main__":
+    main()

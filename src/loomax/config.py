@@ -1,0 +1,203 @@
+"""Draccus glue: load a run YAML (with ``!include``), apply CLI overrides, report errors.
+
+Every config class is a frozen dataclass. Sections with several implementations are
+``draccus.ChoiceRegistry`` subclasses selected by a ``type:`` key. This module only knows
+how to parse; it never imports the sections themselves (they sit above it in the stack).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import TypeVar
+
+import draccus
+import yaml
+from draccus.utils import DecodingError, ParsingError
+
+T = TypeVar("T")
+
+__all__ = ["ConfigError", "format_duration", "parse_config", "parse_duration", "to_yaml"]
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message names key, file and line."""
+
+
+# --------------------------------------------------------------------------- durations
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd])")
+
+
+def parse_duration(value: str | int | float | timedelta) -> timedelta:
+    """Parse ``"90s"``, ``"15m"``, ``"1h30m"``, ``"2d"`` or a number of seconds."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration like '15m' or '1h', got {value!r}")
+    if isinstance(value, int | float):
+        return timedelta(seconds=float(value))
+    text = str(value).strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return timedelta(seconds=float(text))
+    pos, seconds = 0, 0.0
+    for match in _DURATION_RE.finditer(text):
+        if match.start() != pos and text[pos : match.start()].strip():
+            break
+        seconds += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        pos = match.end()
+    if pos == 0 or text[pos:].strip():
+        raise ValueError(f"expected a duration like '90s', '15m', '1h' or '1h30m', got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+def format_duration(value: timedelta) -> str:
+    """The shortest ``"1h30m"``-style spelling of ``value``."""
+    total = value.total_seconds()
+    if total != int(total):
+        return f"{total}s"
+    total, out = int(total), ""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if total >= size:
+            out += f"{total // size}{unit}"
+            total %= size
+    return out or "0s"
+
+
+def _decode_duration(raw_value: object, path: Sequence[str]) -> timedelta:
+    try:
+        return parse_duration(raw_value)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise DecodingError(path, str(e)) from e
+
+
+draccus.decode.register(timedelta, _decode_duration)
+draccus.encode.register(timedelta, format_duration)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_config(
+    cls: type[T], config_path: str | os.PathLike | None, args: Sequence[str] = ()
+) -> T:
+    """Build ``cls`` from a YAML file plus ``--section.field value`` overrides.
+
+    Raises ``ConfigError`` naming the offending key and where it came from (the file and
+    line, or the command line). Unknown command-line flags make draccus exit with code 2.
+    """
+    args = list(args)
+    if config_path is not None:
+        path = Path(config_path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        _check_includes(path)
+    try:
+        return draccus.parse(config_class=cls, config_path=config_path, args=args)
+    except DecodingError as e:
+        raise ConfigError(_describe_decoding_error(e, config_path, args)) from e
+    except ParsingError as e:
+        cause = e.__cause__
+        where = f" (config {config_path})" if config_path else ""
+        detail = f": {cause}" if cause else ""
+        raise ConfigError(f"{e}{where}{detail}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in {config_path}: {e}") from e
+
+
+def to_yaml(config: object) -> str:
+    """The config as YAML, in the form ``parse_config`` reads back."""
+    return draccus.dump(config)
+
+
+def _describe_decoding_error(e: DecodingError, config_path, args: Sequence[str]) -> str:
+    key_path = list(e.key_path)
+    invalid = re.findall(r"`([^`]+)`", e.message) if "are not valid" in e.message else []
+    full_key = ".".join(key_path + invalid[:1])
+    shown = ".".join(key_path) or "<top level>"
+    message = f"config key `{shown}`: {e.message}"
+    flag = f"--{'.'.join(key_path)}"
+    if any(a == flag or a.startswith(flag + "=") for a in args):
+        return f"{message} (from the command line flag {flag})"
+    if config_path is not None:
+        located = locate_key(Path(config_path), full_key.split(".")) or locate_key(
+            Path(config_path), key_path
+        )
+        if located is not None:
+            file, line = located
+            return f"{message} ({file}, line {line})"
+        return f"{message} (config {config_path})"
+    return message
+
+
+# --------------------------------------------------------------------------- YAML locations
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """A loader used only to compose nodes (with positions) for error messages."""
+
+
+def _compose(path: Path) -> yaml.Node | None:
+    with open(path, encoding="utf-8") as f:
+        loader = _ComposeLoader(f)
+        try:
+            return loader.get_single_node()
+        finally:
+            loader.dispose()
+
+
+def _check_includes(path: Path, seen: tuple[Path, ...] = ()) -> None:
+    """Fail early, naming file and line, on an ``!include`` of a missing file."""
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: !include cycle through {' -> '.join(map(str, seen))}")
+    try:
+        root = _compose(path)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in {path}: {e}") from e
+    stack = [root] if root is not None else []
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.ScalarNode) and node.tag == "!include":
+            target = (path.parent / node.value).resolve()
+            if not target.is_file():
+                raise ConfigError(
+                    f"{path}, line {node.start_mark.line + 1}: !include of missing file {target}"
+                )
+            _check_includes(target, (*seen, path.resolve()))
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(v for _, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+
+
+def locate_key(path: Path, key_path: Sequence[str]) -> tuple[Path, int] | None:
+    """The file and 1-based line where ``key_path`` is set, following ``!include``."""
+    try:
+        node = _compose(path)
+    except (OSError, yaml.YAMLError):
+        return None
+    file, line = path, None
+    for key in key_path:
+        if isinstance(node, yaml.ScalarNode) and node.tag == "!include":
+            file = (file.parent / node.value).resolve()
+            node = _compose(file)
+        if not isinstance(node, yaml.MappingNode):
+            break
+        for key_node, value_node in node.value:
+            if key_node.value == key:
+                line, node = key_node.start_mark.line + 1, value_node
+                break
+        else:
+            break
+    return (file, line) if line is not None else None
+
+
+def main_error(message: str) -> None:
+    """Print a configuration error the way the CLI does and exit with code 2."""
+    print(f"loomax: error: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -1,0 +1,117 @@
+"""Tokenizers: train a byte-level BPE, load a tokenizer.json, and encode documents.
+
+Byte-level BPE can encode any text without an unknown token, so a small model trained on
+one corpus can still be sampled and evaluated on any other.
+"""
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+"""End-of-document token of the tokenizers trained here (id 0)."""
+
+EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>")
+"""Tokens `eos_id` accepts as end-of-document, in order of preference."""
+
+MIN_VOCAB_SIZE = 260
+"""Smallest vocabulary `train_bpe_tokenizer` accepts: 256 bytes, EOS and a few merges."""
+
+_ENCODE_CHUNK = 512
+"""Documents per `encode_batch` call: large enough to use every core, small enough to bound memory."""
+
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def train_bpe_tokenizer(
+    documents: Iterable[str], vocab_size: int, out_path: str | Path
+) -> Tokenizer:
+    """Trains a byte-level BPE tokenizer on `documents` and saves it to `out_path`.
+
+    The tokenizer splits text with GPT-2's byte-level pre-tokenizer (no prefix space),
+    decodes back to the exact text, and has `EOS_TOKEN` as id 0. The file is written
+    atomically, so a reader never sees a partial tokenizer.json.
+    """
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"tokenizer vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(documents, trainer=trainer)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
+    tokenizer.save(str(tmp_path))
+    os.replace(tmp_path, out_path)
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Loads a tokenizer from a tokenizer.json file (or a folder holding one).
+
+    Raises like `resolve_tokenizer_path` if there is no such file.
+    """
+    return Tokenizer.from_file(str(resolve_tokenizer_path(path)))
+
+
+def resolve_tokenizer_path(path: str | Path) -> Path:
+    """The tokenizer.json file that `path` names: the path itself, or the one in that folder.
+
+    Raises FileNotFoundError naming the path if it looks like a path but is missing, and
+    ValueError for anything else that is not an existing path, such as a hub id: only
+    local tokenizer.json files are supported for now.
+    """
+    path_str = str(path)
+    given = Path(path_str).expanduser()
+    file = given / "tokenizer.json" if given.is_dir() else given
+    if file.is_file():
+        return file
+    if given.exists() or _looks_like_path(path_str):
+        raise FileNotFoundError(f"tokenizer file not found: {file}")
+    raise ValueError(
+        f"tokenizer {path_str!r} is not an existing local path; only local tokenizer.json "
+        "paths are supported for now (hub ids are not)"
+    )
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether `name` can only be a file path, not a hub id like `gpt2` or `org/model`."""
+    return name.startswith((".", "~", "/")) or name.endswith(".json") or not _HUB_ID.match(name)
+
+
+def eos_id(tokenizer: Tokenizer) -> int:
+    """Id of the tokenizer's end-of-document token (one of `EOS_CANDIDATES`)."""
+    for token in EOS_CANDIDATES:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    raise ValueError(
+        f"tokenizer has no end-of-document token; looked for {', '.join(EOS_CANDIDATES)}"
+    )
+
+
+def encode_documents(
+    tokenizer: Tokenizer, documents: Sequence[str], append_eos: bool = True
+) -> list[np.ndarray]:
+    """Token ids of each document as int32 arrays, each followed by EOS if `append_eos`.
+
+    Uses the tokenizer's multi-threaded batch encoding (`encode_batch_fast`: `encode_batch`
+    without character offsets, which are not needed here).
+    """
+    eos = [eos_id(tokenizer)] if append_eos else []
+    encoded: list[np.ndarray] = []
+    for start in range(0, len(documents), _ENCODE_CHUNK):
+        chunk = list(documents[start : start + _ENCODE_CHUNK])
+        for encoding in tokenizer.encode_batch_fast(chunk):
+            encoded.append(np.array(encoding.ids + eos, dtype=np.int32))
+    return encoded

@@ -1,0 +1,12 @@
+"""Logical axis names shared by every model (see DESIGN: the sharding table maps these)."""
+
+Batch = "batch"
+Position = "position"
+KeyPosition = "key_position"
+Embed = "embed"
+Heads = "heads"
+KvHeads = "kv_heads"
+HeadSize = "head_size"
+Mlp = "mlp"
+Vocab = "vocab"
+Layers = "layers"

@@ -1,0 +1,213 @@
+"""GPT-2: learned positions, pre-LayerNorm blocks, GELU MLP, tied or untied LM head.
+
+Reads top to bottom: config, attention, MLP, block, the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+from haliax import Axis, NamedArray
+from jaxtyping import PRNGKeyArray
+
+from loomax.models.attention import causal_attention
+from loomax.models.axes import Embed, Heads, HeadSize, KeyPosition, Layers, Mlp, Position, Vocab
+from loomax.models.config import LmConfig, LmModel
+
+
+@LmConfig.register_subclass("gpt2")
+@dataclass(frozen=True)
+class Gpt2Config(LmConfig):
+    """GPT-2 (Radford et al. 2019) with configurable size."""
+
+    hidden_dim: int = 768
+    """Width of the residual stream (the `embed` axis)."""
+    num_layers: int = 12
+    """Number of transformer blocks (the `layers` axis)."""
+    num_heads: int = 12
+    """Attention heads; `hidden_dim` must be divisible by it."""
+    mlp_ratio: int = 4
+    """MLP width as a multiple of `hidden_dim` (the `mlp` axis)."""
+    layer_norm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm."""
+    tie_word_embeddings: bool = True
+    """Use the token embedding matrix as the LM head (as GPT-2 does)."""
+    use_bias: bool = True
+    """Biases in the linear layers."""
+    initializer_range: float = 0.02
+    """Standard deviation of the embedding initialisation."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.hidden_dim % self.num_heads:
+            raise ValueError(
+                f"model.hidden_dim ({self.hidden_dim}) must be divisible by model.num_heads ({self.num_heads})"
+            )
+        for name in ("hidden_dim", "num_layers", "num_heads", "mlp_ratio"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+
+    # Axes -------------------------------------------------------------------------------
+    @property
+    def Embed(self) -> Axis:
+        return Axis(Embed, self.hidden_dim)
+
+    @property
+    def Heads(self) -> Axis:
+        return Axis(Heads, self.num_heads)
+
+    @property
+    def HeadSize(self) -> Axis:
+        return Axis(HeadSize, self.hidden_dim // self.num_heads)
+
+    @property
+    def Mlp(self) -> Axis:
+        return Axis(Mlp, self.hidden_dim * self.mlp_ratio)
+
+    @property
+    def Layers(self) -> Axis:
+        return Axis(Layers, self.num_layers)
+
+    @property
+    def Pos(self) -> Axis:
+        return Axis(Position, self.seq_len)
+
+    def build(self, vocab_size: int, *, key: PRNGKeyArray) -> Gpt2LmModel:
+        return Gpt2LmModel.init(self, Axis(Vocab, vocab_size), key=key)
+
+    def flops_per_token(self, vocab_size: int) -> float:
+        d, m, s = self.hidden_dim, self.hidden_dim * self.mlp_ratio, self.seq_len
+        per_layer = 2 * d * 3 * d + 2 * d * d + 2 * 2 * d * m + 2 * 2 * s * d  # qkv, out, mlp, attn
+        return float(self.num_layers * per_layer + 2 * d * vocab_size)
+
+
+def _normal(key: PRNGKeyArray, axes, std: float) -> NamedArray:
+    return hax.random.normal(key, axes) * std
+
+
+class Gpt2Attention(eqx.Module):
+    """Multi-head causal self-attention with a fused QKV projection."""
+
+    qkv: hnn.Linear  # embed -> (qkv, heads, head_size)
+    out: hnn.Linear  # (heads, head_size) -> embed
+
+    @staticmethod
+    def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Attention:
+        k_qkv, k_out = jax.random.split(key)
+        Qkv = Axis("qkv", 3)
+        qkv = hnn.Linear.init(
+            In=config.Embed,
+            Out=(Qkv, config.Heads, config.HeadSize),
+            key=k_qkv,
+            use_bias=config.use_bias,
+        )
+        out = hnn.Linear.init(
+            In=(config.Heads, config.HeadSize),
+            Out=config.Embed,
+            key=k_out,
+            use_bias=config.use_bias,
+            init_scale=1 / math.sqrt(2 * config.num_layers),
+        )
+        return Gpt2Attention(qkv, out)
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        qkv = self.qkv(x)
+        q, k, v = qkv["qkv", 0], qkv["qkv", 1], qkv["qkv", 2]
+        k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
+        return self.out(causal_attention(q, k, v))
+
+
+class Gpt2Mlp(eqx.Module):
+    """Two linear layers with a tanh-approximated GELU between them."""
+
+    up: hnn.Linear
+    down: hnn.Linear
+
+    @staticmethod
+    def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Mlp:
+        k_up, k_down = jax.random.split(key)
+        up = hnn.Linear.init(In=config.Embed, Out=config.Mlp, key=k_up, use_bias=config.use_bias)
+        down = hnn.Linear.init(
+            In=config.Mlp,
+            Out=config.Embed,
+            key=k_down,
+            use_bias=config.use_bias,
+            init_scale=1 / math.sqrt(2 * config.num_layers),
+        )
+        return Gpt2Mlp(up, down)
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        return self.down(hnn.gelu(self.up(x), approximate=True))
+
+
+class Gpt2Block(eqx.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    ln_attn: hnn.LayerNorm
+    attn: Gpt2Attention
+    ln_mlp: hnn.LayerNorm
+    mlp: Gpt2Mlp
+
+    @staticmethod
+    def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Block:
+        k_attn, k_mlp = jax.random.split(key)
+        eps = config.layer_norm_epsilon
+        return Gpt2Block(
+            hnn.LayerNorm.init(config.Embed, eps=eps),
+            Gpt2Attention.init(config, key=k_attn),
+            hnn.LayerNorm.init(config.Embed, eps=eps),
+            Gpt2Mlp.init(config, key=k_mlp),
+        )
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        x = x + self.attn(self.ln_attn(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class Gpt2LmModel(LmModel):
+    """Embeddings, a scanned stack of blocks, a final LayerNorm and the LM head."""
+
+    config: Gpt2Config = eqx.field(static=True)
+    token_embeddings: hnn.Embedding
+    position_embeddings: hnn.Embedding
+    blocks: hnn.Stacked[Gpt2Block]
+    ln_final: hnn.LayerNorm
+    lm_head: hnn.Linear | None
+
+    @staticmethod
+    def init(config: Gpt2Config, Vocab: Axis, *, key: PRNGKeyArray) -> Gpt2LmModel:
+        k_tok, k_pos, k_blocks, k_head = jax.random.split(key, 4)
+        std = config.initializer_range
+        tokens = hnn.Embedding(_normal(k_tok, (Vocab, config.Embed), std), Vocab, config.Embed)
+        positions = hnn.Embedding(
+            _normal(k_pos, (config.Pos, config.Embed), std / 2), config.Pos, config.Embed
+        )
+        blocks = hnn.Stacked.init(
+            config.Layers, Gpt2Block, gradient_checkpointing=config.gradient_checkpointing
+        )(config, key=jax.random.split(k_blocks, config.num_layers))
+        ln_final = hnn.LayerNorm.init(config.Embed, eps=config.layer_norm_epsilon)
+        lm_head = None
+        if not config.tie_word_embeddings:
+            lm_head = hnn.Linear.init(In=config.Embed, Out=Vocab, key=k_head, use_bias=False)
+        return Gpt2LmModel(config, tokens, positions, blocks, ln_final, lm_head)
+
+    @property
+    def Vocab(self) -> Axis:
+        return self.token_embeddings.Vocab
+
+    def hidden_states(self, tokens: NamedArray, *, key: PRNGKeyArray | None = None) -> NamedArray:
+        Pos = tokens.resolve_axis(Position)
+        x = self.token_embeddings.embed(tokens)
+        x = x + self.position_embeddings.weight[Position, hax.dslice(0, Pos.size)]
+        x = self.blocks.fold(x)
+        return self.ln_final(x)
+
+    def lm_head_weight(self) -> NamedArray:
+        if self.lm_head is None:
+            return self.token_embeddings.weight
+        return self.lm_head.weight

@@ -1,0 +1,139 @@
+"""Next-token cross-entropy, with a fused LM-head + softmax that never stores full logits.
+
+Losses are returned as ``(sum, weight)`` pairs so that microbatches and devices can be
+reduced exactly: the mean is ``sum / weight`` over everything that was summed.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+
+from loomax.models.axes import Embed, Position, Vocab
+from loomax.models.config import LmModel
+
+
+def next_token_targets(tokens: NamedArray) -> tuple[NamedArray, NamedArray]:
+    """Targets (tokens shifted left by one) and weights (0 at the last position)."""
+    Pos = tokens.resolve_axis(Position)
+    targets = hax.roll(tokens, -1, Pos)
+    weights = (hax.arange(Pos) < Pos.size - 1).astype(jnp.float32).broadcast_axis(tokens.axes)
+    return targets, weights
+
+
+def next_token_loss(
+    model: LmModel, tokens: NamedArray, *, block_size: int | None = 4096
+) -> tuple[jax.Array, jax.Array]:
+    """``(sum of token losses, number of tokens)`` for predicting each next token.
+
+    ``block_size`` tokens at a time go through the fused LM head and softmax; ``None``
+    computes full logits (the reference path, used in tests).
+    """
+    hidden = model.hidden_states(tokens)
+    targets, weights = next_token_targets(tokens)
+    w = model.lm_head_weight().rearrange((Vocab, Embed)).array
+    h = hidden.rearrange((..., Embed)).array.reshape(-1, w.shape[1])
+    t = targets.array.reshape(-1)
+    m = weights.rearrange(targets.axes).array.reshape(-1)
+    if block_size is None:
+        total = _plain_cross_entropy_sum(h, w, t, m)
+    else:
+        total = fused_cross_entropy_sum(h, w.astype(h.dtype), t, m, block_size)
+    return total, jnp.sum(m)
+
+
+def _acc(dtype) -> jnp.dtype:
+    """Accumulation dtype: at least float32 (float64 stays float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _plain_cross_entropy_sum(
+    h: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array
+) -> jax.Array:
+    logits = jnp.dot(h, w.T, preferred_element_type=_acc(h.dtype))
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+    return jnp.sum((lse - picked) * weights)
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    n = x.shape[0]
+    pad = (-n) % block
+    if pad:
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape(-1, block, *x.shape[1:])
+
+
+def _block_logits_and_loss(h_b, w, t_b, m_b):
+    logits = jnp.dot(h_b, w.T, preferred_element_type=_acc(h_b.dtype))
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, t_b[:, None], axis=-1)[:, 0]
+    token_loss = lse - picked
+    return jnp.sum(token_loss * m_b), token_loss, logits, lse
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def fused_cross_entropy_sum(
+    h: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array, block_size: int
+) -> jax.Array:
+    """``sum_i weights_i * CE(h_i @ w.T, targets_i)`` over token blocks of ``block_size``.
+
+    ``h`` is ``[tokens, embed]``, ``w`` is ``[vocab, embed]``. Under differentiation the
+    gradient is computed block by block in the forward pass, so neither the logits nor
+    the softmax are ever stored whole.
+    """
+    return _fused_forward(h, w, targets, weights, block_size)
+
+
+def _fused_forward(h, w, targets, weights, block_size):
+    block = min(block_size, h.shape[0])
+
+    def body(total, xs):
+        h_b, t_b, m_b = xs
+        loss, _, _, _ = _block_logits_and_loss(h_b, w, t_b, m_b)
+        return total + loss, None
+
+    xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block))
+    total, _ = jax.lax.scan(body, jnp.zeros((), _acc(h.dtype)), xs)
+    return total
+
+
+def _fused_fwd(h, w, targets, weights, block_size):
+    block = min(block_size, h.shape[0])
+    acc = _acc(h.dtype)
+
+    def body(dw, xs):
+        h_b, t_b, m_b = xs
+        logits = jnp.dot(h_b, w.T, preferred_element_type=acc)
+        peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+        exp = jnp.exp(logits - peak)  # the only pass of exp over [block, vocab]
+        norm = jnp.sum(exp, axis=-1, keepdims=True)
+        picked = jnp.take_along_axis(logits, t_b[:, None], axis=-1)
+        token_loss = (peak + jnp.log(norm) - picked)[:, 0]
+        is_target = jnp.arange(w.shape[0], dtype=t_b.dtype)[None, :] == t_b[:, None]
+        dlogits = (exp * (m_b[:, None] / norm) - jnp.where(is_target, m_b[:, None], 0.0)).astype(
+            h.dtype
+        )
+        dh_b = jnp.dot(dlogits, w, preferred_element_type=acc).astype(h.dtype)
+        dw = dw + jnp.dot(dlogits.T, h_b, preferred_element_type=acc)
+        return dw, (dh_b, token_loss)
+
+    xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block))
+    dw, (dh, token_loss) = jax.lax.scan(body, jnp.zeros(w.shape, acc), xs)
+    dh = dh.reshape(-1, h.shape[1])[: h.shape[0]]
+    token_loss = token_loss.reshape(-1)[: h.shape[0]]
+    total = jnp.sum(token_loss * weights)
+    return total, (dh, dw.astype(w.dtype), targets, token_loss)
+
+
+def _fused_bwd(block_size, residuals, g):
+    dh, dw, targets, token_loss = residuals
+    zero_targets = jnp.zeros(targets.shape, jax.dtypes.float0)
+    return (dh * g.astype(dh.dtype), dw * g.astype(dw.dtype), zero_targets, token_loss * g)
+
+
+fused_cross_entropy_sum.defvjp(_fused_fwd, _fused_bwd)

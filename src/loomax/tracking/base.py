@@ -1,0 +1,40 @@
+"""The tracker interface and its config registry (``trainer.tracker.type``)."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import draccus
+
+
+class Tracker(abc.ABC):
+    """Receives metrics from process 0. Implementations must not block training for long."""
+
+    @abc.abstractmethod
+    def log(self, metrics: dict[str, Any], *, step: int) -> None:
+        """Record ``metrics`` at ``step``."""
+
+    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
+        """Record the run's resolved configuration."""
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        """Record end-of-run values."""
+
+    def finish(self) -> None:
+        """Flush and close."""
+
+
+@dataclass(frozen=True)
+class TrackerConfig(draccus.ChoiceRegistry, abc.ABC):
+    """Base of tracker configs; ``type`` picks the implementation."""
+
+    @classmethod
+    def default_choice_name(cls) -> str | None:
+        return "jsonl"
+
+    @abc.abstractmethod
+    def init(self, run_dir: Path) -> Tracker:
+        """Create the tracker for a run whose directory is ``run_dir``."""

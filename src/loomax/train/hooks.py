@@ -1,0 +1,102 @@
+"""Hooks: host-side functions the trainer runs after the steps they are due on.
+
+A hook sees a ``StepInfo``. Pulling device values from it (``info.loss``,
+``info.host_metrics()``) waits for that step to finish, so hooks that run every step
+should use ``info.previous`` (the step before, already finished) instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from loomax.train.state import TrainerState
+
+
+@dataclass(frozen=True)
+class CompletedStep:
+    """A step that has finished on the device, with its metrics on the host."""
+
+    step: int
+    metrics: dict[str, float]
+    duration: float
+    """Seconds between this step's completion and the previous one's (the step time)."""
+    finished_at: float
+    """``time.perf_counter()`` when the host saw the step finish."""
+
+
+@dataclass
+class StepInfo:
+    """What hooks receive after step ``step`` (the number of steps done) is dispatched."""
+
+    step: int
+    state: TrainerState
+    metrics: dict[str, jax.Array]
+    previous: CompletedStep | None = None
+    """The step before this one, already finished: reading it never blocks."""
+    record: dict[str, Any] = field(default_factory=dict)
+    """Values to log for this step; the trainer sends them to the tracker after the hooks."""
+    _host: dict[str, float] | None = None
+
+    def host_metrics(self) -> dict[str, float]:
+        """This step's metrics as floats (waits for the step to finish)."""
+        if self._host is None:
+            self._host = {k: _to_host(v) for k, v in jax.device_get(self.metrics).items()}
+        return self._host
+
+    @property
+    def loss(self) -> float:
+        """This step's training loss (waits for the step to finish)."""
+        return self.host_metrics()["train/loss"]
+
+    def log(self, values: dict[str, Any]) -> None:
+        """Add ``values`` to what is logged for this step."""
+        self.record.update(values)
+
+
+def _to_host(value) -> Any:
+    return value.item() if getattr(value, "size", 2) == 1 else value
+
+
+class Hook:
+    """A host-side hook. Subclasses override the methods they need.
+
+    ``on_step`` runs on every step divisible by ``every``; ``on_train_begin`` runs once
+    with the initial state (``step`` is the starting step), ``on_train_end`` once with
+    the final one.
+    """
+
+    every: int = 1
+
+    def on_train_begin(self, info: StepInfo) -> None:
+        """Called before the first step."""
+
+    def on_step(self, info: StepInfo) -> None:
+        """Called after each step divisible by ``every``."""
+
+    def on_train_end(self, info: StepInfo) -> None:
+        """Called after the last step, once its metrics are on the host."""
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+
+class FnHook(Hook):
+    """A plain function of ``StepInfo`` run every ``every`` steps."""
+
+    def __init__(self, fn: Callable[[StepInfo], Any], every: int = 1):
+        if every < 1:
+            raise ValueError(f"hook every must be >= 1, got {every}")
+        self.fn = fn
+        self.every = every
+
+    def on_step(self, info: StepInfo) -> None:
+        self.fn(info)
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))

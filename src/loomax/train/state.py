@@ -1,0 +1,24 @@
+"""TrainerState: everything a training run carries from one step to the next."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import optax
+
+
+class TrainerState(eqx.Module):
+    """The step counter, the model, the optimizer state and the PRNG key.
+
+    This is what the train step maps to its successor and what checkpoints save.
+    """
+
+    step: jax.Array
+    model: eqx.Module
+    opt_state: optax.OptState
+    key: jax.Array
+
+    @property
+    def step_int(self) -> int:
+        """The step as a Python int (blocks until it is computed)."""
+        return int(self.step)

@@ -1,0 +1,113 @@
+"""The pure train step: ``(state, batch) -> (state, metrics)``, with microbatch accumulation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jmp
+import optax
+
+from loomax.train.state import TrainerState
+
+Metrics = dict[str, jax.Array]
+
+
+class LossFn(Protocol):
+    """``loss_fn(model, batch, *, key) -> (sum of losses, weight)``; the mean is sum / weight."""
+
+    def __call__(
+        self, model: Any, batch: Any, *, key: jax.Array
+    ) -> tuple[jax.Array, jax.Array]: ...
+
+
+class StepContext(eqx.Module):
+    """What a ``JitHook`` sees inside the step: the model before the update and its gradients."""
+
+    step: jax.Array
+    model: Any
+    grads: Any
+    updates: Any
+    loss: jax.Array
+
+
+@dataclass(frozen=True)
+class JitHook:
+    """Metrics computed inside the jitted step from a ``StepContext``.
+
+    ``fn`` returns a small dict of scalars (or small arrays); they join the step's metrics.
+    With ``every > 1`` they are computed only on steps divisible by ``every`` (zeros otherwise).
+    """
+
+    fn: Callable[[StepContext], Metrics]
+    every: int = 1
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    mp: jmp.Policy,
+    num_microbatches: int = 1,
+    lr_schedule: optax.Schedule | None = None,
+    jit_hooks: Sequence[JitHook] = (),
+) -> Callable[[TrainerState, Any], tuple[TrainerState, Metrics]]:
+    """Build the pure step. Gradients are of the mean loss over the whole batch.
+
+    With ``num_microbatches > 1`` the batch's leading axis is split and gradients are
+    accumulated (in the parameter dtype) by a ``scan``, so that memory is that of one
+    microbatch while the result equals the full-batch step.
+    """
+
+    def loss_sum(model, batch, key):
+        return loss_fn(mp.cast_to_compute(model), batch, key=key)
+
+    grad_fn = eqx.filter_value_and_grad(loss_sum, has_aux=True)
+
+    def sum_and_grads(model, batch, key):
+        if num_microbatches == 1:
+            (total, weight), grads = grad_fn(model, batch, key)
+            return total, weight, grads
+
+        micro = jax.tree.map(lambda x: x.reshape(num_microbatches, -1, *x.shape[1:]), batch)
+        keys = jax.random.split(key, num_microbatches)
+        zeros = jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+
+        def body(carry, xs):
+            total, weight, grads = carry
+            (t, w), g = grad_fn(model, *xs)
+            return (total + t, weight + w, jax.tree.map(jnp.add, grads, g)), None
+
+        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
+        (total, weight, grads), _ = jax.lax.scan(body, init, (micro, keys))
+        return total, weight, grads
+
+    def train_step(state: TrainerState, batch) -> tuple[TrainerState, Metrics]:
+        key, step_key = jax.random.split(state.key)
+        total, weight, grads = sum_and_grads(state.model, batch, step_key)
+        loss = total / weight
+        grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
+        params = eqx.filter(state.model, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        model = eqx.apply_updates(state.model, updates)
+        metrics: Metrics = {"train/loss": loss, "optim/grad_norm": optax.tree.norm(grads)}
+        if lr_schedule is not None:
+            metrics["optim/learning_rate"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
+        context = StepContext(state.step, state.model, grads, updates, loss)
+        for hook in jit_hooks:
+            metrics.update(_run_jit_hook(hook, context))
+        return TrainerState(state.step + 1, model, opt_state, key), metrics
+
+    return train_step
+
+
+def _run_jit_hook(hook: JitHook, context: StepContext) -> Metrics:
+    if hook.every == 1:
+        return hook.fn(context)
+    shapes = jax.eval_shape(hook.fn, context)
+    zeros = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+    return jax.lax.cond(context.step % hook.every == 0, hook.fn, zeros, context)

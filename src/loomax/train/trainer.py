@@ -1,0 +1,251 @@
+"""The trainer: jit the pure step once, run it in a loop, and run hooks around it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jmp
+import optax
+
+from loomax.tracking import JsonlTrackerConfig, Tracker, TrackerConfig, build_tracker
+from loomax.train.hooks import CompletedStep, FnHook, Hook, StepInfo
+from loomax.train.state import TrainerState
+from loomax.train.step import JitHook, LossFn, make_train_step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The ``trainer`` section: loop length, batch, precision, logging and eval cadence."""
+
+    seed: int = 0
+    """Seed of model initialisation, data order and every other random choice."""
+    num_train_steps: int = 1000
+    """Optimizer steps to take."""
+    train_batch_size: int = 32
+    """Sequences per optimizer step, over all devices."""
+    per_device_parallelism: int = -1
+    """Sequences per device per forward/backward; smaller than the batch per device means gradient accumulation. -1 = the whole batch."""
+    mp: str = "f32"
+    """jmp precision policy, e.g. f32 or p=f32,c=bfloat16 (params, compute, output)."""
+    run_id: str | None = None
+    """Name of the run; null = a timestamp."""
+    run_dir: str | None = None
+    """Where the run writes its files; null = runs/<run_id>."""
+    log_every: int = 10
+    """Send metrics to the tracker every this many steps (and at the last step)."""
+    steps_per_eval: int = 1000
+    """Evaluate on the validation data every this many steps (and at the last step)."""
+    max_eval_batches: int | None = 10
+    """Evaluate on at most this many validation batches; null = all of them."""
+    eval_batch_size: int | None = None
+    """Sequences per eval batch; null = train_batch_size."""
+    eval_at_start: bool = True
+    """Also evaluate before the first step."""
+    crash_on_nan: bool = True
+    """Stop with an error as soon as the training loss is NaN or infinite."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar with loss and tokens/s."""
+    max_train_time: timedelta | None = None
+    """Stop cleanly (final eval and log) after this much wall time, e.g. 4m or 2h; null = no limit."""
+    device_peak_flops: float | None = None
+    """Peak FLOP/s of one device for MFU; null = known table or, on CPU, a matmul probe."""
+    tracker: TrackerConfig | list[TrackerConfig] = field(default_factory=JsonlTrackerConfig)
+    """Where metrics go: one tracker config (type: jsonl, noop) or a list of them."""
+
+    def __post_init__(self):
+        positive = ("num_train_steps", "train_batch_size", "log_every", "steps_per_eval")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
+        if self.per_device_parallelism == 0 or self.per_device_parallelism < -1:
+            raise ValueError(
+                f"trainer.per_device_parallelism must be > 0 or -1, got {self.per_device_parallelism}"
+            )
+        if self.max_eval_batches is not None and self.max_eval_batches <= 0:
+            raise ValueError(
+                f"trainer.max_eval_batches must be > 0 or null, got {self.max_eval_batches}"
+            )
+        if self.eval_batch_size is not None and self.eval_batch_size <= 0:
+            raise ValueError(
+                f"trainer.eval_batch_size must be > 0 or null, got {self.eval_batch_size}"
+            )
+        try:
+            jmp.get_policy(self.mp)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"trainer.mp: cannot parse precision policy {self.mp!r} ({e})") from e
+
+    @property
+    def policy(self) -> jmp.Policy:
+        return jmp.get_policy(self.mp)
+
+    @property
+    def resolved_run_id(self) -> str:
+        return self.run_id or time.strftime("%Y%m%d-%H%M%S")
+
+    def microbatches(self, num_devices: int) -> int:
+        """Microbatches per step implied by the batch and ``per_device_parallelism``."""
+        if self.train_batch_size % num_devices:
+            raise ValueError(
+                f"trainer.train_batch_size ({self.train_batch_size}) must be divisible by the {num_devices} devices"
+            )
+        per_device = self.train_batch_size // num_devices
+        if self.per_device_parallelism == -1 or self.per_device_parallelism >= per_device:
+            return 1
+        if per_device % self.per_device_parallelism:
+            raise ValueError(
+                f"trainer.per_device_parallelism ({self.per_device_parallelism}) must divide the batch per device "
+                f"({per_device} = train_batch_size {self.train_batch_size} / {num_devices} devices)"
+            )
+        return per_device // self.per_device_parallelism
+
+
+class Trainer:
+    """Runs ``train_step`` in a loop with hooks.
+
+    ``loss_fn(model, batch, *, key) -> (loss_sum, weight)`` defines the objective;
+    ``optimizer`` is any optax transformation. Hooks are added with ``add_hook`` (also as
+    a decorator) and run on the host, in registration order, after the steps they are due.
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        optimizer: optax.GradientTransformation,
+        loss_fn: LossFn,
+        *,
+        lr_schedule: optax.Schedule | None = None,
+        run_dir: str | Path | None = None,
+    ):
+        self.config = config
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.lr_schedule = lr_schedule
+        self.run_id = config.resolved_run_id
+        self.run_dir = Path(run_dir or config.run_dir or Path("runs") / self.run_id)
+        self.num_microbatches = config.microbatches(jax.device_count())
+        self.hooks: list[Hook] = []
+        self.jit_hooks: list[JitHook] = []
+        self._tracker: Tracker | None = None
+        self._step_fn: Callable | None = None
+
+    # ------------------------------------------------------------------ hooks
+    def add_hook(self, fn: Callable[[StepInfo], Any] | Hook | None = None, *, every: int = 1):
+        """Run ``fn(info)`` after every ``every``-th step; usable as ``@trainer.add_hook(every=N)``.
+
+        ``fn`` may also be a ``Hook`` (keeps its own ``every``) or a ``JitHook``.
+        """
+        if fn is None:
+            return lambda f: self.add_hook(f, every=every)
+        if isinstance(fn, JitHook):
+            if self._step_fn is not None:
+                raise RuntimeError("JitHooks must be added before the first call to train()")
+            self.jit_hooks.append(fn)
+        elif isinstance(fn, Hook):
+            self.hooks.append(fn)
+        else:
+            self.hooks.append(FnHook(fn, every))
+        return fn
+
+    @property
+    def tracker(self) -> Tracker:
+        """The run's tracker (created on first use, in the run directory)."""
+        if self._tracker is None:
+            self._tracker = build_tracker(self.config.tracker, self.run_dir)
+        return self._tracker
+
+    # ------------------------------------------------------------------ state
+    def initial_state(self, init_model: Callable[[jax.Array], eqx.Module]) -> TrainerState:
+        """A fresh state: the model from ``init_model(key)``, optimizer state, step 0."""
+
+        @jax.jit
+        def init(key):
+            model_key, train_key = jax.random.split(key)
+            model = self.config.policy.cast_to_param(init_model(model_key))
+            opt_state = self.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+            return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key)
+
+        return init(jax.random.PRNGKey(self.config.seed))
+
+    @property
+    def train_step(
+        self,
+    ) -> Callable[[TrainerState, Any], tuple[TrainerState, dict[str, jax.Array]]]:
+        """The jitted pure step (the state argument is donated)."""
+        if self._step_fn is None:
+            step = make_train_step(
+                self.loss_fn,
+                self.optimizer,
+                mp=self.config.policy,
+                num_microbatches=self.num_microbatches,
+                lr_schedule=self.lr_schedule,
+                jit_hooks=self.jit_hooks,
+            )
+            self._step_fn = jax.jit(step, donate_argnums=0)
+        return self._step_fn
+
+    # ------------------------------------------------------------------ loop
+    def train(self, state: TrainerState, batches: Iterator[Any] | Sequence[Any]) -> StepInfo:
+        """Train from ``state`` to ``num_train_steps`` on ``batches``; returns the final ``StepInfo``.
+
+        Step k+1 is dispatched before the host waits for step k, so the device never idles
+        on the host; only hooks that read this step's values (at their intervals) wait.
+        """
+        batches = iter(batches)
+        start_step = int(state.step)
+        info = StepInfo(step=start_step, state=state, metrics={})
+        for hook in self.hooks:
+            hook.on_train_begin(info)
+
+        previous, pending = None, None
+        last_done = started = time.perf_counter()
+        limit = self.config.max_train_time
+        try:
+            for step in range(start_step + 1, self.config.num_train_steps + 1):
+                state, metrics = self.train_step(state, next(batches))
+                if pending is not None:
+                    previous, last_done = self._complete(pending, last_done)
+                self._flush(info)  # the record of the step before, now that this one is queued
+                info = StepInfo(step=step, state=state, metrics=metrics, previous=previous)
+                for hook in self.hooks:
+                    if step % hook.every == 0:
+                        hook.on_step(info)
+                pending = (step, metrics)
+                if limit is not None and time.perf_counter() - started > limit.total_seconds():
+                    logger.warning(
+                        "stopping at step %d: trainer.max_train_time (%s) reached", step, limit
+                    )
+                    break
+            if pending is not None:
+                info.previous, _ = self._complete(pending, last_done)
+            for hook in self.hooks:
+                hook.on_train_end(info)
+        finally:
+            self._flush(info)
+        return info
+
+    def _complete(self, pending, last_done: float) -> tuple[CompletedStep, float]:
+        step, metrics = pending
+        host = {k: v.item() for k, v in jax.device_get(metrics).items() if v.size == 1}
+        now = time.perf_counter()
+        return CompletedStep(step, host, now - last_done, now), now
+
+    def _flush(self, info: StepInfo) -> None:
+        if info.record:
+            self.tracker.log(dict(info.record), step=info.step)
+            info.record.clear()
+
+    def finish(self) -> None:
+        """Close the tracker."""
+        if self._tracker is not None:
+            self._tracker.finish()

@@ -1,0 +1,196 @@
+"""Train a language model: ``TrainLmConfig`` (the run YAML) and ``train_lm`` (the run)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import haliax as hax
+import jax
+import yaml
+
+from loomax.callbacks import (
+    EvalHook,
+    LogMetricsHook,
+    NanCheckHook,
+    ProgressBarHook,
+    make_loss_evaluator,
+)
+from loomax.config import to_yaml
+from loomax.data import BatchLoader, DataConfig, build_lm_datasets, eval_batches
+from loomax.models import Gpt2Config, LmConfig, next_token_loss
+from loomax.models.axes import Batch, Position
+from loomax.models.generate import sample_tokens
+from loomax.optim import AdamConfig, OptimizerConfig
+from loomax.peak_flops import device_peak_flops
+from loomax.train import StepInfo, Trainer, TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """A text sample printed at the end of training."""
+
+    enabled: bool = True
+    """Generate a sample after training."""
+    prompt: str = "def "
+    """Text the sample starts from."""
+    max_new_tokens: int = 64
+    """Tokens to generate."""
+    temperature: float = 0.8
+    """Softmax temperature; 0 = greedy."""
+
+
+@dataclass(frozen=True)
+class TrainLmConfig:
+    """A whole training run: data, model, optimizer, trainer (and the closing sample)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Where the text comes from and how it is tokenized."""
+    model: LmConfig = field(default_factory=Gpt2Config)
+    """The model (`type`: gpt2)."""
+    optimizer: OptimizerConfig = field(default_factory=AdamConfig)
+    """The optimizer and its learning-rate schedule (`type`: adam)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop, batch, precision, logging and evaluation."""
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    """What to generate once training is done."""
+
+
+@dataclass(frozen=True)
+class TrainLmResult:
+    """What ``train_lm`` returns: the final step info, eval history and the sample."""
+
+    final: StepInfo
+    evals: list[tuple[int, dict[str, float]]]
+    sample: str | None
+    run_dir: Path
+
+
+def lm_loss(block_size: int | None = 4096):
+    """The trainer's loss: next-token cross-entropy on a ``[batch, position]`` token array."""
+
+    def loss_fn(model, tokens, *, key=None):
+        return next_token_loss(model, hax.named(tokens, (Batch, Position)), block_size=block_size)
+
+    return loss_fn
+
+
+def train_lm(config: TrainLmConfig) -> TrainLmResult:
+    """Run the training job described by ``config``: data, model, loop, eval, sample."""
+    trainer_config, model_config = config.trainer, config.model
+    optimizer = config.optimizer.build(trainer_config.num_train_steps)
+    trainer = Trainer(
+        trainer_config,
+        optimizer,
+        lm_loss(model_config.cross_entropy_block_size),
+        lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps),
+    )
+
+    data = build_lm_datasets(config.data, model_config.seq_len)
+    vocab_size = _resolve_vocab_size(model_config, data.vocab_size)
+    eval_size = trainer_config.eval_batch_size or trainer_config.train_batch_size
+    validation = eval_batches(data.validation, eval_size, trainer_config.max_eval_batches)
+    loader = BatchLoader(
+        data.train,
+        trainer_config.train_batch_size,
+        seed=trainer_config.seed,
+        shuffle=config.data.shuffle,
+    )
+
+    tokens_per_step = trainer_config.train_batch_size * model_config.seq_len
+    flops_per_token = 3 * model_config.flops_per_token(vocab_size)
+    peak = trainer_config.device_peak_flops or device_peak_flops(
+        trainer_config.policy.compute_dtype
+    )
+    peak = peak * jax.device_count() if peak else None
+
+    evaluator = EvalHook(
+        make_loss_evaluator(
+            lm_loss(model_config.cross_entropy_block_size), validation, trainer_config.policy
+        ),
+        trainer_config.steps_per_eval,
+        at_start=trainer_config.eval_at_start,
+    )
+    if trainer_config.progress_bar:
+        trainer.add_hook(ProgressBarHook(trainer_config.num_train_steps, tokens_per_step))
+    if trainer_config.crash_on_nan:
+        trainer.add_hook(NanCheckHook())
+    trainer.add_hook(evaluator)
+    trainer.add_hook(
+        LogMetricsHook(trainer_config.log_every, tokens_per_step, flops_per_token, peak)
+    )
+
+    run_dir = trainer.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    trainer.tracker.log_hyperparameters(_flat_config(config))
+    params = model_config.param_count(vocab_size)
+    logger.info(
+        "model: %s, %.2fM parameters, vocab %d",
+        model_config.get_choice_name(type(model_config)),
+        params / 1e6,
+        vocab_size,
+    )
+    print(
+        f"run {trainer.run_id}: {params / 1e6:.2f}M parameters, {len(data.train)} train windows, run dir {run_dir}"
+    )
+
+    try:
+        state = trainer.initial_state(lambda key: model_config.build(vocab_size, key=key))
+        final = trainer.train(state, loader.iter_from(int(state.step)))
+        text = None
+        if config.sample.enabled:
+            text = _sample(final, data, config)
+        summary = {"final_step": final.step, **final.host_metrics()}
+        if evaluator.history:
+            summary["eval/loss_first"] = evaluator.history[0][1]["eval/loss"]
+            summary.update(evaluator.history[-1][1])
+        trainer.tracker.log_summary(summary)
+    finally:
+        trainer.finish()
+    return TrainLmResult(final, list(evaluator.history), text, run_dir)
+
+
+def _resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:
+    if model_config.vocab_size is None:
+        return tokenizer_vocab
+    if model_config.vocab_size < tokenizer_vocab:
+        raise ValueError(
+            f"model.vocab_size ({model_config.vocab_size}) is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab}); raise it or set it to null"
+        )
+    return model_config.vocab_size
+
+
+def _sample(final: StepInfo, data, config: TrainLmConfig) -> str:
+    prompt = data.tokenizer.encode(config.sample.prompt).ids or [data.eos_id]
+    tokens = sample_tokens(
+        config.trainer.policy.cast_to_compute(final.state.model),
+        prompt,
+        seq_len=config.model.seq_len,
+        max_new_tokens=config.sample.max_new_tokens,
+        temperature=config.sample.temperature,
+        key=jax.random.PRNGKey(config.trainer.seed + 1),
+    )
+    return data.tokenizer.decode(tokens)
+
+
+def _flat_config(config: Any) -> dict[str, Any]:
+    def flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+        else:
+            out[prefix] = value
+
+    out: dict[str, Any] = {}
+    flatten("", yaml.safe_load(to_yaml(config)), out)
+    return json.loads(json.dumps(out, default=str))
+
+
+__all__ = ["SampleConfig", "TrainLmConfig", "TrainLmResult", "lm_loss", "train_lm"]

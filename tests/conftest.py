@@ -1,0 +1,39 @@
+"""Shared test setup: CPU only, a persistent compilation cache, and small shared fixtures."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+jax.config.update(
+    "jax_compilation_cache_dir",
+    os.environ.get("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "jax")),
+)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """A few hundred small Python-like documents as one .jsonl file."""
+    root = tmp_path_factory.mktemp("corpus")
+    lines = []
+    import json
+
+    for i in range(400):
+        body = "\n".join(f"    x{j} = {i} * {j} + {i % 7}" for j in range(i % 5 + 2))
+        lines.append(json.dumps({"text": f"def f{i}(a, b):\n{body}\n    return a + b\n"}))
+    path = root / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,100 @@
+"""Training, loading and using byte-level BPE tokenizers."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models
+
+from loomax.data import load_tokenizer, train_bpe_tokenizer
+from loomax.data import tokenizer as tokenizer_module
+from loomax.data.tokenizer import EOS_TOKEN, encode_documents, eos_id
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, Path]:
+    path = tmp_path_factory.mktemp("tok") / "sub" / "tokenizer.json"
+    return train_bpe_tokenizer(CORPUS, vocab_size=320, out_path=path), path
+
+
+def test_trained_tokenizer_is_saved_with_eos(trained: tuple[Tokenizer, Path]) -> None:
+    tokenizer, path = trained
+    assert path.is_file()
+    assert not list(path.parent.glob("*.tmp-*"))
+    assert 257 < tokenizer.get_vocab_size() <= 320
+    assert eos_id(tokenizer) == tokenizer.token_to_id(EOS_TOKEN) == 0
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["def add(a, b):\n    return a + b\n", "  héllo wörld → ✓ 日本語\t\r\n", " leading space"],
+)
+def test_roundtrip_any_text(trained: tuple[Tokenizer, Path], text: str) -> None:
+    tokenizer, _ = trained
+    ids = tokenizer.encode(text).ids
+    assert tokenizer.decode(ids) == text
+
+
+def test_merges_shorten_seen_text(trained: tuple[Tokenizer, Path]) -> None:
+    tokenizer, _ = trained
+    text = CORPUS[0]
+    assert len(tokenizer.encode(text).ids) < 0.6 * len(text.encode())
+
+
+def test_load_from_file_or_folder(trained: tuple[Tokenizer, Path]) -> None:
+    tokenizer, path = trained
+    text = CORPUS[3]
+    for where in (path, str(path), path.parent):
+        assert load_tokenizer(where).encode(text).ids == tokenizer.encode(text).ids
+
+
+def test_missing_path_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "tokenizer.json"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        load_tokenizer(missing)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "meta-llama/Llama-2-7b-hf"])
+def test_hub_ids_are_not_supported_yet(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="only local tokenizer.json paths are supported"):
+        load_tokenizer(name)
+
+
+def test_vocab_size_too_small(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="vocab_size must be >= 260"):
+        train_bpe_tokenizer(CORPUS, vocab_size=100, out_path=tmp_path / "t.json")
+
+
+def test_eos_id_alternatives_and_missing() -> None:
+    vocab = {"<unk>": 0, "a": 1, "</s>": 2}
+    assert eos_id(Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))) == 2
+    with pytest.raises(ValueError, match="no end-of-document token"):
+        eos_id(Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))
+
+
+@pytest.mark.parametrize("chunk", [2, 512])
+def test_encode_documents_appends_eos(
+    trained: tuple[Tokenizer, Path], chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer, _ = trained
+    monkeypatch.setattr(tokenizer_module, "_ENCODE_CHUNK", chunk)
+    documents = CORPUS[:5]
+    encoded = encode_documents(tokenizer, documents)
+    assert len(encoded) == 5
+    for document, ids in zip(documents, encoded, strict=True):
+        assert ids.dtype == np.int32
+        assert ids.tolist() == tokenizer.encode(document).ids + [0]
+    plain = encode_documents(tokenizer, documents, append_eos=False)
+    assert [ids.tolist() for ids in plain] == [ids.tolist()[:-1] for ids in encoded]

@@ -1,0 +1,54 @@
+"""loomax bench: runs a config on synthetic data and ends with one JSON line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_prints_json_line(tmp_path):
+    config = tmp_path / "bench.yaml"
+    config.write_text(
+        "model:\n  type: gpt2\n  seq_len: 32\n  hidden_dim: 32\n  num_layers: 1\n  num_heads: 2\n  vocab_size: 100\n"
+        "trainer:\n  train_batch_size: 4\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loomax.cli",
+            "bench",
+            "--config_path",
+            str(config),
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("compile_s", "step_ms_median", "tokens_per_second", "flops_per_token", "mfu"):
+        assert key in result
+    assert result["tokens_per_second"] > 0 and 0 < result["mfu"] < 1
+    assert result["flops_per_token"] == 3 * (
+        2 * 32 * 96 + 2 * 32 * 32 + 4 * 32 * 128 + 4 * 32 * 32 + 2 * 32 * 100
+    )
+
+
+def test_bench_needs_vocab_size(tmp_path):
+    config = tmp_path / "bench.yaml"
+    config.write_text(
+        "model:\n  type: gpt2\n  seq_len: 32\n  hidden_dim: 32\n  num_layers: 1\n  num_heads: 2\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "loomax.cli", "bench", "--config_path", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "model.vocab_size" in proc.stderr

@@ -1,0 +1,196 @@
+"""Config loading: !include, overrides, durations, and every error path names key and file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+
+from loomax.config import ConfigError, format_duration, parse_config, parse_duration
+from loomax.models import Gpt2Config
+from loomax.optim import AdamConfig
+from loomax.tracking import JsonlTrackerConfig, NoopTrackerConfig
+from loomax.train_lm import TrainLmConfig
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_quickstart_parses_with_include(repo_root):
+    config = parse_config(TrainLmConfig, repo_root / "config" / "quickstart.yaml")
+    assert isinstance(config.model, Gpt2Config)
+    assert isinstance(config.optimizer, AdamConfig)
+    assert config.data.train[0].embedded == "python_stdlib"  # from config/data/python_stdlib.yaml
+    assert config.data.tokenizer_vocab_size == 4096
+
+
+def test_bench_config_parses(repo_root):
+    config = parse_config(TrainLmConfig, repo_root / "config" / "bench" / "gpt2_tiny.yaml")
+    assert (config.model.hidden_dim, config.model.num_layers, config.model.num_heads) == (256, 4, 4)
+    assert (config.model.seq_len, config.model.vocab_size, config.trainer.train_batch_size) == (
+        256,
+        50257,
+        8,
+    )
+    assert config.trainer.mp == "f32"
+
+
+def test_cli_overrides_win_over_file(tmp_path):
+    path = write(
+        tmp_path / "run.yaml",
+        "trainer:\n  num_train_steps: 10\nmodel:\n  type: gpt2\n  hidden_dim: 64\n",
+    )
+    config = parse_config(
+        TrainLmConfig,
+        path,
+        [
+            "--trainer.num_train_steps",
+            "50",
+            "--model.num_heads",
+            "2",
+            "--optimizer.learning_rate",
+            "0.01",
+        ],
+    )
+    assert config.trainer.num_train_steps == 50
+    assert config.model.hidden_dim == 64 and config.model.num_heads == 2
+    assert config.optimizer.learning_rate == 0.01
+
+
+def test_tracker_list_and_choice(tmp_path):
+    path = write(
+        tmp_path / "run.yaml", "trainer:\n  tracker:\n    - type: jsonl\n    - type: noop\n"
+    )
+    config = parse_config(TrainLmConfig, path)
+    assert [type(t) for t in config.trainer.tracker] == [JsonlTrackerConfig, NoopTrackerConfig]
+    config = parse_config(TrainLmConfig, None, ["--trainer.tracker.type", "noop"])
+    assert isinstance(config.trainer.tracker, NoopTrackerConfig)
+
+
+def test_nested_include(tmp_path):
+    (tmp_path / "parts").mkdir()
+    write(tmp_path / "parts" / "opt.yaml", "type: adam\nlearning_rate: 0.002\n")
+    path = write(tmp_path / "run.yaml", "optimizer: !include parts/opt.yaml\n")
+    assert parse_config(TrainLmConfig, path).optimizer.learning_rate == 0.002
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("15m", 900),
+        ("1h", 3600),
+        ("1h30m", 5400),
+        ("90s", 90),
+        ("2d", 172800),
+        (120, 120),
+        ("0.5h", 1800),
+    ],
+)
+def test_durations(text, expected):
+    assert parse_duration(text) == timedelta(seconds=expected)
+    assert parse_duration(format_duration(parse_duration(text))) == parse_duration(text)
+
+
+@pytest.mark.parametrize("bad", ["15 minutes", "m15", "1h foo", "", "-5m"])
+def test_bad_duration(bad):
+    with pytest.raises(ValueError, match="duration"):
+        parse_duration(bad)
+
+
+def test_duration_field_from_yaml_and_bad_value(tmp_path):
+    path = write(tmp_path / "run.yaml", "trainer:\n  max_train_time: 4m\n")
+    assert parse_config(TrainLmConfig, path).trainer.max_train_time == timedelta(minutes=4)
+    path = write(tmp_path / "bad.yaml", "trainer:\n  seed: 1\n  max_train_time: soon\n")
+    with pytest.raises(ConfigError, match=r"(?s)trainer\.max_train_time.*soon.*bad\.yaml, line 3"):
+        parse_config(TrainLmConfig, path)
+
+
+def test_unknown_key_names_key_file_and_line(tmp_path):
+    path = write(tmp_path / "run.yaml", "model:\n  type: gpt2\n  hiden_dim: 3\n")
+    with pytest.raises(ConfigError) as e:
+        parse_config(TrainLmConfig, path)
+    assert "hiden_dim" in str(e.value) and "`model`" in str(e.value)
+    assert "run.yaml, line 3" in str(e.value)
+
+
+def test_unknown_key_in_included_file_points_there(tmp_path):
+    write(tmp_path / "data.yaml", "cache_dir: c\ntrian: []\n")
+    path = write(tmp_path / "run.yaml", "trainer:\n  seed: 3\ndata: !include data.yaml\n")
+    with pytest.raises(ConfigError) as e:
+        parse_config(TrainLmConfig, path)
+    assert "trian" in str(e.value) and "data.yaml, line 2" in str(e.value)
+
+
+def test_wrong_type_in_file(tmp_path):
+    path = write(tmp_path / "run.yaml", "trainer:\n  num_train_steps: many\n")
+    with pytest.raises(ConfigError, match=r"trainer\.num_train_steps.*many.*run\.yaml, line 2"):
+        parse_config(TrainLmConfig, path)
+
+
+def test_wrong_type_on_command_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer\.train_batch_size.*command line"):
+        parse_config(TrainLmConfig, None, ["--trainer.train_batch_size", "lots"])
+
+
+def test_unknown_choice(tmp_path):
+    path = write(tmp_path / "run.yaml", "model:\n  type: gpt3\n")
+    with pytest.raises(ConfigError, match=r"`model`.*gpt3.*run\.yaml, line 1"):
+        parse_config(TrainLmConfig, path)
+
+
+def test_invalid_value_names_key(tmp_path):
+    path = write(tmp_path / "run.yaml", "model:\n  hidden_dim: 100\n  num_heads: 3\n")
+    with pytest.raises(
+        ConfigError, match=r"model\.hidden_dim \(100\) must be divisible by model\.num_heads \(3\)"
+    ):
+        parse_config(TrainLmConfig, path)
+    with pytest.raises(ConfigError, match=r"trainer\.mp"):
+        parse_config(TrainLmConfig, None, ["--trainer.mp", "p=f99"])
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        parse_config(TrainLmConfig, tmp_path / "nope.yaml")
+
+
+def test_missing_include_names_file_and_line(tmp_path):
+    path = write(tmp_path / "run.yaml", "trainer:\n  seed: 1\ndata: !include data/missing.yaml\n")
+    with pytest.raises(
+        ConfigError, match=r"run\.yaml, line 3: !include of missing file .*missing\.yaml"
+    ):
+        parse_config(TrainLmConfig, path)
+
+
+def test_invalid_yaml(tmp_path):
+    path = write(tmp_path / "run.yaml", "trainer: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        parse_config(TrainLmConfig, path)
+
+
+def test_cli_unknown_flag_exits_2_before_work(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "loomax.cli", "train", "--trainer.num_train_step", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--trainer.num_train_step" in proc.stderr
+
+
+def test_cli_bad_value_exits_2_with_message(tmp_path):
+    path = write(tmp_path / "run.yaml", "model:\n  type: gpt2\n  num_layers: two\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "loomax.cli", "train", "--config_path", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert "model.num_layers" in proc.stderr and "run.yaml, line 3" in proc.stderr
+    assert not (tmp_path / "runs").exists()  # stopped before any work

@@ -1,0 +1,137 @@
+"""End to end: train_lm on a small local corpus, and the quickstart through the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from loomax.config import parse_config
+from loomax.train_lm import TrainLmConfig, train_lm
+
+
+def small_config(tmp_path, corpus, *extra):
+    args = [
+        "--data.train",
+        json.dumps([{"urls": [str(corpus)]}]),
+        "--data.tokenizer_vocab_size",
+        "300",
+        "--data.validation_fraction",
+        "0.1",
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        "--model.seq_len",
+        "32",
+        "--model.hidden_dim",
+        "32",
+        "--model.num_layers",
+        "2",
+        "--model.num_heads",
+        "2",
+        "--trainer.train_batch_size",
+        "8",
+        "--trainer.num_train_steps",
+        "40",
+        "--trainer.log_every",
+        "10",
+        "--trainer.steps_per_eval",
+        "20",
+        "--trainer.run_dir",
+        str(tmp_path / "run"),
+        "--trainer.progress_bar",
+        "false",
+        "--optimizer.learning_rate",
+        "0.01",
+        "--optimizer.warmup",
+        "5",
+        "--sample.max_new_tokens",
+        "8",
+        *extra,
+    ]
+    return parse_config(TrainLmConfig, None, args)
+
+
+def test_train_lm_learns_and_writes_contract(tmp_path, tiny_corpus):
+    result = train_lm(small_config(tmp_path, tiny_corpus))
+    evals = dict(result.evals)
+    assert sorted(evals) == [0, 20, 40]
+    assert evals[40]["eval/loss"] < 0.6 * evals[0]["eval/loss"]
+    assert result.sample and isinstance(result.sample, str)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 10, 20, 30, 40]
+    for r in records[1:]:
+        for key in (
+            "train/loss",
+            "optim/learning_rate",
+            "throughput/tokens_per_second",
+            "throughput/mfu",
+        ):
+            assert key in r, (r["step"], key)
+    assert "eval/loss" in records[0] and "eval/loss" in records[2] and "eval/loss" in records[4]
+    assert (tmp_path / "run" / "config.yaml").exists()
+    assert (
+        parse_config(TrainLmConfig, tmp_path / "run" / "config.yaml").trainer.num_train_steps == 40
+    )
+
+
+def test_same_seed_same_trajectory(tmp_path, tiny_corpus):
+    a = train_lm(
+        small_config(
+            tmp_path / "a",
+            tiny_corpus,
+            "--trainer.num_train_steps",
+            "6",
+            "--sample.enabled",
+            "false",
+        )
+    )
+    b = train_lm(
+        small_config(
+            tmp_path / "b",
+            tiny_corpus,
+            "--trainer.num_train_steps",
+            "6",
+            "--sample.enabled",
+            "false",
+        )
+    )
+    assert a.final.host_metrics()["train/loss"] == b.final.host_metrics()["train/loss"]
+    assert a.evals == b.evals
+
+
+def test_vocab_smaller_than_tokenizer_is_an_error(tmp_path, tiny_corpus):
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        train_lm(small_config(tmp_path, tiny_corpus, "--model.vocab_size", "100"))
+
+
+@pytest.mark.slow
+def test_quickstart_cli_few_steps(tmp_path, repo_root):
+    cmd = [
+        sys.executable,
+        "-m",
+        "loomax.cli",
+        "train",
+        "--config_path",
+        str(repo_root / "config" / "quickstart.yaml"),
+        "--trainer.num_train_steps",
+        "4",
+        "--trainer.steps_per_eval",
+        "2",
+        "--trainer.max_eval_batches",
+        "2",
+        "--trainer.run_dir",
+        str(tmp_path / "run"),
+        "--data.cache_dir",
+        str(repo_root / ".cache" / "quickstart-data"),
+        "--sample.max_new_tokens",
+        "8",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval loss: step 0:" in proc.stdout and "-> step 4:" in proc.stdout
+    assert "sample:" in proc.stdout
+    assert "train: 100%" in proc.stderr  # the progress bar
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 4 and "eval/loss" in records[-1] and "train/loss" in records[-1]
