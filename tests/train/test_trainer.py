@@ -183,3 +183,18 @@ def test_batch_must_divide_over_microbatches():
         TrainerConfig(train_batch_size=8, per_device_parallelism=3).microbatches(jax.device_count())
     assert TrainerConfig(train_batch_size=8, per_device_parallelism=2).microbatches(1) == 4
     assert TrainerConfig(train_batch_size=8).microbatches(1) == 1
+
+
+def test_max_train_time_stops_cleanly_and_runs_end_hooks(tmp_path):
+    from datetime import timedelta
+
+    trainer = make_trainer(tmp_path, steps=50, max_train_time=timedelta(seconds=0))
+    ended = []
+
+    class End(Hook):
+        def on_train_end(self, info):
+            ended.append((info.step, info.previous.step))
+
+    trainer.add_hook(End())
+    final = trainer.train(init(trainer), batches())
+    assert final.step == 1 and ended == [(1, 1)]
