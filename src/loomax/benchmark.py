@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 
-from loomax.peak_flops import device_peak_flops, measure_matmul_flops
+from loomax.peak_flops import measure_matmul_flops, total_peak_flops
 from loomax.tracking import NoopTrackerConfig
 from loomax.train import Trainer
 from loomax.train_lm import TrainLmConfig, lm_loss
@@ -57,10 +57,9 @@ def run_benchmark(config: TrainLmConfig, *, steps: int = 10, warmup: int = 2) ->
     step_s = statistics.median(times)
     tokens_per_second = batch_size * seq_len / step_s
     flops_per_token = 3 * model_config.flops_per_token(vocab_size)
-    peak = trainer_config.device_peak_flops or device_peak_flops(
-        trainer_config.policy.compute_dtype
+    peak_total = total_peak_flops(
+        trainer_config.policy.compute_dtype, trainer_config.device_peak_flops
     )
-    peak_total = peak * jax.device_count() if peak else None
     mfu = tokens_per_second * flops_per_token / peak_total if peak_total else None
     result = {
         "compile_s": round(compile_s, 3),

@@ -41,6 +41,12 @@ def device_peak_flops(dtype=jnp.float32, device: jax.Device | None = None) -> fl
     return None
 
 
+def total_peak_flops(dtype=jnp.float32, per_device_override: float | None = None) -> float | None:
+    """Peak FLOP/s of all devices together: ``per_device_override`` or ``device_peak_flops``."""
+    peak = per_device_override or device_peak_flops(dtype)
+    return peak * jax.device_count() if peak else None
+
+
 @functools.cache
 def measure_matmul_flops(dtype: str = "float32", size: int = 2048, repeats: int = 5) -> float:
     """The median FLOP/s of a jitted ``size``-cubed matmul in ``dtype`` on the default device.

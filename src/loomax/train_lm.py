@@ -25,7 +25,7 @@ from loomax.models import Gpt2Config, LmConfig, next_token_loss
 from loomax.models.axes import Batch, Position
 from loomax.models.generate import sample_tokens
 from loomax.optim import AdamConfig, OptimizerConfig
-from loomax.peak_flops import device_peak_flops
+from loomax.peak_flops import total_peak_flops
 from loomax.train import StepInfo, Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -104,10 +104,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
 
     tokens_per_step = trainer_config.train_batch_size * model_config.seq_len
     flops_per_token = 3 * model_config.flops_per_token(vocab_size)
-    peak = trainer_config.device_peak_flops or device_peak_flops(
-        trainer_config.policy.compute_dtype
-    )
-    peak = peak * jax.device_count() if peak else None
+    peak = total_peak_flops(trainer_config.policy.compute_dtype, trainer_config.device_peak_flops)
 
     evaluator = EvalHook(
         make_loss_evaluator(

@@ -198,3 +198,35 @@ def test_max_train_time_stops_cleanly_and_runs_end_hooks(tmp_path):
     trainer.add_hook(End())
     final = trainer.train(init(trainer), batches())
     assert final.step == 1 and ended == [(1, 1)]
+
+
+def test_step_k_plus_1_is_dispatched_before_waiting_on_step_k(tmp_path):
+    trainer = make_trainer(tmp_path, steps=4)
+    events = []
+    step_fn, complete = trainer.train_step, trainer._complete
+
+    def dispatch(state, batch):
+        events.append(
+            ("dispatch", int(state.step) + 1)
+        )  # int() here is on the input state, already done
+        return step_fn(state, batch)
+
+    def wait(pending, last_done):
+        events.append(("wait", pending[0]))
+        return complete(pending, last_done)
+
+    trainer._step_fn, trainer._complete = dispatch, wait
+    durations = []
+    trainer.add_hook(lambda info: durations.append(info.step_duration), every=2)
+    trainer.train(init(trainer), batches())
+    assert events == [
+        ("dispatch", 1),
+        ("dispatch", 2),
+        ("wait", 1),
+        ("dispatch", 3),
+        ("wait", 2),
+        ("dispatch", 4),
+        ("wait", 3),
+        ("wait", 4),
+    ]
+    assert len(durations) == 2 and all(d is not None and d > 0 for d in durations)

@@ -90,6 +90,17 @@ def _normal(key: PRNGKeyArray, axes, std: float) -> NamedArray:
     return hax.random.normal(key, axes) * std
 
 
+def _residual_projection(config: Gpt2Config, In, *, key: PRNGKeyArray) -> hnn.Linear:
+    """A projection back into the residual stream, its init scaled by 1/sqrt(2 * layers) (GPT-2)."""
+    return hnn.Linear.init(
+        In=In,
+        Out=config.Embed,
+        key=key,
+        use_bias=config.use_bias,
+        init_scale=1 / math.sqrt(2 * config.num_layers),
+    )
+
+
 class Gpt2Attention(eqx.Module):
     """Multi-head causal self-attention with a fused QKV projection."""
 
@@ -106,13 +117,7 @@ class Gpt2Attention(eqx.Module):
             key=k_qkv,
             use_bias=config.use_bias,
         )
-        out = hnn.Linear.init(
-            In=(config.Heads, config.HeadSize),
-            Out=config.Embed,
-            key=k_out,
-            use_bias=config.use_bias,
-            init_scale=1 / math.sqrt(2 * config.num_layers),
-        )
+        out = _residual_projection(config, (config.Heads, config.HeadSize), key=k_out)
         return Gpt2Attention(qkv, out)
 
     def __call__(self, x: NamedArray) -> NamedArray:
@@ -132,13 +137,7 @@ class Gpt2Mlp(eqx.Module):
     def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Mlp:
         k_up, k_down = jax.random.split(key)
         up = hnn.Linear.init(In=config.Embed, Out=config.Mlp, key=k_up, use_bias=config.use_bias)
-        down = hnn.Linear.init(
-            In=config.Mlp,
-            Out=config.Embed,
-            key=k_down,
-            use_bias=config.use_bias,
-            init_scale=1 / math.sqrt(2 * config.num_layers),
-        )
+        down = _residual_projection(config, config.Mlp, key=k_down)
         return Gpt2Mlp(up, down)
 
     def __call__(self, x: NamedArray) -> NamedArray:

@@ -7,6 +7,7 @@ should use ``info.previous`` (the step before, already finished) instead.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,13 +40,27 @@ class StepInfo:
     """The step before this one, already finished: reading it never blocks."""
     record: dict[str, Any] = field(default_factory=dict)
     """Values to log for this step; the trainer sends them to the tracker after the hooks."""
+    dispatched_at: float | None = None
+    """``time.perf_counter()`` when the step was handed to the device."""
     _host: dict[str, float] | None = None
+    _finished_at: float | None = None
 
     def host_metrics(self) -> dict[str, float]:
         """This step's metrics as floats (waits for the step to finish)."""
         if self._host is None:
             self._host = {k: _to_host(v) for k, v in jax.device_get(self.metrics).items()}
+            self._finished_at = time.perf_counter()
         return self._host
+
+    @property
+    def step_duration(self) -> float | None:
+        """Seconds this step took on the device (waits for it to finish).
+
+        Measured from when it could start: the previous step's end, or its dispatch.
+        """
+        self.host_metrics()
+        starts = [t for t in (self.dispatched_at, self.previous and self.previous.finished_at) if t]
+        return self._finished_at - max(starts) if starts and self._finished_at else None
 
     @property
     def loss(self) -> float:

@@ -89,10 +89,6 @@ class TrainerConfig:
     def policy(self) -> jmp.Policy:
         return jmp.get_policy(self.mp)
 
-    @property
-    def resolved_run_id(self) -> str:
-        return self.run_id or time.strftime("%Y%m%d-%H%M%S")
-
     def microbatches(self, num_devices: int) -> int:
         """Microbatches per step implied by the batch and ``per_device_parallelism``."""
         if self.train_batch_size % num_devices:
@@ -131,7 +127,7 @@ class Trainer:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.lr_schedule = lr_schedule
-        self.run_id = config.resolved_run_id
+        self.run_id = config.run_id or time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(run_dir or config.run_dir or Path("runs") / self.run_id)
         self.num_microbatches = config.microbatches(jax.device_count())
         self.hooks: list[Hook] = []
@@ -212,11 +208,15 @@ class Trainer:
         limit = self.config.max_train_time
         try:
             for step in range(start_step + 1, self.config.num_train_steps + 1):
-                state, metrics = self.train_step(state, next(batches))
+                batch = next(batches)
+                dispatched_at = time.perf_counter()
+                state, metrics = self.train_step(state, batch)
                 if pending is not None:
                     previous, last_done = self._complete(pending, last_done)
                 self._flush(info)  # the record of the step before, now that this one is queued
-                info = StepInfo(step=step, state=state, metrics=metrics, previous=previous)
+                info = StepInfo(
+                    step, state, metrics, previous=previous, dispatched_at=dispatched_at
+                )
                 for hook in self.hooks:
                     if step % hook.every == 0:
                         hook.on_step(info)
