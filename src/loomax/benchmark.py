@@ -43,8 +43,9 @@ def run_benchmark(config: TrainLmConfig, *, steps: int = 10, warmup: int = 2) ->
 
     state = trainer.initial_state(lambda key: model_config.build(vocab_size, key=key))
     start = time.perf_counter()
-    step_fn = trainer.train_step.lower(state, batches[0]).compile()
+    step_fn = trainer.compiled_step(state, batches[0])
     compile_s = time.perf_counter() - start
+    batches = [trainer.shard_batch(b) for b in batches]
 
     times = []
     for i in range(warmup + steps):

@@ -75,7 +75,10 @@ def lm_loss(block_size: int | None = 4096):
     """The trainer's loss: next-token cross-entropy on a ``[batch, position]`` token array."""
 
     def loss_fn(model, tokens, *, key=None):
-        return next_token_loss(model, hax.named(tokens, (Batch, Position)), block_size=block_size)
+        tokens = hax.auto_sharded(
+            hax.named(tokens, (Batch, Position))
+        )  # batch over (replica, data)
+        return next_token_loss(model, tokens, block_size=block_size)
 
     return loss_fn
 
@@ -95,6 +98,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     vocab_size = _resolve_vocab_size(model_config, data.vocab_size)
     eval_size = trainer_config.eval_batch_size or trainer_config.train_batch_size
     validation = eval_batches(data.validation, eval_size, trainer_config.max_eval_batches)
+    validation = [_process_rows(b) for b in validation]  # each process holds only its rows
     loader = BatchLoader(
         data.train,
         trainer_config.train_batch_size,
@@ -108,12 +112,17 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
 
     evaluator = EvalHook(
         make_loss_evaluator(
-            lm_loss(model_config.cross_entropy_block_size), validation, trainer_config.policy
+            lm_loss(model_config.cross_entropy_block_size),
+            validation,
+            trainer_config.policy,
+            jit=trainer.mesh_jit,
+            prepare=trainer.shard_batch,
         ),
         trainer_config.steps_per_eval,
         at_start=trainer_config.eval_at_start,
     )
-    if trainer_config.progress_bar:
+    primary = jax.process_index() == 0  # only process 0 prints and writes shared files
+    if trainer_config.progress_bar and primary:
         trainer.add_hook(ProgressBarHook(trainer_config.num_train_steps, tokens_per_step))
     if trainer_config.crash_on_nan:
         trainer.add_hook(NanCheckHook())
@@ -123,8 +132,9 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     )
 
     run_dir = trainer.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
+    if primary:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(config))
     trainer.tracker.log_hyperparameters(_flat_config(config))
     params = model_config.param_count(vocab_size)
     logger.info(
@@ -133,13 +143,15 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         params / 1e6,
         vocab_size,
     )
-    print(
-        f"run {trainer.run_id}: {params / 1e6:.2f}M parameters, {len(data.train)} train windows, run dir {run_dir}"
-    )
+    if primary:
+        print(
+            f"run {trainer.run_id}: {params / 1e6:.2f}M parameters, {len(data.train)} train windows, run dir {run_dir}"
+        )
 
     try:
         state = trainer.initial_state(lambda key: model_config.build(vocab_size, key=key))
-        final = trainer.train(state, loader.iter_from(int(state.step)))
+        batches = loader.iter_from(int(state.step), jax.process_index(), jax.process_count())
+        final = trainer.train(state, batches)
         text = None
         if config.sample.enabled:
             text = _sample(final, data, config)
@@ -151,6 +163,16 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     finally:
         trainer.finish()
     return TrainLmResult(final, list(evaluator.history), text, run_dir)
+
+
+def _process_rows(batch):
+    """This process's contiguous share of a global batch's rows."""
+    share, rem = divmod(len(batch), jax.process_count())
+    if rem:
+        raise ValueError(
+            f"eval batch of {len(batch)} rows does not split over {jax.process_count()} processes"
+        )
+    return batch[jax.process_index() * share : (jax.process_index() + 1) * share]
 
 
 def _resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:

@@ -92,3 +92,14 @@ def test_eval_batches_with_fewer_windows_than_batch_size() -> None:
     assert window_ids(batches[0]) == [0, 1]
     with pytest.raises(ValueError, match="no validation windows"):
         eval_batches(numbered_windows(0), batch_size=8, max_batches=None)
+
+
+def test_process_shares_tile_the_global_batch():
+    from loomax.data import BatchLoader, TokenWindows
+
+    windows = TokenWindows(np.arange(40 * 4, dtype=np.int32), seq_len=4)
+    loader = BatchLoader(windows, batch_size=8, seed=3)
+    for step in (0, 7):
+        parts = [loader.batch(step, p, 4) for p in range(4)]
+        assert all(part.shape == (2, 4) for part in parts)
+        np.testing.assert_array_equal(np.concatenate(parts), loader.batch(step))

@@ -108,7 +108,7 @@ def test_previous_step_is_one_behind_and_finished(tmp_path):
 def test_step_compiles_once(tmp_path):
     trainer = make_trainer(tmp_path, steps=5)
     trainer.train(init(trainer), batches())
-    assert trainer.train_step._cache_size() == 1
+    assert trainer._step_fn.jitted._cache_size() == 1
 
 
 def nan_after(step_to_break):
@@ -203,7 +203,7 @@ def test_max_train_time_stops_cleanly_and_runs_end_hooks(tmp_path):
 def test_step_k_plus_1_is_dispatched_before_waiting_on_step_k(tmp_path):
     trainer = make_trainer(tmp_path, steps=4)
     events = []
-    step_fn, complete = trainer.train_step, trainer._complete
+    step_fn, complete = trainer.train_step, trainer._complete  # bound methods
 
     def dispatch(state, batch):
         events.append(
@@ -215,7 +215,7 @@ def test_step_k_plus_1_is_dispatched_before_waiting_on_step_k(tmp_path):
         events.append(("wait", pending[0]))
         return complete(pending, last_done)
 
-    trainer._step_fn, trainer._complete = dispatch, wait
+    trainer.train_step, trainer._complete = dispatch, wait
     durations = []
     trainer.add_hook(lambda info: durations.append(info.step_duration), every=2)
     trainer.train(init(trainer), batches())

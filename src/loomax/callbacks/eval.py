@@ -19,22 +19,30 @@ EvalLossFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def make_loss_evaluator(
-    loss_fn: EvalLossFn, batches: Sequence[Any], mp: jmp.Policy
+    loss_fn: EvalLossFn,
+    batches: Sequence[Any],
+    mp: jmp.Policy,
+    *,
+    jit: Callable[[Callable], Callable] = jax.jit,
+    prepare: Callable[[Any], Any] = lambda batch: batch,
 ) -> Callable[[Any], dict[str, float]]:
     """``evaluate(model) -> {"eval/loss", "eval/perplexity"}``: the mean loss over ``batches``.
 
     ``loss_fn(model, batch, *, key)`` returns ``(loss_sum, weight)``; sums are added on the
-    device and pulled to the host once.
+    device and pulled to the host once. ``jit`` and ``prepare`` let the trainer run it
+    sharded (``trainer.mesh_jit`` and ``trainer.shard_batch``).
     """
 
-    @jax.jit
     def batch_loss(model, batch):
         total, weight = loss_fn(mp.cast_to_compute(model), batch, key=None)
         return jnp.asarray(total, jnp.float32), jnp.asarray(weight, jnp.float32)
 
+    batch_loss = jit(batch_loss)
+    prepared = [prepare(b) for b in batches]
+
     def evaluate(model) -> dict[str, float]:
         total = weight = jnp.zeros((), jnp.float32)
-        for batch in batches:
+        for batch in prepared:
             t, w = batch_loss(model, batch)
             total, weight = total + t, weight + w
         loss = float(total / weight)

@@ -61,14 +61,28 @@ class BatchLoader:
             indices[in_epoch] = self.epoch_order(int(epoch))[offsets[in_epoch]]
         return indices
 
-    def batch(self, step: int) -> np.ndarray:
-        """Batch `step` as an int32 array of shape `(batch_size, seq_len)`."""
-        return self.windows.get_batch(self.batch_indices(step))
+    def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+        """Batch `step` as an int32 array of shape `(batch_size, seq_len)`.
 
-    def iter_from(self, step: int) -> Iterator[np.ndarray]:
-        """Yields batch `step`, `step + 1`, ... forever."""
+        With `process_count > 1`, only this process's contiguous share of the rows,
+        `(batch_size / process_count, seq_len)`: the other rows are never read.
+        """
+        indices = self.batch_indices(step)
+        if process_count > 1:
+            if self.batch_size % process_count:
+                raise ValueError(
+                    f"batch size {self.batch_size} must be divisible by the {process_count} processes"
+                )
+            share = self.batch_size // process_count
+            indices = indices[process_index * share : (process_index + 1) * share]
+        return self.windows.get_batch(indices)
+
+    def iter_from(
+        self, step: int, process_index: int = 0, process_count: int = 1
+    ) -> Iterator[np.ndarray]:
+        """Yields batch `step`, `step + 1`, ... forever (this process's rows of each)."""
         while True:
-            yield self.batch(step)
+            yield self.batch(step, process_index, process_count)
             step += 1
 
     def __iter__(self) -> Iterator[np.ndarray]:

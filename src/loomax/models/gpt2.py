@@ -165,7 +165,8 @@ class Gpt2Block(eqx.Module):
 
     def __call__(self, x: NamedArray) -> NamedArray:
         x = x + self.attn(self.ln_attn(x))
-        return x + self.mlp(self.ln_mlp(x))
+        x = x + self.mlp(self.ln_mlp(x))
+        return hax.auto_sharded(x)  # keep activations laid out by the compute mapping
 
 
 class Gpt2LmModel(LmModel):
@@ -203,7 +204,7 @@ class Gpt2LmModel(LmModel):
         Pos = tokens.resolve_axis(Position)
         x = self.token_embeddings.embed(tokens)
         x = x + self.position_embeddings.weight[Position, hax.dslice(0, Pos.size)]
-        x = self.blocks.fold(x)
+        x = self.blocks.fold(hax.auto_sharded(x))
         return self.ln_final(x)
 
     def lm_head_weight(self) -> NamedArray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -11,11 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import equinox as eqx
+import haliax as hax
 import jax
 import jax.numpy as jnp
 import jmp
+import numpy as np
 import optax
 
+from loomax.distributed import DistributedConfig
+from loomax.mesh import (
+    AxisMappings,
+    MeshConfig,
+    batch_sharding,
+    data_parallel_size,
+    make_axis_mappings,
+    replicated,
+)
 from loomax.tracking import JsonlTrackerConfig, Tracker, TrackerConfig, build_tracker
 from loomax.train.hooks import CompletedStep, FnHook, Hook, StepInfo
 from loomax.train.state import TrainerState
@@ -62,6 +75,22 @@ class TrainerConfig:
     """Peak FLOP/s of one device for MFU; null = known table or, on CPU, a matmul probe."""
     tracker: TrackerConfig | list[TrackerConfig] = field(default_factory=JsonlTrackerConfig)
     """Where metrics go: one tracker config (type: jsonl, noop) or a list of them."""
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    """Device mesh sizes: replica, data, model (one may be -1 to fill the devices)."""
+    batch_axis: str = "batch"
+    """Logical axis split over the data-parallel mesh axes (replica, data)."""
+    fsdp_axis: str | list[str] | None = "embed"
+    """Logical axis (or axes) of parameters and optimizer state split over `data` (FSDP); null = replicate."""
+    tensor_parallel_axes: list[str] = field(default_factory=lambda: ["mlp", "heads"])
+    """Logical axes split over `model` (tensor parallelism; only matters when mesh.model > 1)."""
+    axis_resources: dict[str, str | list[str] | None] = field(default_factory=dict)
+    """Advanced: logical axis -> mesh axis (or list) for both mappings, applied after the basic fields."""
+    parameter_axis_resources: dict[str, str | list[str] | None] = field(default_factory=dict)
+    """Advanced: overrides for the parameter mapping only (how params and optimizer state rest)."""
+    compute_axis_resources: dict[str, str | list[str] | None] = field(default_factory=dict)
+    """Advanced: overrides for the compute mapping only (how activations are laid out)."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Multi-process settings (jax.distributed); auto-detected on SLURM and TPU pods."""
 
     def __post_init__(self):
         positive = ("num_train_steps", "train_batch_size", "log_every", "steps_per_eval")
@@ -84,16 +113,32 @@ class TrainerConfig:
             jmp.get_policy(self.mp)
         except (ValueError, KeyError) as e:
             raise ValueError(f"trainer.mp: cannot parse precision policy {self.mp!r} ({e})") from e
+        self.axis_mappings()  # an axis mapped twice fails here, before any work
+
+    def axis_mappings(self) -> AxisMappings:
+        """The parameter and compute mappings from the basic and advanced fields."""
+        return make_axis_mappings(
+            batch_axis=self.batch_axis,
+            fsdp_axis=self.fsdp_axis,
+            tensor_parallel_axes=self.tensor_parallel_axes,
+            axis_resources=self.axis_resources,
+            parameter_axis_resources=self.parameter_axis_resources,
+            compute_axis_resources=self.compute_axis_resources,
+        )
 
     @property
     def policy(self) -> jmp.Policy:
         return jmp.get_policy(self.mp)
 
     def microbatches(self, num_devices: int) -> int:
-        """Microbatches per step implied by the batch and ``per_device_parallelism``."""
+        """Microbatches per step implied by the batch and ``per_device_parallelism``.
+
+        ``num_devices`` is the data-parallel size (replica x data): the devices the batch is split over.
+        """
         if self.train_batch_size % num_devices:
             raise ValueError(
-                f"trainer.train_batch_size ({self.train_batch_size}) must be divisible by the {num_devices} devices"
+                f"trainer.train_batch_size ({self.train_batch_size}) must be divisible by the data-parallel "
+                f"size {num_devices} (trainer.mesh replica x data)"
             )
         per_device = self.train_batch_size // num_devices
         if self.per_device_parallelism == -1 or self.per_device_parallelism >= per_device:
@@ -112,6 +157,9 @@ class Trainer:
     ``loss_fn(model, batch, *, key) -> (loss_sum, weight)`` defines the objective;
     ``optimizer`` is any optax transformation. Hooks are added with ``add_hook`` (also as
     a decorator) and run on the host, in registration order, after the steps they are due.
+
+    The state lives on ``trainer.mesh`` (from ``config.mesh``, over ``devices`` or all of
+    them), laid out by the parameter mapping; the step computes under the compute mapping.
     """
 
     def __init__(
@@ -122,14 +170,18 @@ class Trainer:
         *,
         lr_schedule: optax.Schedule | None = None,
         run_dir: str | Path | None = None,
+        devices: Sequence[jax.Device] | None = None,
     ):
+        config.distributed.initialize()  # before anything touches the devices
         self.config = config
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.lr_schedule = lr_schedule
         self.run_id = config.run_id or time.strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(run_dir or config.run_dir or Path("runs") / self.run_id)
-        self.num_microbatches = config.microbatches(jax.device_count())
+        self.mesh = config.mesh.build(devices)
+        self.mappings = config.axis_mappings()
+        self.num_microbatches = config.microbatches(data_parallel_size(self.mesh))
         self.hooks: list[Hook] = []
         self.jit_hooks: list[JitHook] = []
         self._tracker: Tracker | None = None
@@ -162,22 +214,60 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def initial_state(self, init_model: Callable[[jax.Array], eqx.Module]) -> TrainerState:
-        """A fresh state: the model from ``init_model(key)``, optimizer state, step 0."""
+        """A fresh state: the model from ``init_model(key)``, optimizer state, step 0.
 
-        @jax.jit
+        Created inside a jit whose outputs are already sharded by the parameter mapping,
+        so the whole model never exists on one device or host.
+        """
+
         def init(key):
             model_key, train_key = jax.random.split(key)
             model = self.config.policy.cast_to_param(init_model(model_key))
             opt_state = self.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
             return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key)
 
-        return init(jax.random.PRNGKey(self.config.seed))
+        key = jax.random.PRNGKey(self.config.seed)
+        with self.mesh_context():
+            shardings = self.state_shardings(jax.eval_shape(init, key))
+            return jax.jit(init, out_shardings=shardings)(key)
 
-    @property
-    def train_step(
-        self,
-    ) -> Callable[[TrainerState, Any], tuple[TrainerState, dict[str, jax.Array]]]:
-        """The jitted pure step (the state argument is donated)."""
+    def state_shardings(self, state: Any) -> Any:
+        """Shardings of a state (or its shapes) under the parameter mapping."""
+        return hax.partitioning.infer_resource_partitions(
+            state, self.mappings.parameter, preserve_existing_shardings=False, mesh=self.mesh
+        )
+
+    def mesh_context(self) -> contextlib.ExitStack:
+        """Enter the mesh and the compute mapping (what tracing a sharded function needs)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(hax.partitioning.set_mesh(self.mesh))
+        stack.enter_context(hax.axis_mapping(self.mappings.compute))
+        return stack
+
+    def shard_batch(self, local_batch: Any) -> Any:
+        """A global batch array from this process's rows, split over (replica, data)."""
+
+        def to_global(x):
+            x = np.asarray(x)
+            sharding = batch_sharding(self.mesh, x.ndim)
+            global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+            return jax.make_array_from_process_local_data(sharding, x, global_shape)
+
+        return jax.tree.map(to_global, local_batch)
+
+    def mesh_jit(self, fn: Callable, **jit_kwargs) -> Callable:
+        """``jax.jit(fn)``, traced and run inside ``mesh_context``."""
+        jitted = jax.jit(fn, **jit_kwargs)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with self.mesh_context():
+                return jitted(*args, **kwargs)
+
+        call.jitted = jitted  # for .lower() and cache inspection
+        return call
+
+    def _build_step(self, state: TrainerState) -> Callable:
         if self._step_fn is None:
             step = make_train_step(
                 self.loss_fn,
@@ -187,8 +277,29 @@ class Trainer:
                 lr_schedule=self.lr_schedule,
                 jit_hooks=self.jit_hooks,
             )
-            self._step_fn = jax.jit(step, donate_argnums=0)
+            shardings = self.state_shardings(state)
+            self._step_fn = self.mesh_jit(
+                step, out_shardings=(shardings, replicated(self.mesh)), donate_argnums=0
+            )
         return self._step_fn
+
+    def train_step(
+        self, state: TrainerState, batch: Any
+    ) -> tuple[TrainerState, dict[str, jax.Array]]:
+        """Run the jitted pure step (compiled on first use); ``state`` is donated.
+
+        ``batch`` is this process's rows (numpy) or an already global ``jax.Array``.
+        """
+        step_fn = self._build_step(state)
+        if not isinstance(batch, jax.Array):
+            batch = self.shard_batch(batch)
+        return step_fn(state, batch)
+
+    def compiled_step(self, state: TrainerState, batch: Any):
+        """The step compiled ahead of time for these shapes; call it with ``shard_batch(batch)``."""
+        step_fn = self._build_step(state)
+        with self.mesh_context():
+            return step_fn.jitted.lower(state, self.shard_batch(batch)).compile()
 
     # ------------------------------------------------------------------ loop
     def train(self, state: TrainerState, batches: Iterator[Any] | Sequence[Any]) -> StepInfo:

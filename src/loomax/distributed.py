@@ -1,0 +1,96 @@
+"""Multi-process JAX (``trainer.distributed``): start JAX's own distributed runtime.
+
+Explicit settings (``coordinator_address`` and friends) win; otherwise JAX's auto-detection
+is used where it knows the cluster (SLURM, TPU pods, MPI); on a plain machine nothing is
+started and the run is single-process. On CPU, collectives go through gloo.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+_CLUSTER_ENV = (
+    "SLURM_JOB_ID",
+    "TPU_WORKER_HOSTNAMES",
+    "OMPI_COMM_WORLD_SIZE",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+)
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """How this process joins a multi-process run."""
+
+    coordinator_address: str | None = None
+    """host:port of process 0's coordinator; null = auto-detect (SLURM, TPU) or single process."""
+    num_processes: int | None = None
+    """Total processes; null = auto-detect."""
+    process_id: int | None = None
+    """This process's index, 0-based; null = auto-detect."""
+    local_device_ids: list[int] | None = None
+    """Devices this process uses (e.g. one GPU per process); null = all visible."""
+    initialize_jax_distributed: bool = True
+    """Start jax.distributed when explicit settings or a known cluster are found."""
+
+    def __post_init__(self):
+        if self.num_processes is not None and self.num_processes <= 0:
+            raise ValueError(
+                f"trainer.distributed.num_processes must be positive, got {self.num_processes}"
+            )
+        if (
+            self.process_id is not None
+            and self.num_processes is not None
+            and not 0 <= self.process_id < self.num_processes
+        ):
+            raise ValueError(
+                f"trainer.distributed.process_id ({self.process_id}) must be in [0, num_processes={self.num_processes})"
+            )
+
+    @property
+    def explicit(self) -> bool:
+        return self.coordinator_address is not None
+
+    def initialize(self) -> None:
+        """Start ``jax.distributed`` if this run is multi-process; safe to call twice."""
+        if not self.initialize_jax_distributed or _already_initialized():
+            return
+        if not self.explicit and not any(v in os.environ for v in _CLUSTER_ENV):
+            return
+        if _platform_is_cpu():
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=self.coordinator_address,
+            num_processes=self.num_processes,
+            process_id=self.process_id,
+            local_device_ids=self.local_device_ids,
+        )
+        logger.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
+
+
+def _already_initialized() -> bool:
+    try:
+        from jax._src import distributed as _dist
+
+        return _dist.global_state.client is not None
+    except (ImportError, AttributeError):
+        return False
+
+
+def _platform_is_cpu() -> bool:
+    platforms = os.environ.get("JAX_PLATFORMS", "") or jax.config.jax_platforms or ""
+    return platforms.split(",")[0] == "cpu" if platforms else not _has_accelerator_plugin()
+
+
+def _has_accelerator_plugin() -> bool:
+    import importlib.util
+
+    return any(
+        importlib.util.find_spec(m) is not None
+        for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")
+    )

@@ -1,0 +1,87 @@
+"""Mesh sizes and the parameter/compute axis mappings, with their error paths."""
+
+from __future__ import annotations
+
+import pytest
+
+from loomax.config import ConfigError, parse_config
+from loomax.mesh import MeshConfig, make_axis_mappings
+from loomax.train import TrainerConfig
+from loomax.train_lm import TrainLmConfig
+
+
+def test_minus_one_fills_the_devices():
+    assert MeshConfig().resolve(8) == {"replica": 1, "data": 8, "model": 1}
+    assert MeshConfig(model=2).resolve(8) == {"replica": 1, "data": 4, "model": 2}
+    assert MeshConfig(replica=2, data=2, model=-1).resolve(8) == {
+        "replica": 2,
+        "data": 2,
+        "model": 2,
+    }
+
+
+@pytest.mark.parametrize(
+    "mesh, devices, message",
+    [
+        (MeshConfig(model=3), 8, "do not divide the 8 devices"),
+        (MeshConfig(replica=2, data=2, model=1), 8, "needs 4 devices, but there are 8"),
+    ],
+)
+def test_bad_sizes(mesh, devices, message):
+    with pytest.raises(ValueError, match=message):
+        mesh.resolve(devices)
+
+
+def test_two_minus_ones_and_zero():
+    with pytest.raises(ValueError, match="at most one axis may be -1"):
+        MeshConfig(data=-1, model=-1)
+    with pytest.raises(ValueError, match=r"trainer.mesh.model must be positive"):
+        MeshConfig(model=0)
+
+
+def test_default_mappings():
+    m = make_axis_mappings()
+    assert m.parameter == {"embed": "data", "mlp": "model", "heads": "model"}
+    assert m.compute == {"batch": ("replica", "data"), "mlp": "model", "heads": "model"}
+
+
+def test_advanced_overrides():
+    m = make_axis_mappings(
+        fsdp_axis=["embed", "vocab"],
+        axis_resources={"kv_heads": "model"},
+        parameter_axis_resources={"mlp": None},
+    )
+    assert m.parameter == {"embed": "data", "vocab": "data", "heads": "model", "kv_heads": "model"}
+    assert m.compute["kv_heads"] == "model" and m.compute["mlp"] == "model"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"fsdp_axis": "mlp"}, "'mlp' is mapped twice"),
+        ({"batch_axis": "embed"}, "'embed' is mapped twice"),
+        (
+            {"compute_axis_resources": {"embed": "data"}},
+            "reuses mesh axes \\['data'\\] of the batch",
+        ),
+        ({"axis_resources": {"embed": "tensor"}}, "unknown mesh axis 'tensor'"),
+        ({"axis_resources": {"embed": ["data", "data"]}}, "uses a mesh axis twice"),
+    ],
+)
+def test_mapping_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_axis_mappings(**kwargs)
+
+
+def test_mesh_from_cli_and_errors_before_work(tmp_path):
+    config = parse_config(
+        TrainLmConfig, None, ["--trainer.mesh.model", "2", "--trainer.fsdp_axis", "embed"]
+    )
+    assert config.trainer.mesh == MeshConfig(replica=1, data=-1, model=2)
+    with pytest.raises(ConfigError, match="'mlp' is mapped twice"):
+        parse_config(TrainLmConfig, None, ["--trainer.fsdp_axis", "mlp"])
+
+
+def test_batch_must_divide_over_data_parallel_size():
+    with pytest.raises(ValueError, match=r"data-parallel size 3 \(trainer.mesh replica x data\)"):
+        TrainerConfig(train_batch_size=8).microbatches(3)
