@@ -135,3 +135,11 @@ def test_quickstart_cli_few_steps(tmp_path, repo_root):
     assert "train: 100%" in proc.stderr  # the progress bar
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 4 and "eval/loss" in records[-1] and "train/loss" in records[-1]
+
+
+def test_eval_batch_must_split_over_data_parallel_devices(tmp_path, tiny_corpus, monkeypatch):
+    import loomax.train_lm as train_lm_module
+
+    monkeypatch.setattr(train_lm_module, "data_parallel_size", lambda mesh: 3)
+    with pytest.raises(ValueError, match=r"trainer.eval_batch_size to a multiple of 3"):
+        train_lm(small_config(tmp_path, tiny_corpus))

@@ -21,6 +21,7 @@ from loomax.callbacks import (
 )
 from loomax.config import to_yaml
 from loomax.data import BatchLoader, DataConfig, build_lm_datasets, eval_batches
+from loomax.mesh import data_parallel_size
 from loomax.models import Gpt2Config, LmConfig, next_token_loss
 from loomax.models.axes import Batch, Position
 from loomax.models.generate import sample_tokens
@@ -98,6 +99,12 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     vocab_size = _resolve_vocab_size(model_config, data.vocab_size)
     eval_size = trainer_config.eval_batch_size or trainer_config.train_batch_size
     validation = eval_batches(data.validation, eval_size, trainer_config.max_eval_batches)
+    dp = data_parallel_size(trainer.mesh)
+    if any(len(b) % dp for b in validation):
+        raise ValueError(
+            f"eval batches of {sorted({len(b) for b in validation})} sequences do not split over the data-parallel "
+            f"size {dp}: set trainer.eval_batch_size to a multiple of {dp} (and give data.validation at least that many windows)"
+        )
     validation = [_process_rows(b) for b in validation]  # each process holds only its rows
     loader = BatchLoader(
         data.train,
