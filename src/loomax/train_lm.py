@@ -21,6 +21,7 @@ from loomax.callbacks import (
 )
 from loomax.config import to_yaml
 from loomax.data import BatchLoader, DataConfig, build_lm_datasets, eval_batches
+from loomax.data.loader import process_rows
 from loomax.mesh import data_parallel_size
 from loomax.models import Gpt2Config, LmConfig, next_token_loss
 from loomax.models.axes import Batch, Position
@@ -105,7 +106,9 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
             f"eval batches of {sorted({len(b) for b in validation})} sequences do not split over the data-parallel "
             f"size {dp}: set trainer.eval_batch_size to a multiple of {dp} (and give data.validation at least that many windows)"
         )
-    validation = [_process_rows(b) for b in validation]  # each process holds only its rows
+    validation = [
+        b[process_rows(len(b), jax.process_index(), jax.process_count())] for b in validation
+    ]
     loader = BatchLoader(
         data.train,
         trainer_config.train_batch_size,
@@ -170,16 +173,6 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     finally:
         trainer.finish()
     return TrainLmResult(final, list(evaluator.history), text, run_dir)
-
-
-def _process_rows(batch):
-    """This process's contiguous share of a global batch's rows."""
-    share, rem = divmod(len(batch), jax.process_count())
-    if rem:
-        raise ValueError(
-            f"eval batch of {len(batch)} rows does not split over {jax.process_count()} processes"
-        )
-    return batch[jax.process_index() * share : (jax.process_index() + 1) * share]
 
 
 def _resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:

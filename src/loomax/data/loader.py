@@ -7,6 +7,16 @@ import numpy as np
 from loomax.data.windows import TokenWindows
 
 
+def process_rows(num_rows: int, process_index: int, process_count: int) -> slice:
+    """The contiguous rows of a global batch that process `process_index` holds."""
+    share, rem = divmod(num_rows, process_count)
+    if rem:
+        raise ValueError(
+            f"a batch of {num_rows} rows does not split over {process_count} processes"
+        )
+    return slice(process_index * share, (process_index + 1) * share)
+
+
 class BatchLoader:
     """Training batches addressed by step, so resuming at any step needs no replay.
 
@@ -67,14 +77,9 @@ class BatchLoader:
         With `process_count > 1`, only this process's contiguous share of the rows,
         `(batch_size / process_count, seq_len)`: the other rows are never read.
         """
-        indices = self.batch_indices(step)
-        if process_count > 1:
-            if self.batch_size % process_count:
-                raise ValueError(
-                    f"batch size {self.batch_size} must be divisible by the {process_count} processes"
-                )
-            share = self.batch_size // process_count
-            indices = indices[process_index * share : (process_index + 1) * share]
+        indices = self.batch_indices(step)[
+            process_rows(self.batch_size, process_index, process_count)
+        ]
         return self.windows.get_batch(indices)
 
     def iter_from(
