@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from loomax.config import ConfigError, main_error, parse_config
+from loomax.config import ConfigError, parse_config
 
 COMMANDS = {
     "train": "train a language model: loomax train --config_path FILE [--section.field VALUE ...]",
@@ -32,6 +32,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         _train(rest)
     elif command == "bench":
         _bench(rest)
+
+
+def main_error(message: str) -> None:
+    """Print a usage error and exit with code 2 (before any work was done)."""
+    print(f"loomax: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _split_config_path(args: list[str]) -> tuple[str | None, list[str]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -195,9 +194,3 @@ def locate_key(path: Path, key_path: Sequence[str]) -> tuple[Path, int] | None:
         else:
             break
     return (file, line) if line is not None else None
-
-
-def main_error(message: str) -> None:
-    """Print a configuration error the way the CLI does and exit with code 2."""
-    print(f"loomax: error: {message}", file=sys.stderr)
-    raise SystemExit(2)

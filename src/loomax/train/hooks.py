@@ -95,10 +95,6 @@ class Hook:
     def on_train_end(self, info: StepInfo) -> None:
         """Called after the last step, once its metrics are on the host."""
 
-    @property
-    def name(self) -> str:
-        return type(self).__name__
-
 
 class FnHook(Hook):
     """A plain function of ``StepInfo`` run every ``every`` steps."""
@@ -111,7 +107,3 @@ class FnHook(Hook):
 
     def on_step(self, info: StepInfo) -> None:
         self.fn(info)
-
-    @property
-    def name(self) -> str:
-        return getattr(self.fn, "__qualname__", repr(self.fn))

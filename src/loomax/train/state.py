@@ -17,8 +17,3 @@ class TrainerState(eqx.Module):
     model: eqx.Module
     opt_state: optax.OptState
     key: jax.Array
-
-    @property
-    def step_int(self) -> int:
-        """The step as a Python int (blocks until it is computed)."""
-        return int(self.step)
