@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test lint format bench bench-levanter docs install clean
+.PHONY: demo test lint format bench bench-levanter bench-checkpoint docs install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +41,16 @@ bench: $(STAMP)
 bench-levanter: $(STAMP)
 	$(PYTHON) bench/compare_levanter.py
 
+$(BENCH_STAMP): pyproject.toml $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[bench]"
+	$(BIN)/python -c "import orbax.checkpoint"
+	touch $(BENCH_STAMP)
+
+bench-checkpoint: $(BENCH_STAMP)
+	$(BIN)/python bench/checkpoint.py
+
 docs: $(STAMP)
-	$(BIN)/python -m loomax.docs_reference docs/reference/config.md
+	$(BIN)/python -m loomax.config_reference docs/reference/config.md
 	$(BIN)/mkdocs build --strict
 
 clean:

@@ -25,6 +25,8 @@ def test_bench_prints_json_line(tmp_path):
             "3",
             "--warmup",
             "1",
+            "--save_every",
+            "2",
         ],
         capture_output=True,
         text=True,
@@ -35,6 +37,8 @@ def test_bench_prints_json_line(tmp_path):
     for key in ("compile_s", "step_ms_median", "tokens_per_second", "flops_per_token", "mfu"):
         assert key in result
     assert result["tokens_per_second"] > 0 and 0 < result["mfu"] < 1
+    assert result["save_every"] == 2 and result["checkpoint_mb"] > 0  # timed with saves too
+    assert result["step_ms_mean_saving"] > 0 and "checkpoint_overhead" in result
     assert result["flops_per_token"] == 3 * (
         2 * 32 * 96 + 2 * 32 * 32 + 4 * 32 * 128 + 4 * 32 * 32 + 2 * 32 * 100
     )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import statistics
+import tempfile
 import time
 
 import jax
@@ -16,11 +18,15 @@ from loomax.train import Trainer
 from loomax.train_lm import TrainLmConfig, lm_loss
 
 
-def run_benchmark(config: TrainLmConfig, *, steps: int = 10, warmup: int = 2) -> dict[str, float]:
+def run_benchmark(
+    config: TrainLmConfig, *, steps: int = 10, warmup: int = 2, save_every: int | None = None
+) -> dict[str, float]:
     """Compile the step, run ``warmup`` untimed steps, then time ``steps`` steps.
 
     Prints a human-readable report and, last, one JSON line with ``compile_s``,
-    ``step_ms_median``, ``tokens_per_second``, ``flops_per_token`` and ``mfu``.
+    ``step_ms_median``, ``tokens_per_second``, ``flops_per_token`` and ``mfu``. With
+    ``save_every`` K, the steps are timed again while an async checkpoint is saved
+    every K steps (to a temporary directory), and the two mean step times are compared.
     """
     model_config = config.model
     vocab_size = model_config.vocab_size
@@ -28,8 +34,13 @@ def run_benchmark(config: TrainLmConfig, *, steps: int = 10, warmup: int = 2) ->
         raise ValueError(
             "loomax bench needs model.vocab_size (it uses random token ids, no tokenizer)"
         )
+    scratch = tempfile.mkdtemp(prefix="loomax-bench-")
     trainer_config = dataclasses.replace(
-        config.trainer, tracker=NoopTrackerConfig(), progress_bar=False
+        config.trainer,
+        tracker=NoopTrackerConfig(),
+        progress_bar=False,
+        run_dir=scratch,
+        load_checkpoint=False,
     )
     trainer = Trainer(
         trainer_config,
@@ -47,14 +58,19 @@ def run_benchmark(config: TrainLmConfig, *, steps: int = 10, warmup: int = 2) ->
     compile_s = time.perf_counter() - start
     batches = [trainer.shard_batch(b) for b in batches]
 
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        state, metrics = step_fn(state, batches[i % len(batches)])
-        jax.block_until_ready(metrics)
-        if i >= warmup:
+    def timed(state, n: int, save_every: int | None = None, first: int = 0):
+        times = []
+        for i in range(n):
+            start = time.perf_counter()
+            state, metrics = step_fn(state, batches[i % len(batches)])
+            if save_every and (i + 1) % save_every == 0:
+                trainer.checkpointer.save(first + i, state, {}, permanent=True)
+            jax.block_until_ready(metrics)
             times.append(time.perf_counter() - start)
+        return state, metrics, times
 
+    state, metrics, _ = timed(state, warmup)
+    state, metrics, times = timed(state, steps)
     step_s = statistics.median(times)
     tokens_per_second = batch_size * seq_len / step_s
     flops_per_token = 3 * model_config.flops_per_token(vocab_size)
@@ -76,6 +92,11 @@ def run_benchmark(config: TrainLmConfig, *, steps: int = 10, warmup: int = 2) ->
         "platform": jax.devices()[0].platform,
         "final_loss": float(metrics["train/loss"]),
     }
+    if save_every:
+        try:
+            result.update(_with_saves(trainer, timed, state, steps, save_every, times))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     if jax.devices()[0].platform == "cpu" and trainer_config.device_peak_flops is None:
         result["matmul_probe_gflops"] = round(measure_matmul_flops("float32") / 1e9, 2)
     print(
@@ -88,5 +109,39 @@ def run_benchmark(config: TrainLmConfig, *, steps: int = 10, warmup: int = 2) ->
     print(f"achieved:       {result['achieved_gflops']:8.1f} GFLOP/s")
     if mfu is not None:
         print(f"MFU:            {mfu:8.1%} of {peak_total / 1e9:.1f} GFLOP/s peak")
+    if save_every:
+        print(
+            f"with a checkpoint every {save_every} steps ({result['checkpoint_mb']:.1f} MB): mean step "
+            f"{result['step_ms_mean_saving']:.1f} ms vs {result['step_ms_mean']:.1f} ms without "
+            f"({result['checkpoint_overhead']:+.1%}); last save drained in {result['checkpoint_drain_s']:.2f} s"
+        )
+    shutil.rmtree(scratch, ignore_errors=True)
     print(json.dumps(result))
     return result
+
+
+def _with_saves(trainer, timed, state, steps: int, save_every: int, plain: list[float]) -> dict:
+    """Alternate blocks of ``steps`` steps with and without an async checkpoint every ``save_every``.
+
+    Two blocks of each (the first plain block is ``plain``), so drift on a noisy machine
+    hits both sides; the mean step times are compared.
+    """
+    plain, saving, drain = list(plain), [], 0.0
+    for block in range(2):
+        state, _, times = timed(state, steps, save_every, first=(block + 1) * 10**6)
+        saving += times
+        start = time.perf_counter()
+        trainer.checkpointer.wait()
+        drain = max(drain, time.perf_counter() - start)
+        if block == 0:
+            state, _, times = timed(state, steps)
+            plain += times
+    mean, mean_saving = statistics.mean(plain), statistics.mean(saving)
+    return {
+        "save_every": save_every,
+        "checkpoint_mb": round(trainer.checkpointer.last_save_bytes / 1e6, 2),
+        "step_ms_mean": round(mean * 1e3, 2),
+        "step_ms_mean_saving": round(mean_saving * 1e3, 2),
+        "checkpoint_overhead": round(mean_saving / mean - 1, 4),
+        "checkpoint_drain_s": round(drain, 3),
+    }

@@ -11,7 +11,7 @@ from loomax.config import ConfigError, parse_config
 
 COMMANDS = {
     "train": "train a language model: loomax train --config_path FILE [--section.field VALUE ...]",
-    "bench": "time the jitted train step on synthetic data: loomax bench --config_path FILE [--steps N]",
+    "bench": "time the jitted train step on synthetic data: loomax bench --config_path FILE [--steps N] [--save_every K]",
 }
 
 
@@ -56,12 +56,13 @@ def _load(cls, args: list[str]):
 
 
 def _train(args: list[str]) -> None:
+    from loomax.checkpoint import CheckpointError
     from loomax.train_lm import TrainLmConfig, train_lm
 
     config = _load(TrainLmConfig, args)
     try:
         result = train_lm(config)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         main_error(str(e))
     evals = result.evals
     if evals:
@@ -83,10 +84,16 @@ def _bench(args: list[str]) -> None:
     parser.add_argument(
         "--warmup", type=int, default=2, help="untimed steps after the compile step"
     )
+    parser.add_argument(
+        "--save_every",
+        type=int,
+        default=None,
+        help="also time the steps with an async checkpoint every K steps",
+    )
     known, rest = parser.parse_known_args(args)
     config = _load(TrainLmConfig, rest)
     try:
-        run_benchmark(config, steps=known.steps, warmup=known.warmup)
+        run_benchmark(config, steps=known.steps, warmup=known.warmup, save_every=known.save_every)
     except ValueError as e:
         main_error(str(e))
 

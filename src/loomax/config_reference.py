@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import re
 import sys
 import textwrap
 import typing
@@ -41,8 +42,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def _type_name(tp) -> str:
     text = str(tp) if not isinstance(tp, type) else tp.__name__
-    for prefix in ("typing.", "datetime.", "loomax.tracking.base.", "loomax.data.sources."):
-        text = text.replace(prefix, "")
+    text = re.sub(r"\b(?:typing|datetime|loomax(?:\.\w+)*)\.(\w+)", r"\1", text)
     text = text.replace("NoneType", "null").replace("timedelta", "duration")
     return text.replace("|", "\\|")  # a bare | would split the Markdown table cell
 
@@ -60,18 +60,20 @@ def _default(field: dataclasses.Field) -> str:
     if isinstance(value, timedelta):
         return format_duration(value)
     if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-        return "[" + ", ".join(str(_plain(v)) for v in value) + "]"
+        return "[" + ", ".join(_flow(v) for v in value) + "]"
     if isinstance(value, bool):
         return str(value).lower()
     return "null" if value is None else repr(value).replace("'", "")
 
 
-def _plain(value) -> dict:
-    return {
-        f.name: getattr(value, f.name)
-        for f in dataclasses.fields(value)
-        if getattr(value, f.name) != f.default
-    }
+def _flow(value) -> str:
+    """A dataclass as a YAML flow mapping: the fields off their defaults, else the set ones."""
+    fields = dataclasses.fields(value)
+    items = [
+        (f.name, getattr(value, f.name)) for f in fields if getattr(value, f.name) != f.default
+    ]
+    items = items or [(f.name, getattr(value, f.name)) for f in fields]
+    return "{" + ", ".join(f"{k}: {v}" for k, v in items if v is not None) + "}"
 
 
 def _choice_name(cls: type) -> str | None:

@@ -73,6 +73,37 @@ class DistributedConfig:
         logger.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 
 
+def coordination_client():
+    """The JAX coordination-service client of a multi-process run; None with one process.
+
+    Its key-value store and barriers work off the main thread and need no devices.
+    """
+    if jax.process_count() == 1:
+        return None
+    from jax._src.distributed import global_state
+
+    return global_state.client
+
+
+def broadcast_str(name: str, value: str, timeout: float = 600.0) -> str:
+    """Process 0's ``value`` on every process (``name`` must be unique per call)."""
+    client = coordination_client()
+    if client is None:
+        return value
+    key = f"loomax/broadcast/{name}"
+    if jax.process_index() == 0:
+        client.key_value_set(key, value)
+        return value
+    return client.blocking_key_value_get(key, int(timeout * 1000))
+
+
+def barrier(name: str, timeout: float = 600.0) -> None:
+    """Wait until every process reaches ``name`` (no-op with one process)."""
+    client = coordination_client()
+    if client is not None:
+        client.wait_at_barrier(name, int(timeout * 1000))
+
+
 def _already_initialized() -> bool:
     try:
         from jax._src import distributed as _dist

@@ -141,6 +141,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         LogMetricsHook(trainer_config.log_every, tokens_per_step, flops_per_token, peak)
     )
 
+    trainer.run_config = json.loads(json.dumps(yaml.safe_load(to_yaml(config)), default=str))
     run_dir = trainer.run_dir
     if primary:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,11 @@
 
 Run as a subprocess (the device count is fixed when JAX starts):
   python sharded_run.py meshes '[[1,1,1,1], [1,8,1,8], ...]'     # replica, data, model, devices
-  python sharded_run.py process ID COUNT PORT                        # one of COUNT processes, mesh data=4
+  python sharded_run.py process ID COUNT PORT RUN_DIR [STEP]         # one of COUNT processes, mesh data=4;
+                                                                     # the last process gets SIGTERM at STEP
+  python sharded_run.py load CHECKPOINTS '[[1,1,1,1], ...]'         # load the final checkpoint on meshes
+
+The training modes save a final checkpoint under RUN_DIR (or a temporary directory).
 """
 
 from __future__ import annotations
@@ -10,11 +14,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+from signal import SIGTERM
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
@@ -35,19 +42,52 @@ def loader() -> BatchLoader:
     return BatchLoader(TokenWindows(tokens, MODEL.seq_len), BATCH, seed=0)
 
 
-def run(mesh: MeshConfig, devices=None, distributed: DistributedConfig | None = None) -> dict:
+def make_trainer(mesh: MeshConfig, run_dir: str, devices=None, **settings) -> Trainer:
     config = TrainerConfig(
         num_train_steps=STEPS,
         train_batch_size=BATCH,
         mesh=mesh,
         progress_bar=False,
         tracker=NoopTrackerConfig(),
-        distributed=distributed or DistributedConfig(),
+        run_dir=run_dir,
+        **settings,
     )
     optimizer = AdamConfig(learning_rate=3e-3, warmup=0)
-    trainer = Trainer(config, optimizer.build(STEPS), lm_loss(), devices=devices)
+    return Trainer(config, optimizer.build(STEPS), lm_loss(), devices=devices)
+
+
+def digest(state) -> dict:
+    """Per leaf, the wrapping sum of its elements' bit patterns: exact, and independent of layout."""
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+    @jax.jit
+    def bitsum(x):
+        bits = jax.lax.bitcast_convert_type(x, unsigned[x.dtype.itemsize])
+        return bits.astype(jnp.uint32).sum(dtype=jnp.uint32)
+
+    return {
+        jax.tree_util.keystr(path): int(np.asarray(bitsum(leaf).addressable_data(0)))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+    }
+
+
+def run(
+    mesh: MeshConfig,
+    devices=None,
+    distributed: DistributedConfig | None = None,
+    run_dir=None,
+    sigterm_at: int | None = None,
+) -> dict:
+    trainer = make_trainer(
+        mesh,
+        run_dir or tempfile.mkdtemp(),
+        devices,
+        distributed=distributed or DistributedConfig(),
+    )
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
+    if sigterm_at is not None and jax.process_index() == jax.process_count() - 1:
+        trainer.add_hook(lambda info: info.step == sigterm_at and os.kill(os.getpid(), SIGTERM))
     state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
     specs = {
         "embedding": str(state.model.token_embeddings.weight.array.sharding.spec),
@@ -65,6 +105,24 @@ def run(mesh: MeshConfig, devices=None, distributed: DistributedConfig | None = 
         "specs": specs,
         "final_step": final.step,
         "mesh": dict(trainer.mesh.shape),
+        "saved_bytes": trainer.checkpointer.last_save_bytes,
+        "stop_reason": trainer.stop_reason,
+        "digest": digest(final.state),
+    }
+
+
+def load(path: str, mesh: MeshConfig, devices) -> dict:
+    trainer = make_trainer(
+        mesh, tempfile.mkdtemp(), devices, load_checkpoint=True, load_checkpoint_path=path
+    )
+    state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+    up = state.model.blocks.stacked.mlp.up.weight.array
+    return {
+        "step": int(state.step),
+        "mesh": dict(trainer.mesh.shape),
+        "mlp_up_spec": str(up.sharding.spec),
+        "mlp_up_shard_shape": list(up.addressable_shards[0].data.shape),
+        "digest": digest(state),
     }
 
 
@@ -80,9 +138,17 @@ def main() -> None:
         dist = DistributedConfig(
             coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid
         )
-        result = run(MeshConfig(1, -1, 1), distributed=dist)
+        sigterm_at = int(sys.argv[6]) if len(sys.argv) > 6 else None
+        result = run(
+            MeshConfig(1, -1, 1), distributed=dist, run_dir=sys.argv[5], sigterm_at=sigterm_at
+        )
         result["process_index"], result["process_count"] = jax.process_index(), jax.process_count()
         print(json.dumps(result))
+    elif mode == "load":
+        out = []
+        for replica, data, model, n in json.loads(sys.argv[3]):
+            out.append(load(sys.argv[2], MeshConfig(replica, data, model), jax.devices()[:n]))
+        print(json.dumps(out))
 
 
 if __name__ == "__main__":

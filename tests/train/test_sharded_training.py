@@ -73,16 +73,65 @@ def test_parameters_and_optimizer_state_are_sharded_as_declared(mesh_runs):
     assert by_mesh[(1, 1, 1)]["embedding_shard_shape"] == [64, 32]
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_process_with_four_devices(mesh_runs):
+def run_two_processes(run_dir, *extra: str) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [run_worker(["process", str(i), "2", str(port)], devices=2) for i in range(2)]
-    results = [result_of(p) for p in procs]
+    procs = [
+        run_worker(["process", str(i), "2", str(port), str(run_dir), *extra], devices=2)
+        for i in range(2)
+    ]
+    return [result_of(p) for p in procs]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("two-processes")
+    return run_dir, run_two_processes(run_dir)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_with_four_devices(mesh_runs, two_process_run):
+    _, results = two_process_run
     four_devices = mesh_runs[4]
     assert four_devices["mesh"] == {"replica": 1, "data": 4, "model": 1}
     for i, result in enumerate(results):
         assert (result["process_index"], result["process_count"]) == (i, 2)
         assert result["mesh"] == four_devices["mesh"]
         np.testing.assert_allclose(result["losses"], four_devices["losses"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_checkpoint_from_two_processes_reshards_onto_other_meshes(two_process_run):
+    run_dir, results = two_process_run
+    checkpoints = run_dir / "checkpoints"
+    meta = json.loads((checkpoints / "step-5" / "metadata.json").read_text())
+    total = sum(
+        np.prod(e["shape"], dtype=np.int64) * np.dtype(e["dtype"]).itemsize
+        for e in meta["arrays"].values()
+    )
+    written = [r["saved_bytes"] for r in results]
+    assert sum(written) == total  # each shard written once, by the process that owns it
+    assert all(0.4 * total < w < 0.6 * total for w in written)  # FSDP: half each
+    assert meta["process_count"] == 2 and meta["mesh"] == {"replica": 1, "data": 4, "model": 1}
+
+    meshes = [[1, 1, 1, 1], [1, 4, 2, 8], [2, 2, 2, 8]]
+    loads = result_of(run_worker(["load", str(checkpoints), json.dumps(meshes)], devices=8))
+    one_device = loads[0]
+    assert one_device["step"] == 5 and one_device["mlp_up_shard_shape"] == [2, 128, 32]
+    assert loads[1]["mlp_up_spec"] == "P(None, 'model', 'data')"
+    assert loads[1]["mlp_up_shard_shape"] == [2, 64, 8]
+    assert results[0]["digest"] == results[1]["digest"]
+    for loaded in loads:  # the saved bits, exactly, whatever the mesh
+        assert loaded["digest"] == results[0]["digest"]
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_process_stops_all_at_the_same_step(tmp_path):
+    results = run_two_processes(tmp_path, "3")  # process 1 alone gets SIGTERM after step 3
+    steps = {r["final_step"] for r in results}
+    assert len(steps) == 1 and steps <= {3, 4}  # process 0 learns of it at step 3 or 4
+    stopped = steps.pop()
+    assert all("signal SIGTERM (process 1)" in r["stop_reason"] for r in results)
+    meta = json.loads((tmp_path / "checkpoints" / f"step-{stopped}" / "metadata.json").read_text())
+    assert meta["permanent"] is False and sum(r["saved_bytes"] for r in results) > 0

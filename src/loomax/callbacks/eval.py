@@ -64,7 +64,7 @@ class EvalHook(Hook):
         self.history: list[tuple[int, dict[str, float]]] = []
 
     def on_train_begin(self, info: StepInfo) -> None:
-        if self.at_start:
+        if self.at_start and self.last_step != info.step:  # a resumed run already has it
             self._run(info)
 
     def on_step(self, info: StepInfo) -> None:
@@ -73,6 +73,13 @@ class EvalHook(Hook):
     def on_train_end(self, info: StepInfo) -> None:
         if self.last_step != info.step:
             self._run(info)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_step": self.last_step, "history": [[s, r] for s, r in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_step = state["last_step"]
+        self.history = [(s, r) for s, r in state["history"]]
 
     def _run(self, info: StepInfo) -> None:
         results = self.evaluate(info.state.model)

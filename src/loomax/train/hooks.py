@@ -95,6 +95,32 @@ class Hook:
     def on_train_end(self, info: StepInfo) -> None:
         """Called after the last step, once its metrics are on the host."""
 
+    def state_dict(self) -> dict[str, Any] | None:
+        """State to save in checkpoints (JSON values), or None for a stateless hook."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (called before ``on_train_begin`` on resume)."""
+
+
+def hook_state_keys(hooks: list[Hook]) -> dict[str, Hook]:
+    """Stateful hooks by the key their state is saved under.
+
+    The key is the hook's ``state_key`` attribute if it has one, else its class name,
+    with ``#2``, ``#3``... for further hooks of the same name (in registration order).
+    """
+    out: dict[str, Hook] = {}
+    for hook in hooks:
+        if hook.state_dict() is None:
+            continue
+        base = getattr(hook, "state_key", None) or type(hook).__name__
+        key, n = base, 1
+        while key in out:
+            n += 1
+            key = f"{base}#{n}"
+        out[key] = hook
+    return out
+
 
 class FnHook(Hook):
     """A plain function of ``StepInfo`` run every ``every`` steps."""

@@ -20,7 +20,16 @@ import jmp
 import numpy as np
 import optax
 
-from loomax.distributed import DistributedConfig
+from loomax.checkpoint import (
+    Checkpointer,
+    CheckpointerConfig,
+    CheckpointError,
+    CheckpointInfo,
+    list_checkpoints,
+    load_latest,
+)
+from loomax.checkpoint.storage import to_url
+from loomax.distributed import DistributedConfig, broadcast_str
 from loomax.mesh import (
     AxisMappings,
     MeshConfig,
@@ -30,7 +39,8 @@ from loomax.mesh import (
     replicated,
 )
 from loomax.tracking import JsonlTrackerConfig, Tracker, TrackerConfig, build_tracker
-from loomax.train.hooks import CompletedStep, FnHook, Hook, StepInfo
+from loomax.train.control import StepAgreement, StopSignals
+from loomax.train.hooks import CompletedStep, FnHook, Hook, StepInfo, hook_state_keys
 from loomax.train.state import TrainerState
 from loomax.train.step import JitHook, LossFn, make_train_step
 
@@ -91,6 +101,16 @@ class TrainerConfig:
     """Advanced: overrides for the compute mapping only (how activations are laid out)."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Multi-process settings (jax.distributed); auto-detected on SLURM and TPU pods."""
+    checkpointer: CheckpointerConfig = field(default_factory=CheckpointerConfig)
+    """Where and when checkpoints are saved (base_path, save_interval, keep)."""
+    load_checkpoint: bool | None = None
+    """Resume from a checkpoint: null = if one exists, true = one must exist, false = never."""
+    load_checkpoint_path: str | None = None
+    """A checkpoint, or a directory of them (the latest complete wins), to resume from; null = checkpointer.base_path."""
+    initialize_from: str | None = None
+    """Start from the model weights of this checkpoint (or directory of them), with a fresh optimizer at step 0."""
+    allow_partial_checkpoint: bool = False
+    """Let a checkpoint lack some arrays of the state; those keep their fresh initial values."""
 
     def __post_init__(self):
         positive = ("num_train_steps", "train_batch_size", "log_every", "steps_per_eval")
@@ -177,7 +197,8 @@ class Trainer:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.lr_schedule = lr_schedule
-        self.run_id = config.run_id or time.strftime("%Y%m%d-%H%M%S")
+        # every process must name the run alike: process 0's clock decides
+        self.run_id = config.run_id or broadcast_str("run_id", time.strftime("%Y%m%d-%H%M%S"))
         self.run_dir = Path(run_dir or config.run_dir or Path("runs") / self.run_id)
         self.mesh = config.mesh.build(devices)
         self.mappings = config.axis_mappings()
@@ -186,6 +207,17 @@ class Trainer:
         self.jit_hooks: list[JitHook] = []
         self._tracker: Tracker | None = None
         self._step_fn: Callable | None = None
+        base_path = config.checkpointer.base_path or str(self.run_dir / "checkpoints")
+        self.checkpointer = Checkpointer(config.checkpointer, base_path)
+        self.checkpointer.check_writable()  # a clear error now, not at the first save
+        self.run_config: dict[str, Any] | None = None
+        """The whole run's config (JSON), stored in each checkpoint's metadata."""
+        self.restored_from: CheckpointInfo | None = None
+        """The checkpoint ``initial_state`` resumed from, if any."""
+        self.stop_reason: str | None = None
+        """Why ``train`` stopped before ``num_train_steps`` (a signal, the time limit), if it did."""
+        self._restored_hook_states: dict[str, Any] = {}
+        self._train_seconds = 0.0
 
     # ------------------------------------------------------------------ hooks
     def add_hook(self, fn: Callable[[StepInfo], Any] | Hook | None = None, *, every: int = 1):
@@ -214,10 +246,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def initial_state(self, init_model: Callable[[jax.Array], eqx.Module]) -> TrainerState:
-        """A fresh state: the model from ``init_model(key)``, optimizer state, step 0.
+        """The state to train from: resumed from a checkpoint, or fresh from ``init_model(key)``.
 
-        Created inside a jit whose outputs are already sharded by the parameter mapping,
-        so the whole model never exists on one device or host.
+        ``trainer.load_checkpoint`` decides whether a checkpoint is loaded (from
+        ``load_checkpoint_path`` or the checkpointer's ``base_path``); without one,
+        ``trainer.initialize_from`` may supply the model weights. A fresh state is made
+        inside a jit whose outputs are already sharded by the parameter mapping, so the
+        whole model never exists on one device or host; loaded arrays are read straight
+        into that sharding, whatever the mesh that saved them.
         """
 
         def init(key):
@@ -228,8 +264,78 @@ class Trainer:
 
         key = jax.random.PRNGKey(self.config.seed)
         with self.mesh_context():
-            shardings = self.state_shardings(jax.eval_shape(init, key))
-            return jax.jit(init, out_shardings=shardings)(key)
+            shapes = jax.eval_shape(init, key)
+            shardings = self.state_shardings(shapes)
+            fresh = functools.partial(jax.jit(init, out_shardings=shardings), key)
+            resumed = self._resume(shapes, shardings, fresh)
+            if resumed is not None:
+                return resumed
+            if self.config.initialize_from is not None:
+                return self._initialize_from(shapes, shardings, fresh)
+            return fresh()
+
+    def _resume(self, shapes, shardings, fresh: Callable[[], TrainerState]):
+        config = self.config
+        own = self.checkpointer.directory.url
+        self.checkpointer.adopt(list_checkpoints(own), None)
+        if config.load_checkpoint is False:
+            return None
+        path = config.load_checkpoint_path or own
+        found = load_latest(path, shapes, shardings, fall_back=config.load_checkpoint is None)
+        if found is None:
+            if config.load_checkpoint:
+                raise FileNotFoundError(
+                    f"trainer.load_checkpoint is true but there is no complete checkpoint at {path}"
+                )
+            if config.load_checkpoint_path:
+                logger.warning("no complete checkpoint at %s: starting fresh", path)
+            return None
+        checkpoint, state, missing = found
+        state = self._fill_missing(checkpoint, state, missing, fresh)
+        logger.info("resumed from %s (step %d)", checkpoint, checkpoint.step)
+        self.restored_from = checkpoint
+        self._restored_hook_states = checkpoint.metadata.get("hooks", {})
+        self._train_seconds = float(checkpoint.metadata.get("train_seconds", 0.0))
+        if to_url(path) == own or checkpoint.directory.url.startswith(own + "/"):
+            self.checkpointer.adopt([], checkpoint.step)  # this step is already on disk
+        return state
+
+    def _initialize_from(self, shapes, shardings, fresh: Callable[[], TrainerState]):
+        path = self.config.initialize_from
+        found = load_latest(path, shapes, shardings, fall_back=False, prefix="model")
+        if found is None:
+            raise FileNotFoundError(f"trainer.initialize_from: no complete checkpoint at {path}")
+        checkpoint, loaded, missing = found
+        state = fresh()
+        model = self._fill_missing(checkpoint, loaded.model, missing, lambda: state.model)
+        reinit = jax.jit(
+            lambda m: self.optimizer.init(eqx.filter(m, eqx.is_inexact_array)),
+            out_shardings=shardings.opt_state,
+        )
+        logger.info(
+            "model weights from %s (step %d); optimizer fresh at step 0",
+            checkpoint,
+            checkpoint.step,
+        )
+        return eqx.tree_at(lambda s: (s.model, s.opt_state), state, (model, reinit(model)))
+
+    def _fill_missing(self, checkpoint: CheckpointInfo, tree, missing: list[str], fresh):
+        if not missing:
+            return tree
+        if not self.config.allow_partial_checkpoint:
+            raise CheckpointError(
+                f"checkpoint {checkpoint} lacks {len(missing)} array(s) of the state, e.g. "
+                f"{', '.join(missing[:3])}; set trainer.allow_partial_checkpoint: true to start those fresh"
+            )
+        logger.warning(
+            "checkpoint %s lacks %d array(s) (%s...): they keep their initial values",
+            checkpoint,
+            len(missing),
+            ", ".join(missing[:3]),
+        )
+        return jax.tree.map(
+            lambda a, b: b if a is None else a, tree, fresh(), is_leaf=lambda x: x is None
+        )
 
     def state_shardings(self, state: Any) -> Any:
         """Shardings of a state (or its shapes) under the parameter mapping."""
@@ -307,43 +413,98 @@ class Trainer:
 
         Step k+1 is dispatched before the host waits for step k, so the device never idles
         on the host; only hooks that read this step's values (at their intervals) wait.
+        Checkpoints are saved by the checkpointer's policies and at the end; SIGTERM or
+        SIGINT (and ``max_train_time``) stop after the current step with a checkpoint.
         """
         batches = iter(batches)
         start_step = int(state.step)
         info = StepInfo(step=start_step, state=state, metrics={})
+        self._load_hook_states()
         for hook in self.hooks:
             hook.on_train_begin(info)
 
         previous, pending = None, None
         last_done = started = time.perf_counter()
-        limit = self.config.max_train_time
+        agreement, signals = StepAgreement(), StopSignals()
+        self.stop_reason = None
         try:
-            for step in range(start_step + 1, self.config.num_train_steps + 1):
-                batch = next(batches)
-                dispatched_at = time.perf_counter()
-                state, metrics = self.train_step(state, batch)
-                if pending is not None:
-                    previous, last_done = self._complete(pending, last_done)
-                self._flush(info)  # the record of the step before, now that this one is queued
-                info = StepInfo(
-                    step, state, metrics, previous=previous, dispatched_at=dispatched_at
-                )
-                for hook in self.hooks:
-                    if step % hook.every == 0:
-                        hook.on_step(info)
-                pending = (step, metrics)
-                if limit is not None and time.perf_counter() - started > limit.total_seconds():
-                    logger.warning(
-                        "stopping at step %d: trainer.max_train_time (%s) reached", step, limit
+            with signals.installed():
+                for step in range(start_step + 1, self.config.num_train_steps + 1):
+                    batch = next(batches)
+                    dispatched_at = time.perf_counter()
+                    state, metrics = self.train_step(state, batch)
+                    if pending is not None:
+                        previous, last_done = self._complete(pending, last_done)
+                    self._flush(info)  # the record of the step before, now that this one is queued
+                    info = StepInfo(
+                        step, state, metrics, previous=previous, dispatched_at=dispatched_at
                     )
-                    break
-            if pending is not None:
-                info.previous, _ = self._complete(pending, last_done)
-            for hook in self.hooks:
-                hook.on_train_end(info)
+                    for hook in self.hooks:
+                        if step % hook.every == 0:
+                            hook.on_step(info)
+                    pending = (step, metrics)
+                    stop = f"signal {signals.received}" if signals.received else None
+                    proposal = {
+                        "save": self.checkpointer.due(step),
+                        "stop": stop or self._over_time(started),
+                    }
+                    decision = agreement.agree(step, proposal)
+                    if decision["save"]:
+                        self._save(info, started, permanent=decision["save"] == "permanent")
+                    if decision["stop"]:
+                        self.stop_reason = decision["stop"]
+                        logger.warning("stopping at step %d: %s", step, self.stop_reason)
+                        break
+                if pending is not None:
+                    info.previous, _ = self._complete(pending, last_done)
+                for hook in self.hooks:
+                    hook.on_train_end(info)
+                if self.config.checkpointer.save_at_end:
+                    permanent = self.stop_reason is None or self.config.checkpointer.is_permanent(
+                        info.step
+                    )
+                    self._save(info, started, permanent=permanent)
+                self.checkpointer.wait()
         finally:
             self._flush(info)
+            try:
+                self.checkpointer.wait()  # let a save in flight commit, even after an error
+            except Exception:  # noqa: BLE001 - the original error matters more
+                logger.exception("checkpoint save failed")
         return info
+
+    def _over_time(self, started: float) -> str | None:
+        limit = self.config.max_train_time
+        if limit is not None and time.perf_counter() - started > limit.total_seconds():
+            return f"trainer.max_train_time ({limit}) reached"
+        return None
+
+    def _save(self, info: StepInfo, started: float, *, permanent: bool) -> None:
+        metadata = {
+            "config": self.run_config,
+            "data": {"batches_consumed": info.step},
+            "rng_key": np.asarray(jax.device_get(info.state.key)).tolist(),
+            "hooks": self._hook_states(),
+            "train_seconds": self._train_seconds + time.perf_counter() - started,
+            "mesh": dict(self.mesh.shape),
+        }
+        self.checkpointer.save(info.step, info.state, metadata, permanent=permanent)
+
+    def _hook_states(self) -> dict[str, Any]:
+        return {key: hook.state_dict() for key, hook in hook_state_keys(self.hooks).items()}
+
+    def _load_hook_states(self) -> None:
+        saved, self._restored_hook_states = self._restored_hook_states, {}
+        if not saved:
+            return
+        keyed = hook_state_keys(self.hooks)
+        for key, value in saved.items():
+            if key in keyed:
+                keyed[key].load_state_dict(value)
+            else:
+                logger.warning(
+                    "checkpoint has state for hook %r, which this run does not have", key
+                )
 
     def _complete(self, pending, last_done: float) -> tuple[CompletedStep, float]:
         step, metrics = pending
@@ -357,6 +518,7 @@ class Trainer:
             info.record.clear()
 
     def finish(self) -> None:
-        """Close the tracker."""
+        """Wait for the checkpoint in flight and close the tracker."""
+        self.checkpointer.wait()
         if self._tracker is not None:
             self._tracker.finish()

@@ -1,0 +1,351 @@
+"""Checkpoint policies, asynchronous atomic saves, discovery and loading.
+
+A checkpoint is ``<base_path>/step-<N>/``: the arrays (see ``serialize``) are written
+first and ``metadata.json`` last, so a directory without it is incomplete and ignored.
+Temporary checkpoints (every ``save_interval`` of wall time) are deleted once a newer
+checkpoint commits; permanent ones (the ``keep`` step policies and the end of training)
+stay.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import jax
+
+from loomax.checkpoint.serialize import (
+    CheckpointError,
+    check_chunks,
+    read_tree,
+    snapshot,
+    write_snapshot,
+)
+from loomax.checkpoint.storage import Directory, to_url
+from loomax.distributed import barrier
+
+logger = logging.getLogger(__name__)
+
+METADATA = "metadata.json"
+FORMAT = "loomax-checkpoint/1"
+_STEP_DIR = re.compile(r"step-(\d+)")
+_VERSIONED = ("loomax", "jax", "jaxlib", "haliax", "equinox", "optax", "tensorstore", "numpy")
+
+
+@dataclass(frozen=True)
+class KeepPolicy:
+    """Keep a permanent checkpoint every ``every`` steps, up to step ``until``."""
+
+    every: int = 10000
+    """Save a permanent checkpoint at steps divisible by this."""
+    until: int | None = None
+    """Last step this policy applies to; null = to the end of training."""
+
+
+@dataclass(frozen=True)
+class CheckpointerConfig:
+    """The ``trainer.checkpointer`` section: where checkpoints go and when they are saved."""
+
+    base_path: str | None = None
+    """Directory or URL (gs://, s3://, anything tensorstore supports) of the checkpoints; null = <run_dir>/checkpoints."""
+    save_interval: timedelta | None = timedelta(minutes=15)
+    """Wall time between temporary checkpoints (deleted once a newer one commits), e.g. 15m; null = none."""
+    keep: list[KeepPolicy] = field(default_factory=lambda: [KeepPolicy(10000)])
+    """Permanent checkpoints: a list of {every: N, until: M} step policies, in increasing `until`."""
+    delete_old_temp_checkpoints: bool = True
+    """Also delete temporary checkpoints left by an earlier attempt of this run once a newer one commits."""
+    save_at_end: bool = True
+    """Save a permanent checkpoint when training ends (and a temporary one when it is stopped early)."""
+
+    def __post_init__(self):
+        previous: int | None = -1
+        for i, policy in enumerate(self.keep):
+            where = f"trainer.checkpointer.keep[{i}]"
+            if policy.every <= 0:
+                raise ValueError(f"{where}.every must be > 0, got {policy.every}")
+            if previous is None:
+                raise ValueError(f"{where}: only the last keep policy may have until: null")
+            if policy.until is not None and policy.until <= previous:
+                raise ValueError(
+                    f"{where}.until ({policy.until}) must be larger than the previous policy's until ({previous})"
+                )
+            previous = policy.until
+        if self.save_interval is not None and self.save_interval.total_seconds() <= 0:
+            raise ValueError(
+                f"trainer.checkpointer.save_interval must be positive or null, got {self.save_interval}"
+            )
+
+    def is_permanent(self, step: int) -> bool:
+        """Whether the keep policies ask for a permanent checkpoint at ``step``."""
+        for policy in self.keep:
+            if policy.until is None or step <= policy.until:
+                return step % policy.every == 0
+        return False
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint found on storage."""
+
+    step: int
+    directory: Directory
+    metadata: dict[str, Any]
+
+    @property
+    def permanent(self) -> bool:
+        return bool(self.metadata.get("permanent", True))
+
+    def __str__(self) -> str:
+        return str(self.directory)
+
+
+def list_checkpoints(path: str) -> list[CheckpointInfo]:
+    """Complete checkpoints at ``path``, oldest first.
+
+    ``path`` is one checkpoint (it has ``metadata.json``) or a directory of ``step-N``
+    checkpoints; directories without ``metadata.json`` are skipped.
+    """
+    root = Directory(to_url(path))
+    meta = root.read_json(METADATA)
+    if meta is not None:
+        return [CheckpointInfo(int(meta["step"]), root, meta)]
+    found = []
+    for name in root.subdirectories():
+        if not _STEP_DIR.fullmatch(name):
+            continue
+        directory = root.child(name)
+        meta = directory.read_json(METADATA)
+        if meta is None:
+            logger.info("ignoring incomplete checkpoint %s (no %s)", directory, METADATA)
+            continue
+        found.append(CheckpointInfo(int(meta["step"]), directory, meta))
+    return sorted(found, key=lambda c: c.step)
+
+
+def load_checkpoint(
+    checkpoint: CheckpointInfo, template: Any, shardings: Any, *, prefix: str | None = None
+) -> tuple[Any, list[str]]:
+    """Read ``template``'s leaves from ``checkpoint``; returns ``(tree, missing names)``.
+
+    ``prefix`` reads only leaves under it (e.g. ``model``), the rest come back as None.
+    Errors name the checkpoint and the array.
+    """
+    meta = checkpoint.metadata
+    arrays = meta.get("arrays", {})
+    values = meta.get("values", {})
+    names = None
+    if prefix is not None:
+        names = {
+            n for n in list(arrays) + list(values) if n == prefix or n.startswith(prefix + "/")
+        }
+        arrays = {n: e for n, e in arrays.items() if n in names}
+    try:
+        check_chunks(checkpoint.directory.url, checkpoint.directory.keys(), arrays)
+        tree, missing = read_tree(
+            checkpoint.directory.url, arrays, values, template, shardings, names=names
+        )
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {checkpoint}: {e}") from e
+    if prefix is not None:
+        missing = [n for n in missing if n == prefix or n.startswith(prefix + "/")]
+    return tree, missing
+
+
+def load_latest(
+    path: str,
+    template: Any,
+    shardings: Any,
+    *,
+    fall_back: bool,
+    prefix: str | None = None,
+) -> tuple[CheckpointInfo, Any, list[str]] | None:
+    """Load the newest complete checkpoint at ``path``; None if there is none.
+
+    With ``fall_back``, a checkpoint that fails to load is skipped with a warning and
+    the next older one is tried; otherwise its error is raised.
+    """
+    for checkpoint in reversed(list_checkpoints(path)):
+        try:
+            tree, missing = load_checkpoint(checkpoint, template, shardings, prefix=prefix)
+        except CheckpointError as e:
+            if not fall_back:
+                raise
+            logger.warning("%s; falling back to an older checkpoint", e)
+            continue
+        return checkpoint, tree, missing
+    return None
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries a checkpoint depends on."""
+    out = {}
+    for name in _VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+class Checkpointer:
+    """Saves checkpoints of a pytree under ``base_path`` by the config's policies.
+
+    ``save`` copies the owned shards to the host at once, then writes on a background
+    thread while training goes on; at most one save is in flight (a new save, and
+    ``wait``, block on the previous one). An error in the background is raised by the
+    next ``save`` or ``wait``.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointerConfig,
+        base_path: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.directory = Directory(to_url(base_path))
+        self._clock = clock
+        self._last_save_time = clock()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._temporary: list[CheckpointInfo] = []
+        self._saves = 0
+        self.last_saved_step: int | None = None
+        self.last_save_bytes = 0
+        """Bytes this process wrote in the latest save."""
+
+    def check_writable(self) -> None:
+        """Raise ``ValueError`` naming ``base_path`` if it cannot be written (process 0 checks)."""
+        if jax.process_index() == 0:
+            try:
+                self.directory.check_writable()
+            except OSError as e:
+                raise ValueError(f"trainer.checkpointer.base_path: {e}") from e
+
+    def adopt(self, checkpoints: list[CheckpointInfo], resumed_step: int | None) -> None:
+        """Take note of existing checkpoints: old temporary ones are deleted on the next commit."""
+        if resumed_step is not None:
+            self.last_saved_step = resumed_step
+        if self.config.delete_old_temp_checkpoints:
+            self._temporary.extend(c for c in checkpoints if not c.permanent)
+
+    def due(self, step: int) -> str | None:
+        """``"permanent"``, ``"temporary"`` or None: whether to save at ``step`` now."""
+        if step == self.last_saved_step:
+            return None
+        if self.config.is_permanent(step):
+            return "permanent"
+        interval = self.config.save_interval
+        if (
+            interval is not None
+            and self._clock() - self._last_save_time >= interval.total_seconds()
+        ):
+            return "temporary"
+        return None
+
+    def save(
+        self,
+        step: int,
+        tree: Any,
+        metadata: dict[str, Any],
+        *,
+        permanent: bool,
+        block: bool = False,
+    ) -> bool:
+        """Save ``tree`` as ``step-<step>`` (returns False if that step was just saved).
+
+        Every process must call this with the same step. ``metadata`` (JSON) is merged
+        into ``metadata.json``.
+        """
+        self.wait()
+        if step == self.last_saved_step:
+            return False
+        self._last_save_time = self._clock()
+        started = time.perf_counter()
+        jax.block_until_ready(tree)  # the step that produced it
+        ready = time.perf_counter()
+        snap = snapshot(tree)
+        self.last_save_bytes = snap.nbytes
+        self.last_saved_step = step
+        self._saves += 1
+        meta = {
+            **metadata,
+            "format": FORMAT,
+            "step": step,
+            "permanent": permanent,
+            "saved_at": datetime.now(UTC).isoformat(),
+            "timestamp": time.time(),
+            "process_count": jax.process_count(),
+            "versions": library_versions(),
+            "arrays": snap.manifest(),
+            "values": snap.values,
+        }
+        target = self.directory.child(f"step-{step}")
+        tag = f"loomax_checkpoint_{self._saves}_{step}"
+        logger.info(
+            "checkpoint step %d: state ready after %.2fs, %.1f MB copied to host in %.2fs; writing %s",
+            step,
+            ready - started,
+            snap.nbytes / 1e6,
+            time.perf_counter() - ready,
+            target,
+        )
+
+        def write():
+            try:
+                self._write(target, snap, meta, tag)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+                self._error = e
+
+        self._thread = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+        if block:
+            self.wait()
+        return True
+
+    def _write(self, target: Directory, snap, meta: dict[str, Any], tag: str) -> None:
+        started = time.perf_counter()
+        primary = jax.process_index() == 0
+        if primary and target.keys():  # an incomplete attempt at this step (a crash mid-save)
+            target.delete(first=METADATA)
+        barrier(tag + "_start")
+        write_snapshot(snap, target.url, create_metadata=primary)
+        barrier(tag + "_written")
+        if primary:
+            target.write_json(METADATA, meta)  # the commit
+            logger.info(
+                "checkpoint step %d committed (%s) in %.2fs",
+                meta["step"],
+                "permanent" if meta["permanent"] else "temporary",
+                time.perf_counter() - started,
+            )
+            self._delete_superseded(meta["step"])
+            if not meta["permanent"]:
+                self._temporary.append(CheckpointInfo(meta["step"], target, meta))
+
+    def _delete_superseded(self, step: int) -> None:
+        keep = []
+        for old in self._temporary:
+            if old.step < step:
+                logger.info("deleting temporary checkpoint %s", old)
+                old.directory.delete(first=METADATA)
+            else:
+                keep.append(old)
+        self._temporary = keep
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) has committed; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error

@@ -1,0 +1,156 @@
+"""Faults on real processes and real files: kill -9 mid-save, SIGTERM, corrupt and unwritable storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from loomax.checkpoint import list_checkpoints, load_checkpoint
+
+
+def write_config(tmp_path: Path, corpus: Path, **trainer) -> Path:
+    config = {
+        "data": {
+            "train": [{"urls": [str(corpus)]}],
+            "tokenizer_vocab_size": 300,
+            "validation_fraction": 0.1,
+            "cache_dir": str(tmp_path / "cache"),
+        },
+        "model": {"seq_len": 32, "hidden_dim": 64, "num_layers": 2, "num_heads": 2},
+        "optimizer": {"learning_rate": 0.01, "warmup": 2},
+        "trainer": {
+            "train_batch_size": 8,
+            "log_every": 1,
+            "steps_per_eval": 1000,
+            "eval_at_start": False,
+            "max_eval_batches": 1,
+            "progress_bar": False,
+            "run_dir": str(tmp_path / "run"),
+            **trainer,
+        },
+        "sample": {"enabled": False},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+def start(config: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "loomax.cli", "train", "--config_path", str(config), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 240):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.002)
+    proc.kill()
+    raise AssertionError("timed out")
+
+
+def read_every_array(checkpoint) -> None:
+    arrays = checkpoint.metadata["arrays"]
+    template = {n: jax.ShapeDtypeStruct(tuple(e["shape"]), e["dtype"]) for n, e in arrays.items()}
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    load_checkpoint(checkpoint, template, {n: device for n in template})
+
+
+@pytest.mark.slow
+def test_kill_9_during_an_async_save_resumes_from_the_last_complete_one(tmp_path, tiny_corpus):
+    # a checkpoint every step, of a model big enough that a save is nearly always in flight
+    config = write_config(
+        tmp_path,
+        tiny_corpus,
+        num_train_steps=12,
+        checkpointer={"keep": [{"every": 1}]},
+    )
+    base = tmp_path / "run" / "checkpoints"
+    bigger = ["--model.hidden_dim", "256", "--model.num_layers", "4"]
+    proc = start(config, *bigger)
+
+    def saving():
+        complete = {c.step for c in list_checkpoints(str(base))}
+        partial = [
+            p for p in base.glob("step-*") if int(p.name[5:]) not in complete and any(p.iterdir())
+        ]
+        return complete and partial
+
+    wait_for(saving, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    complete = [c.step for c in list_checkpoints(str(base))]
+    partial = sorted(
+        int(p.name[5:]) for p in base.glob("step-*") if int(p.name[5:]) not in complete
+    )
+    assert complete and partial and partial[-1] > complete[-1]  # killed mid-save
+    assert complete[-1] < 12
+
+    out = finish(start(config, *bigger))
+    assert f"resumed from {base}/step-{complete[-1]} (step {complete[-1]})" in out
+    checkpoints = list_checkpoints(str(base))
+    assert [c.step for c in checkpoints] == list(range(1, 13))
+    for checkpoint in checkpoints:
+        read_every_array(checkpoint)  # nothing left corrupt
+
+
+@pytest.mark.slow
+def test_sigterm_saves_at_the_current_step_and_exits_0(tmp_path, tiny_corpus):
+    config = write_config(tmp_path, tiny_corpus, num_train_steps=100000)
+    run_dir = tmp_path / "run"
+    proc = start(config)
+    wait_for(lambda: len(logged_steps(run_dir)) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    out = finish(proc)
+    stopped = max(logged_steps(run_dir))
+    assert f"stopping at step {stopped}: signal SIGTERM" in out
+    checkpoints = list_checkpoints(str(run_dir / "checkpoints"))
+    assert [(c.step, c.permanent) for c in checkpoints] == [(stopped, False)]
+
+    out = finish(start(config, "--trainer.num_train_steps", str(stopped + 2)))
+    assert f"(step {stopped})" in out and "resumed from" in out
+    assert logged_steps(run_dir)[-2:] == [stopped + 1, stopped + 2]
+    steps = [(c.step, c.permanent) for c in list_checkpoints(str(run_dir / "checkpoints"))]
+    assert steps == [(stopped + 2, True)]  # the preemption checkpoint was temporary
+
+
+def test_unwritable_base_path_fails_before_any_work(tmp_path, tiny_corpus):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    config = write_config(tmp_path, tiny_corpus, num_train_steps=5)
+    proc = start(config, "--trainer.checkpointer.base_path", str(blocker / "ckpt"))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "trainer.checkpointer.base_path: cannot write to" in out and "a-file/ckpt" in out
+    assert not (tmp_path / "cache").exists()  # stopped before the data was even tokenized

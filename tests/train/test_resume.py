@@ -1,0 +1,160 @@
+"""Resuming: bitwise-identical continuation, hook state, load_checkpoint modes, initialize_from."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from loomax.checkpoint import CheckpointerConfig, CheckpointError, KeepPolicy, list_checkpoints
+from loomax.data import BatchLoader, TokenWindows
+from loomax.models import Gpt2Config
+from loomax.optim import AdamConfig
+from loomax.tracking import NoopTrackerConfig
+from loomax.train import Hook, Trainer, TrainerConfig
+from loomax.train_lm import lm_loss
+
+MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=2)
+VOCAB, STEPS, BATCH = 48, 12, 4
+
+
+def make_trainer(run_dir, model=MODEL, **overrides):
+    settings = {
+        "num_train_steps": STEPS,
+        "train_batch_size": BATCH,
+        "run_dir": str(run_dir),
+        "tracker": NoopTrackerConfig(),
+        "progress_bar": False,
+        "checkpointer": CheckpointerConfig(keep=[KeepPolicy(every=4)]),
+        **overrides,
+    }
+    config = TrainerConfig(**settings)
+    opt = AdamConfig(learning_rate=3e-3, warmup=2)
+    trainer = Trainer(config, opt.build(STEPS), lm_loss(), lr_schedule=opt.lr_scheduler(STEPS))
+    trainer.model = model
+    return trainer
+
+
+def loader():
+    tokens = np.random.default_rng(1).integers(0, VOCAB, 30 * MODEL.seq_len, dtype=np.int32)
+    return BatchLoader(TokenWindows(tokens, MODEL.seq_len), BATCH, seed=3)
+
+
+def start(trainer):
+    state = trainer.initial_state(lambda key: trainer.model.build(VOCAB, key=key))
+    return state, loader().iter_from(int(state.step))
+
+
+class Recorder(Hook):
+    """Records every step's loss; its count is state that must survive a restart."""
+
+    def __init__(self):
+        self.losses: dict[int, float] = {}
+        self.count = 0
+
+    def on_step(self, info):
+        self.losses[info.step] = info.loss
+        self.count += 1
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def terminate_at(step):
+    def hook(info):
+        if info.step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
+
+
+def params(state):
+    return [np.asarray(x) for x in jax.tree.leaves(state.model)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    trainer = make_trainer(tmp_path_factory.mktemp("full"))
+    recorder = trainer.add_hook(Recorder())
+    final = trainer.train(*start(trainer))
+    return recorder.losses, params(final.state)
+
+
+def test_restart_continues_bitwise_identically(tmp_path, uninterrupted):
+    full_losses, full_params = uninterrupted
+    first = make_trainer(tmp_path)
+    first.add_hook(Recorder())
+    first.add_hook(terminate_at(6))  # preemption: the step finishes, a checkpoint is saved
+    info = first.train(*start(first))
+    assert info.step == 6 and first.stop_reason == "signal SIGTERM"
+    saved = list_checkpoints(str(tmp_path / "checkpoints"))
+    assert [(c.step, c.permanent) for c in saved] == [(4, True), (6, False)]
+    assert saved[-1].metadata["data"] == {"batches_consumed": 6}
+    assert saved[-1].metadata["hooks"] == {"Recorder": {"count": 6}}
+
+    second = make_trainer(tmp_path)
+    recorder = second.add_hook(Recorder())
+    state, batches = start(second)
+    assert int(state.step) == 6 and second.restored_from.step == 6
+    final = second.train(state, batches)
+    assert recorder.count == STEPS  # 6 restored + 6 new
+    assert recorder.losses == {s: full_losses[s] for s in range(7, STEPS + 1)}  # exact floats
+    for a, b in zip(params(final.state), full_params, strict=True):
+        np.testing.assert_array_equal(a, b)
+    done = list_checkpoints(str(tmp_path / "checkpoints"))
+    assert [(c.step, c.permanent) for c in done] == [(4, True), (8, True), (12, True)]
+
+
+def test_load_checkpoint_modes(tmp_path):
+    with pytest.raises(FileNotFoundError, match="trainer.load_checkpoint is true but there is no"):
+        start(make_trainer(tmp_path, load_checkpoint=True))
+    trainer = make_trainer(tmp_path, num_train_steps=4)
+    trainer.train(*start(trainer))
+    state, _ = start(make_trainer(tmp_path, load_checkpoint=False))
+    assert int(state.step) == 0
+    state, _ = start(make_trainer(tmp_path))
+    assert int(state.step) == 4
+    elsewhere = make_trainer(
+        tmp_path / "other", load_checkpoint=True, load_checkpoint_path=str(tmp_path / "checkpoints")
+    )
+    assert int(start(elsewhere)[0].step) == 4
+
+
+def test_initialize_from_takes_weights_only(tmp_path):
+    source = make_trainer(tmp_path / "source", num_train_steps=3)
+    trained = source.train(*start(source)).state
+    trainer = make_trainer(
+        tmp_path / "new", initialize_from=str(tmp_path / "source" / "checkpoints")
+    )
+    state, _ = start(trainer)
+    assert int(state.step) == 0
+    for a, b in zip(params(state), params(trained), strict=True):
+        np.testing.assert_array_equal(a, b)
+    mu = jax.tree.leaves(state.opt_state[1].mu)
+    assert all(not np.any(np.asarray(m)) for m in mu)  # a fresh optimizer
+
+
+def test_partial_checkpoints_need_permission(tmp_path):
+    source = make_trainer(tmp_path / "tied", num_train_steps=2)
+    trained = source.train(*start(source)).state
+    untied = Gpt2Config(**{**MODEL.__dict__, "tie_word_embeddings": False})
+    path = str(tmp_path / "tied" / "checkpoints")
+    with pytest.raises(
+        CheckpointError, match=r"lacks \d+ array\(s\) of the state, e\.g\. .*lm_head"
+    ):
+        start(make_trainer(tmp_path / "a", model=untied, load_checkpoint_path=path))
+    state, _ = start(
+        make_trainer(
+            tmp_path / "b", model=untied, load_checkpoint_path=path, allow_partial_checkpoint=True
+        )
+    )
+    assert int(state.step) == 2 and state.model.lm_head is not None
+    np.testing.assert_array_equal(
+        state.model.token_embeddings.weight.array, trained.model.token_embeddings.weight.array
+    )
