@@ -99,6 +99,66 @@ def source_paths(source: SourceConfig) -> list[Path]:
     return [Path(path) for path in paths]
 
 
+EMBEDDED_SHARD_FILES = 64
+"""Files of an embedded corpus per shard (one document per file)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A piece of a source that one worker reads on its own: a file, or a group of files."""
+
+    source: SourceConfig
+    index: int
+    """Position among the source's shards; documents are ordered by shard, then within it."""
+    name: str
+    """Stable, unique name (the file path or URL, or a description), used in ledgers and errors."""
+    paths: tuple[str, ...]
+    """The files this shard reads, in order."""
+
+
+@dataclass
+class ReadStats:
+    """What reading a shard found: documents yielded, bad records skipped (and a few examples)."""
+
+    documents: int = 0
+    skipped: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def skip(self, where: str, why: str) -> None:
+        self.skipped += 1
+        if len(self.examples) < 5:
+            self.examples.append(f"{where}: {why}")
+
+
+def source_shards(source: SourceConfig) -> list[Shard]:
+    """The shards of `source` in document order: one per file (embedded corpora: groups of files)."""
+    paths = [str(p) for p in source_paths(source)]
+    if source.embedded is not None:
+        groups = [
+            paths[i : i + EMBEDDED_SHARD_FILES] for i in range(0, len(paths), EMBEDDED_SHARD_FILES)
+        ]
+        return [
+            Shard(source, i, f"{source.embedded}[{i}]", tuple(group))
+            for i, group in enumerate(groups)
+        ]
+    return [Shard(source, i, path, (path,)) for i, path in enumerate(paths)]
+
+
+def read_shard(
+    shard: Shard, *, skip_bad_records: bool = False, stats: ReadStats | None = None
+) -> Iterator[str]:
+    """Yields the documents of `shard` in order.
+
+    A bad record (invalid JSON, missing `text_key`, undecodable bytes) raises ValueError
+    naming the file and line, or with `skip_bad_records` is skipped and counted in `stats`.
+    `max_documents` is not applied here (it counts across shards).
+    """
+    stats = stats if stats is not None else ReadStats()
+    for document in _iter_all_documents(shard.source, [Path(p) for p in shard.paths]):
+        stats.documents += 1
+        yield document
+
+
 def iter_documents(source: SourceConfig) -> Iterator[str]:
     """Yields the documents of `source` in a deterministic order, at most `max_documents`."""
     documents = _iter_all_documents(source, source_paths(source))
