@@ -6,11 +6,13 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from loomax.config import ConfigError, parse_config
 
 COMMANDS = {
     "train": "train a language model: loomax train --config_path FILE [--section.field VALUE ...]",
+    "tokenizer": "train a byte-level BPE on a config's train sources: loomax tokenizer train --config_path FILE --out DIR",
     "bench": "time the jitted train step on synthetic data: loomax bench --config_path FILE [--steps N] [--save_every K]",
 }
 
@@ -32,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         _train(rest)
     elif command == "bench":
         _bench(rest)
+    elif command == "tokenizer":
+        _tokenizer(rest)
 
 
 def main_error(message: str) -> None:
@@ -73,6 +77,34 @@ def _train(args: list[str]) -> None:
     if result.sample is not None:
         print("sample:\n" + "-" * 60 + "\n" + result.sample + "\n" + "-" * 60)
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}")
+
+
+def _tokenizer(args: list[str]) -> None:
+    from loomax.data.sources import iter_documents
+    from loomax.data.tokenizer import train_bpe_tokenizer
+    from loomax.train_lm import TrainLmConfig
+
+    if not args or args[0] != "train":
+        main_error("usage: loomax tokenizer train --config_path FILE --out DIR [--vocab_size N]")
+    parser = argparse.ArgumentParser(prog="loomax tokenizer train", add_help=False)
+    parser.add_argument("--out", required=True, help="directory (or .json path) to write")
+    parser.add_argument(
+        "--vocab_size", type=int, default=None, help="default: data.tokenizer_vocab_size"
+    )
+    try:
+        known, rest = parser.parse_known_args(args[1:])
+    except SystemExit:
+        main_error("loomax tokenizer train needs --out DIR")
+    config = _load(TrainLmConfig, rest)
+    out = Path(known.out)
+    out = out if out.suffix == ".json" else out / "tokenizer.json"
+    vocab = known.vocab_size or config.data.tokenizer_vocab_size
+    try:
+        documents = (doc for source in config.data.train for doc in iter_documents(source))
+        tokenizer = train_bpe_tokenizer(documents, vocab, out)
+    except (ValueError, FileNotFoundError) as e:
+        main_error(str(e))
+    print(f"trained a byte-level BPE of {tokenizer.get_vocab_size()} tokens: {out}")
 
 
 def _bench(args: list[str]) -> None:

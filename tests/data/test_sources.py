@@ -1,17 +1,50 @@
-"""Reading documents from files and from the embedded corpus."""
+"""Sources: listing files and URLs, shards, Hugging Face datasets, fingerprints, presets."""
 
+import gzip
 import json
 import os
+import pickle
+import subprocess
+import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from loomax.data.sources import SourceConfig, iter_documents, source_fingerprint, source_paths
+from loomax.config import parse_config
+from loomax.data import DataConfig
+from loomax.data.sources import (
+    HfSourceConfig,
+    ReadStats,
+    SourceConfig,
+    iter_documents,
+    read_shard,
+    source_fingerprint,
+    source_paths,
+    source_shards,
+)
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+
+
+def hf_source(**kwargs) -> SourceConfig:
+    return SourceConfig(hf=HfSourceConfig(**kwargs))
+
+
+@pytest.fixture(autouse=True)
+def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeps what `datasets.load_dataset` prepares out of the user's HF cache."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+# --------------------------------------------------------------------------- files
 
 
 def test_txt_files_are_one_document_each(tmp_path: Path) -> None:
@@ -21,14 +54,17 @@ def test_txt_files_are_one_document_each(tmp_path: Path) -> None:
     assert documents == ["first", "second\nstill second"]
 
 
-def test_jsonl_lines_are_documents_under_text_key(tmp_path: Path) -> None:
-    path = tmp_path / "data.jsonl"
-    path.write_text(
-        json.dumps({"body": "one", "id": 1}) + "\n\n" + json.dumps({"body": "two"}) + "\n",
-        encoding="utf-8",
-    )
-    source = SourceConfig(urls=[str(path)], text_key="body")
-    assert list(iter_documents(source)) == ["one", "two"]
+def test_every_format_in_one_source(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("text file", encoding="utf-8")
+    write_jsonl(tmp_path / "b.jsonl", [{"body": "plain"}])
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(b'{"body": "gzip"}\n'))
+    pq.write_table(pa.table({"body": ["parquet 0", "parquet 1"]}), tmp_path / "d.parquet")
+    source = SourceConfig(urls=[f"file://{tmp_path}/*"], text_key="body")
+    assert [shard.name for shard in source_shards(source)] == [
+        str(tmp_path / name) for name in ("a.txt", "b.jsonl", "c.jsonl.gz", "d.parquet")
+    ]
+    documents = ["text file", "plain", "gzip", "parquet 0", "parquet 1"]
+    assert list(iter_documents(source)) == documents
 
 
 def test_brace_expansion_keeps_pattern_order(tmp_path: Path) -> None:
@@ -40,12 +76,65 @@ def test_brace_expansion_keeps_pattern_order(tmp_path: Path) -> None:
     assert list(iter_documents(source)) == ["doc 9", "doc 10", "doc 11", "doc 0", "doc 2"]
 
 
-def test_globs_are_sorted_and_deduplicated(tmp_path: Path) -> None:
-    for name in ["c", "a", "b"]:
+def test_globs_are_sorted_deduplicated_and_skip_hidden_files_and_folders(tmp_path: Path) -> None:
+    for name in ["c", "a", "b", ".hidden"]:
         (tmp_path / f"{name}.txt").write_text(name, encoding="utf-8")
+    (tmp_path / "folder.txt").mkdir()
     source = SourceConfig(urls=[str(tmp_path / "*.txt"), str(tmp_path / "a.txt")])
     assert [p.name for p in source_paths(source)] == ["a.txt", "b.txt", "c.txt"]
     assert list(iter_documents(source)) == ["a", "b", "c"]
+
+
+def test_recursive_globs_and_home_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "x" / "y").mkdir(parents=True)
+    (tmp_path / "x" / "top.txt").write_text("top", encoding="utf-8")
+    (tmp_path / "x" / "y" / "deep.txt").write_text("deep", encoding="utf-8")
+    source = SourceConfig(urls=["~/x/**/*.txt"])
+    assert sorted(iter_documents(source)) == ["deep", "top"]
+
+
+def test_memory_urls_with_globs_and_braces() -> None:
+    for i in range(4):
+        with fsspec.open(f"memory://sources/part_{i}.jsonl.gz", "wb") as f:
+            f.write(gzip.compress(json.dumps({"text": f"m{i}"}).encode() + b"\n"))
+    source = SourceConfig(urls=["memory://sources/part_{3,1}.jsonl.gz", "memory://sources/*.gz"])
+    shards = source_shards(source)
+    assert [shard.name for shard in shards] == [
+        f"memory:///sources/part_{i}.jsonl.gz" for i in (3, 1, 0, 2)
+    ]
+    assert [shard.paths for shard in shards] == [(shard.name,) for shard in shards]
+    assert list(iter_documents(source)) == ["m3", "m1", "m0", "m2"]
+    with pytest.raises(ValueError, match="not a local file"):
+        source_paths(source)
+
+
+def test_shards_are_files_in_order_and_picklable(tmp_path: Path) -> None:
+    for i in range(3):
+        write_jsonl(tmp_path / f"s{i}.jsonl", [{"text": f"{i}.{j}"} for j in range(2)])
+    shards = source_shards(SourceConfig(urls=[str(tmp_path / "s*.jsonl")]))
+    assert [(s.index, s.count, s.paths) for s in shards] == [
+        (i, 3, (str(tmp_path / f"s{i}.jsonl"),)) for i in range(3)
+    ]
+    restored = pickle.loads(pickle.dumps(shards[1]))
+    assert restored == shards[1]
+    stats = ReadStats()
+    assert list(read_shard(restored, stats=stats)) == ["1.0", "1.1"]
+    assert stats.documents == 2
+
+
+def test_read_shard_skips_and_counts_bad_records(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\nnot json\n{"other": 1}\n{"text": "end"}\n', encoding="utf-8")
+    (shard,) = source_shards(SourceConfig(urls=[str(path)]))
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2: invalid JSON"):
+        list(read_shard(shard))
+    stats = ReadStats()
+    assert list(read_shard(shard, skip_bad_records=True, stats=stats)) == ["ok", "end"]
+    assert (stats.documents, stats.skipped) == (2, 2)
+    assert stats.examples[1] == f"{path}, line 3: no key 'text' (set `text_key`)"
 
 
 def test_max_documents_caps_after_sorting(tmp_path: Path) -> None:
@@ -63,31 +152,57 @@ def test_missing_text_key_names_file_line_and_key(tmp_path: Path) -> None:
 
 def test_pattern_matching_nothing_is_named(tmp_path: Path) -> None:
     (tmp_path / "shard_0.txt").write_text("x", encoding="utf-8")
-    with pytest.raises(FileNotFoundError, match=r"shard_1\.txt"):
+    with pytest.raises(FileNotFoundError, match=r"shard_1\.txt \(from .*shard_\{0\.\.1\}"):
         iter_documents(SourceConfig(urls=[str(tmp_path / "shard_{0..1}.txt")]))
+    with pytest.raises(FileNotFoundError, match=r"memory://nowhere/\*\.jsonl"):
+        source_shards(SourceConfig(urls=["memory://nowhere/*.jsonl"]))
 
 
 def test_unknown_extension_names_file_and_supported(tmp_path: Path) -> None:
     (tmp_path / "notes.md").write_text("x", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"notes\.md.*\.txt, \.jsonl"):
+    with pytest.raises(ValueError, match=r"notes\.md: unsupported.*\.txt, .*\.jsonl\.zst"):
         iter_documents(SourceConfig(urls=[str(tmp_path / "notes.md")]))
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"urls": ["a.txt"], "embedded": "python_stdlib"}, "either `urls` or `embedded`, not both"),
-        ({}, "either `urls`"),
+        (
+            {"urls": ["a.txt"], "embedded": "python_stdlib"},
+            "exactly one of .*`urls` and `embedded`",
+        ),
+        ({"urls": ["a.txt"], "hf": HfSourceConfig("x")}, "got `urls` and `hf`"),
+        ({}, "give exactly one of `urls`"),
         ({"embedded": "wikipedia"}, "unknown `embedded` corpus 'wikipedia'"),
         ({"urls": "a.txt"}, "`urls` must be a list"),
-        ({"urls": ["gs://bucket/a.txt"]}, "only local files"),
+        ({"urls": ["nosuchfs://bucket/a.txt"]}, "unknown protocol 'nosuchfs'"),
         ({"urls": ["a.txt"], "weight": 0.0}, "`weight` must be > 0"),
         ({"urls": ["a.txt"], "max_documents": 0}, "`max_documents` must be >= 1"),
+        ({"hf": HfSourceConfig("x"), "text_key": "body"}, "set `hf.text_key`"),
     ],
 )
 def test_invalid_source_configs(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SourceConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"id": ""}, "`hf.id` must not be empty"),
+        ({"id": "x", "split": ""}, "`hf.split` must not be empty"),
+        ({"id": "x", "num_shards": 0}, "`hf.num_shards` must be >= 1"),
+        ({"id": "x", "data_files": "a.parquet"}, "`hf.data_files` must be a list"),
+    ],
+)
+def test_invalid_hf_configs(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HfSourceConfig(**kwargs)
+
+
+def test_remote_urls_are_accepted() -> None:
+    source = SourceConfig(urls=["gs://bucket/shard_{0..127}.jsonl.gz", "s3://b/*.parquet"])
+    assert len(source.urls) == 2
 
 
 def test_python_stdlib_corpus() -> None:
@@ -103,6 +218,12 @@ def test_python_stdlib_corpus() -> None:
     documents = list(iter_documents(source))
     assert len(documents) == 20
     assert sum(len(d) for d in documents) > 1000
+    shards = source_shards(source)
+    assert sum(len(s.paths) for s in shards) == len(paths)
+    assert shards[0].name == "python_stdlib[0]" and shards[0].count == len(shards)
+
+
+# --------------------------------------------------------------------------- fingerprints
 
 
 def test_fingerprint_is_stable_and_tracks_files_and_config(tmp_path: Path) -> None:
@@ -118,3 +239,168 @@ def test_fingerprint_is_stable_and_tracks_files_and_config(tmp_path: Path) -> No
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     assert source_fingerprint(source) != changed
+
+
+def test_fingerprint_of_memory_files_follows_rewrites() -> None:
+    with fsspec.open("memory://fp/a.jsonl", "wb") as f:
+        f.write(b'{"text": "one"}\n')
+    source = SourceConfig(urls=["memory://fp/*.jsonl"])
+    first = source_fingerprint(source)
+    assert source_fingerprint(source) == first
+    with fsspec.open("memory://fp/a.jsonl", "wb") as f:
+        f.write(b'{"text": "two"}\n')
+    assert source_fingerprint(source) != first
+
+
+def test_fingerprint_of_a_local_hf_dataset_follows_its_files(tmp_path: Path) -> None:
+    data = tmp_path / "pq"
+    data.mkdir()
+    pq.write_table(pa.table({"text": ["a"]}), data / "train.parquet")
+    source = hf_source(id=str(data))
+    first = source_fingerprint(source)
+    assert source_fingerprint(source) == first
+    assert source_fingerprint(hf_source(id=str(data), split="test")) != first
+    pq.write_table(pa.table({"text": ["a", "b"]}), data / "train.parquet")
+    assert source_fingerprint(source) != first
+    hub = source_fingerprint(hf_source(id="org/name"))
+    assert hub != source_fingerprint(hf_source(id="org/name", revision="v2"))
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+
+@pytest.fixture
+def saved_dataset(tmp_path: Path) -> Path:
+    """A `save_to_disk` DatasetDict: train has 10 rows, validation 3."""
+    train = datasets.Dataset.from_dict(
+        {"text": [f"doc {i}" for i in range(10)], "id": list(range(10))}
+    )
+    validation = datasets.Dataset.from_dict({"text": ["v0", "v1", "v2"], "id": [0, 1, 2]})
+    path = tmp_path / "saved"
+    datasets.DatasetDict({"train": train, "validation": validation}).save_to_disk(str(path))
+    return path
+
+
+@pytest.fixture
+def parquet_dataset(tmp_path: Path) -> Path:
+    """A directory of three parquet files of four rows each, loadable by `load_dataset`."""
+    root = tmp_path / "pq_dataset"
+    (root / "data").mkdir(parents=True)
+    for k in range(3):
+        texts = [f"f{k} r{j}" for j in range(4)]
+        pq.write_table(pa.table({"text": texts}), root / "data" / f"train-{k}.parquet")
+    return root
+
+
+def test_hf_saved_dataset_in_row_range_shards(saved_dataset: Path) -> None:
+    source = hf_source(id=str(saved_dataset), num_shards=3)
+    shards = source_shards(source)
+    label = f"hf:{saved_dataset}:train"
+    assert [(s.name, s.rows, s.count, s.paths) for s in shards] == [
+        (f"{label}:rows[0:3]", (0, 3), 3, ()),
+        (f"{label}:rows[3:6]", (3, 6), 3, ()),
+        (f"{label}:rows[6:10]", (6, 10), 3, ()),
+    ]
+    restored = pickle.loads(pickle.dumps(shards[2]))
+    assert list(read_shard(restored)) == ["doc 6", "doc 7", "doc 8", "doc 9"]
+    assert list(iter_documents(source)) == [f"doc {i}" for i in range(10)]
+    validation = hf_source(id=str(saved_dataset), split="validation", num_shards=8)
+    assert [s.rows for s in source_shards(validation)] == [(0, 1), (1, 2), (2, 3)]
+    assert list(iter_documents(validation)) == ["v0", "v1", "v2"]
+
+
+def test_hf_saved_dataset_streaming(saved_dataset: Path) -> None:
+    source = hf_source(id=str(saved_dataset), streaming=True, num_shards=2)
+    shards = source_shards(source)
+    assert [(s.name, s.rows, s.count) for s in shards] == [
+        (f"hf:{saved_dataset}:train:stream[0/2]", None, 2),
+        (f"hf:{saved_dataset}:train:stream[1/2]", None, 2),
+    ]
+    parts = [list(read_shard(pickle.loads(pickle.dumps(shard)))) for shard in shards]
+    assert parts == [[f"doc {i}" for i in range(5)], [f"doc {i}" for i in range(5, 10)]]
+
+
+def test_hf_parquet_directory(parquet_dataset: Path) -> None:
+    everything = [f"f{k} r{j}" for k in range(3) for j in range(4)]
+    source = hf_source(id=str(parquet_dataset))
+    assert [s.rows for s in source_shards(source)] == [(0, 12)]
+    assert list(iter_documents(source)) == everything
+    streaming = hf_source(id=str(parquet_dataset), streaming=True)
+    shards = source_shards(streaming)
+    assert [s.count for s in shards] == [3, 3, 3]
+    assert [list(read_shard(s)) for s in shards] == [everything[i : i + 4] for i in (0, 4, 8)]
+    grouped = source_shards(hf_source(id=str(parquet_dataset), streaming=True, num_shards=2))
+    assert [len(list(read_shard(s))) for s in grouped] == [8, 4]
+
+
+def test_hf_packaged_builder_with_data_files(parquet_dataset: Path) -> None:
+    files = [str(parquet_dataset / "data" / f"train-{k}.parquet") for k in (2, 0)]
+    source = hf_source(id="parquet", data_files=files)
+    assert list(iter_documents(source)) == [f"f{k} r{j}" for k in (2, 0) for j in range(4)]
+
+
+def test_hf_errors_name_the_dataset(saved_dataset: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no split 'test' in .*saved; splits: train, validation"):
+        source_shards(hf_source(id=str(saved_dataset), split="test"))
+    with pytest.raises(ValueError, match=r"`hf.name` is not used for a dataset saved"):
+        source_shards(hf_source(id=str(saved_dataset), name="sample"))
+    source = hf_source(id=str(saved_dataset), text_key="body")
+    (shard,) = source_shards(source)
+    with pytest.raises(ValueError, match=r"rows 0-9: no column 'body' \(columns: text, id"):
+        list(read_shard(shard))
+    stats = ReadStats()
+    assert list(read_shard(shard, skip_bad_records=True, stats=stats)) == []
+    assert stats.skipped == 10
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=rf"hf:{empty}:train: cannot load"):
+        source_shards(hf_source(id=str(empty)))
+
+
+def test_hf_null_texts_are_bad_records(tmp_path: Path) -> None:
+    path = tmp_path / "nulls"
+    datasets.Dataset.from_dict({"text": ["a", None, "c"]}).save_to_disk(str(path))
+    for streaming in (False, True):
+        (shard,) = source_shards(hf_source(id=str(path), streaming=streaming))
+        with pytest.raises(ValueError, match=r", row 1: 'text' is null"):
+            list(read_shard(shard))
+        stats = ReadStats()
+        assert list(read_shard(shard, skip_bad_records=True, stats=stats)) == ["a", "c"]
+        assert (stats.documents, stats.skipped) == (2, 1)
+
+
+def test_datasets_is_imported_only_for_hf_sources() -> None:
+    code = (
+        "import sys, loomax.data.sources, loomax.data.readers;"
+        "assert 'datasets' not in sys.modules, 'datasets imported eagerly'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- presets
+
+
+@dataclass(frozen=True)
+class _Run:
+    data: DataConfig
+
+
+@pytest.mark.parametrize(
+    ("preset", "hf"),
+    [
+        (
+            "fineweb_edu",
+            HfSourceConfig("HuggingFaceFW/fineweb-edu", name="sample-10BT", streaming=True),
+        ),
+        ("openwebtext", HfSourceConfig("Skylion007/openwebtext", num_shards=64)),
+    ],
+)
+def test_presets_parse_as_the_data_section(
+    repo_root: Path, tmp_path: Path, preset: str, hf: HfSourceConfig
+) -> None:
+    path = repo_root / "config" / "data" / f"{preset}.yaml"
+    config = parse_config(DataConfig, path)
+    assert config.train == [SourceConfig(hf=hf)]
+    run = tmp_path / "run.yaml"
+    run.write_text(f"data: !include {path}\n", encoding="utf-8")
+    assert parse_config(_Run, run).data == config

@@ -63,13 +63,25 @@ def test_missing_path_is_named(tmp_path: Path) -> None:
         load_tokenizer(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "meta-llama/Llama-2-7b-hf"])
-def test_hub_ids_are_not_supported_yet(
-    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_hub_ids_resolve_from_the_hf_cache_offline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match="only local tokenizer.json paths are supported"):
-        load_tokenizer(name)
+    cache = tmp_path / "hf"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="'org/tiny' is not a local path, and fetching it"):
+        load_tokenizer("org/tiny")
+    # the layout huggingface_hub leaves in its cache after a download
+    snapshot = cache / "models--org--tiny" / "snapshots" / "abc123"
+    train_bpe_tokenizer(CORPUS, vocab_size=300, out_path=snapshot / "tokenizer.json")
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    assert load_tokenizer("org/tiny").get_vocab_size() == 300
 
 
 def test_vocab_size_too_small(tmp_path: Path) -> None:

@@ -13,11 +13,21 @@ def _default_train_sources() -> list[SourceConfig]:
 
 
 @dataclass(frozen=True)
+class WeightStage:
+    """Mixture weights from a given step on."""
+
+    start: int = 0
+    """First step these weights apply to."""
+    weights: list[float] = field(default_factory=list)
+    """One weight per `data.train` source, in order."""
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Where the training and validation documents come from and how they are tokenized."""
 
     tokenizer: str | None = None
-    """Path to a tokenizer.json; null = train a byte-level BPE of `tokenizer_vocab_size` on the train sources and store it in the cache dir."""
+    """Path to a tokenizer.json (or its folder), or a Hugging Face hub id (needs network or the HF cache); null = train a byte-level BPE of `tokenizer_vocab_size` on the train sources into the cache dir."""
 
     tokenizer_vocab_size: int = 8192
     """Vocabulary size of the BPE trained when `tokenizer` is null (>= 260)."""
@@ -26,7 +36,7 @@ class DataConfig:
     """Where the trained tokenizer and the tokenized documents are stored and reused."""
 
     train: list[SourceConfig] = field(default_factory=_default_train_sources)
-    """Sources of the training documents, concatenated in order (weights are not used yet)."""
+    """Sources of the training documents; each is a dataset of its own, mixed by the sources' `weight`."""
 
     validation: list[SourceConfig] = field(default_factory=list)
     """Sources of the validation documents; empty = hold out `validation_fraction` of the train documents."""
@@ -36,6 +46,21 @@ class DataConfig:
 
     shuffle: bool = True
     """Shuffle the order of training windows, with a new permutation each epoch."""
+
+    shuffle_seed: int | None = None
+    """Seed of the window order and the mixture; null = trainer.seed."""
+
+    weight_schedule: list[WeightStage] = field(default_factory=list)
+    """Mixture weights that change at given steps: [{start: 1000, weights: [0.5, 0.5]}]; before the first, the sources' weights."""
+
+    bos: bool = False
+    """Prepend the tokenizer's beginning-of-document token to every document (EOS is always appended)."""
+
+    skip_bad_records: bool = False
+    """Skip (and count) unreadable records instead of stopping with an error naming file and line."""
+
+    prefetch: int = 4
+    """Batches the loader prepares ahead on a background thread; 0 = none."""
 
     def __post_init__(self) -> None:
         if not self.train:
@@ -51,5 +76,19 @@ class DataConfig:
             )
         if not self.cache_dir:
             raise ValueError("data.cache_dir must not be empty")
+        for i, stage in enumerate(self.weight_schedule):
+            where = f"data.weight_schedule[{i}]"
+            if len(stage.weights) != len(self.train):
+                raise ValueError(
+                    f"{where}.weights has {len(stage.weights)} entries for {len(self.train)} data.train sources"
+                )
+            if any(w < 0 for w in stage.weights) or sum(stage.weights) <= 0:
+                raise ValueError(
+                    f"{where}.weights must be >= 0 with a positive sum, got {stage.weights}"
+                )
+            if stage.start <= 0 or (i and stage.start <= self.weight_schedule[i - 1].start):
+                raise ValueError(f"{where}.start must be > 0 and increasing, got {stage.start}")
+        if self.prefetch < 0:
+            raise ValueError(f"data.prefetch must be >= 0, got {self.prefetch}")
         if self.tokenizer == "":
             raise ValueError("data.tokenizer: give a tokenizer.json path, or null to train one")

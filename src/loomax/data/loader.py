@@ -1,9 +1,14 @@
 """Batches of windows: a deterministic, resumable training stream and fixed eval batches."""
 
-from collections.abc import Iterator
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import numpy as np
 
+from loomax.data.mixture import Mixture
+from loomax.data.permutation import FeistelPermutation
 from loomax.data.windows import TokenWindows
 
 
@@ -17,81 +22,191 @@ def process_rows(num_rows: int, process_index: int, process_count: int) -> slice
     return slice(process_index * share, (process_index + 1) * share)
 
 
-class BatchLoader:
-    """Training batches addressed by step, so resuming at any step needs no replay.
+class Windows(Protocol):
+    """What the loader reads: fixed-length windows by index (``TokenWindows``, a cache split)."""
 
-    The windows are read in a stream made of one permutation per epoch, concatenated;
-    epoch `e` uses the permutation drawn from `np.random.default_rng([seed, e])` (or the
-    identity if `shuffle` is off). Batch `step` is stream positions
-    `[step * batch_size, (step + 1) * batch_size)`, so a batch may span two epochs, and a
-    batch larger than the dataset simply spans several.
+    seq_len: int
+
+    def __len__(self) -> int: ...
+
+    def get_batch(self, indices: np.ndarray) -> np.ndarray: ...
+
+
+class BatchLoader:
+    """Training batches addressed by step: batch ``k`` is computed directly, with no replay.
+
+    Stream position ``p = step * batch_size + row`` is one sample. With several datasets
+    a ``Mixture`` decides, per position, which dataset gives it and which of that
+    dataset's samples it is (weights may change at given steps). A dataset's ``j``-th
+    sample is window ``perm_e(j mod n)`` in epoch ``e = j // n``, where ``perm_e`` is a
+    Feistel permutation keyed by ``(seed, dataset, e)`` (the identity without
+    ``shuffle``): nothing of size ``n`` is materialised. Each process computes and reads
+    only its own rows; ``iter_from`` prefetches batches on a background thread.
     """
 
     def __init__(
-        self, windows: TokenWindows, batch_size: int, seed: int, shuffle: bool = True
+        self,
+        windows: Windows | Sequence[Windows],
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        *,
+        weights: Sequence[float] | None = None,
+        weight_schedule: Sequence[tuple[int, Sequence[float]]] = (),
+        prefetch: int = 2,
     ) -> None:
-        if len(windows) == 0:
-            raise ValueError(
-                f"cannot load batches from zero windows ({windows.num_tokens} tokens, "
-                f"seq_len {windows.seq_len})"
-            )
+        datasets = list(windows) if isinstance(windows, list | tuple) else [windows]
+        for i, dataset in enumerate(datasets):
+            if len(dataset) == 0:
+                raise ValueError(f"cannot load batches from dataset {i}: it has zero windows")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
-        self.windows = windows
+        self.datasets = datasets
+        self.windows = datasets[0]
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
-        self._permutations: dict[int, np.ndarray] = {}
+        self.prefetch = prefetch
+        self.mixture: Mixture | None = None
+        if len(datasets) > 1 or weight_schedule:
+            stages = [(0, list(weights) if weights is not None else [1.0] * len(datasets))]
+            stages += [(start * batch_size, list(w)) for start, w in weight_schedule if start > 0]
+            self.mixture = Mixture(stages, seed)
+        self._perms: dict[tuple[int, int], FeistelPermutation] = {}
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The window indices of epoch `epoch`, in the order they are read."""
-        order = self._permutations.get(epoch)
-        if order is None:
-            if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
-            else:
-                order = np.arange(len(self.windows))
-            if len(self._permutations) >= 2:
-                self._permutations.pop(min(self._permutations))
-            self._permutations[epoch] = order
-        return order
+    def _permutation(self, dataset: int, epoch: int) -> FeistelPermutation:
+        key = (dataset, epoch)
+        perm = self._perms.get(key)
+        if perm is None:
+            if len(self._perms) > 64:
+                self._perms.clear()
+            perm = FeistelPermutation(
+                len(self.datasets[dataset]), [self.seed, "epoch", dataset, epoch]
+            )
+            self._perms[key] = perm
+        return perm
 
-    def batch_indices(self, step: int) -> np.ndarray:
-        """The window indices of batch `step` (step 0 is the first batch)."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        num_windows = len(self.windows)
-        positions = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
-        epochs, offsets = np.divmod(positions, num_windows)
-        indices = np.empty(self.batch_size, dtype=np.int64)
+    def sample_windows(self, dataset: int, samples: np.ndarray) -> np.ndarray:
+        """Window indices of ``dataset``'s samples number ``samples`` (epochs wrap around)."""
+        epochs, offsets = np.divmod(
+            np.asarray(samples, dtype=np.int64), len(self.datasets[dataset])
+        )
+        if not self.shuffle:
+            return offsets
+        out = np.empty_like(offsets)
         for epoch in np.unique(epochs):
             in_epoch = epochs == epoch
-            indices[in_epoch] = self.epoch_order(int(epoch))[offsets[in_epoch]]
-        return indices
+            out[in_epoch] = self._permutation(dataset, int(epoch))(offsets[in_epoch])
+        return out
+
+    def epoch_order(self, epoch: int, dataset: int = 0) -> np.ndarray:
+        """All window indices of ``dataset``'s epoch ``epoch`` in reading order (materialised: for inspection)."""
+        n = len(self.datasets[dataset])
+        return self.sample_windows(dataset, np.arange(epoch * n, (epoch + 1) * n))
+
+    def locate(self, step: int, rows: slice | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(dataset, window index)`` of each row of batch ``step`` (all rows, or ``rows``)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        positions = np.arange(step * self.batch_size, (step + 1) * self.batch_size)[
+            rows or slice(None)
+        ]
+        if self.mixture is None:
+            datasets, samples = np.zeros_like(positions), positions
+        else:
+            datasets, samples = self.mixture(positions)
+        indices = np.empty_like(samples)
+        for d in np.unique(datasets):
+            mask = datasets == d
+            indices[mask] = self.sample_windows(int(d), samples[mask])
+        return datasets, indices
+
+    def batch_indices(self, step: int) -> np.ndarray:
+        """The window indices of batch ``step`` (of whichever dataset each row comes from)."""
+        return self.locate(step)[1]
 
     def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
-        """Batch `step` as an int32 array of shape `(batch_size, seq_len)`.
+        """Batch ``step`` as an int32 array of shape ``(batch_size, seq_len)``.
 
-        With `process_count > 1`, only this process's contiguous share of the rows,
-        `(batch_size / process_count, seq_len)`: the other rows are never read.
+        With ``process_count > 1``, only this process's contiguous share of the rows,
+        ``(batch_size / process_count, seq_len)``: the other rows are never read.
         """
-        indices = self.batch_indices(step)[
-            process_rows(self.batch_size, process_index, process_count)
-        ]
-        return self.windows.get_batch(indices)
+        rows = process_rows(self.batch_size, process_index, process_count)
+        datasets, indices = self.locate(step, rows)
+        if len(self.datasets) == 1:
+            return np.asarray(self.windows.get_batch(indices), dtype=np.int32)
+        out = np.empty((len(indices), self.windows.seq_len), dtype=np.int32)
+        for d in np.unique(datasets):
+            mask = datasets == d
+            out[mask] = self.datasets[int(d)].get_batch(indices[mask])
+        return out
 
     def iter_from(
         self, step: int, process_index: int = 0, process_count: int = 1
     ) -> Iterator[np.ndarray]:
-        """Yields batch `step`, `step + 1`, ... forever (this process's rows of each)."""
+        """Yields batch ``step``, ``step + 1``, ... forever (this process's rows of each).
+
+        With ``prefetch > 0`` a background thread keeps that many batches ready.
+        """
+        if self.prefetch <= 0:
+            return self._sequential(step, process_index, process_count)
+        return _Prefetcher(
+            lambda k: self.batch(k, process_index, process_count), step, self.prefetch
+        )
+
+    def _sequential(self, step: int, process_index: int, process_count: int):
         while True:
             yield self.batch(step, process_index, process_count)
             step += 1
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self.iter_from(0)
+
+
+class _Prefetcher:
+    """Iterates ``make(step), make(step + 1), ...`` computed ahead on a daemon thread."""
+
+    def __init__(self, make, step: int, depth: int):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(make, step), daemon=True, name="loader"
+        )
+        self._thread.start()
+
+    def _run(self, make, step: int) -> None:
+        while not self._stop.is_set():
+            try:
+                item = (make(step), None)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                item = (None, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[1] is not None:
+                return
+            step += 1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        batch, error = self._queue.get()
+        if error is not None:
+            raise error
+        return batch
+
+    def close(self) -> None:
+        """Stop the background thread."""
+        self._stop.set()
+
+    def __del__(self):
+        self._stop.set()
 
 
 def eval_batches(

@@ -1,12 +1,12 @@
-"""Data sources: which files hold the documents, and how to read them.
+"""Data sources: where the documents are, cut into shards that workers read on their own.
 
-A source is either a list of local files (paths, globs and brace expansion) or an
-embedded corpus. `.txt` files hold one document each; `.jsonl` files hold one document
-per line, as the string under `text_key` of a JSON object.
+A source is exactly one of: files (`urls`: local paths or fsspec URLs, with globs and
+brace expansion; see `readers` for the formats), an embedded corpus (`embedded`), or a
+Hugging Face dataset (`hf`). A file is one shard; a dataset is cut into row ranges (or,
+streaming, into groups of its data files).
 """
 
 import dataclasses
-import glob
 import hashlib
 import itertools
 import json
@@ -14,44 +14,110 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from loomax.data import readers
 from loomax.data.braces import expand_braces
 from loomax.data.embedded import EMBEDDED_CORPORA, embedded_paths
+from loomax.data.readers import SUPPORTED_EXTENSIONS, ReadStats
 
-SUPPORTED_EXTENSIONS = (".txt", ".jsonl")
-"""File name endings `iter_documents` can read."""
+__all__ = [
+    "SUPPORTED_EXTENSIONS",
+    "HfSourceConfig",
+    "ReadStats",
+    "Shard",
+    "SourceConfig",
+    "iter_documents",
+    "read_shard",
+    "source_fingerprint",
+    "source_paths",
+    "source_shards",
+]
+
+
+@dataclass(frozen=True)
+class HfSourceConfig:
+    """A Hugging Face dataset split: a Hub id, a local dataset directory or a packaged builder."""
+
+    id: str
+    """Hub id (`org/name`), a local directory (from `save_to_disk`, or of data files), or a builder like `json`."""
+
+    name: str | None = None
+    """Dataset configuration (subset), e.g. `sample-10BT`; null = the default one."""
+
+    split: str = "train"
+    """Split to read."""
+
+    text_key: str = "text"
+    """Column holding the document text."""
+
+    streaming: bool = False
+    """Stream the data files instead of downloading and preparing the whole split first."""
+
+    revision: str | None = None
+    """Hub branch, tag or commit to read; pin it so the token cache key follows the data."""
+
+    data_dir: str | None = None
+    """Subdirectory of the dataset repository to read (passed to `load_dataset`)."""
+
+    data_files: list[str] = field(default_factory=list)
+    """Data files or globs to read (passed to `load_dataset`); empty = the dataset's own."""
+
+    num_shards: int | None = None
+    """Shards to read in parallel: row ranges, or when streaming groups of data files; null = one per 100k rows, or per data file."""
+
+    def __post_init__(self) -> None:
+        for key in ("id", "split", "text_key"):
+            if not getattr(self, key):
+                raise ValueError(f"data source: `hf.{key}` must not be empty")
+        if isinstance(self.data_files, str):
+            raise ValueError("data source: `hf.data_files` must be a list of paths or globs")
+        if self.num_shards is not None and self.num_shards < 1:
+            raise ValueError(
+                f"data source: `hf.num_shards` must be >= 1 or null, got {self.num_shards}"
+            )
 
 
 @dataclass(frozen=True)
 class SourceConfig:
-    """One source of documents: local files (`urls`) or an embedded corpus (`embedded`)."""
+    """One source of documents: files (`urls`), an embedded corpus, or a Hugging Face dataset (`hf`)."""
 
     urls: list[str] = field(default_factory=list)
-    """Local paths or globs of .txt/.jsonl files; brace expansion like shard_{0..3}.jsonl allowed."""
+    """Local paths or fsspec URLs (gs://, s3://, ...) of .txt, .jsonl(.gz/.zst) or .parquet files; globs and braces like shard_{0..3}.jsonl allowed."""
 
     text_key: str = "text"
-    """Key of the document text in each .jsonl record."""
+    """Key of the document text in each .jsonl record, or column of a .parquet file."""
 
     weight: float = 1.0
-    """Mixture weight, > 0. Recorded only for now: sources are concatenated."""
+    """Mixture weight among the `data.train` sources, > 0."""
 
     embedded: str | None = None
     """Name of an embedded corpus instead of `urls`; `python_stdlib` is the Python standard library's sources."""
 
+    hf: HfSourceConfig | None = None
+    """A Hugging Face dataset instead of `urls`, e.g. {id: HuggingFaceFW/fineweb-edu, name: sample-10BT}."""
+
     max_documents: int | None = None
-    """Use only the first this many documents (in sorted order); null means all."""
+    """Use only the first this many documents (in shard order); null means all."""
 
     def __post_init__(self) -> None:
         if isinstance(self.urls, str):
             raise ValueError(
                 f"data source: `urls` must be a list of paths, got the string {self.urls!r}"
             )
-        if self.urls and self.embedded is not None:
-            raise ValueError("data source: give either `urls` or `embedded`, not both")
-        if not self.urls and self.embedded is None:
+        given = [
+            key
+            for key, value in (("urls", self.urls), ("embedded", self.embedded), ("hf", self.hf))
+            if value
+        ]
+        if len(given) != 1:
+            got = f"; got {' and '.join(f'`{key}`' for key in given)}" if given else ""
             raise ValueError(
-                "data source: give either `urls` (local files) or `embedded` "
-                f"(one of: {', '.join(EMBEDDED_CORPORA)})"
+                "data source: give exactly one of `urls` (files or URLs), `embedded` "
+                f"(one of: {', '.join(EMBEDDED_CORPORA)}) or `hf` (a Hugging Face dataset){got}"
             )
         if self.embedded is not None and self.embedded not in EMBEDDED_CORPORA:
             raise ValueError(
@@ -59,13 +125,15 @@ class SourceConfig:
                 f"known: {', '.join(EMBEDDED_CORPORA)}"
             )
         for url in self.urls:
-            if "://" in url:
+            protocol = url.split("://", 1)[0] if "://" in url else None
+            if protocol is not None and protocol not in fsspec.available_protocols():
                 raise ValueError(
-                    f"data source: `urls` entry {url!r} is not a local path; "
-                    "only local files are supported for now"
+                    f"data source: `urls` entry {url!r} has an unknown protocol {protocol!r}"
                 )
         if not self.text_key:
             raise ValueError("data source: `text_key` must not be empty")
+        if self.hf is not None and self.text_key != "text":
+            raise ValueError("data source: for an `hf` source set `hf.text_key`, not `text_key`")
         if not self.weight > 0:
             raise ValueError(f"data source: `weight` must be > 0, got {self.weight}")
         if self.max_documents is not None and self.max_documents < 1:
@@ -74,145 +142,224 @@ class SourceConfig:
             )
 
 
-def source_paths(source: SourceConfig) -> list[Path]:
-    """The files of `source`, in order: patterns as listed, each glob's matches sorted.
-
-    Raises FileNotFoundError naming a pattern that matches no file, and ValueError naming
-    a file whose extension is not in `SUPPORTED_EXTENSIONS`.
-    """
-    if source.embedded is not None:
-        return embedded_paths(source.embedded)
-    paths: dict[str, None] = {}
-    for url in source.urls:
-        for pattern in expand_braces(os.path.expanduser(url)):
-            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-            if not matches:
-                named = pattern if pattern == url else f"{pattern} (from {url})"
-                raise FileNotFoundError(f"data source: no files match {named}")
-            paths.update(dict.fromkeys(matches))
-    for path in paths:
-        if not path.endswith(SUPPORTED_EXTENSIONS):
-            raise ValueError(
-                f"data source: cannot read {path}: unsupported file type; "
-                f"supported extensions: {', '.join(SUPPORTED_EXTENSIONS)}"
-            )
-    return [Path(path) for path in paths]
-
-
 EMBEDDED_SHARD_FILES = 64
 """Files of an embedded corpus per shard (one document per file)."""
 
 
 @dataclass(frozen=True)
 class Shard:
-    """A piece of a source that one worker reads on its own: a file, or a group of files."""
+    """A piece of a source that one worker reads on its own: a file, a group of files, or rows."""
 
     source: SourceConfig
+    """The source this shard belongs to."""
+
     index: int
     """Position among the source's shards; documents are ordered by shard, then within it."""
+
     name: str
     """Stable, unique name (the file path or URL, or a description), used in ledgers and errors."""
+
     paths: tuple[str, ...]
-    """The files this shard reads, in order."""
+    """The files this shard reads, in order (local paths or URLs); empty for an `hf` shard."""
 
+    rows: tuple[int, int] | None = None
+    """Non-streaming `hf` source: the rows [start, stop) of the split this shard reads."""
 
-@dataclass
-class ReadStats:
-    """What reading a shard found: documents yielded, bad records skipped (and a few examples)."""
-
-    documents: int = 0
-    skipped: int = 0
-    examples: list[str] = field(default_factory=list)
-
-    def skip(self, where: str, why: str) -> None:
-        self.skipped += 1
-        if len(self.examples) < 5:
-            self.examples.append(f"{where}: {why}")
+    count: int = 1
+    """How many shards the source has (a streaming `hf` shard is piece `index` of `count`)."""
 
 
 def source_shards(source: SourceConfig) -> list[Shard]:
-    """The shards of `source` in document order: one per file (embedded corpora: groups of files)."""
-    paths = [str(p) for p in source_paths(source)]
+    """The shards of `source` in document order.
+
+    One per file; an embedded corpus in groups of `EMBEDDED_SHARD_FILES` files; an `hf`
+    source in `num_shards` contiguous row ranges, or when streaming in pieces of the
+    `IterableDataset` (at most one per data file). Listing a non-streaming Hub dataset
+    downloads and prepares it into the HF cache.
+    """
+    if source.hf is not None:
+        return _hf_shards(source, source.hf)
+    paths = [url for url, _ in _list_files(source)]
     if source.embedded is not None:
         groups = [
             paths[i : i + EMBEDDED_SHARD_FILES] for i in range(0, len(paths), EMBEDDED_SHARD_FILES)
         ]
         return [
-            Shard(source, i, f"{source.embedded}[{i}]", tuple(group))
+            Shard(source, i, f"{source.embedded}[{i}]", tuple(group), count=len(groups))
             for i, group in enumerate(groups)
         ]
-    return [Shard(source, i, path, (path,)) for i, path in enumerate(paths)]
+    return [Shard(source, i, path, (path,), count=len(paths)) for i, path in enumerate(paths)]
 
 
 def read_shard(
     shard: Shard, *, skip_bad_records: bool = False, stats: ReadStats | None = None
 ) -> Iterator[str]:
-    """Yields the documents of `shard` in order.
+    """Yields the documents of `shard` in order; needs only the shard (e.g. in a Ray worker).
 
-    A bad record (invalid JSON, missing `text_key`, undecodable bytes) raises ValueError
-    naming the file and line, or with `skip_bad_records` is skipped and counted in `stats`.
-    `max_documents` is not applied here (it counts across shards).
+    A bad record (invalid JSON, missing or non-string text, undecodable bytes) raises
+    ValueError naming the file and line (or row), or with `skip_bad_records` is skipped
+    and counted in `stats`. `max_documents` is not applied here (it counts across shards).
     """
     stats = stats if stats is not None else ReadStats()
-    for document in _iter_all_documents(shard.source, [Path(p) for p in shard.paths]):
-        stats.documents += 1
-        yield document
+    source = shard.source
+    if source.embedded is not None:
+        for path in shard.paths:
+            stats.documents += 1
+            yield Path(path).read_text(encoding="utf-8", errors="replace")
+    elif source.hf is not None:
+        reject = readers.rejecter(skip_bad_records, stats)
+        if shard.rows is not None:
+            documents = readers.read_hf_rows(source.hf, *shard.rows, reject)
+        else:
+            documents = readers.read_hf_stream(source.hf, shard.index, shard.count, reject)
+        for document in documents:
+            stats.documents += 1
+            yield document
+    else:
+        for path in shard.paths:
+            yield from readers.read_file(
+                path, source.text_key, skip_bad_records=skip_bad_records, stats=stats
+            )
 
 
 def iter_documents(source: SourceConfig) -> Iterator[str]:
-    """Yields the documents of `source` in a deterministic order, at most `max_documents`."""
-    documents = _iter_all_documents(source, source_paths(source))
+    """Yields the documents of `source` in shard order, at most `max_documents`."""
+    shards = source_shards(source)
+    documents = itertools.chain.from_iterable(read_shard(shard) for shard in shards)
     return itertools.islice(documents, source.max_documents)
 
 
-def source_fingerprint(source: SourceConfig) -> str:
-    """A hex digest that changes when the config or any of its files (path, size, mtime) does.
+def source_paths(source: SourceConfig) -> list[Path]:
+    """The local files of a `urls` or `embedded` source, in shard order.
 
-    Used as a cache key: equal fingerprints mean the documents can be assumed unchanged.
+    Raises FileNotFoundError naming a pattern that matches no file, and ValueError for an
+    unsupported file type, a URL that is not local, or an `hf` source (use `source_shards`).
     """
-    files = []
-    for path in source_paths(source):
-        stat = path.stat()
-        files.append([os.path.abspath(path), stat.st_size, stat.st_mtime_ns])
-    record = {"config": dataclasses.asdict(source), "files": files}
-    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
-
-
-def _iter_all_documents(source: SourceConfig, paths: list[Path]) -> Iterator[str]:
-    """Yields every document of every file in `paths`."""
+    if source.hf is not None:
+        raise ValueError("data source: an `hf` source has no files; use `source_shards`")
+    paths = [url for url, _ in _list_files(source)]
     for path in paths:
-        if source.embedded is not None:
-            yield path.read_text(encoding="utf-8", errors="replace")
-        elif path.suffix == ".txt":
-            yield _read_utf8(path)
-        else:
-            yield from _iter_jsonl(path, source.text_key)
+        if "://" in path:
+            raise ValueError(f"data source: {path} is not a local file; use `source_shards`")
+    return [Path(path) for path in paths]
 
 
-def _read_utf8(path: Path) -> str:
-    """The text of a UTF-8 file; ValueError naming the file if it is not valid UTF-8."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"data source: {path} is not valid UTF-8 ({error})") from error
+def source_fingerprint(source: SourceConfig) -> str:
+    """A hex digest that changes when the config or any of its files does.
+
+    Files are compared by URL, size and modification time or etag (as fsspec reports
+    them); a local `hf` dataset by the files under its directory. A Hub dataset is keyed
+    by its config only, so pin `hf.revision` to follow upstream changes.
+    """
+    if source.hf is not None:
+        files = _hf_local_files(source.hf)
+    elif source.embedded is not None:
+        files = [
+            (str(path), {"size": stat.st_size, "mtime": stat.st_mtime_ns})
+            for path, stat in ((p, p.stat()) for p in embedded_paths(source.embedded))
+        ]
+    else:
+        files = _list_files(source)
+    record = {
+        "config": dataclasses.asdict(source),
+        "files": [[url, _version(info)] for url, info in files],
+    }
+    digest = json.dumps(record, sort_keys=True, default=str).encode()
+    return hashlib.sha256(digest).hexdigest()
 
 
-def _iter_jsonl(path: Path, text_key: str) -> Iterator[str]:
-    """Yields `record[text_key]` for each non-blank line of a .jsonl file."""
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"data source: {where}: invalid JSON ({error})") from error
-            if not isinstance(record, dict) or text_key not in record:
-                raise ValueError(f"data source: {where}: no key {text_key!r} (set `text_key`)")
-            text = record[text_key]
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"data source: {where}: {text_key!r} is a {type(text).__name__}, not a string"
-                )
-            yield text
+_VERSION_KEYS = (
+    "size",
+    "mtime",
+    "etag",
+    "ETag",
+    "LastModified",
+    "last_modified",
+    "updated",
+    "generation",
+    "md5Hash",
+    "crc32c",
+    "version_id",
+    "VersionId",
+)
+"""fsspec info keys that change when a file's contents do (local, gcsfs, s3fs, ...)."""
+
+
+def _version(info: dict[str, Any]) -> dict[str, Any]:
+    """The parts of an fsspec info record that identify a file's version."""
+    version = {key: info[key] for key in _VERSION_KEYS if info.get(key) is not None}
+    if set(version) <= {"size"} and "created" in info:  # e.g. memory://: no mtime, no etag
+        version["created"] = info["created"]
+    return version
+
+
+def _list_files(source: SourceConfig) -> list[tuple[str, dict[str, Any]]]:
+    """`(url, fsspec info)` of each file of a `urls` or `embedded` source, in order:
+    patterns as listed, each glob's matches sorted, duplicates dropped."""
+    if source.embedded is not None:
+        return [(str(path), {}) for path in embedded_paths(source.embedded)]
+    files: dict[str, dict[str, Any]] = {}
+    for url in source.urls:
+        for pattern in expand_braces(url if "://" in url else os.path.expanduser(url)):
+            matches = _glob_files(pattern)
+            if not matches:
+                named = pattern if pattern == url else f"{pattern} (from {url})"
+                raise FileNotFoundError(f"data source: no files match {named}")
+            for match, info in matches:
+                files.setdefault(match, info)
+    for path in files:
+        if readers.file_format(path) is None:
+            raise ValueError(
+                f"data source: cannot read {path}: unsupported file type; "
+                f"supported extensions: {', '.join(SUPPORTED_EXTENSIONS)}"
+            )
+    return list(files.items())
+
+
+def _glob_files(pattern: str) -> list[tuple[str, dict[str, Any]]]:
+    """The files (not directories) matching one glob, sorted; hidden files only if asked for."""
+    filesystem, path = fsspec.core.url_to_fs(pattern)
+    found = filesystem.glob(path, detail=True)
+    has_magic = any(char in path for char in "*?[")
+    show_hidden = os.path.basename(path).startswith(".")
+    matches = []
+    for name, info in sorted(found.items()):
+        if info.get("type") != "file":
+            continue
+        if has_magic and not show_hidden and os.path.basename(name).startswith("."):
+            continue
+        local = isinstance(filesystem, LocalFileSystem)
+        matches.append((name if local else filesystem.unstrip_protocol(name), info))
+    return matches
+
+
+def _hf_shards(source: SourceConfig, hf: HfSourceConfig) -> list[Shard]:
+    """Row ranges of a non-streaming dataset, or pieces of a streaming one."""
+    label = readers.hf_label(hf)
+    if hf.streaming:
+        streams = readers.hf_num_streams(hf)
+        count = min(hf.num_shards or streams, streams)
+        return [
+            Shard(source, i, f"{label}:stream[{i}/{count}]", (), count=count) for i in range(count)
+        ]
+    rows = readers.hf_num_rows(hf)
+    count = max(1, min(hf.num_shards or readers.hf_default_shards(rows), rows))
+    bounds = [i * rows // count for i in range(count + 1)]
+    return [
+        Shard(source, i, f"{label}:rows[{start}:{stop}]", (), (start, stop), count)
+        for i, (start, stop) in enumerate(itertools.pairwise(bounds))
+    ]
+
+
+def _hf_local_files(hf: HfSourceConfig) -> list[tuple[str, dict[str, Any]]]:
+    """Files of a local `hf` dataset (its directory, or local `data_files`) with their info."""
+    filesystem = LocalFileSystem()
+    root = os.path.expanduser(hf.id)
+    if os.path.isdir(root):
+        found = filesystem.find(root, detail=True)
+    else:
+        found = {}
+        for pattern in hf.data_files:
+            if "://" not in pattern:
+                found.update(filesystem.glob(os.path.expanduser(pattern), detail=True))
+    return sorted((name, info) for name, info in found.items() if info.get("type") == "file")

@@ -65,11 +65,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def resolve_tokenizer_path(path: str | Path) -> Path:
-    """The tokenizer.json file that `path` names: the path itself, or the one in that folder.
+    """The tokenizer.json file that `path` names: the path itself, the one in that folder,
+    or, for a Hugging Face hub id like `gpt2` or `org/model`, its tokenizer.json fetched
+    into (or found in, when offline) the HF cache.
 
     Raises FileNotFoundError naming the path if it looks like a path but is missing, and
-    ValueError for anything else that is not an existing path, such as a hub id: only
-    local tokenizer.json files are supported for now.
+    ValueError naming the id if a hub id cannot be fetched.
     """
     path_str = str(path)
     given = Path(path_str).expanduser()
@@ -78,15 +79,40 @@ def resolve_tokenizer_path(path: str | Path) -> Path:
         return file
     if given.exists() or _looks_like_path(path_str):
         raise FileNotFoundError(f"tokenizer file not found: {file}")
-    raise ValueError(
-        f"tokenizer {path_str!r} is not an existing local path; only local tokenizer.json "
-        "paths are supported for now (hub ids are not)"
-    )
+    return _from_hub(path_str)
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id, "tokenizer.json"))
+    except Exception as error:  # noqa: BLE001 - many network and hub error types
+        raise ValueError(
+            f"tokenizer {repo_id!r} is not a local path, and fetching it from the Hugging Face hub "
+            f"failed (hub ids need network, or the file in the HF cache): {error}"
+        ) from error
 
 
 def _looks_like_path(name: str) -> bool:
     """Whether `name` can only be a file path, not a hub id like `gpt2` or `org/model`."""
     return name.startswith((".", "~", "/")) or name.endswith(".json") or not _HUB_ID.match(name)
+
+
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+"""Tokens `bos_id` accepts as beginning-of-document, in order of preference."""
+
+
+def bos_id(tokenizer: Tokenizer) -> int:
+    """Id of the tokenizer's beginning-of-document token (one of `BOS_CANDIDATES`)."""
+    for token in BOS_CANDIDATES:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    raise ValueError(
+        f"data.bos is true but the tokenizer has no beginning-of-document token; looked for "
+        f"{', '.join(BOS_CANDIDATES)}"
+    )
 
 
 def eos_id(tokenizer: Tokenizer) -> int:
