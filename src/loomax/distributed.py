@@ -7,8 +7,11 @@ started and the run is single-process. On CPU, collectives go through gloo.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import jax
@@ -125,3 +128,99 @@ def _has_accelerator_plugin() -> bool:
         importlib.util.find_spec(m) is not None
         for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")
     )
+
+
+# ---------------------------------------------------------------------- Ray
+# Data preprocessing (the token cache) runs as Ray tasks: on a cluster named by `address`,
+# or on a local one started here. Ray is imported only when used.
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Where data preprocessing runs: a Ray cluster to join, or a local one to start."""
+
+    address: str | None = None
+    """Ray cluster to join (`host:port` of its head, `ray://host:port` or `auto`); null = RAY_ADDRESS if set, else a local cluster."""
+    auto_start_cluster: bool = True
+    """Start a local Ray cluster when there is no address to join; false = fail instead."""
+    num_cpus: int | None = None
+    """CPUs of a local cluster started here; null = all cores. Unused when joining a cluster."""
+    connect_timeout_s: float = 10.0
+    """Seconds to wait for the cluster at `address` to answer before failing."""
+
+    def __post_init__(self):
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"ray.num_cpus must be >= 1 or null, got {self.num_cpus}")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"ray.connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+
+
+def init_ray(config: RayConfig) -> bool:
+    """Join or start Ray as ``config`` says, unless Ray is already initialized.
+
+    Returns whether this call initialized Ray (so the caller should shut it down). Raises
+    ``ConnectionError`` naming the address if the cluster there does not answer, and
+    ``RuntimeError`` if there is nothing to join and ``auto_start_cluster`` is false.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = config.address or os.environ.get("RAY_ADDRESS") or None
+    if address is None:
+        if not config.auto_start_cluster:
+            raise RuntimeError(
+                "no Ray cluster to join: set ray.address (or RAY_ADDRESS), or set "
+                "ray.auto_start_cluster: true to start a local one"
+            )
+        ray.init(
+            address="local",
+            num_cpus=config.num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+        return True
+    _check_reachable(address, config.connect_timeout_s)
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except ConnectionError as e:
+        raise ConnectionError(f"cannot join the Ray cluster at {address!r}: {e}") from e
+    return True
+
+
+@contextlib.contextmanager
+def ray_session(config: RayConfig) -> Iterator[None]:
+    """Ray joined or started as ``config`` says; shut down at exit only if started here."""
+    started = init_ray(config)
+    try:
+        yield
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def _check_reachable(address: str, timeout: float) -> None:
+    """Raise ``ConnectionError`` unless ``host:port`` of ``address`` accepts a TCP connection.
+
+    Ray itself waits minutes on an address nobody listens at; this fails in seconds.
+    ``auto`` (any cluster running on this machine) is left to Ray.
+    """
+    if address == "auto":
+        return
+    host_port = address.removeprefix("ray://")
+    host, sep, port = host_port.rpartition(":")
+    if not sep or not port.isdigit():
+        if address.startswith("ray://"):
+            host, port = host_port, "10001"
+        else:
+            raise ValueError(
+                f"ray.address must be host:port, ray://host[:port] or auto, got {address!r}"
+            )
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ConnectionError(
+            f"cannot reach the Ray cluster at {address!r} (ray.address or RAY_ADDRESS): {e}"
+        ) from e

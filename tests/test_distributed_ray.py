@@ -1,0 +1,53 @@
+"""Ray settings: documented fields, checked values, and clear errors before any waiting."""
+
+import dataclasses
+import socket
+import time
+
+import pytest
+import ray
+
+from loomax.config_reference import field_docs
+from loomax.distributed import RayConfig, init_ray, ray_session
+
+
+def test_every_field_has_a_doc():
+    docs = field_docs(RayConfig)
+    assert [f.name for f in dataclasses.fields(RayConfig) if not docs.get(f.name)] == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"num_cpus": 0}, "ray.num_cpus must be >= 1"), ({"connect_timeout_s": 0}, "must be > 0")],
+)
+def test_bad_values_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RayConfig(**kwargs)
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialized in this process")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def test_unreachable_address_fails_fast_naming_it(no_ray):
+    with socket.socket() as probe:  # a port nobody listens at
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=rf"Ray cluster at '127\.0\.0\.1:{port}'"):
+        init_ray(RayConfig(address=f"127.0.0.1:{port}", connect_timeout_s=2))
+    assert time.monotonic() - start < 10 and not ray.is_initialized()
+
+
+def test_malformed_address_is_refused(no_ray):
+    with pytest.raises(ValueError, match="host:port"):
+        init_ray(RayConfig(address="no-port-here"))
+
+
+def test_no_address_and_no_auto_start_is_an_error(no_ray):
+    with pytest.raises(RuntimeError, match="auto_start_cluster"):
+        with ray_session(RayConfig(auto_start_cluster=False)):
+            pass
