@@ -37,3 +37,16 @@ def tiny_corpus(tmp_path_factory) -> Path:
     path = root / "train.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local 2-CPU Ray cluster for a test module (builds of the token cache join it)."""
+    import ray
+
+    from loomax.distributed import RayConfig, init_ray
+
+    started = init_ray(RayConfig(num_cpus=2))
+    yield
+    if started:
+        ray.shutdown()

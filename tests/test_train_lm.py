@@ -11,6 +11,8 @@ import pytest
 from loomax.config import parse_config
 from loomax.train_lm import TrainLmConfig, train_lm
 
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # one local Ray for the cache builds here
+
 
 def small_config(tmp_path, corpus, *extra):
     args = [

@@ -12,6 +12,7 @@ from loomax.config import ConfigError, parse_config
 
 COMMANDS = {
     "train": "train a language model: loomax train --config_path FILE [--section.field VALUE ...]",
+    "cache": "tokenize the data into the token cache with Ray: loomax cache --config_path FILE [--overwrite]",
     "tokenizer": "train a byte-level BPE on a config's train sources: loomax tokenizer train --config_path FILE --out DIR",
     "bench": "time the jitted train step on synthetic data: loomax bench --config_path FILE [--steps N] [--save_every K]",
 }
@@ -36,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         _bench(rest)
     elif command == "tokenizer":
         _tokenizer(rest)
+    elif command == "cache":
+        _cache(rest)
 
 
 def main_error(message: str) -> None:
@@ -77,6 +80,36 @@ def _train(args: list[str]) -> None:
     if result.sample is not None:
         print("sample:\n" + "-" * 60 + "\n" + result.sample + "\n" + "-" * 60)
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}")
+
+
+def _cache(args: list[str]) -> None:
+    from loomax.data.dataset import build_caches, prepare_tokenizer
+    from loomax.data.token_cache import TokenCacheError
+    from loomax.train_lm import TrainLmConfig
+
+    overwrite = "--overwrite" in args
+    config = _load(TrainLmConfig, [a for a in args if a != "--overwrite"])
+    try:
+        tokenizer = prepare_tokenizer(config.data)
+        train, validation = build_caches(
+            config.data, tokenizer, ray=config.trainer.ray, overwrite=overwrite
+        )
+    except (ValueError, FileNotFoundError, TokenCacheError) as e:
+        main_error(str(e))
+    print(f"tokenizer: {tokenizer}")
+    for kind, infos in (("train", train), ("validation", validation)):
+        for i, info in enumerate(infos):
+            splits = ", ".join(
+                f"{name} {s.documents:,} documents / {s.tokens:,} tokens"
+                for name, s in info.splits.items()
+            )
+            skipped = (
+                f", {info.documents_skipped} bad records skipped" if info.documents_skipped else ""
+            )
+            print(
+                f"data.{kind}[{i}]: {splits}{skipped}; {info.shards_tokenized} of {info.shards_total} shards "
+                f"tokenized now -> {info.url}"
+            )
 
 
 def _tokenizer(args: list[str]) -> None:

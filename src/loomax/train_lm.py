@@ -20,7 +20,7 @@ from loomax.callbacks import (
     make_loss_evaluator,
 )
 from loomax.config import to_yaml
-from loomax.data import BatchLoader, DataConfig, build_lm_datasets, eval_batches
+from loomax.data import BatchLoader, DataConfig, LmDatasets, build_lm_datasets, eval_batches
 from loomax.data.loader import process_rows
 from loomax.mesh import data_parallel_size
 from loomax.models import Gpt2Config, LmConfig, next_token_loss
@@ -96,7 +96,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps),
     )
 
-    data = build_lm_datasets(config.data, model_config.seq_len)
+    data = build_lm_datasets(config.data, model_config.seq_len, ray=trainer_config.ray)
     vocab_size = _resolve_vocab_size(model_config, data.vocab_size)
     eval_size = trainer_config.eval_batch_size or trainer_config.train_batch_size
     validation = eval_batches(data.validation, eval_size, trainer_config.max_eval_batches)
@@ -109,12 +109,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     validation = [
         b[process_rows(len(b), jax.process_index(), jax.process_count())] for b in validation
     ]
-    loader = BatchLoader(
-        data.train,
-        trainer_config.train_batch_size,
-        seed=trainer_config.seed,
-        shuffle=config.data.shuffle,
-    )
+    loader = make_loader(config, data)
 
     tokens_per_step = trainer_config.train_batch_size * model_config.seq_len
     flops_per_token = 3 * model_config.flops_per_token(vocab_size)
@@ -156,13 +151,16 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     )
     if primary:
         print(
-            f"run {trainer.run_id}: {params / 1e6:.2f}M parameters, {len(data.train)} train windows, run dir {run_dir}"
+            f"run {trainer.run_id}: {params / 1e6:.2f}M parameters, {data.num_train_windows} train windows, run dir {run_dir}"
         )
 
     try:
         state = trainer.initial_state(lambda key: model_config.build(vocab_size, key=key))
         batches = loader.iter_from(int(state.step), jax.process_index(), jax.process_count())
-        final = trainer.train(state, batches)
+        try:
+            final = trainer.train(state, batches)
+        finally:
+            getattr(batches, "close", lambda: None)()  # stop the prefetch thread
         text = None
         if config.sample.enabled:
             text = _sample(final, data, config)
@@ -174,6 +172,20 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     finally:
         trainer.finish()
     return TrainLmResult(final, list(evaluator.history), text, run_dir)
+
+
+def make_loader(config: TrainLmConfig, data: LmDatasets) -> BatchLoader:
+    """The training batch loader of a run: one dataset per train source, mixed by weight."""
+    seed = config.data.shuffle_seed if config.data.shuffle_seed is not None else config.trainer.seed
+    return BatchLoader(
+        data.train,
+        config.trainer.train_batch_size,
+        seed=seed,
+        shuffle=config.data.shuffle,
+        weights=[source.weight for source in config.data.train],
+        weight_schedule=[(stage.start, stage.weights) for stage in config.data.weight_schedule],
+        prefetch=config.data.prefetch,
+    )
 
 
 def _resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:

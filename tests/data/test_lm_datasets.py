@@ -1,4 +1,4 @@
-"""Building train and validation windows from a config, through the cache."""
+"""Building train and validation windows from a config, through the Ray-built token cache."""
 
 from pathlib import Path
 
@@ -8,8 +8,8 @@ import pytest
 from loomax.data import DataConfig, SourceConfig, build_lm_datasets
 from loomax.data import dataset as dataset_module
 from loomax.data.sources import iter_documents
-from loomax.data.split import held_out_split
-from loomax.data.tokenizer import encode_documents
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda"]
 
@@ -42,49 +42,53 @@ def split_documents(stream: np.ndarray, eos: int) -> list[np.ndarray]:
     return [stream[s:e] for s, e in zip(starts, ends, strict=True)]
 
 
+def train_tokens(data) -> np.ndarray:
+    return np.concatenate([d.split.as_numpy() for d in data.train])
+
+
 def test_windows_are_documents_joined_by_eos(tmp_path: Path) -> None:
     texts = write_corpus(tmp_path / "corpus", 12)
     (tmp_path / "val.txt").write_text("held out text\n" * 20, encoding="utf-8")
     config = small_config(tmp_path, validation=[SourceConfig(urls=[str(tmp_path / "val.txt")])])
     data = build_lm_datasets(config, seq_len=16)
     expected = np.concatenate([data.tokenizer.encode(t).ids + [data.eos_id] for t in texts])
-    usable = len(data.train) * 16
-    assert data.train.num_tokens == len(expected)
-    assert np.array_equal(
-        data.train.get_batch(np.arange(len(data.train))).ravel(), expected[:usable]
-    )
+    (train,) = data.train
+    assert train.num_tokens == len(expected)
+    usable = len(train) * 16
+    assert np.array_equal(train.get_batch(np.arange(len(train))).ravel(), expected[:usable])
     assert data.eos_id == 0
     assert data.vocab_size == data.tokenizer.get_vocab_size() <= 300
     assert Path(data.tokenizer_path).is_file()
     assert data.tokenizer.decode(data.validation[0].tolist()).startswith("held out text")
 
 
-def test_held_out_split_is_disjoint_by_document_and_deterministic(tmp_path: Path) -> None:
-    texts = write_corpus(tmp_path / "corpus", 40)
-    first = build_lm_datasets(small_config(tmp_path), seq_len=8)
-    second = build_lm_datasets(small_config(tmp_path, cache_dir=str(tmp_path / "other")), seq_len=8)
-    assert np.array_equal(first.train.tokens, second.train.tokens)
-    assert np.array_equal(first.validation.tokens, second.validation.tokens)
+def test_lazy_windows_equal_in_memory_windows(tmp_path: Path) -> None:
+    write_corpus(tmp_path / "corpus", 12)
+    data = build_lm_datasets(small_config(tmp_path), seq_len=16)
+    (memory,) = data.train
+    lazy = dataset_module.SplitWindows(memory.split, 16, in_memory_bytes=0)
+    indices = np.array([3, 0, len(memory) - 1, 3])
+    np.testing.assert_array_equal(lazy.get_batch(indices), memory.get_batch(indices))
+    assert "tensorstore" in repr(lazy) and "memory" in repr(memory)
 
+
+def test_held_out_documents_are_disjoint_and_deterministic(tmp_path: Path) -> None:
+    texts = write_corpus(tmp_path / "corpus", 40)
+    first = build_lm_datasets(small_config(tmp_path, validation_fraction=0.25), seq_len=8)
+    second = build_lm_datasets(
+        small_config(tmp_path, validation_fraction=0.25, cache_dir=str(tmp_path / "other")),
+        seq_len=8,
+    )
+    assert np.array_equal(train_tokens(first), train_tokens(second))
+    assert np.array_equal(first.validation.tokens, second.validation.tokens)
     decode = first.tokenizer.decode
-    train = [decode(d.tolist()) for d in split_documents(first.train.tokens, first.eos_id)]
+    train = [decode(d.tolist()) for d in split_documents(train_tokens(first), first.eos_id)]
     validation = [
         decode(d.tolist()) for d in split_documents(first.validation.tokens, first.eos_id)
     ]
-    assert len(validation) == 4
+    assert 3 <= len(validation) <= 20
     assert not set(train) & set(validation)
     assert sorted(train + validation) == sorted(texts)
-
-
-def test_held_out_split_indices() -> None:
-    train, validation = held_out_split(100, 0.05)
-    assert len(validation) == 5
-    assert sorted(np.concatenate([train, validation]).tolist()) == list(range(100))
-    assert np.array_equal(held_out_split(100, 0.05)[1], validation)
-    assert len(held_out_split(3, 0.001)[1]) == 1
-    assert len(held_out_split(2, 0.99)[0]) == 1
-    with pytest.raises(ValueError, match="data.validation"):
-        held_out_split(1, 0.5)
 
 
 def test_second_build_reuses_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,41 +96,38 @@ def test_second_build_reuses_the_cache(tmp_path: Path, monkeypatch: pytest.Monke
     config = small_config(tmp_path)
     first = build_lm_datasets(config, seq_len=8)
     train_tokenizer = dataset_module.train_bpe_tokenizer
-    encoded: list[int] = []
-
-    def counting_encode(tokenizer, documents, append_eos=True):
-        encoded.append(len(documents))
-        return encode_documents(tokenizer, documents, append_eos)
 
     def no_training(*args, **kwargs):
         raise AssertionError("the tokenizer should come from the cache")
 
-    monkeypatch.setattr(dataset_module, "encode_documents", counting_encode)
     monkeypatch.setattr(dataset_module, "train_bpe_tokenizer", no_training)
+    train, _ = dataset_module.build_caches(config, first.tokenizer_path, progress=False)
+    assert train[0].shards_tokenized == 0  # nothing tokenized again
     second = build_lm_datasets(config, seq_len=16)
-    assert encoded == []
     assert second.tokenizer_path == first.tokenizer_path
-    assert np.array_equal(second.train.tokens, first.train.tokens)
-    assert len(second.train) == first.train.num_tokens // 16
+    assert np.array_equal(train_tokens(second), train_tokens(first))
+    assert len(second.train[0]) == second.train[0].num_tokens // 16
 
     (tmp_path / "corpus" / "doc_000.txt").write_text("a changed document\n", encoding="utf-8")
     monkeypatch.setattr(dataset_module, "train_bpe_tokenizer", train_tokenizer)
     third = build_lm_datasets(config, seq_len=8)
-    assert encoded == [20]
-    assert third.train.num_tokens != first.train.num_tokens
+    assert third.caches != first.caches  # a changed file means a new cache
+    assert third.train[0].num_tokens != first.train[0].num_tokens
 
 
-def test_incomplete_cache_entry_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_train_source_is_a_dataset(tmp_path: Path) -> None:
     write_corpus(tmp_path / "corpus", 10)
-    config = small_config(tmp_path)
-    first = build_lm_datasets(config, seq_len=8)
-    (meta,) = (tmp_path / "cache" / "tokens").glob("*/meta.json")
-    meta.unlink()
-    (meta.parent / "train.npy").write_bytes(b"garbage")
-    second = build_lm_datasets(config, seq_len=8)
-    assert meta.is_file()
-    assert np.array_equal(second.train.tokens, first.train.tokens)
-    assert not list((tmp_path / "cache").rglob("*.tmp-*"))
+    write_corpus(tmp_path / "more", 6)
+    config = small_config(
+        tmp_path,
+        train=[
+            SourceConfig(urls=[str(tmp_path / "corpus" / "*.txt")]),
+            SourceConfig(urls=[str(tmp_path / "more" / "*.txt")], weight=3.0),
+        ],
+    )
+    data = build_lm_datasets(config, seq_len=8)
+    assert len(data.train) == 2 and len(data.caches) == 2
+    assert data.num_train_windows == len(data.train[0]) + len(data.train[1])
 
 
 def test_given_tokenizer_is_used(tmp_path: Path) -> None:
@@ -138,7 +139,7 @@ def test_given_tokenizer_is_used(tmp_path: Path) -> None:
     data = build_lm_datasets(config, seq_len=8)
     assert data.tokenizer_path == trained.tokenizer_path
     assert not (tmp_path / "c2" / "tokenizers").exists()
-    assert np.array_equal(data.train.tokens, trained.train.tokens)
+    assert np.array_equal(train_tokens(data), train_tokens(trained))
 
 
 def test_too_small_held_out_validation_says_what_to_change(tmp_path: Path) -> None:
@@ -169,12 +170,12 @@ def test_embedded_stdlib_end_to_end(tmp_path: Path) -> None:
         validation_fraction=0.1,
     )
     data = build_lm_datasets(config, seq_len=64)
-    assert len(data.train) > 100 and len(data.validation) >= 1
-    assert data.train.tokens.max() < data.vocab_size
+    assert len(data.train[0]) > 100 and len(data.validation) >= 1
+    assert train_tokens(data).max() < data.vocab_size
     documents = list(iter_documents(source))
     decoded = [
         data.tokenizer.decode(d.tolist())
-        for stream in (data.train.tokens, data.validation.tokens)
+        for stream in (train_tokens(data), data.validation.tokens)
         for d in split_documents(stream, data.eos_id)
     ]
     assert sorted(decoded) == sorted(documents)
@@ -183,6 +184,6 @@ def test_embedded_stdlib_end_to_end(tmp_path: Path) -> None:
 def test_changing_the_split_is_not_served_from_the_cache(tmp_path: Path) -> None:
     write_corpus(tmp_path / "corpus", 40)
     small = build_lm_datasets(small_config(tmp_path, validation_fraction=0.1), seq_len=8)
-    large = build_lm_datasets(small_config(tmp_path, validation_fraction=0.25), seq_len=8)
+    large = build_lm_datasets(small_config(tmp_path, validation_fraction=0.3), seq_len=8)
     assert large.validation.num_tokens > small.validation.num_tokens
     assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 2

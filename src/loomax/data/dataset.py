@@ -1,4 +1,15 @@
-"""From a `DataConfig` to tokenized train and validation windows, through the cache."""
+"""From a `DataConfig` to a tokenizer and tokenized windows, through the Ray-built token cache.
+
+Every `data.train` source gets a cache of its own (it is one dataset of the mixture);
+validation documents come from the `data.validation` sources' caches, or, without
+them, from the documents each train cache holds out (`data.validation_fraction`, by a
+hash of the document's shard and position). Caches live under
+`<data.cache_dir>/tokens/` in folders named by a fingerprint of everything their
+contents depend on, so a changed source, tokenizer or setting gets a new cache and an
+unchanged config reuses the old one (resuming an interrupted build).
+"""
+
+from __future__ import annotations
 
 import logging
 import time
@@ -8,25 +19,28 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from loomax.data.cache import file_sha256, fingerprint, load_token_streams, save_token_streams
+from loomax.data.cache import fingerprint
 from loomax.data.config import DataConfig
-from loomax.data.sources import SourceConfig, iter_documents, source_fingerprint
-from loomax.data.split import SPLIT_SEED, held_out_split
+from loomax.data.sources import SourceConfig, iter_documents, source_fingerprint, source_shards
+from loomax.data.token_cache import (
+    TokenCache,
+    TokenCacheInfo,
+    build_token_cache,
+    cache_fingerprint,
+)
 from loomax.data.tokenizer import (
-    encode_documents,
     eos_id,
     load_tokenizer,
     resolve_tokenizer_path,
     train_bpe_tokenizer,
 )
-from loomax.data.windows import TokenWindows, token_stream
+from loomax.data.windows import SplitWindows, TokenWindows
+from loomax.distributed import RayConfig, barrier, coordination_client
 
 logger = logging.getLogger(__name__)
 
-_CACHE_FORMAT = 1
-"""Bump when the layout or meaning of cached files changes, so old entries are not reused."""
-
-_SPLITS = ("train", "validation")
+HOLDOUT_SEED = 0
+"""Seed of the held-out validation documents (part of the cache fingerprint)."""
 
 
 @dataclass(frozen=True)
@@ -40,75 +54,118 @@ class LmDatasets:
     """Its tokenizer.json file (the given one, or the one trained into the cache)."""
 
     eos_id: int
-    """Id of the end-of-document token that follows every document in the streams."""
+    """Id of the end-of-document token that follows every document."""
 
     vocab_size: int
     """`tokenizer.get_vocab_size()`: every token id is below it."""
 
-    train: TokenWindows
-    """Training windows."""
+    train: list[SplitWindows]
+    """Training windows, one dataset per `data.train` source."""
 
     validation: TokenWindows
-    """Validation windows, from documents the training windows do not contain."""
+    """Validation windows (in memory), from documents the training windows do not contain."""
+
+    caches: list[str]
+    """URLs of the token caches used (train sources, then validation sources)."""
+
+    @property
+    def num_train_windows(self) -> int:
+        return sum(len(d) for d in self.train)
 
 
-def build_lm_datasets(config: DataConfig, seq_len: int) -> LmDatasets:
-    """Trains or loads the tokenizer, tokenizes the documents and cuts them into windows.
-
-    The trained tokenizer (keyed by the train sources and vocabulary size) and the token
-    streams (keyed by the sources, the tokenizer file and the split settings) are cached
-    under `config.cache_dir`, so a second call with the same config reads them back
-    instead of tokenizing again. The streams do not depend on `seq_len`.
-    """
-    cache_dir = Path(config.cache_dir)
-    train_fingerprints = [source_fingerprint(source) for source in config.train]
-    train_documents: list[str] | None = None
-
-    if config.tokenizer is None:
-        key = fingerprint(
-            {"sources": train_fingerprints, "vocab_size": config.tokenizer_vocab_size}
-        )
-        tokenizer_path = cache_dir / "tokenizers" / f"bpe-{key}" / "tokenizer.json"
-        if not tokenizer_path.is_file():
-            train_documents = _read_documents(config.train)
-            start = time.perf_counter()
-            train_bpe_tokenizer(train_documents, config.tokenizer_vocab_size, tokenizer_path)
-            logger.info(
-                "trained BPE tokenizer in %.1fs: %s", time.perf_counter() - start, tokenizer_path
-            )
-    else:
-        tokenizer_path = resolve_tokenizer_path(config.tokenizer)
-    tokenizer = load_tokenizer(tokenizer_path)
-
+def prepare_tokenizer(config: DataConfig) -> Path:
+    """The tokenizer.json to use: the configured one, or a BPE trained on the train sources (cached)."""
+    if config.tokenizer is not None:
+        return resolve_tokenizer_path(config.tokenizer)
     key = fingerprint(
         {
-            "format": _CACHE_FORMAT,
-            "train": train_fingerprints,
-            "validation": [source_fingerprint(source) for source in config.validation],
-            "tokenizer_sha256": file_sha256(tokenizer_path),
-            "split": None
-            if config.validation
-            else {"fraction": config.validation_fraction, "seed": SPLIT_SEED},
+            "sources": [source_fingerprint(s) for s in config.train],
+            "vocab_size": config.tokenizer_vocab_size,
         }
     )
-    entry = cache_dir / "tokens" / key
-    streams = load_token_streams(entry, _SPLITS)
-    if streams is None:
-        if train_documents is None:
-            train_documents = _read_documents(config.train)
+    path = Path(config.cache_dir) / "tokenizers" / f"bpe-{key}" / "tokenizer.json"
+    if not path.is_file():
         start = time.perf_counter()
-        streams, metadata = _tokenize_splits(config, tokenizer, train_documents)
-        metadata["tokenizer_path"] = str(tokenizer_path)
-        save_token_streams(entry, streams, metadata)
-        logger.info("tokenized in %.1fs into %s", time.perf_counter() - start, entry)
+        documents = (d for source in config.train for d in iter_documents(source))
+        train_bpe_tokenizer(documents, config.tokenizer_vocab_size, path)
+        logger.info("trained BPE tokenizer in %.1fs: %s", time.perf_counter() - start, path)
+    return path
 
-    train = TokenWindows(streams["train"], seq_len)
-    validation = TokenWindows(streams["validation"], seq_len)
-    if len(train) == 0:
-        raise ValueError(
-            f"the training data has {train.num_tokens} tokens, fewer than seq_len={seq_len} "
-            "needed for one window; add documents to `data.train` or lower `model.seq_len`"
+
+def build_caches(
+    config: DataConfig,
+    tokenizer_path: str | Path,
+    *,
+    ray: RayConfig | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> tuple[list[TokenCacheInfo], list[TokenCacheInfo]]:
+    """Build (or reuse, or resume) the token caches of the train and validation sources."""
+    holdout = 0.0 if config.validation else config.validation_fraction
+
+    def build(kind: str, index: int, source: SourceConfig, fraction: float) -> TokenCacheInfo:
+        shards = source_shards(source)
+        settings = {
+            "max_documents": source.max_documents,
+            "holdout_fraction": fraction,
+            "holdout_seed": HOLDOUT_SEED,
+            "bos": config.bos,
+        }
+        key = cache_fingerprint(shards, str(tokenizer_path), **settings)
+        url = f"{config.cache_dir.rstrip('/')}/tokens/{kind}{index}-{key}"
+        return build_token_cache(
+            shards,
+            str(tokenizer_path),
+            url,
+            **settings,
+            skip_bad_records=config.skip_bad_records,
+            overwrite=overwrite,
+            ray_config=ray or RayConfig(),
+            progress=progress,
         )
+
+    train = [build("train", i, s, holdout) for i, s in enumerate(config.train)]
+    validation = [build("validation", i, s, 0.0) for i, s in enumerate(config.validation)]
+    return train, validation
+
+
+def build_lm_datasets(
+    config: DataConfig, seq_len: int, *, ray: RayConfig | None = None, overwrite: bool = False
+) -> LmDatasets:
+    """The tokenizer and the train and validation windows of ``config`` for ``seq_len``.
+
+    With several JAX processes only process 0 trains the tokenizer and builds the caches;
+    the others wait for it and then open them.
+    """
+    primary = coordination_client() is None or _process_index() == 0
+    tokenizer_path = prepare_tokenizer(config) if primary else None
+    if primary:
+        train_infos, validation_infos = build_caches(
+            config, tokenizer_path, ray=ray, overwrite=overwrite
+        )
+    barrier("loomax_data_caches", timeout=24 * 3600)
+    if not primary:
+        tokenizer_path = prepare_tokenizer(config)
+        train_infos, validation_infos = build_caches(
+            config, tokenizer_path, ray=ray, progress=False
+        )
+    tokenizer = load_tokenizer(tokenizer_path)
+
+    train = [SplitWindows(TokenCache.open(info.url)["train"], seq_len) for info in train_infos]
+    if config.validation:
+        pieces = [TokenCache.open(info.url)["train"] for info in validation_infos]
+    else:
+        pieces = [TokenCache.open(info.url)["validation"] for info in train_infos]
+    validation = TokenWindows(
+        np.concatenate([p.as_numpy() for p in pieces]) if pieces else np.zeros(0, np.int32),
+        seq_len,
+    )
+    for i, windows in enumerate(train):
+        if len(windows) == 0:
+            raise ValueError(
+                f"data.train[{i}] has {windows.num_tokens} tokens, fewer than seq_len={seq_len} "
+                "needed for one window; add documents or lower `model.seq_len`"
+            )
     if len(validation) == 0:
         more = (
             "add documents to `data.validation`"
@@ -126,33 +183,11 @@ def build_lm_datasets(config: DataConfig, seq_len: int) -> LmDatasets:
         vocab_size=tokenizer.get_vocab_size(),
         train=train,
         validation=validation,
+        caches=[i.url for i in train_infos + validation_infos],
     )
 
 
-def _read_documents(sources: list[SourceConfig]) -> list[str]:
-    """All documents of `sources`, concatenated in order."""
-    return [document for source in sources for document in iter_documents(source)]
+def _process_index() -> int:
+    import jax
 
-
-def _tokenize_splits(
-    config: DataConfig, tokenizer: Tokenizer, train_documents: list[str]
-) -> tuple[dict[str, np.ndarray], dict]:
-    """The train and validation token streams, and a record of how they were made."""
-    encoded = encode_documents(tokenizer, train_documents)
-    if config.validation:
-        train_docs = encoded
-        validation_docs = encode_documents(tokenizer, _read_documents(config.validation))
-    else:
-        train_indices, validation_indices = held_out_split(len(encoded), config.validation_fraction)
-        train_docs = [encoded[i] for i in train_indices]
-        validation_docs = [encoded[i] for i in validation_indices]
-    streams = {
-        "train": token_stream(train_docs),
-        "validation": token_stream(validation_docs),
-    }
-    metadata = {
-        "format": _CACHE_FORMAT,
-        "documents": {"train": len(train_docs), "validation": len(validation_docs)},
-        "tokens": {name: int(stream.size) for name, stream in streams.items()},
-    }
-    return streams, metadata
+    return jax.process_index()

@@ -78,3 +78,49 @@ def token_stream(documents: Sequence[np.ndarray]) -> np.ndarray:
     if not documents:
         return np.zeros(0, dtype=np.int32)
     return np.concatenate(documents).astype(np.int32, copy=False)
+
+
+IN_MEMORY_BYTES = 1 << 30
+"""Cache splits up to this size are read into memory once; larger ones are read per batch."""
+
+
+class SplitWindows:
+    """Windows of `seq_len` tokens over one split of a token cache (``TokenSplit``).
+
+    Window `i` is tokens `[i * seq_len, (i + 1) * seq_len)` of the split's flat stream,
+    as in `TokenWindows`. A split up to `IN_MEMORY_BYTES` is read into memory at once;
+    a larger one is read window by window from tensorstore when a batch asks for it.
+    """
+
+    def __init__(self, split, seq_len: int, in_memory_bytes: int = IN_MEMORY_BYTES) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.split = split
+        self.seq_len = seq_len
+        self.num_tokens = int(split.num_tokens)
+        self._memory = (
+            TokenWindows(split.as_numpy(), seq_len)
+            if self.num_tokens * 4 <= in_memory_bytes
+            else None
+        )
+
+    def __len__(self) -> int:
+        return self.num_tokens // self.seq_len
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The windows at `indices`, stacked into an int32 array of shape `(n, seq_len)`."""
+        if self._memory is not None:
+            return self._memory.get_batch(indices)
+        indices = np.asarray(indices, dtype=np.int64)
+        if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
+            raise IndexError(f"window indices out of range for {len(self)} windows")
+        rows = [self.split.read(i * self.seq_len, (i + 1) * self.seq_len) for i in indices]
+        return (
+            np.stack(rows).astype(np.int32, copy=False)
+            if rows
+            else np.zeros((0, self.seq_len), np.int32)
+        )
+
+    def __repr__(self) -> str:
+        where = "memory" if self._memory is not None else "tensorstore"
+        return f"SplitWindows(windows={len(self)}, seq_len={self.seq_len}, read from {where})"

@@ -29,7 +29,7 @@ from loomax.checkpoint import (
     load_latest,
 )
 from loomax.checkpoint.storage import to_url
-from loomax.distributed import DistributedConfig, broadcast_str
+from loomax.distributed import DistributedConfig, RayConfig, broadcast_str
 from loomax.mesh import (
     AxisMappings,
     MeshConfig,
@@ -101,6 +101,8 @@ class TrainerConfig:
     """Advanced: overrides for the compute mapping only (how activations are laid out)."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Multi-process settings (jax.distributed); auto-detected on SLURM and TPU pods."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """The Ray cluster that builds the token cache: join `address`, or start a local one."""
     checkpointer: CheckpointerConfig = field(default_factory=CheckpointerConfig)
     """Where and when checkpoints are saved (base_path, save_interval, keep)."""
     load_checkpoint: bool | None = None
