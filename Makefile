@@ -21,7 +21,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/loomax train --config_path config/quickstart.yaml
+	$(BIN)/loomax tokenizer train --config_path config/quickstart.yaml --out cache/tokenizers/quickstart
+	$(BIN)/loomax train --config_path config/quickstart.yaml --data.tokenizer cache/tokenizers/quickstart/tokenizer.json
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
