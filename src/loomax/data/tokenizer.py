@@ -103,27 +103,30 @@ BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 """Tokens `bos_id` accepts as beginning-of-document, in order of preference."""
 
 
+def _first_id(tokenizer: Tokenizer, candidates: Sequence[str]) -> int | None:
+    ids = (tokenizer.token_to_id(token) for token in candidates)
+    return next((i for i in ids if i is not None), None)
+
+
 def bos_id(tokenizer: Tokenizer) -> int:
     """Id of the tokenizer's beginning-of-document token (one of `BOS_CANDIDATES`)."""
-    for token in BOS_CANDIDATES:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is not None:
-            return token_id
-    raise ValueError(
-        f"data.bos is true but the tokenizer has no beginning-of-document token; looked for "
-        f"{', '.join(BOS_CANDIDATES)}"
-    )
+    found = _first_id(tokenizer, BOS_CANDIDATES)
+    if found is None:
+        raise ValueError(
+            "data.bos is true but the tokenizer has no beginning-of-document token; looked for "
+            f"{', '.join(BOS_CANDIDATES)}"
+        )
+    return found
 
 
 def eos_id(tokenizer: Tokenizer) -> int:
     """Id of the tokenizer's end-of-document token (one of `EOS_CANDIDATES`)."""
-    for token in EOS_CANDIDATES:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is not None:
-            return token_id
-    raise ValueError(
-        f"tokenizer has no end-of-document token; looked for {', '.join(EOS_CANDIDATES)}"
-    )
+    found = _first_id(tokenizer, EOS_CANDIDATES)
+    if found is None:
+        raise ValueError(
+            f"tokenizer has no end-of-document token; looked for {', '.join(EOS_CANDIDATES)}"
+        )
+    return found
 
 
 def encode_documents(
