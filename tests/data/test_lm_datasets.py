@@ -1,5 +1,6 @@
 """Building train and validation windows from a config, through the Ray-built token cache."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -14,23 +15,26 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda"]
 
 
-def write_corpus(directory: Path, count: int = 40) -> list[str]:
-    """Writes `count` distinct .txt documents and returns their texts in sorted-path order."""
+def write_corpus(directory: Path, count: int = 40, files: int = 4) -> list[str]:
+    """Writes `count` distinct documents into `files` .jsonl shards; returns the texts in order."""
     directory.mkdir(parents=True, exist_ok=True)
     texts = []
     for i in range(count):
         words = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(30))
         texts.append(f"document {i:03d}: {words}\n")
-        (directory / f"doc_{i:03d}.txt").write_text(texts[-1], encoding="utf-8")
+    per_file = -(-count // files)
+    for f in range(files):
+        lines = [json.dumps({"text": t}) for t in texts[f * per_file : (f + 1) * per_file]]
+        (directory / f"part_{f}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return texts
 
 
 def small_config(tmp_path: Path, **kwargs) -> DataConfig:
     defaults = {
-        "train": [SourceConfig(urls=[str(tmp_path / "corpus" / "*.txt")])],
+        "train": [SourceConfig(urls=[str(tmp_path / "corpus" / "*.jsonl")])],
         "tokenizer_vocab_size": 300,
         "cache_dir": str(tmp_path / "cache"),
-        "validation_fraction": 0.1,
+        "validation_fraction": 0.3,  # hashes of tmp paths decide: keep P(no validation) tiny
     }
     return DataConfig(**(defaults | kwargs))
 
@@ -63,7 +67,7 @@ def test_windows_are_documents_joined_by_eos(tmp_path: Path) -> None:
 
 
 def test_lazy_windows_equal_in_memory_windows(tmp_path: Path) -> None:
-    write_corpus(tmp_path / "corpus", 12)
+    write_corpus(tmp_path / "corpus", 20)
     data = build_lm_datasets(small_config(tmp_path), seq_len=16)
     (memory,) = data.train
     lazy = dataset_module.SplitWindows(memory.split, 16, in_memory_bytes=0)
@@ -108,7 +112,9 @@ def test_second_build_reuses_the_cache(tmp_path: Path, monkeypatch: pytest.Monke
     assert np.array_equal(train_tokens(second), train_tokens(first))
     assert len(second.train[0]) == second.train[0].num_tokens // 16
 
-    (tmp_path / "corpus" / "doc_000.txt").write_text("a changed document\n", encoding="utf-8")
+    (tmp_path / "corpus" / "part_0.jsonl").write_text(
+        '{"text": "a changed document"}\n', encoding="utf-8"
+    )
     monkeypatch.setattr(dataset_module, "train_bpe_tokenizer", train_tokenizer)
     third = build_lm_datasets(config, seq_len=8)
     assert third.caches != first.caches  # a changed file means a new cache
@@ -116,13 +122,13 @@ def test_second_build_reuses_the_cache(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_each_train_source_is_a_dataset(tmp_path: Path) -> None:
-    write_corpus(tmp_path / "corpus", 10)
-    write_corpus(tmp_path / "more", 6)
+    write_corpus(tmp_path / "corpus", 20)
+    write_corpus(tmp_path / "more", 12)
     config = small_config(
         tmp_path,
         train=[
-            SourceConfig(urls=[str(tmp_path / "corpus" / "*.txt")]),
-            SourceConfig(urls=[str(tmp_path / "more" / "*.txt")], weight=3.0),
+            SourceConfig(urls=[str(tmp_path / "corpus" / "*.jsonl")]),
+            SourceConfig(urls=[str(tmp_path / "more" / "*.jsonl")], weight=3.0),
         ],
     )
     data = build_lm_datasets(config, seq_len=8)
@@ -131,7 +137,7 @@ def test_each_train_source_is_a_dataset(tmp_path: Path) -> None:
 
 
 def test_given_tokenizer_is_used(tmp_path: Path) -> None:
-    write_corpus(tmp_path / "corpus", 10)
+    write_corpus(tmp_path / "corpus", 20)
     trained = build_lm_datasets(small_config(tmp_path), seq_len=8)
     config = small_config(
         tmp_path, tokenizer=trained.tokenizer_path, cache_dir=str(tmp_path / "c2")
@@ -145,9 +151,9 @@ def test_given_tokenizer_is_used(tmp_path: Path) -> None:
 def test_too_small_held_out_validation_says_what_to_change(tmp_path: Path) -> None:
     write_corpus(tmp_path / "corpus", 20)
     with pytest.raises(ValueError) as info:
-        build_lm_datasets(small_config(tmp_path), seq_len=200)
+        build_lm_datasets(small_config(tmp_path, validation_fraction=0.05), seq_len=400)
     message = str(info.value)
-    assert "validation data has" in message and "seq_len=200" in message
+    assert "validation data has" in message and "seq_len=400" in message
     assert "data.validation_fraction" in message
 
 
@@ -167,7 +173,7 @@ def test_embedded_stdlib_end_to_end(tmp_path: Path) -> None:
         train=[source],
         tokenizer_vocab_size=400,
         cache_dir=str(tmp_path / "cache"),
-        validation_fraction=0.1,
+        validation_fraction=0.2,
     )
     data = build_lm_datasets(config, seq_len=64)
     assert len(data.train[0]) > 100 and len(data.validation) >= 1
@@ -183,7 +189,7 @@ def test_embedded_stdlib_end_to_end(tmp_path: Path) -> None:
 
 def test_changing_the_split_is_not_served_from_the_cache(tmp_path: Path) -> None:
     write_corpus(tmp_path / "corpus", 40)
-    small = build_lm_datasets(small_config(tmp_path, validation_fraction=0.1), seq_len=8)
-    large = build_lm_datasets(small_config(tmp_path, validation_fraction=0.3), seq_len=8)
+    small = build_lm_datasets(small_config(tmp_path, validation_fraction=0.2), seq_len=8)
+    large = build_lm_datasets(small_config(tmp_path, validation_fraction=0.5), seq_len=8)
     assert large.validation.num_tokens > small.validation.num_tokens
     assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 2
