@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import jmp
 import optax
 
+from loomax.optim.skip_bad_steps import skip_metrics
 from loomax.train.state import TrainerState
 
 Metrics = dict[str, jax.Array]
@@ -67,6 +68,7 @@ def make_train_step(
         return loss_fn(mp.cast_to_compute(model), batch, key=key)
 
     grad_fn = eqx.filter_value_and_grad(loss_sum, has_aux=True)
+    optimizer = optax.with_extra_args_support(optimizer)  # the loss goes in as ``value``
 
     def sum_and_grads(model, batch, key):
         if num_microbatches == 1:
@@ -96,9 +98,10 @@ def make_train_step(
         loss = total / weight
         grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
         params = eqx.filter(state.model, eqx.is_inexact_array)
-        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params, value=loss)
         model = eqx.apply_updates(state.model, updates)
         metrics: Metrics = {"train/loss": loss, "optim/grad_norm": optax.tree.norm(grads)}
+        metrics.update(skip_metrics(opt_state))
         if lr_schedule is not None:
             metrics["optim/learning_rate"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
         context = StepContext(state.step, state.model, grads, updates, loss)
