@@ -1,17 +1,28 @@
-"""Trackers: where metrics go (``trainer.tracker``: one config or a list)."""
+"""Trackers: where metrics go (``trainer.tracker``: one config or a list).
+
+``jsonl``, ``noop``, ``wandb`` and ``tensorboard``; a list builds a composite.
+"""
 
 from loomax.tracking.base import Tracker, TrackerConfig
 from loomax.tracking.composite import CompositeTracker, build_tracker
 from loomax.tracking.jsonl import JsonlTracker, JsonlTrackerConfig
 from loomax.tracking.noop import NoopTracker, NoopTrackerConfig
+from loomax.tracking.optional import MissingPackageError
+from loomax.tracking.tensorboard import TensorboardTracker, TensorboardTrackerConfig
+from loomax.tracking.wandb import WandbTracker, WandbTrackerConfig
 
 __all__ = [
     "CompositeTracker",
     "JsonlTracker",
     "JsonlTrackerConfig",
+    "MissingPackageError",
     "NoopTracker",
     "NoopTrackerConfig",
+    "TensorboardTracker",
+    "TensorboardTrackerConfig",
     "Tracker",
     "TrackerConfig",
+    "WandbTracker",
+    "WandbTrackerConfig",
     "build_tracker",
 ]

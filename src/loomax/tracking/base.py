@@ -23,6 +23,9 @@ class Tracker(abc.ABC):
     def log_summary(self, summary: dict[str, Any]) -> None:
         """Record end-of-run values."""
 
+    def log_artifact(self, path: Path, *, name: str, type: str = "artifact") -> None:
+        """Record a file or directory the run wrote (``trainer.write_artifact``)."""
+
     def finish(self) -> None:
         """Flush and close."""
 

@@ -30,6 +30,10 @@ class CompositeTracker(Tracker):
         for t in self.trackers:
             t.log_summary(summary)
 
+    def log_artifact(self, path: Path, *, name: str, type: str = "artifact") -> None:
+        for t in self.trackers:
+            t.log_artifact(path, name=name, type=type)
+
     def finish(self) -> None:
         for t in self.trackers:
             t.finish()

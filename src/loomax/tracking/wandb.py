@@ -1,0 +1,149 @@
+"""Weights & Biases: metrics, the resolved config, the launching commit and its diff.
+
+The run id is kept in ``<run_dir>/wandb_run_id``, so a job that resumes from a
+checkpoint in the same run directory continues the same wandb run. ``WANDB_MODE=offline``
+(or ``mode: offline``) writes everything under ``dir`` without touching the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loomax.tracking.base import Tracker, TrackerConfig
+from loomax.tracking.git import git_info
+from loomax.tracking.optional import require
+
+logger = logging.getLogger(__name__)
+
+ID_FILE = "wandb_run_id"
+_MODES = ("online", "offline", "disabled", "shared")
+
+
+@TrackerConfig.register_subclass("wandb")
+@dataclass(frozen=True)
+class WandbTrackerConfig(TrackerConfig):
+    """Log to Weights & Biases (needs WANDB_API_KEY, or mode: offline)."""
+
+    project: str | None = "loomax"
+    """wandb project; null = WANDB_PROJECT."""
+    entity: str | None = None
+    """wandb team or user; null = WANDB_ENTITY or your default entity."""
+    name: str | None = None
+    """Display name of the run; null = trainer.run_id."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the run."""
+    id: str | None = None
+    """wandb run id; null = the one stored in <run_dir>/wandb_run_id, else a new one (stored there)."""
+    group: str | None = None
+    """Group of related runs (e.g. a sweep or a ladder)."""
+    notes: str | None = None
+    """Free-text notes of the run."""
+    mode: str | None = None
+    """online, offline or disabled; null = WANDB_MODE, else online."""
+    dir: str | None = None
+    """Where wandb keeps its local files; null = WANDB_DIR, else the run directory."""
+    save_git_diff: bool = True
+    """Save the launching repository's uncommitted diff as git_diff.patch in the run's files."""
+
+    def __post_init__(self):
+        if self.mode is not None and self.mode not in _MODES:
+            raise ValueError(
+                f"trainer.tracker.mode must be one of {', '.join(_MODES)} or null, got {self.mode!r}"
+            )
+
+    def init(self, run_dir: Path) -> Tracker:
+        return WandbTracker(self, Path(run_dir))
+
+
+def resolve_run_id(config: WandbTrackerConfig, run_dir: Path) -> str:
+    """The wandb id of this run: configured, stored in the run directory, or new (and stored)."""
+    path = run_dir / ID_FILE
+    stored = path.read_text().strip() if path.exists() else None
+    run_id = config.id or stored or secrets.token_hex(4)
+    if run_id != stored:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(run_id + "\n")
+    return run_id
+
+
+class WandbTracker(Tracker):
+    """One wandb run; resumed (same id) when the run directory already names one."""
+
+    def __init__(self, config: WandbTrackerConfig, run_dir: Path):
+        wandb = require("wandb", extra="wandb", tracker="wandb")
+        self._wandb = wandb
+        self.run_id = resolve_run_id(config, run_dir)
+        directory = Path(config.dir or os.environ.get("WANDB_DIR") or run_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        git = git_info()
+        self.run = wandb.init(
+            project=config.project,
+            entity=config.entity,
+            name=config.name or run_dir.name,
+            tags=list(config.tags) or None,
+            id=self.run_id,
+            group=config.group,
+            notes=config.notes,
+            mode=config.mode,
+            dir=str(directory),
+            resume="allow",
+            config={"git": {"commit": git.commit, "dirty": git.dirty, "remote": git.remote}},
+            settings=wandb.Settings(git_commit=git.commit or None),
+        )
+        if config.save_git_diff and git.dirty:
+            patch = Path(self.run.dir) / "git_diff.patch"
+            patch.write_text(git.diff)
+            self.run.save(str(patch), base_path=self.run.dir, policy="now")
+        logger.info("wandb run %s (%s)", self.run_id, self.run.settings.mode)
+
+    def log(self, metrics: dict[str, Any], *, step: int) -> None:
+        self.run.log({k: _scalar(v) for k, v in metrics.items()}, step=step)
+
+    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
+        self.run.config.update(_nested(hparams), allow_val_change=True)
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        for key, value in summary.items():
+            self.run.summary[key] = _scalar(value)
+
+    def log_artifact(self, path: Path, *, name: str, type: str = "artifact") -> None:
+        artifact = self._wandb.Artifact(_artifact_name(name), type=type)
+        if Path(path).is_dir():
+            artifact.add_dir(str(path))
+        else:
+            artifact.add_file(str(path), name=Path(path).name)
+        self.run.log_artifact(artifact)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"a.b": 1}`` -> ``{"a": {"b": 1}}`` (the config as it reads in YAML)."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = str(key).split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break
+        else:
+            node[leaf] = value
+    return out
+
+
+def _scalar(value: Any) -> Any:
+    if hasattr(value, "item") and getattr(value, "size", 2) == 1:
+        return value.item()
+    return value
+
+
+def _artifact_name(name: str) -> str:
+    """wandb artifact names allow letters, digits, '-', '_' and '.'."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)

@@ -1,0 +1,108 @@
+"""The wandb tracker, run for real offline; its run files are read back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from loomax.tracking import MissingPackageError, WandbTrackerConfig, build_tracker
+
+from .conftest import offline_runs, read_wandb_run
+
+
+def git(repo, *args):
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+    )
+
+
+@pytest.fixture
+def dirty_repo(tmp_path, monkeypatch):
+    """A git repository with one commit and an uncommitted change; the working directory."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "train.py").write_text("steps = 1\n")
+    git(repo, "add", "train.py")
+    git(repo, "commit", "-q", "-m", "first")
+    (repo / "train.py").write_text("steps = 2\n")
+    monkeypatch.chdir(repo)
+    monkeypatch.delenv("LOOMAX_GIT_COMMIT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
+    return head.stdout.strip()
+
+
+def test_metrics_config_summary_and_git_reach_the_run_files(wandb_offline, dirty_repo, tmp_path):
+    config = WandbTrackerConfig(
+        project="proj", tags=["a", "b"], group="g", notes="hello", name="first"
+    )
+    tracker = build_tracker(config, tmp_path / "run")
+    tracker.log_hyperparameters({"trainer.seed": 3, "model.hidden_dim": 32})
+    tracker.log({"train/loss": np.float32(2.5), "optim/learning_rate": 1e-3}, step=10)
+    tracker.log({"train/loss": 2.0}, step=20)
+    tracker.log_summary({"eval/loss": 1.75})
+    tracker.finish()
+
+    (run_files,) = offline_runs(wandb_offline)
+    run = read_wandb_run(run_files)
+    assert run["id"] == (tmp_path / "run" / "wandb_run_id").read_text().strip()
+    assert (run["project"], run["tags"], run["group"], run["notes"]) == (
+        "proj",
+        ["a", "b"],
+        "g",
+        "hello",
+    )
+    assert run["config"]["trainer"] == {"seed": 3}
+    assert run["config"]["model"] == {"hidden_dim": 32}
+    assert run["config"]["git"] == {"commit": dirty_repo, "dirty": True, "remote": None}
+    rows = [(r["_step"], r["train/loss"]) for r in run["history"]]
+    assert rows == [(10, 2.5), (20, 2.0)]
+    assert run["history"][0]["optim/learning_rate"] == pytest.approx(1e-3)
+    assert run["summary"]["eval/loss"] == 1.75
+    assert "git_diff.patch" in run["files"]
+    patch = (run_files / "files" / "git_diff.patch").read_text()
+    assert "-steps = 1" in patch and "+steps = 2" in patch
+
+
+def test_resuming_in_the_same_run_dir_continues_the_same_wandb_run(wandb_offline, tmp_path):
+    run_dir = tmp_path / "run"
+    for step in (5, 10):  # the job, then the job resumed from its checkpoint
+        tracker = WandbTrackerConfig().init(run_dir)
+        tracker.log({"train/loss": float(step)}, step=step)
+        tracker.finish()
+    first, second = (read_wandb_run(p) for p in offline_runs(wandb_offline))
+    assert first["id"] == second["id"]
+    assert [r["_step"] for r in first["history"] + second["history"]] == [5, 10]
+
+
+def test_configured_id_wins_and_is_stored(wandb_offline, tmp_path):
+    tracker = WandbTrackerConfig(id="fixed123").init(tmp_path / "run")
+    tracker.finish()
+    assert read_wandb_run(offline_runs(wandb_offline)[0])["id"] == "fixed123"
+    assert (tmp_path / "run" / "wandb_run_id").read_text().strip() == "fixed123"
+
+
+def test_artifacts_are_logged(wandb_offline, tmp_path):
+    tracker = WandbTrackerConfig().init(tmp_path / "run")
+    path = tmp_path / "run" / "notes.json"
+    path.write_text("{}")
+    tracker.log_artifact(path, name="notes.json", type="notes")
+    tracker.finish()
+    assert read_wandb_run(offline_runs(wandb_offline)[0])["artifacts"] == ["notes.json"]
+
+
+def test_bad_mode_names_the_key():
+    with pytest.raises(ValueError, match="trainer.tracker.mode must be one of"):
+        WandbTrackerConfig(mode="sometimes")
+
+
+def test_missing_package_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(MissingPackageError, match=r"pip install 'loomax\[wandb\]'"):
+        WandbTrackerConfig().init(tmp_path)
