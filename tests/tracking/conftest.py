@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ def wandb_records(path: Path):
             pos += block - pos % block
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if pos + 7 + length > len(data):  # still being written
+            return
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last piece of one
@@ -38,11 +41,22 @@ def _items(items) -> dict:
     return out
 
 
-def read_wandb_run(run_dir: Path) -> dict:
-    """An offline run: id, project, tags, notes, group, config, history rows, summary, files."""
+def read_wandb_run(run_dir: Path, timeout: float = 30.0) -> dict:
+    """An offline run: id, project, tags, notes, group, config, history rows, summary, files.
+
+    wandb's service may still be writing the file when ``finish()`` returns: wait for its
+    closing ``exit`` record.
+    """
     (path,) = run_dir.glob("run-*.wandb")
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            break
+        assert time.monotonic() < deadline, f"{path} has no exit record"
+        time.sleep(0.1)
     run: dict = {"config": {}, "history": [], "summary": {}, "artifacts": []}
-    for record in wandb_records(path):
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             r = record.run
