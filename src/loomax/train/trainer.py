@@ -30,6 +30,7 @@ from loomax.checkpoint import (
 )
 from loomax.checkpoint.storage import to_url
 from loomax.distributed import DistributedConfig, RayConfig, broadcast_str
+from loomax.jax_setup import apply_jax_settings, check_jax_options
 from loomax.mesh import (
     AxisMappings,
     MeshConfig,
@@ -39,6 +40,7 @@ from loomax.mesh import (
     replicated,
 )
 from loomax.tracking import JsonlTrackerConfig, Tracker, TrackerConfig, build_tracker
+from loomax.tracking.artifacts import write_file
 from loomax.train.control import StepAgreement, StopSignals
 from loomax.train.hooks import CompletedStep, FnHook, Hook, StepInfo, hook_state_keys
 from loomax.train.state import TrainerState
@@ -84,7 +86,7 @@ class TrainerConfig:
     device_peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; null = known table or, on CPU, a matmul probe."""
     tracker: TrackerConfig | list[TrackerConfig] = field(default_factory=JsonlTrackerConfig)
-    """Where metrics go: one tracker config (type: jsonl, noop) or a list of them."""
+    """Where metrics go: one tracker config (type: jsonl, wandb, tensorboard, noop) or a list of them."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Device mesh sizes: replica, data, model (one may be -1 to fill the devices)."""
     batch_axis: str = "batch"
@@ -113,8 +115,13 @@ class TrainerConfig:
     """Start from the model weights of this checkpoint (or directory of them), with a fresh optimizer at step 0."""
     allow_partial_checkpoint: bool = False
     """Let a checkpoint lack some arrays of the state; those keep their fresh initial values."""
+    jax_compilation_cache_dir: str | None = None
+    """JAX persistent compilation cache (a path or gs:// URL); null = JAX_COMPILATION_CACHE_DIR or none."""
+    jax_config: dict[str, Any] = field(default_factory=dict)
+    """JAX options set at start, by name, e.g. {jax_debug_nans: true}."""
 
     def __post_init__(self):
+        check_jax_options(self.jax_config)
         positive = ("num_train_steps", "train_batch_size", "log_every", "steps_per_eval")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -194,6 +201,7 @@ class Trainer:
         run_dir: str | Path | None = None,
         devices: Sequence[jax.Device] | None = None,
     ):
+        apply_jax_settings(config.jax_compilation_cache_dir, config.jax_config)
         config.distributed.initialize()  # before anything touches the devices
         self.config = config
         self.optimizer = optimizer
@@ -518,6 +526,18 @@ class Trainer:
         if info.record:
             self.tracker.log(dict(info.record), step=info.step)
             info.record.clear()
+
+    def write_artifact(self, name: str, obj: Any, *, type: str = "artifact") -> Path:
+        """Save ``obj`` as ``<run_dir>/artifacts/<name>`` and log it to the tracker (process 0).
+
+        ``str`` and ``bytes`` are written as they are, an existing ``Path`` is copied, anything
+        else is written as JSON. Returns the path (on every process).
+        """
+        path = self.run_dir / "artifacts" / name
+        if jax.process_index() == 0:
+            write_file(path, obj)
+            self.tracker.log_artifact(path, name=name, type=type)
+        return path
 
     def finish(self) -> None:
         """Wait for the checkpoint in flight and close the tracker."""

@@ -1,0 +1,41 @@
+"""trainer.jax_compilation_cache_dir and trainer.jax_config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from loomax.train import TrainerConfig
+
+
+def test_unknown_jax_option_names_the_key():
+    with pytest.raises(ValueError, match="trainer.jax_config: unknown JAX option.*jax_no_such_flag"):
+        TrainerConfig(jax_config={"jax_no_such_flag": True})
+
+
+def test_trainer_applies_the_cache_dir_and_options(tmp_path):
+    script = f"""
+import jax, jax.numpy as jnp, optax
+from loomax.train import Trainer, TrainerConfig
+config = TrainerConfig(
+    run_dir={str(tmp_path / "run")!r},
+    jax_compilation_cache_dir={str(tmp_path / "cache")!r},
+    jax_config={{"jax_persistent_cache_min_compile_time_secs": 0, "jax_default_matmul_precision": "highest"}},
+)
+Trainer(config, optax.sgd(0.1), lambda m, b, key=None: (0.0, 1.0))
+assert jax.config.jax_default_matmul_precision == "highest"
+jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(4)).block_until_ready()
+"""
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert any((tmp_path / "cache").iterdir())  # the compiled function landed in the cache
+
+
+def test_jax_config_is_untouched_by_default():
+    before = jax.config.jax_default_matmul_precision
+    TrainerConfig()
+    assert jax.config.jax_default_matmul_precision == before
