@@ -24,6 +24,7 @@ from loomax.data import BatchLoader, DataConfig, LmDatasets, build_lm_datasets, 
 from loomax.data.loader import process_rows
 from loomax.mesh import data_parallel_size
 from loomax.models import Gpt2Config, LmConfig, next_token_loss
+from loomax.models.attention import segment_ids_from_eos
 from loomax.models.axes import Batch, Position
 from loomax.models.generate import sample_tokens
 from loomax.optim import AdamConfig, OptimizerConfig
@@ -73,26 +74,51 @@ class TrainLmResult:
     run_dir: Path
 
 
-def lm_loss(block_size: int | None = 4096):
-    """The trainer's loss: next-token cross-entropy on a ``[batch, position]`` token array."""
+def lm_loss(
+    block_size: int | None = 4096, *, z_loss_weight: float = 0.0, eos_id: int | None = None
+):
+    """The trainer's loss: next-token cross-entropy on a ``[batch, position]`` token array.
+
+    With ``eos_id``, attention stays within the documents packed into each sequence.
+    """
 
     def loss_fn(model, tokens, *, key=None):
         tokens = hax.auto_sharded(
             hax.named(tokens, (Batch, Position))
         )  # batch over (replica, data)
-        return next_token_loss(model, tokens, block_size=block_size)
+        segments = None if eos_id is None else segment_ids_from_eos(tokens, eos_id)
+        return next_token_loss(
+            model,
+            tokens,
+            block_size=block_size,
+            z_loss_weight=z_loss_weight,
+            segment_ids=segments,
+        )
 
     return loss_fn
+
+
+def model_lm_loss(config: TrainLmConfig):
+    """``lm_loss`` as ``config.model`` asks (block size, z-loss, document masking with the tokenizer's EOS)."""
+    model = config.model
+    eos = None
+    if model.document_mask:
+        from loomax.data.dataset import prepare_tokenizer
+        from loomax.data.tokenizer import eos_id, load_tokenizer
+
+        eos = eos_id(load_tokenizer(prepare_tokenizer(config.data)))
+    return lm_loss(model.cross_entropy_block_size, z_loss_weight=model.z_loss_weight, eos_id=eos)
 
 
 def train_lm(config: TrainLmConfig) -> TrainLmResult:
     """Run the training job described by ``config``: data, model, loop, eval, sample."""
     trainer_config, model_config = config.trainer, config.model
     optimizer = config.optimizer.build(trainer_config.num_train_steps)
+    loss_fn = model_lm_loss(config)
     trainer = Trainer(
         trainer_config,
         optimizer,
-        lm_loss(model_config.cross_entropy_block_size),
+        loss_fn,
         lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps),
     )
 
@@ -117,7 +143,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
 
     evaluator = EvalHook(
         make_loss_evaluator(
-            lm_loss(model_config.cross_entropy_block_size),
+            loss_fn,
             validation,
             trainer_config.policy,
             jit=trainer.mesh_jit,
@@ -225,4 +251,4 @@ def _flat_config(config: Any) -> dict[str, Any]:
     return json.loads(json.dumps(out, default=str))
 
 
-__all__ = ["SampleConfig", "TrainLmConfig", "TrainLmResult", "lm_loss", "train_lm"]
+__all__ = ["SampleConfig", "TrainLmConfig", "TrainLmResult", "lm_loss", "model_lm_loss", "train_lm"]

@@ -1,7 +1,19 @@
 """Language models on named axes; ``model.type`` picks one from the registry."""
 
-from loomax.models.config import LmConfig, LmModel
+from loomax.models.config import KvCache, LmConfig, LmModel
 from loomax.models.gpt2 import Gpt2Config, Gpt2LmModel
+from loomax.models.llama import LlamaConfig, LlamaLmModel
 from loomax.models.loss import next_token_loss
+from loomax.models.rotary import RotaryConfig
 
-__all__ = ["Gpt2Config", "Gpt2LmModel", "LmConfig", "LmModel", "next_token_loss"]
+__all__ = [
+    "Gpt2Config",
+    "Gpt2LmModel",
+    "KvCache",
+    "LlamaConfig",
+    "LlamaLmModel",
+    "LmConfig",
+    "LmModel",
+    "RotaryConfig",
+    "next_token_loss",
+]

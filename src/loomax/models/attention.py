@@ -1,55 +1,336 @@
-"""Causal self-attention on named axes, shared by every model."""
+"""Causal self-attention on named axes, shared by every model, with selectable backends.
+
+Backends (``attn_backend``):
+
+- ``vanilla``: queries in blocks of ``QUERY_BLOCK``, each block against the keys up to its
+  own end (the fully masked part of the causal square is never computed); fast at short
+  sequence lengths.
+- ``blockwise``: flash-style, pure JAX: an online softmax over key blocks with a custom
+  backward pass that recomputes scores, so memory is O(seq), never O(seq^2).
+- ``xla`` / ``cudnn``: ``jax.nn.dot_product_attention`` with that implementation (``xla``
+  runs everywhere; ``cudnn`` needs an NVIDIA GPU and float16/bfloat16 inputs).
+- ``auto``: ``cudnn`` on GPU in half precision, else ``blockwise`` for sequences longer
+  than ``BLOCKWISE_FROM`` and ``vanilla`` below.
+
+Every backend takes optional ``segment_ids`` (axes ``(..., position)``): a query only sees
+keys of its own segment, which keeps packed documents apart (see ``segment_ids_from_eos``).
+Keys may have fewer heads than queries (grouped-query attention: a ``kv_heads`` axis).
+"""
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
-from loomax.models.axes import Heads, HeadSize, KeyPosition, Position
+from loomax.models.axes import Heads, HeadSize, KeyPosition, KvHeads, Position
 
+BACKENDS = ("auto", "vanilla", "blockwise", "xla", "cudnn")
 QUERY_BLOCK = 128
-"""Queries are processed in blocks of this many positions; each block only sees keys up to
-its own end, so the fully masked part of the causal square is never computed."""
+"""Query block of the ``vanilla`` backend."""
+FLASH_BLOCK = 128
+"""Query and key block of the ``blockwise`` backend."""
+BLOCKWISE_FROM = 2048
+"""``auto`` picks ``blockwise`` (on CPU/TPU) for sequences longer than this."""
 
 
-def causal_attention(q: NamedArray, k: NamedArray, v: NamedArray) -> NamedArray:
-    """Scaled dot-product self-attention with a causal mask.
+def segment_ids_from_eos(tokens: NamedArray, eos_id: int) -> NamedArray:
+    """Document index of each position in a packed sequence: an EOS ends its document."""
+    is_eos = (tokens == eos_id).astype(jnp.int32)
+    return hax.cumsum(is_eos, Position) - is_eos
 
-    ``q`` has axes ``(..., position, heads, head_size)``; ``k`` and ``v`` the same with
-    ``key_position`` in place of ``position`` (and the same length: self-attention).
+
+def resolve_backend(backend: str, dtype, seq_len: int) -> str:
+    """The backend ``auto`` stands for here (others are returned as they are)."""
+    if backend != "auto":
+        return backend
+    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return "blockwise" if seq_len > BLOCKWISE_FROM else "vanilla"
+
+
+def causal_attention(
+    q: NamedArray,
+    k: NamedArray,
+    v: NamedArray,
+    *,
+    backend: str = "auto",
+    segment_ids: NamedArray | None = None,
+) -> NamedArray:
+    """Scaled dot-product causal self-attention.
+
+    ``q`` has axes ``(..., position, heads, head_size)``; ``k`` and ``v`` have
+    ``key_position`` for ``position`` and ``heads`` or ``kv_heads`` (dividing ``heads``).
     Scores and softmax are in at least float32; the result has ``q``'s axes and dtype.
     """
-    batch_axes = [a for a in q.axes if a.name not in (Position, Heads, HeadSize)]
-    Pos, H, D = q.resolve_axis(Position), q.resolve_axis(Heads), q.resolve_axis(HeadSize)
-    if k.resolve_axis(KeyPosition).size != Pos.size:
+    qa, ka, va, batch_axes = _to_arrays(q, k, v)
+    B, T, S = qa.shape[0], qa.shape[3], ka.shape[2]
+    if S != T:
         raise ValueError("causal_attention is self-attention: key_position must match position")
-    # heads before positions: [batch..., heads, position, head_size] is much faster on CPU
-    order = (*batch_axes, H, Pos, D)
-    qa = q.rearrange(order).array
-    ka = k.rearrange((*batch_axes, H, k.resolve_axis(KeyPosition), D)).array
-    va = v.rearrange((*batch_axes, H, v.resolve_axis(KeyPosition), D)).array
-    out = _blocked_causal(qa * jnp.asarray(1 / math.sqrt(D.size), qa.dtype), ka, va)
+    seg = None
+    if segment_ids is not None:
+        seg = segment_ids.rearrange((*batch_axes, Position)).array.reshape(B, T)
+    backend = resolve_backend(backend, qa.dtype, T)
+    scale = 1 / math.sqrt(qa.shape[-1])
+    if backend == "vanilla":
+        out = _blocked_causal(qa * jnp.asarray(scale, qa.dtype), ka, va, seg)
+    elif backend == "blockwise":
+        if seg is None:
+            seg = jnp.zeros((B, T), jnp.int32)
+        out = flash_attention(qa, ka, va, seg, scale, min(FLASH_BLOCK, T))
+    elif backend in ("xla", "cudnn"):
+        out = _jax_attention(qa, ka, va, seg, backend)
+    else:
+        raise ValueError(f"model.attn_backend must be one of {BACKENDS}, got {backend!r}")
+    return _from_array(out, q, batch_axes)
+
+
+def cached_attention(
+    q: NamedArray,
+    k: NamedArray,
+    v: NamedArray,
+    cache_k: NamedArray,
+    cache_v: NamedArray,
+    start: jax.Array,
+) -> tuple[NamedArray, NamedArray, NamedArray]:
+    """Attention for incremental decoding with a KV cache: returns ``(out, cache_k, cache_v)``.
+
+    ``q``, ``k``, ``v`` hold new positions ``start, start + 1, ...`` (axis ``position``);
+    ``cache_k``/``cache_v`` hold all ``key_position`` slots. The new keys and values are
+    written at ``start``, and each query sees every cached key at or before its position.
+    """
+    k = k.rename({Position: KeyPosition})
+    v = v.rename({Position: KeyPosition})
+    cache_k = hax.updated_slice(cache_k, {KeyPosition: start}, k.rearrange(cache_k.axes))
+    cache_v = hax.updated_slice(cache_v, {KeyPosition: start}, v.rearrange(cache_v.axes))
+    qa, ka, va, batch_axes = _to_arrays(q, cache_k, cache_v)
+    scale = jnp.asarray(1 / math.sqrt(qa.shape[-1]), qa.dtype)
+    out = _attend(qa * scale, ka, va, start, None, None)
+    return _from_array(out, q, batch_axes), cache_k, cache_v
+
+
+# ------------------------------------------------------------------ layout helpers
+def _to_arrays(q: NamedArray, k: NamedArray, v: NamedArray):
+    """``q -> [B, kv_heads, group, T, D]``, ``k, v -> [B, kv_heads, S, D]`` (B = all batch axes)."""
+    batch_axes = tuple(a for a in q.axes if a.name not in (Position, Heads, HeadSize))
+    H, D = q.resolve_axis(Heads), q.resolve_axis(HeadSize)
+    KvAxis = k.resolve_axis(KvHeads) if k.has_axis(KvHeads) else k.resolve_axis(Heads)
+    if H.size % KvAxis.size:
+        raise ValueError(f"{H.size} query heads are not a multiple of {KvAxis.size} kv heads")
+    B = math.prod(a.size for a in batch_axes)
+    T = q.resolve_axis(Position).size
+    qa = q.rearrange((*batch_axes, H, q.resolve_axis(Position), D)).array
+    qa = qa.reshape(B, KvAxis.size, H.size // KvAxis.size, T, D.size)
+    kv_order = (*batch_axes, KvAxis, k.resolve_axis(KeyPosition), D)
+    ka = k.rearrange(kv_order).array.reshape(B, KvAxis.size, -1, D.size)
+    va = v.rearrange(kv_order).array.reshape(B, KvAxis.size, -1, D.size)
+    return qa, ka, va, batch_axes
+
+
+def _from_array(out: jax.Array, q: NamedArray, batch_axes) -> NamedArray:
+    order = (*batch_axes, q.resolve_axis(Heads), q.resolve_axis(Position), q.resolve_axis(HeadSize))
+    out = out.reshape(tuple(a.size for a in order))
     return hax.named(out, order).rearrange(q.axes)
 
 
-def _blocked_causal(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def _acc(dtype) -> jnp.dtype:
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _visible(q_pos, k_pos, q_seg, k_seg):
+    """``[B or 1, 1, 1, Tq, Tk]`` boolean: causal, and the same segment when segments are given."""
+    mask = (q_pos[:, None] >= k_pos[None, :])[None, None, None]
+    if q_seg is not None:
+        mask = mask & (q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :])
+    return mask
+
+
+# ------------------------------------------------------------------ vanilla
+def _blocked_causal(q, k, v, seg):
     seq = q.shape[-2]
     block = min(QUERY_BLOCK, seq)
     outs = []
     for start in range(0, seq, block):
         stop = min(start + block, seq)
-        outs.append(_attend(q[..., start:stop, :], k[..., :stop, :], v[..., :stop, :], start))
+        q_seg = None if seg is None else seg[:, start:stop]
+        k_seg = None if seg is None else seg[:, :stop]
+        outs.append(
+            _attend(q[..., start:stop, :], k[..., :stop, :], v[..., :stop, :], start, q_seg, k_seg)
+        )
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, q_start: int) -> jax.Array:
-    acc = jnp.promote_types(q.dtype, jnp.float32)
-    scores = jnp.einsum("...qd,...kd->...qk", q, k, preferred_element_type=acc)
-    visible = (q_start + jnp.arange(q.shape[-2]))[:, None] >= jnp.arange(k.shape[-2])[None, :]
+def _attend(q, k, v, q_start, q_seg, k_seg):
+    """Softmax attention of (pre-scaled) ``q`` at positions ``q_start + i`` over keys ``0..S-1``."""
+    acc = _acc(q.dtype)
+    scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=acc)
+    q_pos = q_start + jnp.arange(q.shape[-2])
+    visible = _visible(q_pos, jnp.arange(k.shape[-2]), q_seg, k_seg)
     scores = jnp.where(visible, scores, jnp.finfo(acc).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("...qk,...kd->...qd", weights, v)
+    return jnp.einsum("bkgqs,bksd->bkgqd", weights, v)
+
+
+# ------------------------------------------------------------------ jax.nn (xla / cudnn)
+def _jax_attention(q, k, v, seg, implementation):
+    B, K, G, T, D = q.shape
+    qj = q.reshape(B, K * G, T, D).transpose(0, 2, 1, 3)  # [B, T, N, D], heads kv-major
+    kj, vj = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    mask = None
+    if seg is not None:
+        mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # [B, 1, T, S]
+    out = jax.nn.dot_product_attention(
+        qj, kj, vj, mask=mask, is_causal=True, implementation=implementation
+    )
+    return out.transpose(0, 2, 1, 3).reshape(B, K, G, T, D)
+
+
+# ------------------------------------------------------------------ blockwise (flash)
+def _split_blocks(x, block, axis):
+    """``[..., n * block, ...] -> [n, ..., block, ...]`` along ``axis``."""
+    shape = x.shape
+    x = x.reshape(*shape[:axis], shape[axis] // block, block, *shape[axis + 1 :])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _merge_blocks(x, axis):
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
+
+
+def _pad_to(x, multiple, axis, value=0):
+    pad = (-x.shape[axis]) % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def flash_attention(q, k, v, seg, scale: float, block: int):
+    """Causal attention by blocks with an online softmax; O(seq) memory forward and backward.
+
+    ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]``, ``seg`` is ``[B, T]``.
+    """
+    return _flash_forward(q, k, v, seg, scale, block)[0]
+
+
+def _flash_blocks(q, k, v, seg, block):
+    T = q.shape[-2]
+    q, k, v = _pad_to(q, block, 3), _pad_to(k, block, 2), _pad_to(v, block, 2)
+    seg = _pad_to(seg, block, 1, value=-1)  # padded keys match no real query
+    pos = jnp.arange(q.shape[3])
+    return (
+        _split_blocks(q, block, 3),
+        _split_blocks(k, block, 2),
+        _split_blocks(v, block, 2),
+        _split_blocks(seg, block, 1),
+        _split_blocks(pos, block, 0),
+        T,
+    )
+
+
+def _block_scores(q_b, k_b, qp, kp, qs, ks, scale):
+    acc = _acc(q_b.dtype)
+    s = jnp.einsum("bkgqd,bksd->bkgqs", q_b, k_b, preferred_element_type=acc) * scale
+    mask = _visible(qp, kp, qs, ks)
+    return s, mask
+
+
+def _flash_forward(q, k, v, seg, scale, block):
+    qb, kb, vb, sb, pb, T = _flash_blocks(q, k, v, seg, block)
+    acc = _acc(q.dtype)
+    neg = jnp.finfo(acc).min
+
+    def per_query_block(xs):
+        q_b, qs, qp = xs
+
+        def per_key_block(carry, ys):
+            m, total, o = carry
+            k_b, v_b, ks, kp = ys
+
+            def compute(carry):
+                m, total, o = carry
+                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale)
+                m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, neg), axis=-1))
+                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+                corr = jnp.exp(m - m_new)
+                total = total * corr + jnp.sum(p, axis=-1)
+                o = o * corr[..., None] + jnp.einsum(
+                    "bkgqs,bksd->bkgqd", p.astype(v_b.dtype), v_b, preferred_element_type=acc
+                )
+                return m_new, total, o
+
+            carry = jax.lax.cond(kp[0] <= qp[-1], compute, lambda c: c, carry)
+            return carry, None
+
+        shape = q_b.shape[:-1]
+        init = (jnp.full(shape, neg, acc), jnp.zeros(shape, acc), jnp.zeros(q_b.shape, acc))
+        (m, total, o), _ = jax.lax.scan(per_key_block, init, (kb, vb, sb, pb))
+        total = jnp.where(total == 0, 1.0, total)
+        return (o / total[..., None]).astype(q.dtype), m + jnp.log(total)
+
+    out, lse = jax.lax.map(per_query_block, (qb, sb, pb))
+    out = _merge_blocks(out, 3)[..., :T, :]
+    lse = _merge_blocks(lse, 3)[..., :T]
+    return out, lse
+
+
+def _flash_fwd(q, k, v, seg, scale, block):
+    out, lse = _flash_forward(q, k, v, seg, scale, block)
+    return out, (q, k, v, seg, out, lse)
+
+
+def _flash_bwd(scale, block, residuals, g):
+    q, k, v, seg, out, lse = residuals
+    acc = _acc(q.dtype)
+    T = q.shape[-2]
+    delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)  # [B, K, G, T]
+    qb, kb, vb, sb, pb, _ = _flash_blocks(q, k, v, seg, block)
+    gb = _split_blocks(_pad_to(g, block, 3), block, 3)
+    lb = _split_blocks(_pad_to(lse, block, 3), block, 3)
+    db = _split_blocks(_pad_to(delta, block, 3), block, 3)
+
+    def per_query_block(carry, xs):
+        dk, dv = carry
+        q_b, qs, qp, g_b, l_b, d_b = xs
+
+        def per_key_block(dq, ys):
+            k_b, v_b, ks, kp = ys
+
+            def compute(dq):
+                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale)
+                p = jnp.where(mask, jnp.exp(s - l_b[..., None]), 0.0)
+                dv_b = jnp.einsum("bkgqs,bkgqd->bksd", p, g_b.astype(acc))
+                dp = jnp.einsum("bkgqd,bksd->bkgqs", g_b.astype(acc), v_b.astype(acc))
+                ds = p * (dp - d_b[..., None]) * scale
+                dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, k_b.astype(acc))
+                dk_b = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_b.astype(acc))
+                return dq, dk_b, dv_b
+
+            def skip(dq):
+                zeros = jnp.zeros(k_b.shape, acc)
+                return dq, zeros, zeros
+
+            dq, dk_b, dv_b = jax.lax.cond(kp[0] <= qp[-1], compute, skip, dq)
+            return dq, (dk_b, dv_b)
+
+        dq, (dk_bs, dv_bs) = jax.lax.scan(
+            per_key_block, jnp.zeros(q_b.shape, acc), (kb, vb, sb, pb)
+        )
+        return (dk + dk_bs, dv + dv_bs), dq
+
+    zeros = jnp.zeros(kb.shape, acc)
+    (dk, dv), dq = jax.lax.scan(per_query_block, (zeros, zeros), (qb, sb, pb, gb, lb, db))
+    dq = _merge_blocks(dq, 3)[..., :T, :].astype(q.dtype)
+    dk = _merge_blocks(dk, 2)[..., :T, :].astype(k.dtype)
+    dv = _merge_blocks(dv, 2)[..., :T, :].astype(v.dtype)
+    return dq, dk, dv, None
+
+
+flash_attention.defvjp(_flash_fwd, _flash_bwd)

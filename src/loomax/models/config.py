@@ -11,6 +11,11 @@ import haliax as hax
 import jax
 from jaxtyping import PRNGKeyArray
 
+from loomax.models.attention import BACKENDS
+
+REMAT_POLICIES = (True, False, "offload", "nested", "recompute", "save_all")
+"""Values of ``gradient_checkpointing``, each a Haliax ``ScanCheckpointPolicy`` (see docs/models.md)."""
+
 
 @dataclass(frozen=True)
 class LmConfig(draccus.ChoiceRegistry, abc.ABC):
@@ -20,12 +25,28 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Tokens per training sequence (the `position` axis)."""
     vocab_size: int | None = None
     """Vocabulary size; null = take it from the tokenizer."""
-    gradient_checkpointing: bool = True
-    """Recompute each layer's activations in the backward pass instead of storing them."""
+    gradient_checkpointing: bool | str = True
+    """Layer remat: true (recompute block internals), false, offload, nested, recompute, save_all."""
     cross_entropy_block_size: int | None = 4096
     """Tokens per block of the fused LM head + softmax (bounds logits memory); null = plain full logits."""
+    z_loss_weight: float = 0.0
+    """Weight of the z-loss, the mean squared log-partition of the logits; 0 = off."""
+    attn_backend: str = "auto"
+    """Attention: auto, vanilla, blockwise (flash-style, O(seq) memory), xla or cudnn (jax.nn)."""
+    document_mask: bool = False
+    """Attention stays within each packed document (documents end at the tokenizer's EOS)."""
 
     def __post_init__(self):
+        if self.attn_backend not in BACKENDS:
+            raise ValueError(
+                f"model.attn_backend must be one of {BACKENDS}, got {self.attn_backend!r}"
+            )
+        if self.gradient_checkpointing not in REMAT_POLICIES:
+            raise ValueError(
+                f"model.gradient_checkpointing must be one of {list(REMAT_POLICIES)}, got {self.gradient_checkpointing!r}"
+            )
+        if self.z_loss_weight < 0:
+            raise ValueError(f"model.z_loss_weight must be >= 0, got {self.z_loss_weight}")
         if self.seq_len <= 1:
             raise ValueError(f"model.seq_len must be > 1, got {self.seq_len}")
         if self.cross_entropy_block_size is not None and self.cross_entropy_block_size <= 0:
@@ -63,14 +84,52 @@ class LmModel(eqx.Module):
 
     @abc.abstractmethod
     def hidden_states(
-        self, tokens: hax.NamedArray, *, key: PRNGKeyArray | None = None
+        self,
+        tokens: hax.NamedArray,
+        *,
+        segment_ids: hax.NamedArray | None = None,
+        key: PRNGKeyArray | None = None,
     ) -> hax.NamedArray:
-        """Final (normed) activations, axes ``(..., position, embed)``."""
+        """Final (normed) activations, axes ``(..., position, embed)``.
+
+        ``segment_ids`` (axes of ``tokens``) keep attention within each packed document.
+        """
+
+    @abc.abstractmethod
+    def init_cache(self, batch_axes: tuple[hax.Axis, ...], max_len: int, dtype) -> KvCache:
+        """An empty KV cache for decoding up to ``max_len`` positions."""
+
+    @abc.abstractmethod
+    def decode(
+        self, tokens: hax.NamedArray, cache: KvCache, start: jax.Array
+    ) -> tuple[hax.NamedArray, KvCache]:
+        """Final activations for ``tokens`` at positions ``start, start + 1, ...``, using and
+        filling ``cache``: returns ``(hidden (..., position, embed), new cache)``."""
 
     @abc.abstractmethod
     def lm_head_weight(self) -> hax.NamedArray:
         """The output projection, axes ``(vocab, embed)``."""
 
-    def logits(self, tokens: hax.NamedArray, *, key: PRNGKeyArray | None = None) -> hax.NamedArray:
+    def logits(
+        self,
+        tokens: hax.NamedArray,
+        *,
+        segment_ids: hax.NamedArray | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> hax.NamedArray:
         """Next-token logits, axes ``(..., position, vocab)``."""
-        return hax.dot(self.hidden_states(tokens, key=key), self.lm_head_weight(), axis="embed")
+        hidden = self.hidden_states(tokens, segment_ids=segment_ids, key=key)
+        return hax.dot(hidden, self.lm_head_weight(), axis="embed")
+
+    def save(self, path) -> None:
+        """Write config and weights to directory ``path`` (safetensors, no pickle); see ``load_model``."""
+        from loomax.models.saving import save_model
+
+        save_model(self, path)
+
+
+class KvCache(eqx.Module):
+    """Keys and values of every layer, axes ``(layers, ..., key_position, kv_heads|heads, head_size)``."""
+
+    k: hax.NamedArray
+    v: hax.NamedArray

@@ -15,9 +15,10 @@ import jax
 from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
-from loomax.models.attention import causal_attention
+from loomax.models.attention import cached_attention, causal_attention
 from loomax.models.axes import Embed, Heads, HeadSize, KeyPosition, Layers, Mlp, Position, Vocab
-from loomax.models.config import LmConfig, LmModel
+from loomax.models.config import KvCache, LmConfig, LmModel
+from loomax.models.norms import layer_norm
 
 
 @LmConfig.register_subclass("gpt2")
@@ -106,6 +107,7 @@ class Gpt2Attention(eqx.Module):
 
     qkv: hnn.Linear  # embed -> (qkv, heads, head_size)
     out: hnn.Linear  # (heads, head_size) -> embed
+    backend: str = eqx.field(static=True)
 
     @staticmethod
     def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Attention:
@@ -118,13 +120,21 @@ class Gpt2Attention(eqx.Module):
             use_bias=config.use_bias,
         )
         out = _residual_projection(config, (config.Heads, config.HeadSize), key=k_out)
-        return Gpt2Attention(qkv, out)
+        return Gpt2Attention(qkv, out, config.attn_backend)
 
-    def __call__(self, x: NamedArray) -> NamedArray:
+    def __call__(self, x: NamedArray, segment_ids: NamedArray | None = None) -> NamedArray:
         qkv = self.qkv(x)
         q, k, v = qkv["qkv", 0], qkv["qkv", 1], qkv["qkv", 2]
         k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
-        return self.out(causal_attention(q, k, v))
+        return self.out(causal_attention(q, k, v, backend=self.backend, segment_ids=segment_ids))
+
+    def decode(self, x: NamedArray, cache_k, cache_v, start):
+        """Attention over the cache for new positions from ``start``; returns the new cache too."""
+        qkv = self.qkv(x)
+        out, cache_k, cache_v = cached_attention(
+            qkv["qkv", 0], qkv["qkv", 1], qkv["qkv", 2], cache_k, cache_v, start
+        )
+        return self.out(out), cache_k, cache_v
 
 
 class Gpt2Mlp(eqx.Module):
@@ -157,16 +167,21 @@ class Gpt2Block(eqx.Module):
         k_attn, k_mlp = jax.random.split(key)
         eps = config.layer_norm_epsilon
         return Gpt2Block(
-            hnn.LayerNorm.init(config.Embed, eps=eps),
+            layer_norm(config.Embed, eps),
             Gpt2Attention.init(config, key=k_attn),
-            hnn.LayerNorm.init(config.Embed, eps=eps),
+            layer_norm(config.Embed, eps),
             Gpt2Mlp.init(config, key=k_mlp),
         )
 
-    def __call__(self, x: NamedArray) -> NamedArray:
-        x = x + self.attn(self.ln_attn(x))
+    def __call__(self, x: NamedArray, segment_ids: NamedArray | None = None) -> NamedArray:
+        x = x + self.attn(self.ln_attn(x), segment_ids)
         x = x + self.mlp(self.ln_mlp(x))
         return hax.auto_sharded(x)  # keep activations laid out by the compute mapping
+
+    def decode(self, x: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
+        attn, k, v = self.attn.decode(self.ln_attn(x), cache.k, cache.v, start)
+        x = x + attn
+        return x + self.mlp(self.ln_mlp(x)), KvCache(k, v)
 
 
 class Gpt2LmModel(LmModel):
@@ -190,7 +205,7 @@ class Gpt2LmModel(LmModel):
         blocks = hnn.Stacked.init(
             config.Layers, Gpt2Block, gradient_checkpointing=config.gradient_checkpointing
         )(config, key=jax.random.split(k_blocks, config.num_layers))
-        ln_final = hnn.LayerNorm.init(config.Embed, eps=config.layer_norm_epsilon)
+        ln_final = layer_norm(config.Embed, config.layer_norm_epsilon)
         lm_head = None
         if not config.tie_word_embeddings:
             lm_head = hnn.Linear.init(In=config.Embed, Out=Vocab, key=k_head, use_bias=False)
@@ -200,12 +215,34 @@ class Gpt2LmModel(LmModel):
     def Vocab(self) -> Axis:
         return self.token_embeddings.Vocab
 
-    def hidden_states(self, tokens: NamedArray, *, key: PRNGKeyArray | None = None) -> NamedArray:
+    def hidden_states(
+        self,
+        tokens: NamedArray,
+        *,
+        segment_ids: NamedArray | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> NamedArray:
         Pos = tokens.resolve_axis(Position)
         x = self.token_embeddings.embed(tokens)
         x = x + self.position_embeddings.weight[Position, hax.dslice(0, Pos.size)]
-        x = self.blocks.fold(hax.auto_sharded(x))
+        x = self.blocks.fold(hax.auto_sharded(x), segment_ids)
         return self.ln_final(x)
+
+    def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
+        c = self.config
+        axes = (c.Layers, *batch_axes, Axis(KeyPosition, max_len), c.Heads, c.HeadSize)
+        return KvCache(hax.zeros(axes, dtype), hax.zeros(axes, dtype))
+
+    def decode(self, tokens: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
+        Pos = tokens.resolve_axis(Position)
+        x = self.token_embeddings.embed(tokens)
+        x = x + self.position_embeddings.weight[Position, hax.dslice(start, Pos.size)]
+
+        def layer(x, block, layer_cache):
+            return block.decode(x, layer_cache, start)
+
+        x, cache = hax.scan(layer, self.config.Layers)(x, self.blocks.stacked, cache)
+        return self.ln_final(x), cache
 
     def lm_head_weight(self) -> NamedArray:
         if self.lm_head is None:

@@ -26,23 +26,30 @@ def next_token_targets(tokens: NamedArray) -> tuple[NamedArray, NamedArray]:
 
 
 def next_token_loss(
-    model: LmModel, tokens: NamedArray, *, block_size: int | None = 4096
+    model: LmModel,
+    tokens: NamedArray,
+    *,
+    block_size: int | None = 4096,
+    z_loss_weight: float = 0.0,
+    segment_ids: NamedArray | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(sum of token losses, number of tokens)`` for predicting each next token.
 
     ``block_size`` tokens at a time go through the fused LM head and softmax; ``None``
-    computes full logits (the reference path, used in tests).
+    computes full logits (the reference path, used in tests). ``z_loss_weight > 0`` adds
+    ``z_loss_weight * logsumexp(logits)**2`` per token (keeps the softmax normaliser near 1).
+    ``segment_ids`` keep attention within packed documents (see ``segment_ids_from_eos``).
     """
-    hidden = model.hidden_states(tokens)
+    hidden = model.hidden_states(tokens, segment_ids=segment_ids)
     targets, weights = next_token_targets(tokens)
     w = model.lm_head_weight().rearrange((Vocab, Embed)).array
     h = hidden.rearrange((..., Embed)).array.reshape(-1, w.shape[1])
     t = targets.array.reshape(-1)
     m = weights.rearrange(targets.axes).array.reshape(-1)
     if block_size is None:
-        total = _plain_cross_entropy_sum(h, w, t, m)
+        total = _plain_cross_entropy_sum(h, w, t, m, z_loss_weight)
     else:
-        total = fused_cross_entropy_sum(h, w.astype(h.dtype), t, m, block_size)
+        total = fused_cross_entropy_sum(h, w.astype(h.dtype), t, m, block_size, z_loss_weight)
     return total, jnp.sum(m)
 
 
@@ -52,12 +59,12 @@ def _acc(dtype) -> jnp.dtype:
 
 
 def _plain_cross_entropy_sum(
-    h: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array
+    h: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array, z_loss_weight: float = 0.0
 ) -> jax.Array:
     logits = jnp.dot(h, w.T, preferred_element_type=_acc(h.dtype))
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-    return jnp.sum((lse - picked) * weights)
+    return jnp.sum((lse - picked + z_loss_weight * lse**2) * weights)
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
@@ -68,41 +75,44 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
     return x.reshape(-1, block, *x.shape[1:])
 
 
-def _block_logits_and_loss(h_b, w, t_b, m_b):
+def _block_loss(h_b, w, t_b, m_b, z_loss_weight):
     logits = jnp.dot(h_b, w.T, preferred_element_type=_acc(h_b.dtype))
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, t_b[:, None], axis=-1)[:, 0]
-    token_loss = lse - picked
-    return jnp.sum(token_loss * m_b), token_loss, logits, lse
+    return jnp.sum((lse - picked + z_loss_weight * lse**2) * m_b)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def fused_cross_entropy_sum(
-    h: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array, block_size: int
+    h: jax.Array,
+    w: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    block_size: int,
+    z_loss_weight: float = 0.0,
 ) -> jax.Array:
-    """``sum_i weights_i * CE(h_i @ w.T, targets_i)`` over token blocks of ``block_size``.
+    """``sum_i weights_i * (CE(h_i @ w.T, targets_i) + z * lse_i**2)`` over token blocks.
 
-    ``h`` is ``[tokens, embed]``, ``w`` is ``[vocab, embed]``. Under differentiation the
-    gradient is computed block by block in the forward pass, so neither the logits nor
-    the softmax are ever stored whole.
+    ``h`` is ``[tokens, embed]``, ``w`` is ``[vocab, embed]``; at most ``[block_size,
+    vocab]`` logits exist at a time. Under differentiation the gradient is computed block
+    by block in the forward pass, so neither the logits nor the softmax are ever stored whole.
     """
-    return _fused_forward(h, w, targets, weights, block_size)
+    return _fused_forward(h, w, targets, weights, block_size, z_loss_weight)
 
 
-def _fused_forward(h, w, targets, weights, block_size):
+def _fused_forward(h, w, targets, weights, block_size, z_loss_weight):
     block = min(block_size, h.shape[0])
 
     def body(total, xs):
         h_b, t_b, m_b = xs
-        loss, _, _, _ = _block_logits_and_loss(h_b, w, t_b, m_b)
-        return total + loss, None
+        return total + _block_loss(h_b, w, t_b, m_b, z_loss_weight), None
 
     xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block))
     total, _ = jax.lax.scan(body, jnp.zeros((), _acc(h.dtype)), xs)
     return total
 
 
-def _fused_fwd(h, w, targets, weights, block_size):
+def _fused_fwd(h, w, targets, weights, block_size, z_loss_weight):
     block = min(block_size, h.shape[0])
     acc = _acc(h.dtype)
 
@@ -113,11 +123,11 @@ def _fused_fwd(h, w, targets, weights, block_size):
         exp = jnp.exp(logits - peak)  # the only pass of exp over [block, vocab]
         norm = jnp.sum(exp, axis=-1, keepdims=True)
         picked = jnp.take_along_axis(logits, t_b[:, None], axis=-1)
-        token_loss = (peak + jnp.log(norm) - picked)[:, 0]
+        lse = peak + jnp.log(norm)
+        token_loss = (lse - picked + z_loss_weight * lse**2)[:, 0]
         is_target = jnp.arange(w.shape[0], dtype=t_b.dtype)[None, :] == t_b[:, None]
-        dlogits = (exp * (m_b[:, None] / norm) - jnp.where(is_target, m_b[:, None], 0.0)).astype(
-            h.dtype
-        )
+        softmax_scale = m_b[:, None] * (1 + 2 * z_loss_weight * lse) / norm
+        dlogits = (exp * softmax_scale - jnp.where(is_target, m_b[:, None], 0.0)).astype(h.dtype)
         dh_b = jnp.dot(dlogits, w, preferred_element_type=acc).astype(h.dtype)
         dw = dw + jnp.dot(dlogits.T, h_b, preferred_element_type=acc)
         return dw, (dh_b, token_loss)
@@ -130,7 +140,7 @@ def _fused_fwd(h, w, targets, weights, block_size):
     return total, (dh, dw.astype(w.dtype), targets, token_loss)
 
 
-def _fused_bwd(block_size, residuals, g):
+def _fused_bwd(block_size, z_loss_weight, residuals, g):
     dh, dw, targets, token_loss = residuals
     zero_targets = jnp.zeros(targets.shape, jax.dtypes.float0)
     return (dh * g.astype(dh.dtype), dw * g.astype(dw.dtype), zero_targets, token_loss * g)

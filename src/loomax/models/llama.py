@@ -1,0 +1,292 @@
+"""Llama: RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, optional tied head.
+
+Reads top to bottom: config, attention, MLP, block, the whole model. Weight layout and
+rotary convention match Hugging Face ``LlamaForCausalLM``, so export is a renaming.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+from haliax import Axis, NamedArray
+from jaxtyping import PRNGKeyArray
+
+from loomax.models.attention import cached_attention, causal_attention
+from loomax.models.axes import (
+    Embed,
+    Heads,
+    HeadSize,
+    KeyPosition,
+    KvHeads,
+    Layers,
+    Mlp,
+    Position,
+    Vocab,
+)
+from loomax.models.config import KvCache, LmConfig, LmModel
+from loomax.models.norms import rms_norm
+from loomax.models.rotary import DefaultRotary, RotaryConfig, apply_rotary
+
+
+@LmConfig.register_subclass("llama")
+@dataclass(frozen=True)
+class LlamaConfig(LmConfig):
+    """Llama 2/3 style decoder (Touvron et al. 2023), with grouped-query attention."""
+
+    seq_len: int = 2048
+    """Tokens per training sequence (the `position` axis)."""
+    hidden_dim: int = 4096
+    """Width of the residual stream (the `embed` axis)."""
+    intermediate_dim: int = 11008
+    """Width of the SwiGLU MLP (the `mlp` axis)."""
+    num_layers: int = 32
+    """Number of transformer blocks (the `layers` axis)."""
+    num_heads: int = 32
+    """Query heads."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); null = num_heads; must divide num_heads."""
+    head_dim: int | None = None
+    """Size of each head; null = hidden_dim / num_heads."""
+    rope: RotaryConfig = field(default_factory=DefaultRotary)
+    """Rotary embeddings (`type`: default, linear, llama3, yarn) and their `theta`."""
+    rms_norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    tie_word_embeddings: bool = False
+    """Use the token embedding matrix as the LM head."""
+    qk_norm: bool = False
+    """RMSNorm over head_size on queries and keys before rotary (as in OLMo 2 / Qwen 3)."""
+    initializer_range: float = 0.02
+    """Standard deviation of the embedding initialisation."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("hidden_dim", "intermediate_dim", "num_layers", "num_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"model.num_kv_heads ({self.kv_heads}) must divide model.num_heads ({self.num_heads})"
+            )
+        if self.head_dim is None and self.hidden_dim % self.num_heads:
+            raise ValueError(
+                f"model.hidden_dim ({self.hidden_dim}) must be divisible by model.num_heads "
+                f"({self.num_heads}), or set model.head_dim"
+            )
+        if self.head_size % 2:
+            raise ValueError(
+                f"model.head_dim must be even for rotary embeddings, got {self.head_size}"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_dim // self.num_heads
+
+    # Axes -------------------------------------------------------------------------------
+    @property
+    def Embed(self) -> Axis:
+        return Axis(Embed, self.hidden_dim)
+
+    @property
+    def Heads(self) -> Axis:
+        return Axis(Heads, self.num_heads)
+
+    @property
+    def KvHeads(self) -> Axis:
+        return Axis(KvHeads, self.kv_heads)
+
+    @property
+    def HeadSize(self) -> Axis:
+        return Axis(HeadSize, self.head_size)
+
+    @property
+    def Mlp(self) -> Axis:
+        return Axis(Mlp, self.intermediate_dim)
+
+    @property
+    def Layers(self) -> Axis:
+        return Axis(Layers, self.num_layers)
+
+    def build(self, vocab_size: int, *, key: PRNGKeyArray) -> LlamaLmModel:
+        return LlamaLmModel.init(self, Axis(Vocab, vocab_size), key=key)
+
+    def flops_per_token(self, vocab_size: int) -> float:
+        d, m, s = self.hidden_dim, self.intermediate_dim, self.seq_len
+        q = self.num_heads * self.head_size
+        kv = self.kv_heads * self.head_size
+        per_layer = 2 * d * (2 * q + 2 * kv) + 2 * 3 * d * m + 2 * 2 * s * q  # qkvo, mlp, attn
+        return float(self.num_layers * per_layer + 2 * d * vocab_size)
+
+
+def _linear(In, Out, *, key: PRNGKeyArray, init_scale: float = 1.0) -> hnn.Linear:
+    return hnn.Linear.init(In=In, Out=Out, key=key, use_bias=False, init_scale=init_scale)
+
+
+class LlamaAttention(eqx.Module):
+    """Grouped-query causal attention with rotary positions (and optional QK-norm)."""
+
+    q_proj: hnn.Linear  # embed -> (heads, head_size)
+    k_proj: hnn.Linear  # embed -> (kv_heads, head_size)
+    v_proj: hnn.Linear  # embed -> (kv_heads, head_size)
+    o_proj: hnn.Linear  # (heads, head_size) -> embed
+    q_norm: hnn.RmsNorm | None
+    k_norm: hnn.RmsNorm | None
+    config: LlamaConfig = eqx.field(static=True)
+
+    @staticmethod
+    def init(config: LlamaConfig, *, key: PRNGKeyArray) -> LlamaAttention:
+        k_q, k_k, k_v, k_o = jax.random.split(key, 4)
+        c = config
+        q_norm = k_norm = None
+        if c.qk_norm:
+            q_norm, k_norm = (
+                rms_norm(c.HeadSize, c.rms_norm_eps),
+                rms_norm(c.HeadSize, c.rms_norm_eps),
+            )
+        return LlamaAttention(
+            _linear(c.Embed, (c.Heads, c.HeadSize), key=k_q),
+            _linear(c.Embed, (c.KvHeads, c.HeadSize), key=k_k),
+            _linear(c.Embed, (c.KvHeads, c.HeadSize), key=k_v),
+            _linear(
+                (c.Heads, c.HeadSize), c.Embed, key=k_o, init_scale=1 / math.sqrt(2 * c.num_layers)
+            ),
+            q_norm,
+            k_norm,
+            config,
+        )
+
+    def _qkv(self, x: NamedArray, positions: NamedArray):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, positions, self.config.rope)
+        k = apply_rotary(k, positions, self.config.rope)
+        return q, k, v
+
+    def __call__(self, x: NamedArray, segment_ids: NamedArray | None = None) -> NamedArray:
+        q, k, v = self._qkv(x, hax.arange(x.resolve_axis(Position)))
+        k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
+        out = causal_attention(q, k, v, backend=self.config.attn_backend, segment_ids=segment_ids)
+        return self.o_proj(out)
+
+    def decode(self, x: NamedArray, cache_k, cache_v, start):
+        """Attention over the cache for new positions from ``start``; returns the new cache too."""
+        q, k, v = self._qkv(x, hax.arange(x.resolve_axis(Position)) + start)
+        out, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, start)
+        return self.o_proj(out), cache_k, cache_v
+
+
+class LlamaMlp(eqx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    gate_proj: hnn.Linear
+    up_proj: hnn.Linear
+    down_proj: hnn.Linear
+
+    @staticmethod
+    def init(config: LlamaConfig, *, key: PRNGKeyArray) -> LlamaMlp:
+        k_gate, k_up, k_down = jax.random.split(key, 3)
+        c = config
+        return LlamaMlp(
+            _linear(c.Embed, c.Mlp, key=k_gate),
+            _linear(c.Embed, c.Mlp, key=k_up),
+            _linear(c.Mlp, c.Embed, key=k_down, init_scale=1 / math.sqrt(2 * c.num_layers)),
+        )
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        return self.down_proj(hnn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(eqx.Module):
+    """Pre-norm block: x + attn(rms(x)), then x + mlp(rms(x))."""
+
+    input_norm: hnn.RmsNorm
+    attn: LlamaAttention
+    post_attn_norm: hnn.RmsNorm
+    mlp: LlamaMlp
+
+    @staticmethod
+    def init(config: LlamaConfig, *, key: PRNGKeyArray) -> LlamaBlock:
+        k_attn, k_mlp = jax.random.split(key)
+        eps = config.rms_norm_eps
+        return LlamaBlock(
+            rms_norm(config.Embed, eps),
+            LlamaAttention.init(config, key=k_attn),
+            rms_norm(config.Embed, eps),
+            LlamaMlp.init(config, key=k_mlp),
+        )
+
+    def __call__(self, x: NamedArray, segment_ids: NamedArray | None = None) -> NamedArray:
+        x = x + self.attn(self.input_norm(x), segment_ids)
+        x = x + self.mlp(self.post_attn_norm(x))
+        return hax.auto_sharded(x)
+
+    def decode(self, x: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
+        attn, k, v = self.attn.decode(self.input_norm(x), cache.k, cache.v, start)
+        x = x + attn
+        return x + self.mlp(self.post_attn_norm(x)), KvCache(k, v)
+
+
+class LlamaLmModel(LmModel):
+    """Token embeddings, a scanned stack of blocks, a final RMSNorm and the LM head."""
+
+    config: LlamaConfig = eqx.field(static=True)
+    embed_tokens: hnn.Embedding
+    blocks: hnn.Stacked[LlamaBlock]
+    norm: hnn.RmsNorm
+    lm_head: hnn.Linear | None
+
+    @staticmethod
+    def init(config: LlamaConfig, Vocab: Axis, *, key: PRNGKeyArray) -> LlamaLmModel:
+        k_tok, k_blocks, k_head = jax.random.split(key, 3)
+        weight = hax.random.normal(k_tok, (Vocab, config.Embed)) * config.initializer_range
+        embed = hnn.Embedding(weight, Vocab, config.Embed)
+        blocks = hnn.Stacked.init(
+            config.Layers, LlamaBlock, gradient_checkpointing=config.gradient_checkpointing
+        )(config, key=jax.random.split(k_blocks, config.num_layers))
+        lm_head = None
+        if not config.tie_word_embeddings:
+            lm_head = _linear(config.Embed, Vocab, key=k_head)
+        return LlamaLmModel(
+            config, embed, blocks, rms_norm(config.Embed, config.rms_norm_eps), lm_head
+        )
+
+    @property
+    def Vocab(self) -> Axis:
+        return self.embed_tokens.Vocab
+
+    def hidden_states(
+        self,
+        tokens: NamedArray,
+        *,
+        segment_ids: NamedArray | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> NamedArray:
+        x = hax.auto_sharded(self.embed_tokens.embed(tokens))
+        return self.norm(self.blocks.fold(x, segment_ids))
+
+    def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
+        c = self.config
+        axes = (c.Layers, *batch_axes, Axis(KeyPosition, max_len), c.KvHeads, c.HeadSize)
+        return KvCache(hax.zeros(axes, dtype), hax.zeros(axes, dtype))
+
+    def decode(self, tokens: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
+        def layer(x, block, layer_cache):
+            return block.decode(x, layer_cache, start)
+
+        x = self.embed_tokens.embed(tokens)
+        x, cache = hax.scan(layer, self.config.Layers)(x, self.blocks.stacked, cache)
+        return self.norm(x), cache
+
+    def lm_head_weight(self) -> NamedArray:
+        if self.lm_head is None:
+            return self.embed_tokens.weight
+        return self.lm_head.weight
