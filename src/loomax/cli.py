@@ -15,6 +15,7 @@ COMMANDS = {
     "cache": "tokenize the data into the token cache with Ray: loomax cache --config_path FILE [--overwrite]",
     "tokenizer": "train a byte-level BPE on a config's train sources: loomax tokenizer train --config_path FILE --out DIR",
     "bench": "time the jitted train step on synthetic data: loomax bench --config_path FILE [--steps N] [--save_every K]",
+    "launch": "run a command on a TPU pod, GPU hosts, SLURM or N local processes: loomax launch --target T [--dry-run] -- train ...",
 }
 
 
@@ -39,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         _tokenizer(rest)
     elif command == "cache":
         _cache(rest)
+    elif command == "launch":
+        _launch(rest)
 
 
 def main_error(message: str) -> None:
@@ -161,6 +164,27 @@ def _bench(args: list[str]) -> None:
         run_benchmark(config, steps=known.steps, warmup=known.warmup, save_every=known.save_every)
     except ValueError as e:
         main_error(str(e))
+
+
+def _launch(args: list[str]) -> None:
+    from loomax.launch import LaunchConfig, defaults_file, launch, split_launch_args
+
+    try:
+        options, command = split_launch_args(args)
+        path, options = defaults_file(options)
+    except ValueError as e:
+        main_error(str(e))
+    if command[0] not in COMMANDS or command[0] == "launch":
+        main_error(f"loomax launch: {command[0]!r} is not a loomax command ({', '.join(COMMANDS)})")
+    try:
+        config = parse_config(LaunchConfig, path, options)
+    except (ConfigError, ValueError) as e:
+        main_error(str(e))
+    try:
+        code = launch(config, command)
+    except (ValueError, FileNotFoundError) as e:
+        main_error(str(e))
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

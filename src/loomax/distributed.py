@@ -1,13 +1,16 @@
 """Multi-process JAX (``trainer.distributed``): start JAX's own distributed runtime.
 
-Explicit settings (``coordinator_address`` and friends) win; otherwise JAX's auto-detection
-is used where it knows the cluster (SLURM, TPU pods, MPI); on a plain machine nothing is
-started and the run is single-process. On CPU, collectives go through gloo.
+Explicit settings (``coordinator_address`` and friends) win, then the ``LOOMAX_*`` variables
+``loomax launch`` sets (``LOOMAX_COORDINATOR_ADDRESS``, ``LOOMAX_NUM_PROCESSES``,
+``LOOMAX_PROCESS_ID``, ``LOOMAX_LOCAL_DEVICE_IDS``); otherwise JAX's auto-detection is used
+where it knows the cluster (SLURM, TPU pods, MPI); on a plain machine nothing is started
+and the run is single-process. On CPU, collectives go through gloo.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -17,6 +20,11 @@ from dataclasses import dataclass
 import jax
 
 logger = logging.getLogger(__name__)
+
+COORDINATOR_ENV = "LOOMAX_COORDINATOR_ADDRESS"
+NUM_PROCESSES_ENV = "LOOMAX_NUM_PROCESSES"
+PROCESS_ID_ENV = "LOOMAX_PROCESS_ID"
+LOCAL_DEVICE_IDS_ENV = "LOOMAX_LOCAL_DEVICE_IDS"
 
 _CLUSTER_ENV = (
     "SLURM_JOB_ID",
@@ -57,21 +65,46 @@ class DistributedConfig:
 
     @property
     def explicit(self) -> bool:
-        return self.coordinator_address is not None
+        return self.resolved().coordinator_address is not None
+
+    def resolved(self) -> DistributedConfig:
+        """These settings, with unset fields taken from the ``LOOMAX_*`` launch variables."""
+        env = os.environ
+
+        def from_env(name: str, parse):
+            value = env.get(name)
+            if not value:
+                return None
+            try:
+                return parse(value)
+            except ValueError as e:
+                raise ValueError(f"environment variable {name}={value!r} is malformed: {e}") from e
+
+        ids = from_env(LOCAL_DEVICE_IDS_ENV, lambda v: [int(x) for x in v.split(",")])
+        return dataclasses.replace(
+            self,
+            coordinator_address=self.coordinator_address or env.get(COORDINATOR_ENV) or None,
+            num_processes=self.num_processes or from_env(NUM_PROCESSES_ENV, int),
+            process_id=self.process_id
+            if self.process_id is not None
+            else from_env(PROCESS_ID_ENV, int),
+            local_device_ids=self.local_device_ids or ids,
+        )
 
     def initialize(self) -> None:
         """Start ``jax.distributed`` if this run is multi-process; safe to call twice."""
         if not self.initialize_jax_distributed or _already_initialized():
             return
-        if not self.explicit and not any(v in os.environ for v in _CLUSTER_ENV):
+        settings = self.resolved()
+        if not settings.explicit and not any(v in os.environ for v in _CLUSTER_ENV):
             return
         if _platform_is_cpu():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
-            coordinator_address=self.coordinator_address,
-            num_processes=self.num_processes,
-            process_id=self.process_id,
-            local_device_ids=self.local_device_ids,
+            coordinator_address=settings.coordinator_address,
+            num_processes=settings.num_processes,
+            process_id=settings.process_id,
+            local_device_ids=settings.local_device_ids,
         )
         logger.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 

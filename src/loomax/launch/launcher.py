@@ -1,0 +1,122 @@
+"""``loomax launch``: parse the options, then start (or print) the command on the target."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from loomax.launch.config import LaunchConfig
+from loomax.launch.docker import build_and_push
+from loomax.launch.gpu import gpu_commands
+from loomax.launch.job import Job, mask_secrets, prepare_job
+from loomax.launch.local import free_port, local_commands
+from loomax.launch.processes import Command, run_group, with_retries
+from loomax.launch.slurm import render_sbatch, sbatch_path
+from loomax.launch.tpu import tpu_command
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS_FILE = ".loomax.yaml"
+_BOOL_FLAGS = ("dry_run", "docker_build")
+
+
+def split_launch_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``[launch options] -- <loomax command>`` -> (options, command); raises ``ValueError``."""
+    argv = list(argv)
+    if "--" not in argv:
+        raise ValueError(
+            "loomax launch needs `-- <loomax command>`, e.g. `-- train --config_path FILE`"
+        )
+    i = argv.index("--")
+    options, command = argv[:i], argv[i + 1 :]
+    if not command:
+        raise ValueError("loomax launch: nothing to run after `--`")
+    normalized: list[str] = []
+    for k, arg in enumerate(options):
+        if arg.startswith("--"):
+            name, eq, value = arg[2:].partition("=")
+            arg = "--" + name.replace("-", "_") + eq + value
+            following = options[k + 1] if k + 1 < len(options) else None
+            if (
+                name.replace("-", "_") in _BOOL_FLAGS
+                and not eq
+                and (following is None or following.startswith("--"))
+            ):
+                normalized += [arg, "true"]
+                continue
+        normalized.append(arg)
+    return normalized, command
+
+
+def defaults_file(options: list[str]) -> tuple[str | None, list[str]]:
+    """``--launch_config PATH`` if given, else ``.loomax.yaml`` here if it exists."""
+    if "--launch_config" in options:
+        i = options.index("--launch_config")
+        if i + 1 >= len(options):
+            raise ValueError("--launch_config needs a path")
+        return options[i + 1], options[:i] + options[i + 2 :]
+    return (DEFAULTS_FILE if Path(DEFAULTS_FILE).is_file() else None), options
+
+
+def launch(config: LaunchConfig, args: Sequence[str], *, out: TextIO | None = None) -> int:
+    """Start ``loomax <args>`` on ``config.target`` (or print it all with ``dry_run``); the exit code."""
+    out = out or sys.stdout
+    job = prepare_job(config, args)
+    if config.dry_run:
+        print(f"# loomax launch --target {config.target}, retries: {config.retries}", file=out)
+        for line in plan(config, job):
+            print(mask_secrets(line, job.env), file=out)
+        return 0
+    if config.target == "slurm":
+        return _submit_slurm(config, job)
+    if config.docker_build and config.docker_image:
+        accelerator = "tpu" if config.target == "tpu" else "gpu"
+        for argv in build_and_push(config.docker_image, accelerator):
+            logger.info("running: %s", shlex.join(argv))
+            subprocess.run(argv, check=True)
+    return with_retries(lambda attempt: run_group(_commands(config, job)), config.retries)
+
+
+def plan(config: LaunchConfig, job: Job) -> list[str]:
+    """Every command a launch would run, as shell lines (first attempt)."""
+    if config.target == "slurm":
+        path = sbatch_path(config, job)
+        script = render_sbatch(config, job)
+        return [f"# {path}:", *script.rstrip("\n").splitlines(), f"sbatch {shlex.quote(str(path))}"]
+    lines = []
+    if config.docker_build and config.docker_image:
+        accelerator = "tpu" if config.target == "tpu" else "gpu"
+        lines += [shlex.join(argv) for argv in build_and_push(config.docker_image, accelerator)]
+    for command in _commands(config, job):
+        env = command.env or {}
+        extra = {
+            k: v
+            for k, v in env.items()
+            if k.startswith("LOOMAX_") or k in ("JAX_PLATFORMS", "XLA_FLAGS")
+        }
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items())
+        lines.append((prefix + " " if prefix else "") + shlex.join(command.argv))
+    if config.retries:
+        lines.append(f"# on failure: all of the above again, up to {config.retries} more time(s)")
+    return lines
+
+
+def _commands(config: LaunchConfig, job: Job) -> list[Command]:
+    if config.target == "local":
+        return local_commands(config, job, free_port())
+    if config.target == "tpu":
+        return [Command(tpu_command(config, job))]
+    return gpu_commands(config, job)
+
+
+def _submit_slurm(config: LaunchConfig, job: Job) -> int:
+    path = sbatch_path(config, job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_sbatch(config, job))
+    logger.info("submitting %s", path)
+    return subprocess.run(["sbatch", str(path)]).returncode

@@ -1,0 +1,156 @@
+"""``loomax launch --dry-run``: the exact commands for TPU pods, GPU hosts and SLURM."""
+
+from __future__ import annotations
+
+import pytest
+
+from loomax.cli import main
+
+
+@pytest.fixture(autouse=True)
+def launch_env(monkeypatch, tmp_path):
+    """A fixed commit, one secret and one plain variable to forward; cwd without .loomax.yaml."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LOOMAX_GIT_COMMIT", "abc123")
+    monkeypatch.setenv("WANDB_API_KEY", "s3cret-key")
+    monkeypatch.setenv("WANDB_PROJECT", "ladder")
+    for name in ("WANDB_ENTITY", "WANDB_MODE", "HF_TOKEN", "JAX_COMPILATION_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TPU_STDERR_LOG_LEVEL", raising=False)
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def dry_run(capsys, *options: str, command=("train", "--config_path", "config/gpt2_small.yaml")):
+    with pytest.raises(SystemExit) as exit:
+        main(["launch", *options, "--run_id", "r1", "--dry-run", "--", *command])
+    out = capsys.readouterr()
+    assert exit.value.code == 0, out.err
+    assert "s3cret-key" not in out.out  # secrets are masked in what is printed
+    return out.out.splitlines()
+
+
+ENV = "env WANDB_API_KEY=*** WANDB_PROJECT=ladder LOOMAX_GIT_COMMIT=abc123"
+TRAIN = "train --config_path config/gpt2_small.yaml --trainer.run_id r1"
+
+
+def test_tpu_pod(capsys):
+    lines = dry_run(
+        capsys, "--target", "tpu", "--tpu_name", "t1", "--zone", "us-central2-b", "--retries", "2"
+    )
+    assert lines == [
+        "# loomax launch --target tpu, retries: 2",
+        "gcloud compute tpus tpu-vm ssh t1 --zone us-central2-b --worker=all --command "
+        f"'cd ~/loomax && {ENV} .venv/bin/loomax {TRAIN}'",
+        "# on failure: all of the above again, up to 2 more time(s)",
+    ]
+
+
+def test_tpu_settings_come_from_loomax_yaml_and_docker(capsys, tmp_path):
+    (tmp_path / ".loomax.yaml").write_text(
+        "tpu_name: pod-v4\nzone: us-central2-b\nproject: my-proj\n"
+        "docker_image: gcr.io/my-proj/loomax:dev\nenv: {TPU_MIN_LOG_LEVEL: '0'}\n"
+    )
+    lines = dry_run(capsys, "--target", "tpu", "--docker_build")
+    assert lines[1:3] == [
+        "docker build -t gcr.io/my-proj/loomax:dev -f infra/docker/Dockerfile --build-arg ACCELERATOR=tpu .",
+        "docker push gcr.io/my-proj/loomax:dev",
+    ]
+    ssh = lines[3]
+    assert ssh.startswith(
+        "gcloud compute tpus tpu-vm ssh pod-v4 --zone us-central2-b --project my-proj --worker=all --command "
+    )
+    assert "docker rm -f loomax >/dev/null 2>&1; docker run --rm --name loomax --net=host" in ssh
+    assert (
+        "--privileged" in ssh and "-e WANDB_API_KEY=***" in ssh and "-e TPU_MIN_LOG_LEVEL=0" in ssh
+    )
+    assert f"gcr.io/my-proj/loomax:dev loomax {TRAIN}" in ssh
+
+
+def test_gpu_hosts_one_process_per_gpu(capsys, tmp_path):
+    (tmp_path / "hosts").write_text("# two nodes\nubuntu@gpu-a\ngpu-b  # second\n\n")
+    lines = dry_run(capsys, "--target", "gpu", "--hostfile", "hosts", "--processes_per_host", "2")
+    ssh = "ssh -o BatchMode=yes -o StrictHostKeyChecking=accept-new"
+    expected = []
+    for pid, (host, gpu) in enumerate(
+        [("ubuntu@gpu-a", 0), ("ubuntu@gpu-a", 1), ("gpu-b", 0), ("gpu-b", 1)]
+    ):
+        dist = (
+            f"LOOMAX_COORDINATOR_ADDRESS=gpu-a:8476 LOOMAX_NUM_PROCESSES=4 LOOMAX_PROCESS_ID={pid} "
+            f"CUDA_VISIBLE_DEVICES={gpu}"
+        )
+        expected.append(f"{ssh} {host} 'cd ~/loomax && {ENV} {dist} .venv/bin/loomax {TRAIN}'")
+    assert lines[1:] == expected
+
+
+def test_slurm_script_and_sbatch(capsys):
+    lines = dry_run(
+        capsys, "--target", "slurm", "--nodes", "4", "--partition", "gpu", "--retries", "1"
+    )
+    assert lines[1] == "# .loomax/slurm/loomax-r1.sbatch:"
+    script = "\n".join(lines[2:-1])
+    for expected in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "cd ~/loomax",
+        "export WANDB_API_KEY=***",
+        "export LOOMAX_GIT_COMMIT=abc123",
+        "for attempt in $(seq 0 1); do",
+        f"srun --kill-on-bad-exit=1 .venv/bin/loomax {TRAIN}",
+    ):
+        assert expected in script, expected
+    assert "@@" not in script
+    assert lines[-1] == "sbatch .loomax/slurm/loomax-r1.sbatch"
+
+
+def test_local_processes_get_coordinator_and_ids(capsys):
+    lines = dry_run(capsys, "--target", "local", "--num_processes", "3")
+    assert len(lines) == 4
+    for pid, line in enumerate(lines[1:]):
+        assert "LOOMAX_COORDINATOR_ADDRESS=127.0.0.1:" in line
+        assert f"LOOMAX_NUM_PROCESSES=3 LOOMAX_PROCESS_ID={pid}" in line
+        assert line.endswith(f"-m loomax.cli {TRAIN}")
+
+
+def test_a_run_named_by_the_command_is_left_alone(capsys):
+    lines = dry_run(
+        capsys,
+        "--target",
+        "tpu",
+        "--tpu_name",
+        "t",
+        "--zone",
+        "z",
+        command=("train", "--config_path", "c.yaml", "--trainer.run_id", "mine"),
+    )
+    assert lines[1].endswith("train --config_path c.yaml --trainer.run_id mine'")
+
+
+@pytest.mark.parametrize(
+    "options, command, message",
+    [
+        (["--target", "tpu", "--zone", "z"], ["train"], "needs --tpu_name and --zone"),
+        (["--target", "gpu"], ["train"], "needs --hostfile"),
+        (["--target", "moon"], ["train"], "launch.target must be one of local, tpu, gpu, slurm"),
+        (["--target", "local"], [], "nothing to run after `--`"),
+        (["--target", "local"], ["fly"], "'fly' is not a loomax command"),
+        (
+            ["--target", "gpu", "--hostfile", "nope"],
+            ["train"],
+            "launch.hostfile: no such file: nope",
+        ),
+    ],
+)
+def test_bad_options_name_what_is_wrong(capsys, options, command, message):
+    with pytest.raises(SystemExit) as exit:
+        main(["launch", *options, "--dry-run", "--", *command])
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_separator():
+    with pytest.raises(SystemExit) as exit:
+        main(["launch", "--target", "local", "train"])
+    assert exit.value.code == 2
