@@ -13,11 +13,15 @@ import jax
 import yaml
 
 from loomax.callbacks import (
+    ConfigSaverHook,
     EvalHook,
     LogMetricsHook,
     NanCheckHook,
     ProgressBarHook,
+    SpeedMonitorHook,
     make_loss_evaluator,
+    next_token_bytes,
+    token_byte_lengths,
 )
 from loomax.config import to_yaml
 from loomax.data import BatchLoader, DataConfig, LmDatasets, build_lm_datasets, eval_batches
@@ -29,7 +33,7 @@ from loomax.models.axes import Batch, Position
 from loomax.models.generate import sample_tokens
 from loomax.optim import AdamConfig, OptimizerConfig
 from loomax.peak_flops import total_peak_flops
-from loomax.train import StepInfo, Trainer, TrainerConfig
+from loomax.train import HookContext, StepInfo, Trainer, TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -141,32 +145,51 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     flops_per_token = 3 * model_config.flops_per_token(vocab_size)
     peak = total_peak_flops(trainer_config.policy.compute_dtype, trainer_config.device_peak_flops)
 
+    eval_loss = loss_fn
     evaluator = EvalHook(
         make_loss_evaluator(
-            loss_fn,
+            eval_loss,
             validation,
             trainer_config.policy,
             jit=trainer.mesh_jit,
             prepare=trainer.shard_batch,
+            count_bytes=next_token_bytes(token_byte_lengths(data.tokenizer, vocab_size)),
         ),
         trainer_config.steps_per_eval,
         at_start=trainer_config.eval_at_start,
     )
     primary = jax.process_index() == 0  # only process 0 prints and writes shared files
+    config_yaml = to_yaml(config)
+    trainer.add_hook(ConfigSaverHook(config_yaml, trainer.run_dir, write=primary))
     if trainer_config.progress_bar and primary:
         trainer.add_hook(ProgressBarHook(trainer_config.num_train_steps, tokens_per_step))
     if trainer_config.crash_on_nan:
         trainer.add_hook(NanCheckHook())
     trainer.add_hook(evaluator)
+    trainer.add_hook(LogMetricsHook(trainer_config.log_every, tokens_per_step))
     trainer.add_hook(
-        LogMetricsHook(trainer_config.log_every, tokens_per_step, flops_per_token, peak)
+        SpeedMonitorHook(trainer_config.log_every, tokens_per_step, flops_per_token, peak)
     )
+    context = HookContext(
+        trainer,
+        model_config=model_config,
+        vocab_size=vocab_size,
+        tokenizer=data.tokenizer,
+        validation={"validation": validation},
+        loss_fn=eval_loss,
+        tokens_per_step=tokens_per_step,
+        flops_per_token=flops_per_token,
+        peak_flops=peak,
+        config_yaml=config_yaml,
+        primary=primary,
+    )
+    for hook_config in trainer_config.hooks:  # trainer.hooks from the YAML
+        built = hook_config.build(context)
+        for hook in built if isinstance(built, list) else [built]:
+            trainer.add_hook(hook)
 
-    trainer.run_config = json.loads(json.dumps(yaml.safe_load(to_yaml(config)), default=str))
+    trainer.run_config = json.loads(json.dumps(yaml.safe_load(config_yaml), default=str))
     run_dir = trainer.run_dir
-    if primary:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(config))
     trainer.tracker.log_hyperparameters(_flat_config(config))
     params = model_config.param_count(vocab_size)
     logger.info(

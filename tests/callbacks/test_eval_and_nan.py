@@ -16,17 +16,22 @@ def info(step, previous=None):
     return StepInfo(step=step, state=State(), metrics={}, previous=previous)
 
 
-def test_eval_at_start_every_and_end_without_repeat():
+def test_eval_requests_at_start_every_and_end_without_repeat():
     calls = []
     hook = EvalHook(lambda model: calls.append(model) or {"eval/loss": 1.0}, every=5, at_start=True)
-    hook.on_train_begin(info(0))
-    for step in (5, 10):
+
+    def run(method, step):
         i = info(step)
-        hook.on_step(i)
-        assert i.record["eval/loss"] == 1.0
-    hook.on_train_end(info(10))  # already evaluated at 10
-    hook.on_train_end(info(12))
-    assert [s for s, _ in hook.history] == [0, 5, 10, 12]
+        getattr(hook, method)(i)
+        if i.control.eval_requested:
+            assert hook.run_eval(i) == {"eval/loss": 1.0}
+        return i.control.eval_requested
+
+    assert run("on_train_begin", 0)
+    assert run("on_step", 5) and run("on_step", 10)
+    assert not run("on_train_end", 10)  # already evaluated at 10
+    assert run("on_train_end", 12)
+    assert [s for s, _ in hook.history] == [0, 5, 10, 12] and calls == ["model"] * 4
 
 
 def test_nan_check_names_step():

@@ -1,8 +1,8 @@
-"""LogMetricsHook: cadence, throughput after the compile step, and filling other hooks' records."""
+"""LogMetricsHook cadence and fill-in; SpeedMonitorHook throughput after the compile step."""
 
 from __future__ import annotations
 
-from loomax.callbacks import LogMetricsHook
+from loomax.callbacks import LogMetricsHook, SpeedMonitorHook
 from loomax.train.hooks import CompletedStep, StepInfo
 
 
@@ -16,27 +16,44 @@ def done(step, at):
     return CompletedStep(step, {"train/loss": 1.0}, 0.5, at)
 
 
-def test_logs_every_n_and_fills_other_records():
-    hook = LogMetricsHook(log_every=3, tokens_per_step=100, flops_per_token=6.0, peak_flops=1e3)
-    hook.on_train_begin(info(0))
+def test_logs_every_n_and_fills_other_records_in_pre_log():
+    hook = LogMetricsHook(log_every=3, tokens_per_step=100)
     logged = {}
     for step in range(1, 7):
-        extra = {"eval/loss": 2.0} if step == 4 else {}
-        i = info(step, done(step - 1, float(step)) if step > 1 else None, dict(extra))
+        i = info(step)
         hook.on_step(i)
-        if i.record:
-            logged[step] = i.record
+        record = dict(i.record)
+        if step == 4:
+            record["eval/loss"] = 2.0  # logged by another hook
+        if record:
+            hook.pre_log(i, record)
+            logged[step] = record
     assert sorted(logged) == [3, 4, 6]
-    assert logged[4]["eval/loss"] == 2.0 and "train/loss" in logged[4]
-    for record in logged.values():
-        assert "throughput/tokens_per_second" in record and "throughput/mfu" in record
-        assert record["optim/learning_rate"] == 0.1
+    assert logged[4]["eval/loss"] == 2.0 and logged[4]["train/loss"] == 1 / 5
+    assert logged[6]["throughput/tokens"] == 600 and logged[6]["optim/learning_rate"] == 0.1
 
 
 def test_end_logs_once_when_not_on_cadence():
-    hook = LogMetricsHook(log_every=10, tokens_per_step=1, flops_per_token=None, peak_flops=None)
-    hook.on_train_begin(info(0))
+    hook = LogMetricsHook(log_every=10, tokens_per_step=1)
     final = info(3, done(3, 5.0))
     hook.on_train_end(final)
     assert final.record["train/loss"] == 1 / 4
-    assert "throughput/mfu" not in final.record  # no peak known
+
+
+def test_speed_monitor_measures_from_first_finished_step():
+    hook = SpeedMonitorHook(every=2, tokens_per_step=100, flops_per_token=6.0, peak_flops=1e3)
+    hook.on_train_begin(info(0))
+    records = {}
+    for step in range(1, 7):
+        i = info(step, done(step - 1, float(step)) if step > 1 else None)
+        hook.on_step(i)
+        records[step] = i.record
+    assert "throughput/mfu" in records[4] and records[4]["throughput/steps_per_second"] > 0
+    no_peak = SpeedMonitorHook(every=1, tokens_per_step=1)
+    no_peak.on_train_begin(info(0))
+    for step in (1, 2, 3):
+        i = info(step, done(step - 1, float(step)) if step > 1 else None)
+        no_peak.on_step(i)
+        if step == 1:
+            assert i.record == {}  # step 1 (with compilation) not yet seen finished
+    assert "throughput/tokens_per_second" in i.record and "throughput/mfu" not in i.record

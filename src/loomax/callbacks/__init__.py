@@ -1,15 +1,55 @@
-"""Built-in hooks, one per module: progress bar, metric logging, eval, NaN check."""
+"""Built-in hooks, one per module; importing this package registers their ``trainer.hooks`` types."""
 
-from loomax.callbacks.eval import EvalHook, make_loss_evaluator
+from loomax.callbacks.config_saver import ConfigSaverHook
+from loomax.callbacks.console import ConsoleHook
+from loomax.callbacks.control_server import ControlServerHook
+from loomax.callbacks.divergence import DivergenceDetector, DivergenceError
+from loomax.callbacks.early_stopping import EarlyStoppingHook
+from loomax.callbacks.ema import EmaHook
+from loomax.callbacks.eval import (
+    EvalHook,
+    make_loss_evaluator,
+    next_token_bytes,
+    token_byte_lengths,
+)
+from loomax.callbacks.garbage_collector import GarbageCollectorHook
 from loomax.callbacks.log_metrics import LogMetricsHook
+from loomax.callbacks.memory import MemoryMonitorHook
+from loomax.callbacks.metric_saver import MetricSaverHook
+from loomax.callbacks.model_merge import ModelMergeHook
 from loomax.callbacks.nan_check import NanCheckHook, NonFiniteLossError
+from loomax.callbacks.norms import NormsHook
+from loomax.callbacks.profiler import ProfilerHook
 from loomax.callbacks.progress import ProgressBarHook
+from loomax.callbacks.skip_bad_steps import SkipBadStepsHook
+from loomax.callbacks.speed import SpeedMonitorHook
+from loomax.callbacks.stability import StabilityMonitor
+from loomax.callbacks.textgen import TextGenHook
 
 __all__ = [
+    "ConfigSaverHook",
+    "ConsoleHook",
+    "ControlServerHook",
+    "DivergenceDetector",
+    "DivergenceError",
+    "EarlyStoppingHook",
+    "EmaHook",
     "EvalHook",
+    "GarbageCollectorHook",
     "LogMetricsHook",
+    "MemoryMonitorHook",
+    "MetricSaverHook",
+    "ModelMergeHook",
     "NanCheckHook",
     "NonFiniteLossError",
+    "NormsHook",
+    "ProfilerHook",
     "ProgressBarHook",
+    "SkipBadStepsHook",
+    "SpeedMonitorHook",
+    "StabilityMonitor",
+    "TextGenHook",
     "make_loss_evaluator",
+    "next_token_bytes",
+    "token_byte_lengths",
 ]

@@ -1,78 +1,173 @@
-"""Evaluate the model on validation batches every N steps (and at the start and end)."""
+"""Evaluation: loss, perplexity and bits per byte on validation sets every N steps.
+
+``make_loss_evaluator`` builds ``evaluate(model) -> metrics`` and works without a
+Trainer (``loomax eval --checkpoint`` uses it); ``EvalHook`` runs it on a cadence.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jmp
+import numpy as np
 
+from loomax.train.hook_config import HookConfig, HookContext, check_positive
 from loomax.train.hooks import Hook, StepInfo
 
 logger = logging.getLogger(__name__)
 
 EvalLossFn = Callable[..., tuple[jax.Array, jax.Array]]
+Evaluator = Callable[[Any], dict[str, float]]
 
 
 def make_loss_evaluator(
     loss_fn: EvalLossFn,
-    batches: Sequence[Any],
+    batches: Sequence[Any] | Mapping[str, Sequence[Any]],
     mp: jmp.Policy,
     *,
     jit: Callable[[Callable], Callable] = jax.jit,
     prepare: Callable[[Any], Any] = lambda batch: batch,
-) -> Callable[[Any], dict[str, float]]:
-    """``evaluate(model) -> {"eval/loss", "eval/perplexity"}``: the mean loss over ``batches``.
+    count_bytes: Callable[[Any], jax.Array] | None = None,
+) -> Evaluator:
+    """``evaluate(model) -> {"eval/loss", "eval/perplexity", "eval/bpb"...}`` over validation batches.
 
-    ``loss_fn(model, batch, *, key)`` returns ``(loss_sum, weight)``; sums are added on the
-    device and pulled to the host once. ``jit`` and ``prepare`` let the trainer run it
-    sharded (``trainer.mesh_jit`` and ``trainer.shard_batch``).
+    ``batches`` is one list of batches or ``{name: batches}``. With named sets each gets
+    ``eval/<name>/loss``, ``/perplexity`` (and ``/bpb``), and ``eval/loss``,
+    ``eval/perplexity``, ``eval/bpb`` are the macro averages over the sets (each set
+    counts once, whatever its size). ``loss_fn(model, batch, *, key)`` returns
+    ``(loss_sum, weight)`` in nats; ``count_bytes(batch)`` (traced) returns the UTF-8
+    bytes of the predicted tokens, which gives bits per byte. Sums are added on the
+    device and pulled to the host once per set. ``jit`` and ``prepare`` let a trainer run
+    it sharded (``trainer.mesh_jit`` and ``trainer.shard_batch``).
     """
+    named = dict(batches) if isinstance(batches, Mapping) else None
+    sets = named if named is not None else {"": batches}
+    for name, set_batches in sets.items():
+        if len(set_batches) == 0:
+            raise ValueError(f"validation set {name or 'validation'!r} has no batches")
 
-    def batch_loss(model, batch):
+    def batch_sums(model, batch):
         total, weight = loss_fn(mp.cast_to_compute(model), batch, key=None)
-        return jnp.asarray(total, jnp.float32), jnp.asarray(weight, jnp.float32)
+        nbytes = count_bytes(batch) if count_bytes is not None else 0.0
+        return (
+            jnp.asarray(total, jnp.float32),
+            jnp.asarray(weight, jnp.float32),
+            jnp.asarray(nbytes, jnp.float32),
+        )
 
-    batch_loss = jit(batch_loss)
-    prepared = [prepare(b) for b in batches]
+    batch_sums = jit(batch_sums)
+    prepared = {name: [prepare(b) for b in bs] for name, bs in sets.items()}
 
     def evaluate(model) -> dict[str, float]:
-        total = weight = jnp.zeros((), jnp.float32)
-        for batch in prepared:
-            t, w = batch_loss(model, batch)
-            total, weight = total + t, weight + w
-        loss = float(total / weight)
-        return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 700.0))}
+        out: dict[str, float] = {}
+        per_set = []
+        for name, set_batches in prepared.items():
+            sums = jnp.zeros((3,), jnp.float32)
+            for batch in set_batches:
+                sums = sums + jnp.stack(batch_sums(model, batch))
+            total, weight, nbytes = (float(x) for x in jax.device_get(sums))
+            metrics = _metrics(total, weight, nbytes if count_bytes is not None else None)
+            per_set.append(metrics)
+            if name:
+                out.update({f"eval/{name}/{k}": v for k, v in metrics.items()})
+        macro = {k: float(np.mean([m[k] for m in per_set])) for k in per_set[0]}
+        macro["perplexity"] = math.exp(min(macro["loss"], 700.0))
+        out.update({f"eval/{k}": v for k, v in macro.items()})
+        return out
 
     return evaluate
 
 
+def _metrics(total: float, weight: float, nbytes: float | None) -> dict[str, float]:
+    loss = total / weight
+    metrics = {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+    if nbytes is not None and nbytes > 0:
+        metrics["bpb"] = total / (nbytes * math.log(2))
+    return metrics
+
+
+def token_byte_lengths(tokenizer, vocab_size: int) -> np.ndarray:
+    """UTF-8 bytes each token id stands for (0 for special and unused ids).
+
+    Byte-level BPE tokens are strings of one character per byte; other tokenizers are
+    measured by decoding each token alone.
+    """
+    lengths = np.zeros(vocab_size, np.int32)
+    decoder = (json.loads(tokenizer.to_str()).get("decoder") or {}).get("type")
+    special = set(tokenizer.get_added_tokens_decoder())
+    for token_id in range(min(vocab_size, tokenizer.get_vocab_size())):
+        if token_id in special:
+            continue
+        if decoder == "ByteLevel":
+            piece = tokenizer.id_to_token(token_id)
+            lengths[token_id] = len(piece) if piece is not None else 0
+        else:
+            lengths[token_id] = len(tokenizer.decode([token_id]).encode("utf-8"))
+    return lengths
+
+
+def next_token_bytes(byte_lengths: np.ndarray) -> Callable[[Any], jax.Array]:
+    """``count_bytes`` for a ``[batch, position]`` token array whose next tokens are predicted."""
+    table = jnp.asarray(byte_lengths)
+
+    def count(tokens) -> jax.Array:
+        return jnp.sum(table[jnp.asarray(tokens)[:, 1:]])
+
+    return count
+
+
 class EvalHook(Hook):
-    """Runs ``evaluate(model)`` every ``every`` steps, logs the result and prints the loss."""
+    """Asks for an evaluation every ``every`` steps (and at the start and the end, optionally).
+
+    The trainer then calls ``run_eval``, logs the results and passes them to every hook's
+    ``on_eval``. The model evaluated is ``info.eval_model`` (EMA weights if a hook asks).
+    """
 
     def __init__(
-        self, evaluate: Callable[[Any], dict[str, float]], every: int, *, at_start: bool = True
+        self,
+        evaluate: Evaluator,
+        every: int,
+        *,
+        at_start: bool = True,
+        at_end: bool = True,
+        name: str = "EvalHook",
     ):
+        if every < 1:
+            raise ValueError(f"eval every must be >= 1, got {every}")
         self.evaluate = evaluate
         self.every = every
         self.at_start = at_start
+        self.at_end = at_end
+        self.state_key = name
         self.last_step: int | None = None
         self.history: list[tuple[int, dict[str, float]]] = []
 
     def on_train_begin(self, info: StepInfo) -> None:
         if self.at_start and self.last_step != info.step:  # a resumed run already has it
-            self._run(info)
+            info.control.eval()
 
     def on_step(self, info: StepInfo) -> None:
-        self._run(info)
+        info.control.eval()
 
     def on_train_end(self, info: StepInfo) -> None:
-        if self.last_step != info.step:
-            self._run(info)
+        if self.at_end and self.last_step != info.step:
+            info.control.eval()
+
+    def run_eval(self, info: StepInfo) -> dict[str, float] | None:
+        if self.last_step == info.step:
+            return None
+        results = self.evaluate(info.eval_model)
+        self.history.append((info.step, results))
+        self.last_step = info.step
+        logger.info("eval at step %d: loss %.4f", info.step, results["eval/loss"])
+        return results
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_step": self.last_step, "history": [[s, r] for s, r in self.history]}
@@ -81,9 +176,42 @@ class EvalHook(Hook):
         self.last_step = state["last_step"]
         self.history = [(s, r) for s, r in state["history"]]
 
-    def _run(self, info: StepInfo) -> None:
-        results = self.evaluate(info.state.model)
-        info.log(results)
-        self.history.append((info.step, results))
-        self.last_step = info.step
-        logger.info("eval at step %d: loss %.4f", info.step, results["eval/loss"])
+
+@HookConfig.register_subclass("eval")
+@dataclass(frozen=True)
+class EvalConfig(HookConfig):
+    """Another evaluation on the run's validation sets (the run's own follows trainer.steps_per_eval)."""
+
+    every: int = 1000
+    """Evaluate every this many steps."""
+    at_start: bool = False
+    """Also evaluate before the first step."""
+    at_end: bool = True
+    """Also evaluate after the last step."""
+    max_batches: int | None = None
+    """Use at most this many batches of each validation set; null = all the run has."""
+
+    def __post_init__(self):
+        check_positive(self, "every", "max_batches")
+
+    def build(self, context: HookContext) -> Hook:
+        trainer = context.trainer
+        sets = {k: v[: self.max_batches] for k, v in context.validation.items()}
+        count = None
+        if context.tokenizer is not None and context.vocab_size:
+            count = next_token_bytes(token_byte_lengths(context.tokenizer, context.vocab_size))
+        evaluate = make_loss_evaluator(
+            context.loss_fn,
+            sets,
+            trainer.config.policy,
+            jit=trainer.mesh_jit,
+            prepare=trainer.shard_batch,
+            count_bytes=count,
+        )
+        return EvalHook(
+            evaluate,
+            self.every,
+            at_start=self.at_start,
+            at_end=self.at_end,
+            name=f"EvalHook[every={self.every}]",
+        )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+from loomax.train.hook_config import HookConfig, HookContext
 from loomax.train.hooks import CompletedStep, Hook, StepInfo
 
 
@@ -32,3 +34,12 @@ def _check(done: CompletedStep) -> None:
             f"training loss is {loss} at step {done.step}; stopping (set trainer.crash_on_nan: false to "
             "continue). Lower optimizer.learning_rate, raise optimizer.warmup, or check the data."
         )
+
+
+@HookConfig.register_subclass("nan_check")
+@dataclass(frozen=True)
+class NanCheckConfig(HookConfig):
+    """Stop with an error at a NaN/Inf loss (the run adds one when trainer.crash_on_nan is true)."""
+
+    def build(self, context: HookContext) -> Hook:
+        return NanCheckHook()

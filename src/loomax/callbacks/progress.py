@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tqdm.auto import tqdm
 
+from loomax.train.hook_config import HookConfig, HookContext
 from loomax.train.hooks import Hook, StepInfo
 
 
@@ -40,3 +43,14 @@ class ProgressBarHook(Hook):
         if done.duration > 0:
             postfix["tok/s"] = f"{self.tokens_per_step / done.duration:,.0f}"
         self.bar.set_postfix(postfix, refresh=False)
+
+
+@HookConfig.register_subclass("progress")
+@dataclass(frozen=True)
+class ProgressConfig(HookConfig):
+    """A tqdm progress bar (the run adds one when trainer.progress_bar is true)."""
+
+    def build(self, context: HookContext) -> Hook | list:
+        if not context.primary:
+            return []
+        return ProgressBarHook(context.trainer.config.num_train_steps, context.tokens_per_step)

@@ -259,11 +259,13 @@ class Checkpointer:
         *,
         permanent: bool,
         block: bool = False,
+        files: dict[str, bytes] | None = None,
     ) -> bool:
         """Save ``tree`` as ``step-<step>`` (returns False if that step was just saved).
 
         Every process must call this with the same step. ``metadata`` (JSON) is merged
-        into ``metadata.json``.
+        into ``metadata.json``; ``files`` (name -> bytes) are written by process 0 into the
+        checkpoint directory before the commit.
         """
         self.wait()
         if step == self.last_saved_step:
@@ -301,7 +303,7 @@ class Checkpointer:
 
         def write():
             try:
-                self._write(target, snap, meta, tag)
+                self._write(target, snap, meta, tag, files or {})
             except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
                 self._error = e
 
@@ -311,7 +313,9 @@ class Checkpointer:
             self.wait()
         return True
 
-    def _write(self, target: Directory, snap, meta: dict[str, Any], tag: str) -> None:
+    def _write(
+        self, target: Directory, snap, meta: dict[str, Any], tag: str, files: dict[str, bytes]
+    ) -> None:
         started = time.perf_counter()
         primary = jax.process_index() == 0
         if primary and target.keys():  # an incomplete attempt at this step (a crash mid-save)
@@ -320,6 +324,8 @@ class Checkpointer:
         write_snapshot(snap, target.url, create_metadata=primary)
         barrier(tag + "_written")
         if primary:
+            for name, data in files.items():
+                target.write_bytes(name, data)
             target.write_json(METADATA, meta)  # the commit
             logger.info(
                 "checkpoint step %d committed (%s) in %.2fs",

@@ -1,4 +1,7 @@
-"""Decisions every process must take at the same step: save now, stop now.
+"""Requests hooks make (``Control``) and decisions every process must take at the same step.
+
+``Control`` collects what hooks ask for during a step: stop, save or evaluate at the
+end of it, with who asked.
 
 A wall-clock save interval, a time limit or a SIGTERM reaching one host would make
 processes disagree, and a save or stop on some processes only deadlocks the others.
@@ -10,6 +13,7 @@ stop requested by any process reaches process 0 and from there everyone.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -20,8 +24,56 @@ import jax
 
 from loomax.distributed import coordination_client
 
+logger = logging.getLogger(__name__)
+
 _PREFIX = "loomax/control"
 _KEEP_STEPS = 100  # processes never drift this many steps apart: each step has collectives
+
+
+class Control:
+    """What hooks request for the end of the current step: ``stop``, ``save``, ``eval``.
+
+    Every hook sees the same object as ``info.control``. The trainer acts on the
+    requests once the step's hooks have run (all processes take process 0's decision)
+    and logs which hook asked (``by``, filled in with the running hook's name).
+    """
+
+    def __init__(self):
+        self.running: str | None = None
+        """Name of the hook the trainer is running (the default ``by`` of a request)."""
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the requests (the trainer calls this after acting on them)."""
+        self.stop_reason: str | None = None
+        self.save_requested = False
+        self.eval_requested = False
+        self.requested_by: list[str] = []
+
+    def stop(self, reason: str, *, by: str | None = None) -> None:
+        """Stop training after this step (after the eval and save asked for, and a final checkpoint)."""
+        who = by or self.running or "user"
+        if self.stop_reason is None:
+            self.stop_reason = f"{reason} (requested by {who})"
+        self._note("stop", who)
+
+    def save(self, *, by: str | None = None) -> None:
+        """Save a (permanent) checkpoint after this step."""
+        self.save_requested = True
+        self._note("save", by or self.running or "user")
+
+    def eval(self, *, by: str | None = None) -> None:
+        """Run the evaluators after this step."""
+        self.eval_requested = True
+        self._note("eval", by or self.running or "user")
+
+    def _note(self, what: str, who: str) -> None:
+        self.requested_by.append(f"{what} by {who}")
+        logger.info("%s requested by %s", what, who)
+
+    def proposal(self) -> dict[str, Any]:
+        """The requests as the trainer's proposal fields."""
+        return {"stop": self.stop_reason, "save": self.save_requested, "eval": self.eval_requested}
 
 
 class StepAgreement:

@@ -2,7 +2,12 @@
 
 A hook sees a ``StepInfo``. Pulling device values from it (``info.loss``,
 ``info.host_metrics()``) waits for that step to finish, so hooks that run every step
-should use ``info.previous`` (the step before, already finished) instead.
+should use ``info.previous`` (the step before, already finished) instead. Through
+``info.control`` a hook asks for a stop, a save or an eval at the end of the step.
+
+A ``Hook`` may also shape the step before training starts: ``wrap_optimizer`` (e.g.
+skip bad steps), ``jit_hooks`` (metrics computed inside the step) and ``state_extras``
+(arrays kept in ``TrainerState.extras``, e.g. EMA weights).
 """
 
 from __future__ import annotations
@@ -10,11 +15,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
+import optax
 
+from loomax.train.control import Control
 from loomax.train.state import TrainerState
+from loomax.train.step import JitHook, StateExtra
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,12 @@ class StepInfo:
     """Values to log for this step; the trainer sends them to the tracker after the hooks."""
     dispatched_at: float | None = None
     """``time.perf_counter()`` when the step was handed to the device."""
+    control: Control = field(default_factory=Control)
+    """Where hooks request ``stop``, ``save`` or ``eval`` at the end of this step."""
+    run_dir: Path | None = None
+    """The run directory (hooks write their files under it)."""
+    eval_weights: str | None = None
+    """Name of the ``state.extras`` entry to evaluate instead of the model's weights (EMA)."""
     _host: dict[str, float] | None = None
     _finished_at: float | None = None
 
@@ -67,6 +83,14 @@ class StepInfo:
         """This step's training loss (waits for the step to finish)."""
         return self.host_metrics()["train/loss"]
 
+    @property
+    def eval_model(self) -> Any:
+        """The model evaluators should use: the trained one, or the EMA weights if asked."""
+        if self.eval_weights is None:
+            return self.state.model
+        params = self.state.extras[self.eval_weights]
+        return eqx.combine(params, eqx.filter(self.state.model, eqx.is_inexact_array, inverse=True))
+
     def log(self, values: dict[str, Any]) -> None:
         """Add ``values`` to what is logged for this step."""
         self.record.update(values)
@@ -81,19 +105,61 @@ class Hook:
 
     ``on_step`` runs on every step divisible by ``every``; ``on_train_begin`` runs once
     with the initial state (``step`` is the starting step), ``on_train_end`` once with
-    the final one.
+    the final one. Hooks run by ``priority`` (higher first), then in registration order.
     """
 
     every: int = 1
+    priority: int = 0
 
+    @property
+    def name(self) -> str:
+        """How logs and control requests name this hook."""
+        return getattr(self, "state_key", None) or type(self).__name__
+
+    # --------------------------------------------------------------- before training
+    def wrap_optimizer(
+        self, optimizer: optax.GradientTransformation
+    ) -> optax.GradientTransformation:
+        """Return the optimizer to train with (called once, when the hook is added)."""
+        return optimizer
+
+    def jit_hooks(self) -> list[JitHook]:
+        """Metrics this hook computes inside the step."""
+        return []
+
+    def state_extras(self) -> dict[str, StateExtra]:
+        """Arrays this hook keeps in ``TrainerState.extras``, by name."""
+        return {}
+
+    # --------------------------------------------------------------- lifecycle
     def on_train_begin(self, info: StepInfo) -> None:
         """Called before the first step."""
 
     def on_step(self, info: StepInfo) -> None:
         """Called after each step divisible by ``every``."""
 
+    def run_eval(self, info: StepInfo) -> dict[str, float] | None:
+        """Evaluators return their results here when an eval is due (others return None)."""
+        return None
+
+    def on_eval(self, info: StepInfo, results: dict[str, float]) -> None:
+        """Called after an evaluation with its results (e.g. ``eval/loss``)."""
+
+    def checkpoint_files(self) -> dict[str, bytes]:
+        """Files (name -> bytes) to write into each checkpoint directory (e.g. the config)."""
+        return {}
+
+    def on_save(self, info: StepInfo, path: str) -> None:
+        """Called after a checkpoint of ``info.step`` was started at ``path`` (URL)."""
+
+    def pre_log(self, info: StepInfo, record: dict[str, Any]) -> None:
+        """Add, change or drop entries of ``record`` before it reaches the tracker."""
+
     def on_train_end(self, info: StepInfo) -> None:
         """Called after the last step, once its metrics are on the host."""
+
+    def on_error(self, info: StepInfo, error: BaseException) -> None:
+        """Called when training fails with ``error`` (it is re-raised afterwards)."""
 
     def state_dict(self) -> dict[str, Any] | None:
         """State to save in checkpoints (JSON values), or None for a stateless hook."""
@@ -113,7 +179,7 @@ def hook_state_keys(hooks: list[Hook]) -> dict[str, Hook]:
     for hook in hooks:
         if hook.state_dict() is None:
             continue
-        base = getattr(hook, "state_key", None) or type(hook).__name__
+        base = hook.name
         key, n = base, 1
         while key in out:
             n += 1
@@ -125,11 +191,16 @@ def hook_state_keys(hooks: list[Hook]) -> dict[str, Hook]:
 class FnHook(Hook):
     """A plain function of ``StepInfo`` run every ``every`` steps."""
 
-    def __init__(self, fn: Callable[[StepInfo], Any], every: int = 1):
+    def __init__(self, fn: Callable[[StepInfo], Any], every: int = 1, priority: int = 0):
         if every < 1:
             raise ValueError(f"hook every must be >= 1, got {every}")
         self.fn = fn
         self.every = every
+        self.priority = priority
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__name__", "FnHook")
 
     def on_step(self, info: StepInfo) -> None:
         self.fn(info)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,13 +27,18 @@ class LossFn(Protocol):
 
 
 class StepContext(eqx.Module):
-    """What a ``JitHook`` sees inside the step: the model before the update and its gradients."""
+    """What a ``JitHook`` sees inside the step: the model before the update and its gradients.
+
+    ``step`` is the number of steps done before this one; ``new_model`` is the model after
+    the update.
+    """
 
     step: jax.Array
     model: Any
     grads: Any
     updates: Any
     loss: jax.Array
+    new_model: Any = None
 
 
 @dataclass(frozen=True)
@@ -41,11 +46,26 @@ class JitHook:
     """Metrics computed inside the jitted step from a ``StepContext``.
 
     ``fn`` returns a small dict of scalars (or small arrays); they join the step's metrics.
-    With ``every > 1`` they are computed only on steps divisible by ``every`` (zeros otherwise).
+    With ``every > 1`` they are computed only on steps whose number (counted from 1, as
+    ``StepInfo.step``) is divisible by ``every``, the steps a host hook with the same
+    ``every`` sees, and are zeros otherwise.
     """
 
     fn: Callable[[StepContext], Metrics]
     every: int = 1
+
+
+@dataclass(frozen=True)
+class StateExtra:
+    """An array pytree a hook keeps in ``TrainerState.extras`` and updates inside the step.
+
+    ``init(params)`` makes it from the initial parameters (the model's inexact arrays);
+    ``update(value, context)`` returns its next value after each step. It is sharded like
+    the parameters when it mirrors them, and saved in checkpoints with the state.
+    """
+
+    init: Callable[[Any], Any]
+    update: Callable[[Any, StepContext], Any]
 
 
 def make_train_step(
@@ -56,6 +76,7 @@ def make_train_step(
     num_microbatches: int = 1,
     lr_schedule: optax.Schedule | None = None,
     jit_hooks: Sequence[JitHook] = (),
+    extras: Mapping[str, StateExtra] | None = None,
 ) -> Callable[[TrainerState, Any], tuple[TrainerState, Metrics]]:
     """Build the pure step. Gradients are of the mean loss over the whole batch.
 
@@ -104,10 +125,13 @@ def make_train_step(
         metrics.update(skip_metrics(opt_state))
         if lr_schedule is not None:
             metrics["optim/learning_rate"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
-        context = StepContext(state.step, state.model, grads, updates, loss)
+        context = StepContext(state.step, state.model, grads, updates, loss, model)
         for hook in jit_hooks:
             metrics.update(_run_jit_hook(hook, context))
-        return TrainerState(state.step + 1, model, opt_state, key), metrics
+        new_extras = dict(state.extras)
+        for name, extra in (extras or {}).items():
+            new_extras[name] = extra.update(state.extras[name], context)
+        return TrainerState(state.step + 1, model, opt_state, key, new_extras), metrics
 
     return train_step
 
@@ -117,4 +141,4 @@ def _run_jit_hook(hook: JitHook, context: StepContext) -> Metrics:
         return hook.fn(context)
     shapes = jax.eval_shape(hook.fn, context)
     zeros = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
-    return jax.lax.cond(context.step % hook.every == 0, hook.fn, zeros, context)
+    return jax.lax.cond((context.step + 1) % hook.every == 0, hook.fn, zeros, context)

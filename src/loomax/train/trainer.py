@@ -41,10 +41,11 @@ from loomax.mesh import (
 )
 from loomax.tracking import JsonlTrackerConfig, Tracker, TrackerConfig, build_tracker
 from loomax.tracking.artifacts import write_file
-from loomax.train.control import StepAgreement, StopSignals
+from loomax.train.control import Control, StepAgreement, StopSignals
+from loomax.train.hook_config import HookConfig
 from loomax.train.hooks import CompletedStep, FnHook, Hook, StepInfo, hook_state_keys
 from loomax.train.state import TrainerState
-from loomax.train.step import JitHook, LossFn, make_train_step
+from loomax.train.step import JitHook, LossFn, StateExtra, make_train_step
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class TrainerConfig:
     """Stop cleanly (final eval and log) after this much wall time, e.g. 4m or 2h; null = no limit."""
     device_peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; null = known table or, on CPU, a matmul probe."""
+    hooks: list[HookConfig] = field(default_factory=list)
+    """Extra hooks by `type` with their settings, e.g. [{type: divergence, patience: 3}] (docs/hooks.md)."""
     tracker: TrackerConfig | list[TrackerConfig] = field(default_factory=JsonlTrackerConfig)
     """Where metrics go: one tracker config (type: jsonl, wandb, tensorboard, noop) or a list of them."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -215,6 +218,11 @@ class Trainer:
         self.num_microbatches = config.microbatches(data_parallel_size(self.mesh))
         self.hooks: list[Hook] = []
         self.jit_hooks: list[JitHook] = []
+        self.extras: dict[str, StateExtra] = {}
+        """Arrays hooks keep in ``TrainerState.extras``, by name."""
+        self.eval_weights: str | None = None
+        """The ``extras`` entry evaluators use instead of the model weights (EMA), if any."""
+        self._state_made = False
         self._tracker: Tracker | None = None
         self._step_fn: Callable | None = None
         base_path = config.checkpointer.base_path or str(self.run_dir / "checkpoints")
@@ -230,22 +238,50 @@ class Trainer:
         self._train_seconds = 0.0
 
     # ------------------------------------------------------------------ hooks
-    def add_hook(self, fn: Callable[[StepInfo], Any] | Hook | None = None, *, every: int = 1):
+    def add_hook(
+        self,
+        fn: Callable[[StepInfo], Any] | Hook | JitHook | None = None,
+        *,
+        every: int = 1,
+        priority: int = 0,
+    ):
         """Run ``fn(info)`` after every ``every``-th step; usable as ``@trainer.add_hook(every=N)``.
 
-        ``fn`` may also be a ``Hook`` (keeps its own ``every``) or a ``JitHook``.
+        ``fn`` may also be a ``Hook`` (keeps its own ``every`` and ``priority``) or a
+        ``JitHook``. Hooks that change the step (``wrap_optimizer``, ``jit_hooks``,
+        ``state_extras``) must be added before ``initial_state``.
         """
         if fn is None:
-            return lambda f: self.add_hook(f, every=every)
+            return lambda f: self.add_hook(f, every=every, priority=priority)
         if isinstance(fn, JitHook):
-            if self._step_fn is not None:
-                raise RuntimeError("JitHooks must be added before the first call to train()")
+            self._before_compile("JitHooks")
             self.jit_hooks.append(fn)
-        elif isinstance(fn, Hook):
-            self.hooks.append(fn)
-        else:
-            self.hooks.append(FnHook(fn, every))
+            return fn
+        hook = fn if isinstance(fn, Hook) else FnHook(fn, every, priority)
+        wrapped, jit_hooks = hook.wrap_optimizer(self.optimizer), hook.jit_hooks()
+        extras = hook.state_extras()
+        if wrapped is not self.optimizer or extras:
+            if self._state_made:
+                raise RuntimeError(
+                    f"hook {hook.name} changes the optimizer or the state: add it before initial_state()"
+                )
+            self.optimizer = wrapped
+        if jit_hooks:
+            self._before_compile(f"hook {hook.name} (it has JitHooks)")
+            self.jit_hooks.extend(jit_hooks)
+        for name, extra in extras.items():
+            if name in self.extras:
+                raise ValueError(f"two hooks keep state extras named {name!r}")
+            self.extras[name] = extra
+        if getattr(hook, "provides_eval_weights", None):
+            self.eval_weights = hook.provides_eval_weights
+        self.hooks.append(hook)
+        self.hooks.sort(key=lambda h: -h.priority)  # stable: registration order among equals
         return fn
+
+    def _before_compile(self, what: str) -> None:
+        if self._step_fn is not None:
+            raise RuntimeError(f"{what} must be added before the first call to train()")
 
     @property
     def tracker(self) -> Tracker:
@@ -269,9 +305,12 @@ class Trainer:
         def init(key):
             model_key, train_key = jax.random.split(key)
             model = self.config.policy.cast_to_param(init_model(model_key))
-            opt_state = self.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-            return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key)
+            params = eqx.filter(model, eqx.is_inexact_array)
+            opt_state = self.optimizer.init(params)
+            extras = {name: extra.init(params) for name, extra in self.extras.items()}
+            return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key, extras)
 
+        self._state_made = True
         key = jax.random.PRNGKey(self.config.seed)
         with self.mesh_context():
             shapes = jax.eval_shape(init, key)
@@ -392,6 +431,7 @@ class Trainer:
                 num_microbatches=self.num_microbatches,
                 lr_schedule=self.lr_schedule,
                 jit_hooks=self.jit_hooks,
+                extras=self.extras,
             )
             shardings = self.state_shardings(state)
             self._step_fn = self.mesh_jit(
@@ -423,22 +463,25 @@ class Trainer:
 
         Step k+1 is dispatched before the host waits for step k, so the device never idles
         on the host; only hooks that read this step's values (at their intervals) wait.
-        Checkpoints are saved by the checkpointer's policies and at the end; SIGTERM or
-        SIGINT (and ``max_train_time``) stop after the current step with a checkpoint.
+        After each step's hooks the trainer acts on what they asked through
+        ``info.control`` (eval, then save, then stop), with process 0's decision taken by
+        every process. Checkpoints are also saved by the checkpointer's policies and at the
+        end; SIGTERM or SIGINT (and ``max_train_time``) stop after the current step.
         """
         batches = iter(batches)
         start_step = int(state.step)
-        info = StepInfo(step=start_step, state=state, metrics={})
+        control = Control()
+        info = self._step_info(start_step, state, {}, control)
         self._load_hook_states()
-        for hook in self.hooks:
-            hook.on_train_begin(info)
-
         previous, pending = None, None
         last_done = started = time.perf_counter()
         agreement, signals = StepAgreement(), StopSignals()
         self.stop_reason = None
         try:
             with signals.installed():
+                self._call("on_train_begin", info)
+                self._act(info, {"eval": control.eval_requested}, started)
+                control.clear()
                 for step in range(start_step + 1, self.config.num_train_steps + 1):
                     batch = next(batches)
                     dispatched_at = time.perf_counter()
@@ -446,35 +489,46 @@ class Trainer:
                     if pending is not None:
                         previous, last_done = self._complete(pending, last_done)
                     self._flush(info)  # the record of the step before, now that this one is queued
-                    info = StepInfo(
-                        step, state, metrics, previous=previous, dispatched_at=dispatched_at
-                    )
-                    for hook in self.hooks:
-                        if step % hook.every == 0:
-                            hook.on_step(info)
+                    info = self._step_info(step, state, metrics, control, previous, dispatched_at)
+                    self._call("on_step", info)
                     pending = (step, metrics)
-                    stop = f"signal {signals.received}" if signals.received else None
-                    proposal = {
-                        "save": self.checkpointer.due(step),
-                        "stop": stop or self._over_time(started),
-                    }
+                    proposal = control.proposal()
+                    proposal["stop"] = (
+                        proposal["stop"]
+                        or (f"signal {signals.received}" if signals.received else None)
+                        or self._over_time(started)
+                    )
+                    proposal["save"] = (
+                        "permanent" if proposal["save"] else self.checkpointer.due(step)
+                    )
                     decision = agreement.agree(step, proposal)
-                    if decision["save"]:
-                        self._save(info, started, permanent=decision["save"] == "permanent")
+                    control.clear()
+                    self._act(info, decision, started)
                     if decision["stop"]:
                         self.stop_reason = decision["stop"]
                         logger.warning("stopping at step %d: %s", step, self.stop_reason)
                         break
                 if pending is not None:
                     info.previous, _ = self._complete(pending, last_done)
-                for hook in self.hooks:
-                    hook.on_train_end(info)
-                if self.config.checkpointer.save_at_end:
-                    permanent = self.stop_reason is None or self.config.checkpointer.is_permanent(
-                        info.step
+                self._call("on_train_end", info)
+                end = {"eval": control.eval_requested, "save": None}
+                if self.config.checkpointer.save_at_end or control.save_requested:
+                    permanent = (
+                        self.stop_reason is None
+                        or control.save_requested
+                        or self.config.checkpointer.is_permanent(info.step)
                     )
-                    self._save(info, started, permanent=permanent)
+                    end["save"] = "permanent" if permanent else "temporary"
+                control.clear()
+                self._act(info, end, started)
                 self.checkpointer.wait()
+        except BaseException as error:
+            for hook in self.hooks:
+                try:
+                    hook.on_error(info, error)
+                except Exception:  # noqa: BLE001 - the original error matters more
+                    logger.exception("hook %s failed in on_error", hook.name)
+            raise
         finally:
             self._flush(info)
             try:
@@ -482,6 +536,41 @@ class Trainer:
             except Exception:  # noqa: BLE001 - the original error matters more
                 logger.exception("checkpoint save failed")
         return info
+
+    def _step_info(self, step, state, metrics, control, previous=None, dispatched_at=None):
+        return StepInfo(
+            step,
+            state,
+            metrics,
+            previous=previous,
+            dispatched_at=dispatched_at,
+            control=control,
+            run_dir=self.run_dir,
+            eval_weights=self.eval_weights,
+        )
+
+    def _call(self, method: str, info: StepInfo, *args: Any) -> None:
+        """Run ``method`` of every hook (``on_step`` only where due), naming the running hook."""
+        for hook in self.hooks:
+            if method == "on_step" and info.step % hook.every:
+                continue
+            info.control.running = hook.name
+            try:
+                getattr(hook, method)(info, *args)
+            finally:
+                info.control.running = None
+
+    def _act(self, info: StepInfo, decision: dict[str, Any], started: float) -> None:
+        """Evaluate, then save, as ``decision`` says."""
+        if decision.get("eval"):
+            results: dict[str, float] = {}
+            for hook in self.hooks:
+                results.update(hook.run_eval(info) or {})
+            if results:
+                info.log(results)
+                self._call("on_eval", info, results)
+        if decision.get("save"):
+            self._save(info, started, permanent=decision["save"] == "permanent")
 
     def _over_time(self, started: float) -> str | None:
         limit = self.config.max_train_time
@@ -498,7 +587,11 @@ class Trainer:
             "train_seconds": self._train_seconds + time.perf_counter() - started,
             "mesh": dict(self.mesh.shape),
         }
-        self.checkpointer.save(info.step, info.state, metadata, permanent=permanent)
+        files = {k: v for hook in self.hooks for k, v in hook.checkpoint_files().items()}
+        if self.checkpointer.save(
+            info.step, info.state, metadata, permanent=permanent, files=files
+        ):
+            self._call("on_save", info, self.checkpointer.directory.child(f"step-{info.step}").url)
 
     def _hook_states(self) -> dict[str, Any]:
         return {key: hook.state_dict() for key, hook in hook_state_keys(self.hooks).items()}
@@ -523,9 +616,15 @@ class Trainer:
         return CompletedStep(step, host, now - last_done, now), now
 
     def _flush(self, info: StepInfo) -> None:
-        if info.record:
-            self.tracker.log(dict(info.record), step=info.step)
-            info.record.clear()
+        """Send the step's record to the tracker, after the hooks' ``pre_log``."""
+        if not info.record:
+            return
+        record = dict(info.record)
+        info.record.clear()
+        for hook in self.hooks:
+            hook.pre_log(info, record)
+        if record:
+            self.tracker.log(record, step=info.step)
 
     def write_artifact(self, name: str, obj: Any, *, type: str = "artifact") -> Path:
         """Save ``obj`` as ``<run_dir>/artifacts/<name>`` and log it to the tracker (process 0).

@@ -1,0 +1,53 @@
+"""A console log line every N steps: step, loss, learning rate, tokens/s (from finished steps)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hooks import Hook, StepInfo
+
+logger = logging.getLogger("loomax.console")
+
+
+class ConsoleHook(Hook):
+    """Logs ``step N/T | loss | lr | tok/s`` for the last finished step every ``every`` steps."""
+
+    def __init__(self, every: int, total_steps: int, tokens_per_step: int):
+        self.every = every
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self.lines: list[str] = []
+        """The lines written (the latest few hundred)."""
+
+    def on_step(self, info: StepInfo) -> None:
+        done = info.previous
+        if done is None:
+            return
+        parts = [f"step {done.step}/{self.total_steps}"]
+        if "train/loss" in done.metrics:
+            parts.append(f"loss {done.metrics['train/loss']:.4f}")
+        if "optim/learning_rate" in done.metrics:
+            parts.append(f"lr {done.metrics['optim/learning_rate']:.3g}")
+        if done.duration > 0:
+            parts.append(f"{self.tokens_per_step / done.duration:,.0f} tok/s")
+        line = " | ".join(parts)
+        self.lines = [*self.lines[-255:], line]
+        logger.info(line)
+
+
+@HookConfig.register_subclass("console")
+@dataclass(frozen=True)
+class ConsoleConfig(HookConfig):
+    """A log line with loss, learning rate and tokens/s every N steps."""
+
+    every: int = 10
+    """Write a line every this many steps."""
+
+    def __post_init__(self):
+        check_positive(self, "every")
+
+    def build(self, context: HookContext) -> Hook:
+        config = context.trainer.config
+        return ConsoleHook(self.every, config.num_train_steps, context.tokens_per_step)

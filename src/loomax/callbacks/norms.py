@@ -1,0 +1,116 @@
+"""Gradient, parameter and update norms: global and per parameter, optionally histograms.
+
+Computed inside the step (a ``JitHook``, no second pass) on the steps the hook is due;
+the host part logs them. Per-parameter keys are the parameter's path, e.g.
+``norms/grad/blocks/attn/qkv/weight``; stacked layers give one value per layer
+(``.../weight/3``) when ``per_layer`` is on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hooks import Hook, StepInfo
+from loomax.train.step import JitHook, StepContext
+
+KINDS = ("grad", "param", "update")
+HIST_BINS = 32
+HIST_RANGE = (-12.0, 4.0)
+"""Histogram of log10 |value| over this range (values outside land in the end bins)."""
+
+
+def _named_leaves(tree) -> list[tuple[str, jax.Array, bool]]:
+    """(path, array, has a layers axis) for every inexact array of ``tree``."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, hax.NamedArray)
+    )
+    out = []
+    for path, leaf in leaves:
+        stacked = isinstance(leaf, hax.NamedArray) and "layers" in leaf.axis_names
+        array = leaf.rearrange(("layers", ...)).array if stacked else getattr(leaf, "array", leaf)
+        if eqx.is_inexact_array(array):
+            name = "/".join(
+                str(getattr(p, "name", getattr(p, "key", getattr(p, "idx", p)))) for p in path
+            )
+            out.append((name, array, stacked))
+    return out
+
+
+def norm_metrics(
+    context: StepContext, *, per_layer: bool, histograms: bool
+) -> dict[str, jax.Array]:
+    """The norms (and histograms) of the step's gradients, parameters and updates."""
+    trees = {
+        "grad": context.grads,
+        "param": eqx.filter(context.model, eqx.is_inexact_array),
+        "update": context.updates,
+    }
+    out: dict[str, jax.Array] = {}
+    for kind, tree in trees.items():
+        out[f"norms/{kind}"] = optax.tree.norm(tree).astype(jnp.float32)
+        if per_layer:
+            for name, array, stacked in _named_leaves(tree):
+                x = array.astype(jnp.float32)
+                axes = tuple(range(1, x.ndim)) if stacked else None
+                out[f"norms/{kind}/{name}"] = jnp.sqrt(jnp.sum(x * x, axis=axes))
+        if histograms:
+            flat = jnp.concatenate(
+                [a.reshape(-1).astype(jnp.float32) for _, a, _ in _named_leaves(tree)]
+            )
+            logs = jnp.clip(jnp.log10(jnp.abs(flat) + 1e-30), *HIST_RANGE)
+            out[f"histograms/{kind}"] = jnp.histogram(logs, bins=HIST_BINS, range=HIST_RANGE)[0]
+    return out
+
+
+class NormsHook(Hook):
+    """Computes norms in the step every ``every`` steps and logs them."""
+
+    def __init__(self, every: int = 10, *, per_layer: bool = True, histograms: bool = False):
+        self.every = every
+        self.per_layer = per_layer
+        self.histograms = histograms
+
+    def jit_hooks(self) -> list[JitHook]:
+        fn = lambda ctx: norm_metrics(ctx, per_layer=self.per_layer, histograms=self.histograms)  # noqa: E731
+        return [JitHook(fn, every=self.every)]
+
+    def on_step(self, info: StepInfo) -> None:
+        values = {}
+        for key, value in info.host_metrics().items():
+            if not key.startswith(("norms/", "histograms/")):
+                continue
+            value = np.asarray(value)
+            if value.ndim == 0:
+                values[key] = float(value)
+            elif key.startswith("histograms/"):
+                values[key] = value.tolist()
+            else:
+                values.update({f"{key}/{i}": float(v) for i, v in enumerate(value)})
+        info.log(values)
+
+
+@HookConfig.register_subclass("norms")
+@dataclass(frozen=True)
+class NormsConfig(HookConfig):
+    """Gradient, parameter and update norms (global and per parameter), optionally histograms."""
+
+    every: int = 10
+    """Compute and log every this many steps."""
+    per_layer: bool = True
+    """Also log the norm of every parameter (per layer for stacked layers)."""
+    histograms: bool = False
+    """Also log histograms of log10 |value| (32 bins over [-12, 4])."""
+
+    def __post_init__(self):
+        check_positive(self, "every")
+
+    def build(self, context: HookContext) -> Hook:
+        return NormsHook(self.every, per_layer=self.per_layer, histograms=self.histograms)

@@ -1,0 +1,89 @@
+"""Stability monitor: the share of recent steps whose loss or grad norm spiked.
+
+A step spikes when its loss or gradient norm exceeds ``mean + k * std`` of the
+``window`` steps before it (population std, once ``min_history`` steps are known). The
+spike score is the share of spiking steps among the last ``window`` judged ones.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hooks import Hook, StepInfo
+
+WATCHED = ("train/loss", "optim/grad_norm")
+
+
+class StabilityMonitor(Hook):
+    """Logs ``stability/spike_score`` and ``stability/spikes`` every ``log_every`` steps."""
+
+    every = 1
+
+    def __init__(
+        self, window: int = 100, k: float = 3.0, log_every: int = 10, min_history: int = 10
+    ):
+        self.window, self.k, self.log_every, self.min_history = window, k, log_every, min_history
+        self.history = {key: deque(maxlen=window) for key in WATCHED}
+        self.flags: deque[bool] = deque(maxlen=window)
+
+    def observe(self, metrics: dict[str, float]) -> bool:
+        """Judge one finished step's metrics; returns whether it spiked."""
+        spike = False
+        judged = False
+        for key, past in self.history.items():
+            value = metrics.get(key)
+            if value is None:
+                continue
+            if len(past) >= self.min_history:
+                judged = True
+                values = np.asarray(past)
+                spike |= bool(value > values.mean() + self.k * values.std())
+            past.append(value)
+        if judged:
+            self.flags.append(spike)
+        return spike
+
+    @property
+    def score(self) -> float:
+        """Share of spiking steps among the recent judged ones (0 before any is judged)."""
+        return float(np.mean(self.flags)) if self.flags else 0.0
+
+    def on_step(self, info: StepInfo) -> None:
+        if info.previous is not None:
+            self.observe(info.previous.metrics)
+        if info.step % self.log_every == 0:
+            info.log({"stability/spike_score": self.score, "stability/spikes": sum(self.flags)})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": {k: list(v) for k, v in self.history.items()}, "flags": list(self.flags)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, values in state["history"].items():
+            self.history[key] = deque(values, maxlen=self.window)
+        self.flags = deque(state["flags"], maxlen=self.window)
+
+
+@HookConfig.register_subclass("stability")
+@dataclass(frozen=True)
+class StabilityConfig(HookConfig):
+    """Spike score: share of recent steps whose loss or grad norm exceeded mean + k*std."""
+
+    window: int = 100
+    """Steps in the rolling window."""
+    k: float = 3.0
+    """Standard deviations above the mean that make a spike."""
+    every: int = 10
+    """Log the score every this many steps."""
+    min_history: int = 10
+    """Steps needed in the window before a step is judged."""
+
+    def __post_init__(self):
+        check_positive(self, "window", "k", "every", "min_history")
+
+    def build(self, context: HookContext) -> Hook:
+        return StabilityMonitor(self.window, self.k, self.every, self.min_history)
