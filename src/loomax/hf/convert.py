@@ -1,0 +1,155 @@
+"""Write a model as a Hugging Face checkpoint directory, and read one back.
+
+The directory holds ``config.json``, ``model.safetensors`` (or ``model-0000i-of-0000n``
+shards plus ``model.safetensors.index.json`` above ``max_shard_bytes``) and, when given,
+the tokenizer files: what ``transformers``' ``from_pretrained`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from loomax.hf import gpt2 as hf_gpt2
+from loomax.hf import llama as hf_llama
+from loomax.hf.layout import export_tensors, load_tensors
+from loomax.models.config import LmConfig, LmModel
+from loomax.models.gpt2 import Gpt2Config
+from loomax.models.llama import LlamaConfig
+
+FAMILIES = {Gpt2Config: hf_gpt2, LlamaConfig: hf_llama}
+BY_MODEL_TYPE = {"gpt2": hf_gpt2, "llama": hf_llama}
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+
+
+def _family(config: LmConfig):
+    family = FAMILIES.get(type(config))
+    if family is None:
+        raise ValueError(f"no Hugging Face export for model type {type(config).__name__}")
+    return family
+
+
+def hf_state(model: LmModel) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(config.json dict, {HF tensor name: array})`` of ``model``."""
+    family = _family(model.config)
+    config = family.hf_config(model.config, model.Vocab.size)
+    tensors = export_tensors(model, family.params(model.config))
+    dtype = next(iter(tensors.values())).dtype
+    config["torch_dtype"] = _DTYPE_NAMES.get(dtype, "bfloat16")
+    return config, tensors
+
+
+def export_hf(
+    model: LmModel,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    special_tokens: dict[str, int] | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Write ``model`` to ``out_dir`` in the Hugging Face layout; returns the directory.
+
+    ``tokenizer`` (a tokenizer.json) is copied alongside; ``special_tokens`` (e.g.
+    ``{"bos_token_id": 0, "eos_token_id": 0}``) go into config.json.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config, tensors = hf_state(model)
+    config.update(special_tokens or {})
+    _write_shards(out, tensors, max_shard_bytes)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        tok_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": model.config.seq_len,
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return out
+
+
+def _write_shards(out: Path, tensors: dict[str, np.ndarray], max_shard_bytes: int) -> None:
+    for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
+        stale.unlink(missing_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = np.ascontiguousarray(array)
+        size += array.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(a.nbytes for a in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def read_hf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(config.json dict, tensors)`` of a Hugging Face checkpoint directory."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint: no config.json")
+    config = json.loads((path / "config.json").read_text())
+    if (path / INDEX_FILE).is_file():
+        files = sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"{path}: no model.safetensors or {INDEX_FILE} (only safetensors are read)"
+        )
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        tensors.update(load_file(str(path / name)))
+    return config, tensors
+
+
+def config_from_hf(hf: dict[str, Any]) -> tuple[LmConfig, int]:
+    """``(model config, vocab size)`` for a config.json dict."""
+    kind = hf.get("model_type")
+    if kind not in BY_MODEL_TYPE:
+        raise ValueError(
+            f"config.json: model_type {kind!r} is not supported (have {sorted(BY_MODEL_TYPE)})"
+        )
+    return BY_MODEL_TYPE[kind].from_hf_config(hf), hf["vocab_size"]
+
+
+def load_hf(path: str | os.PathLike, config: LmConfig | None = None) -> LmModel:
+    """The model stored in a Hugging Face checkpoint directory.
+
+    ``config`` (the run's ``model`` section) keeps its training-only settings (attention
+    backend, remat, loss blocks); the architecture fields must match config.json.
+    """
+    hf, tensors = read_hf(path)
+    arch, vocab = config_from_hf(hf)
+    if config is not None:
+        _check_same_architecture(config, arch, path)
+        arch = config
+    skeleton = jax.eval_shape(lambda: arch.build(vocab, key=jax.random.PRNGKey(0)))
+    return load_tensors(skeleton, _family(arch).params(arch), tensors)
+
+
+def _check_same_architecture(config: LmConfig, arch: LmConfig, path) -> None:
+    family = _family(config)
+    if type(config) is not type(arch) or family.hf_config(config, 1) != family.hf_config(arch, 1):
+        raise ValueError(
+            f"trainer.initialize_from_hf: {path} holds {family.hf_config(arch, 1)}, "
+            f"which does not match the configured model ({family.hf_config(config, 1)})"
+        )

@@ -1,0 +1,84 @@
+"""Llama <-> ``LlamaForCausalLM``: config.json fields and tensor names (Linear weights are [out, in])."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loomax.hf.layout import Param
+from loomax.models.llama import LlamaConfig
+from loomax.models.rotary import RotaryConfig
+
+ARCHITECTURE = "LlamaForCausalLM"
+
+
+def params(config: LlamaConfig) -> list[Param]:
+    blk = "model.layers.{i}."
+    s = lambda m: m.blocks.stacked  # noqa: E731
+    heads, kv = ("heads", "head_size"), ("kv_heads", "head_size")
+    out = [
+        Param("model.embed_tokens.weight", lambda m: m.embed_tokens.weight, ("vocab", "embed")),
+        Param(blk + "input_layernorm.weight", lambda m: s(m).input_norm.weight, ("embed",)),
+        Param(blk + "self_attn.q_proj.weight", lambda m: s(m).attn.q_proj.weight, (heads, "embed")),
+        Param(blk + "self_attn.k_proj.weight", lambda m: s(m).attn.k_proj.weight, (kv, "embed")),
+        Param(blk + "self_attn.v_proj.weight", lambda m: s(m).attn.v_proj.weight, (kv, "embed")),
+        Param(blk + "self_attn.o_proj.weight", lambda m: s(m).attn.o_proj.weight, ("embed", heads)),
+        Param(
+            blk + "post_attention_layernorm.weight",
+            lambda m: s(m).post_attn_norm.weight,
+            ("embed",),
+        ),
+        Param(blk + "mlp.gate_proj.weight", lambda m: s(m).mlp.gate_proj.weight, ("mlp", "embed")),
+        Param(blk + "mlp.up_proj.weight", lambda m: s(m).mlp.up_proj.weight, ("mlp", "embed")),
+        Param(blk + "mlp.down_proj.weight", lambda m: s(m).mlp.down_proj.weight, ("embed", "mlp")),
+        Param("model.norm.weight", lambda m: m.norm.weight, ("embed",)),
+    ]
+    if not config.tie_word_embeddings:
+        out.append(Param("lm_head.weight", lambda m: m.lm_head.weight, ("vocab", "embed")))
+    return out
+
+
+def hf_config(config: LlamaConfig, vocab_size: int) -> dict[str, Any]:
+    if config.qk_norm:
+        raise ValueError("LlamaForCausalLM has no QK-norm: export needs model.qk_norm: false")
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": config.hidden_dim,
+        "intermediate_size": config.intermediate_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_size,
+        "max_position_embeddings": config.seq_len,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope.theta,
+        "rope_scaling": config.rope.hf_rope_scaling(),
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": config.initializer_range,
+    }
+
+
+def from_hf_config(hf: dict[str, Any]) -> LlamaConfig:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (silu)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError("config.json: attention_bias / mlp_bias are not supported")
+    heads = hf["num_attention_heads"]
+    return LlamaConfig(
+        seq_len=hf.get("max_position_embeddings", 2048),
+        hidden_dim=hf["hidden_size"],
+        intermediate_dim=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope=RotaryConfig.from_hf(hf.get("rope_theta", 10000.0), hf.get("rope_scaling")),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        initializer_range=hf.get("initializer_range", 0.02),
+    )

@@ -1,0 +1,122 @@
+"""Independent numpy forward passes of HF ``GPT2LMHeadModel`` and ``LlamaForCausalLM``.
+
+They read only what transformers reads (config.json fields and safetensors tensor names),
+in float64, following the transformers modelling code's math: the oracle the export is
+checked against, since torch/transformers are not installed in CI.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _layer_norm(x, w, b, eps):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * w + b
+
+
+def _rms_norm(x, w, eps):
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w
+
+
+def _gelu_new(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _causal_softmax_attention(q, k, v):
+    """q: [heads, T, d], k/v: [heads, T, d] -> [T, heads * d]."""
+    T = q.shape[1]
+    scores = q @ k.transpose(0, 2, 1) / math.sqrt(q.shape[-1])
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    w = np.exp(scores - scores.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    return (w @ v).transpose(1, 0, 2).reshape(T, -1)
+
+
+def gpt2_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
+    t = {k: v.astype(np.float64) for k, v in t.items()}
+    H, D = config["n_head"], config["n_embd"]
+    eps = config["layer_norm_epsilon"]
+    x = t["transformer.wte.weight"][ids] + t["transformer.wpe.weight"][: len(ids)]
+    for i in range(config["n_layer"]):
+        p = f"transformer.h.{i}."
+        h = _layer_norm(x, t[p + "ln_1.weight"], t[p + "ln_1.bias"], eps)
+        qkv = h @ t[p + "attn.c_attn.weight"] + t[p + "attn.c_attn.bias"]  # Conv1D: x @ W
+        q, k, v = (a.reshape(len(ids), H, D // H).transpose(1, 0, 2) for a in np.split(qkv, 3, -1))
+        x = (
+            x
+            + _causal_softmax_attention(q, k, v) @ t[p + "attn.c_proj.weight"]
+            + t[p + "attn.c_proj.bias"]
+        )
+        h = _layer_norm(x, t[p + "ln_2.weight"], t[p + "ln_2.bias"], eps)
+        h = _gelu_new(h @ t[p + "mlp.c_fc.weight"] + t[p + "mlp.c_fc.bias"])
+        x = x + h @ t[p + "mlp.c_proj.weight"] + t[p + "mlp.c_proj.bias"]
+    x = _layer_norm(x, t["transformer.ln_f.weight"], t["transformer.ln_f.bias"], eps)
+    head = (
+        t["transformer.wte.weight"]
+        if config.get("tie_word_embeddings", True)
+        else t["lm_head.weight"]
+    )
+    return x @ head.T
+
+
+def _llama_inv_freq(config: dict, dim: int) -> np.ndarray:
+    base = config.get("rope_theta", 10000.0)
+    inv = 1.0 / base ** (np.arange(0, dim, 2) / dim)
+    scaling = config.get("rope_scaling")
+    if not scaling:
+        return inv
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        out = np.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return np.where(medium, smoothed, out)
+    raise NotImplementedError(kind)
+
+
+def _rotate(x, positions, inv_freq):
+    """HF ``apply_rotary_pos_emb``: x * cos + rotate_half(x) * sin; x is [heads, T, d]."""
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = np.concatenate([freqs, freqs], -1)
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], -1)
+    return x * np.cos(emb) + rotated * np.sin(emb)
+
+
+def llama_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
+    t = {k: v.astype(np.float64) for k, v in t.items()}
+    H, K = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config.get("head_dim") or config["hidden_size"] // H
+    eps = config["rms_norm_eps"]
+    T = len(ids)
+    inv = _llama_inv_freq(config, d)
+    pos = np.arange(T, dtype=np.float64)
+    x = t["model.embed_tokens.weight"][ids]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = _rms_norm(x, t[p + "input_layernorm.weight"], eps)
+        q = (h @ t[p + "self_attn.q_proj.weight"].T).reshape(T, H, d).transpose(1, 0, 2)
+        k = (h @ t[p + "self_attn.k_proj.weight"].T).reshape(T, K, d).transpose(1, 0, 2)
+        v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(T, K, d).transpose(1, 0, 2)
+        q, k = _rotate(q, pos, inv), _rotate(k, pos, inv)
+        k, v = np.repeat(k, H // K, axis=0), np.repeat(v, H // K, axis=0)  # repeat_kv
+        x = x + _causal_softmax_attention(q, k, v) @ t[p + "self_attn.o_proj.weight"].T
+        h = _rms_norm(x, t[p + "post_attention_layernorm.weight"], eps)
+        gate = h @ t[p + "mlp.gate_proj.weight"].T
+        up = h @ t[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
+    x = _rms_norm(x, t["model.norm.weight"], eps)
+    head = (
+        t["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else t["lm_head.weight"]
+    )
+    return x @ head.T
