@@ -1,8 +1,25 @@
 """Optimizers (optax chains chosen by ``optimizer.type``) and learning-rate schedules."""
 
+from loomax.optim.adafactor import AdafactorConfig
 from loomax.optim.adam import AdamConfig
-from loomax.optim.config import OptimizerConfig
-from loomax.optim.mask import weight_decay_mask
-from loomax.optim.schedule import warmup_then_decay
+from loomax.optim.config import ClipUpdateNormConfig, OptimizerConfig, SkipBadStepsConfig
+from loomax.optim.lion import LionConfig
+from loomax.optim.mask import parameter_names, regex_mask, weight_decay_mask
+from loomax.optim.muon import MuonConfig
+from loomax.optim.schedule import LrSchedule, Phase, warmup_then_decay
 
-__all__ = ["AdamConfig", "OptimizerConfig", "warmup_then_decay", "weight_decay_mask"]
+__all__ = [
+    "AdafactorConfig",
+    "AdamConfig",
+    "ClipUpdateNormConfig",
+    "LionConfig",
+    "LrSchedule",
+    "MuonConfig",
+    "OptimizerConfig",
+    "Phase",
+    "SkipBadStepsConfig",
+    "parameter_names",
+    "regex_mask",
+    "warmup_then_decay",
+    "weight_decay_mask",
+]

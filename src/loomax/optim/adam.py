@@ -1,4 +1,4 @@
-"""AdamW: clip, Adam moments, decoupled weight decay on a mask, scheduled learning rate."""
+"""AdamW: Adam moments (optionally Nesterov) in the shared chain of clipping, decay and schedule."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import optax
 
 from loomax.optim.config import OptimizerConfig
-from loomax.optim.mask import weight_decay_mask
 
 
 @OptimizerConfig.register_subclass("adam")
@@ -21,20 +20,16 @@ class AdamConfig(OptimizerConfig):
     """Decay of the second-moment estimate."""
     epsilon: float = 1e-8
     """Added to the denominator for numerical stability."""
+    nesterov: bool = False
+    """Use Nesterov momentum in the first moment (NAdamW)."""
 
     def __post_init__(self):
         super().__post_init__()
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.epsilon <= 0:
+            raise ValueError(f"optimizer.epsilon must be > 0, got {self.epsilon}")
 
-    def build(self, num_train_steps: int) -> optax.GradientTransformation:
-        parts = []
-        if self.max_grad_norm is not None:
-            parts.append(optax.clip_by_global_norm(self.max_grad_norm))
-        parts.append(optax.scale_by_adam(self.beta1, self.beta2, self.epsilon))
-        if self.weight_decay > 0:
-            mask = lambda params: weight_decay_mask(params, decay_embeddings=self.decay_embeddings)  # noqa: E731
-            parts.append(optax.add_decayed_weights(self.weight_decay, mask))
-        parts.append(optax.scale_by_learning_rate(self.lr_scheduler(num_train_steps)))
-        return optax.chain(*parts)
+    def direction(self) -> optax.GradientTransformation:
+        return optax.scale_by_adam(self.beta1, self.beta2, self.epsilon, nesterov=self.nesterov)

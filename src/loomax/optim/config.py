@@ -1,34 +1,92 @@
-"""The ``optimizer`` section: a choice registry (``optimizer.type``) of optax chains."""
+"""The ``optimizer`` section: a choice registry (``optimizer.type``) of optax chains.
+
+Every optimizer is the same chain around its own direction (``direction()``):
+clip gradients -> direction (Adam, Lion, Adafactor, Muon) -> clip update RMS -> clip
+update norm against its history -> decoupled weight decay on a mask -> scheduled LR,
+optionally wrapped in ``skip_bad_steps``.
+"""
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import draccus
+import jax.numpy as jnp
 import optax
 
-from loomax.optim.schedule import SCHEDULES, warmup_then_decay
+from loomax.batch_schedule import BatchSchedule
+from loomax.optim.mask import regex_mask, weight_decay_mask
+from loomax.optim.schedule import SCHEDULES, LrSchedule
+from loomax.optim.skip_bad_steps import skip_bad_steps
+from loomax.optim.transforms import clip_update_norm, clip_update_rms
+
+LR_BATCH_SCALINGS = ("none", "sqrt", "linear")
+
+
+@dataclass(frozen=True)
+class SkipBadStepsConfig:
+    """Skip a step whose loss or gradient norm is above mean + sigma_factor * std of recent steps."""
+
+    rolling_interval_length: int = 100
+    """Steps of history the mean and std are taken over."""
+    sigma_factor: float = 6.0
+    """How many standard deviations above the mean count as a bad step."""
+
+
+@dataclass(frozen=True)
+class ClipUpdateNormConfig:
+    """Clip the update norm to mean + sigma_factor * std of the recent update norms."""
+
+    rolling_interval_length: int = 128
+    """Steps of history the mean and std are taken over (nothing is clipped before it is full)."""
+    sigma_factor: float = 2.0
+    """How many standard deviations above the mean the norm may reach."""
 
 
 @dataclass(frozen=True)
 class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
-    """Fields shared by every optimizer: learning rate, schedule, decay and clipping."""
+    """Fields shared by every optimizer: learning rate and schedule, decay, clipping, skipping."""
 
     learning_rate: float = 3e-4
     """Peak learning rate."""
     weight_decay: float = 0.1
-    """Decoupled weight decay, applied to matrices only unless `decay_embeddings`."""
+    """Decoupled weight decay coefficient (multiplied by the learning rate)."""
+    adamc_weight_decay: bool = False
+    """AdamC: scale weight decay with lr / peak lr, keeping weight_decay / lr constant as the LR decays."""
+    weight_decay_modules: list[str] | str | None = None
+    """Regex (or list) of parameter names to decay, e.g. 'attn|mlp'; null = the default mask."""
+    default_weight_decay_mask: bool = True
+    """Without weight_decay_modules: true = decay linear weights only, false = decay every parameter."""
     decay_embeddings: bool = False
-    """Also decay embedding tables (biases and norms are never decayed)."""
-    warmup: float = 0.01
-    """Linear warmup: a fraction of training if < 1, else a number of steps."""
+    """With the default mask, also decay embedding tables (biases and norms never decay)."""
     lr_schedule: str = "cosine"
-    """Decay after warmup: constant, linear or cosine."""
+    """Shape of each decay: constant, linear, cosine, inv_sqrt or inv."""
+    warmup: float = 0.01
+    """Linear warmup of the first cycle: a fraction of it if < 1, else a number of steps."""
+    decay: float | None = None
+    """Decay at the end of each cycle: a fraction of it if < 1, else steps; null = all of it after warmup (no stable phase)."""
     min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak."""
+    """Learning rate at the end of each decay, as a fraction of the peak."""
+    timescale: float | None = None
+    """inv_sqrt / inv: steps over which the LR falls to 1/sqrt(2) / 1/2 of the peak; null = the warmup length."""
+    cycles: list[int] | int | None = None
+    """Number of equal cycles, or a list of the steps where cycles end; null = one cycle."""
+    cycle_length: list[float] | float | None = None
+    """Cycle length (steps, or a fraction of training if < 1), repeated, or a list of lengths; not with cycles."""
+    rewarmup: float = 0.0
+    """Warmup at the start of every later cycle (from the minimum LR): fraction of the cycle or steps; 0 = jump to the peak."""
+    scale_lr_with_batch: str = "none"
+    """When the batch size changes (a trainer.train_batch_size schedule): none, sqrt (lr x sqrt(new/old)) or linear."""
     max_grad_norm: float | None = 1.0
     """Clip gradients to this global norm; null disables clipping."""
+    update_rms_clipping: float | None = None
+    """Clip each parameter's update (before LR and decay) to this root-mean-square; null = off."""
+    clip_update_norm: ClipUpdateNormConfig | None = None
+    """Clip the update norm against the history of update norms; null = off."""
+    skip_bad_steps: SkipBadStepsConfig | bool | int = False
+    """Skip steps whose loss or grad norm spikes: true, a window length, or {rolling_interval_length, sigma_factor}."""
 
     def __post_init__(self):
         if self.learning_rate <= 0:
@@ -45,17 +103,120 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
             )
         if self.weight_decay < 0:
             raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.cycles is not None and self.cycle_length is not None:
+            raise ValueError(
+                "optimizer.cycles and optimizer.cycle_length: give one of them, not both"
+            )
+        if self.scale_lr_with_batch not in LR_BATCH_SCALINGS:
+            raise ValueError(
+                f"optimizer.scale_lr_with_batch must be one of {LR_BATCH_SCALINGS}, got {self.scale_lr_with_batch!r}"
+            )
+        if self.update_rms_clipping is not None and self.update_rms_clipping <= 0:
+            raise ValueError(
+                f"optimizer.update_rms_clipping must be > 0 or null, got {self.update_rms_clipping}"
+            )
+        if self.timescale is not None and self.timescale <= 0:
+            raise ValueError(f"optimizer.timescale must be > 0 or null, got {self.timescale}")
+        for name in ("warmup", "rewarmup"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"optimizer.{name} must be >= 0, got {getattr(self, name)}")
+        if self.decay is not None and self.decay < 0:
+            raise ValueError(f"optimizer.decay must be >= 0 or null, got {self.decay}")
+        skip = self.skip_bad_steps_window()
+        if skip is not None and (skip[0] < 2 or skip[1] <= 0):
+            raise ValueError(
+                "optimizer.skip_bad_steps needs rolling_interval_length >= 2 and sigma_factor > 0, "
+                f"got {self.skip_bad_steps!r}"
+            )
+        clip = self.clip_update_norm
+        if clip is not None and (clip.rolling_interval_length < 2 or clip.sigma_factor <= 0):
+            raise ValueError(
+                "optimizer.clip_update_norm needs rolling_interval_length >= 2 and sigma_factor > 0, "
+                f"got {clip!r}"
+            )
 
     @classmethod
     def default_choice_name(cls) -> str | None:
         return "adam"
 
-    def lr_scheduler(self, num_train_steps: int) -> optax.Schedule:
-        """The learning rate as a function of the step."""
-        return warmup_then_decay(
-            self.lr_schedule, self.learning_rate, num_train_steps, self.warmup, self.min_lr_ratio
+    # ------------------------------------------------------------------ schedule
+    def lr_scheduler(
+        self, num_train_steps: int, batch_sizes: BatchSchedule | None = None
+    ) -> LrSchedule | Callable:
+        """The learning rate as a function of the step (times the batch-size scaling, if any)."""
+        schedule = LrSchedule(
+            self.lr_schedule,
+            self.learning_rate,
+            num_train_steps,
+            self.warmup,
+            self.min_lr_ratio,
+            decay=self.decay,
+            cycles=self.cycles,
+            cycle_length=self.cycle_length,
+            rewarmup=self.rewarmup,
+            timescale=self.timescale,
         )
+        if batch_sizes is None or batch_sizes.is_constant or self.scale_lr_with_batch == "none":
+            return schedule
+        power = 0.5 if self.scale_lr_with_batch == "sqrt" else 1.0
+        first = float(batch_sizes.sizes[0])
 
+        def scaled(step):
+            return schedule(step) * (batch_sizes.traced_size(step) / first) ** power
+
+        scaled.phases = schedule.phases  # type: ignore[attr-defined]
+        return scaled
+
+    def skip_bad_steps_window(self) -> tuple[int, float] | None:
+        """``(window, sigma_factor)`` of ``skip_bad_steps``, or None when off."""
+        skip = self.skip_bad_steps
+        if skip is False:
+            return None
+        if skip is True:
+            skip = SkipBadStepsConfig()
+        elif isinstance(skip, int):
+            skip = SkipBadStepsConfig(rolling_interval_length=skip)
+        return skip.rolling_interval_length, skip.sigma_factor
+
+    def decay_mask(self, params):
+        """The weight-decay mask of a parameter tree (see ``weight_decay_modules``)."""
+        if self.weight_decay_modules is not None:
+            return regex_mask(params, self.weight_decay_modules)
+        if self.default_weight_decay_mask:
+            return weight_decay_mask(params, decay_embeddings=self.decay_embeddings)
+        return True
+
+    # ------------------------------------------------------------------ chain
     @abc.abstractmethod
-    def build(self, num_train_steps: int) -> optax.GradientTransformation:
+    def direction(self) -> optax.GradientTransformation:
+        """The optimizer's own update direction (before clipping, decay and the learning rate)."""
+
+    def build(
+        self, num_train_steps: int, batch_sizes: BatchSchedule | None = None
+    ) -> optax.GradientTransformationExtraArgs:
         """The optax transformation, with the schedule and weight-decay mask built in."""
+        lr = self.lr_scheduler(num_train_steps, batch_sizes)
+        parts = []
+        if self.max_grad_norm is not None:
+            parts.append(optax.clip_by_global_norm(self.max_grad_norm))
+        parts.append(self.direction())
+        if self.update_rms_clipping is not None:
+            parts.append(clip_update_rms(self.update_rms_clipping))
+        if self.clip_update_norm is not None:
+            clip = self.clip_update_norm
+            parts.append(clip_update_norm(clip.rolling_interval_length, clip.sigma_factor))
+        if self.weight_decay > 0:
+            wd = self.weight_decay
+            if self.adamc_weight_decay:
+                peak = self.learning_rate
+                decay = lambda count: wd * jnp.asarray(lr(count)) / peak  # noqa: E731
+            else:
+                decay = wd
+            parts.append(optax.add_decayed_weights(decay, self.decay_mask))
+        parts.append(optax.scale_by_learning_rate(lr))
+        tx = optax.chain(*parts)
+        skip = self.skip_bad_steps_window()
+        if skip is not None:
+            window, sigma = skip
+            tx = skip_bad_steps(tx, window=window, k=sigma, min_history=min(10, window))
+        return tx
