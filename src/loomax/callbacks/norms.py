@@ -9,6 +9,7 @@ the host part logs them. Per-parameter keys are the parameter's path, e.g.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import equinox as eqx
 import haliax as hax
@@ -34,7 +35,7 @@ def _named_leaves(tree) -> list[tuple[str, jax.Array, bool]]:
     )
     out = []
     for path, leaf in leaves:
-        stacked = isinstance(leaf, hax.NamedArray) and "layers" in leaf.axis_names
+        stacked = isinstance(leaf, hax.NamedArray) and "layers" in [a.name for a in leaf.axes]
         array = leaf.rearrange(("layers", ...)).array if stacked else getattr(leaf, "array", leaf)
         if eqx.is_inexact_array(array):
             name = "/".join(
@@ -95,6 +96,11 @@ class NormsHook(Hook):
             else:
                 values.update({f"{key}/{i}": float(v) for i, v in enumerate(value)})
         info.log(values)
+
+    def pre_log(self, info: StepInfo, record: dict[str, Any]) -> None:
+        if info.step % self.every:  # off-cadence steps carry zeros from the step: drop them
+            for key in [k for k in record if k.startswith(("norms/", "histograms/"))]:
+                del record[key]
 
 
 @HookConfig.register_subclass("norms")

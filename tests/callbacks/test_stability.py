@@ -1,0 +1,27 @@
+"""Stability monitor: the spike score matches a hand computation."""
+
+from __future__ import annotations
+
+import pytest
+
+from loomax.callbacks import StabilityMonitor
+from loomax.train import StepInfo
+from loomax.train.hooks import CompletedStep
+
+
+def test_spike_score_by_hand():
+    monitor = StabilityMonitor(window=4, k=1.0, log_every=1, min_history=3)
+    losses = [1.0, 1.0, 1.0, 5.0, 1.0, 1.0]
+    for step, loss in enumerate(losses, 1):
+        metrics = {"train/loss": loss, "optim/grad_norm": 1.0}
+        info = StepInfo(step + 1, None, {}, previous=CompletedStep(step, metrics, 0.1, 0))
+        monitor.on_step(info)
+    # step 4: 5 > mean 1 + 1*std 0 -> spike; step 5: past [1,1,1,5], 1 < 2 + 1.73 -> no;
+    # step 6: past [1,1,5,1] -> no. Steps 1-3 have too little history to be judged.
+    assert list(monitor.flags) == [True, False, False]
+    assert monitor.score == pytest.approx(1 / 3)
+    assert info.record == {"stability/spike_score": pytest.approx(1 / 3), "stability/spikes": 1}
+    again = StabilityMonitor(window=4, k=1.0, min_history=3)
+    again.load_state_dict(monitor.state_dict())
+    assert again.score == monitor.score
+    assert list(again.history["train/loss"]) == [1.0, 5.0, 1.0, 1.0]
