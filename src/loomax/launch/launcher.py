@@ -79,7 +79,10 @@ def launch(config: LaunchConfig, args: Sequence[str], *, out: TextIO | None = No
         for argv in build_and_push(config.docker_image, accelerator):
             logger.info("running: %s", shlex.join(argv))
             subprocess.run(argv, check=True)
-    return with_retries(lambda attempt: run_group(_commands(config, job)), config.retries)
+    grace = 3.0 if config.target == "local" else 30.0  # time for a clean exit before SIGKILL
+    return with_retries(
+        lambda attempt: run_group(_commands(config, job), grace=grace), config.retries
+    )
 
 
 def plan(config: LaunchConfig, job: Job) -> list[str]:
