@@ -154,3 +154,16 @@ def test_missing_separator():
     with pytest.raises(SystemExit) as exit:
         main(["launch", "--target", "local", "train"])
     assert exit.value.code == 2
+
+
+def test_infra_launch_py_is_the_same_command(repo_root, tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, str(repo_root / "infra" / "launch.py"), "--target", "tpu",
+         "--tpu_name", "t1", "--zone", "us-central2-b", "--run_id", "r1", "--dry-run", "--", "train"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "gcloud compute tpus tpu-vm ssh t1 --zone us-central2-b --worker=all" in out.stdout

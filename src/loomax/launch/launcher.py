@@ -68,8 +68,9 @@ def launch(config: LaunchConfig, args: Sequence[str], *, out: TextIO | None = No
     out = out or sys.stdout
     job = prepare_job(config, args)
     if config.dry_run:
+        lines = plan(config, job)
         print(f"# loomax launch --target {config.target}, retries: {config.retries}", file=out)
-        for line in plan(config, job):
+        for line in lines:
             print(mask_secrets(line, job.env), file=out)
         return 0
     if config.target == "slurm":
