@@ -3,3 +3,11 @@
 from loomax._xla_flags import apply_default_xla_flags
 
 apply_default_xla_flags()
+
+
+def __getattr__(name: str):
+    if name == "load_model":  # loomax.load_model(dir), imported on first use (it pulls in JAX)
+        from loomax.models.saving import load_model
+
+        return load_model
+    raise AttributeError(f"module 'loomax' has no attribute {name!r}")

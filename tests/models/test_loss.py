@@ -50,3 +50,17 @@ def test_extreme_logits_stay_finite():
     val, grads = jax.value_and_grad(lambda h: fused_cross_entropy_sum(h, w, t, m, 16))(h)
     assert np.isfinite(val) and np.all(np.isfinite(grads))
     np.testing.assert_allclose(val, _plain_cross_entropy_sum(h, w, t, m), rtol=1e-5)
+
+
+@pytest.mark.parametrize("block", [8, 37])
+def test_z_loss_value_and_gradients_match_plain(block):
+    h, w, t, m = problem()
+    z = 1e-3
+    ref, ref_grads = jax.value_and_grad(_plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
+    val, grads = jax.value_and_grad(
+        lambda h, w: fused_cross_entropy_sum(h, w, t, m, block, z), argnums=(0, 1)
+    )(h, w)
+    np.testing.assert_allclose(val, ref, rtol=1e-5)
+    assert val > _plain_cross_entropy_sum(h, w, t, m)
+    for got, want in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,75 @@
+"""KV-cache decoding: greedy with the cache equals greedy without it, token for token; top-k/top-p; EOS stop."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from loomax.models import Gpt2Config, LlamaConfig
+from loomax.models.generate import pick_token, sample_tokens
+
+VOCAB = 61
+MODELS = {
+    "gpt2": Gpt2Config(seq_len=32, hidden_dim=32, num_layers=2, num_heads=4),
+    "llama": LlamaConfig(
+        seq_len=32, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=2
+    ),
+}
+
+
+def sharpened(config):
+    """A random model with large weights, so greedy paths branch on real logit gaps."""
+    model = config.build(VOCAB, key=jax.random.PRNGKey(0))
+    return jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, model)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_with_cache_equals_without(name):
+    model = sharpened(MODELS[name])
+    prompt = [5, 9, 2, 40, 7]
+    args = dict(seq_len=32, max_new_tokens=24, temperature=0.0, key=jax.random.PRNGKey(0))
+    cached = sample_tokens(model, prompt, **args)
+    full = sample_tokens(model, prompt, use_cache=False, **args)
+    assert cached == full
+    assert len(cached) == 29 and len(set(cached[5:])) > 1
+
+
+def test_stops_at_eos_and_at_seq_len():
+    model = sharpened(MODELS["gpt2"])
+    greedy = sample_tokens(
+        model, [1, 2], seq_len=32, max_new_tokens=10, temperature=0.0, key=jax.random.PRNGKey(0)
+    )
+    stop = greedy[4]
+    stopped = sample_tokens(
+        model,
+        [1, 2],
+        seq_len=32,
+        max_new_tokens=10,
+        temperature=0.0,
+        key=jax.random.PRNGKey(0),
+        stop_token=stop,
+    )
+    assert stopped[-1] == stop and len(stopped) == greedy.index(stop, 2) + 1
+    long = sample_tokens(
+        model,
+        list(range(40)),
+        seq_len=32,
+        max_new_tokens=10,
+        temperature=0.0,
+        key=jax.random.PRNGKey(0),
+    )
+    assert len(long) == 32 and long[:31] == list(range(9, 40))
+
+
+def test_pick_token_top_k_and_top_p():
+    logits = jnp.log(jnp.array([0.05, 0.5, 0.3, 0.15]))
+    keys = jax.random.split(jax.random.PRNGKey(0), 400)
+    picks = lambda **kw: np.asarray(jax.vmap(lambda k: pick_token(logits, k, **kw))(keys))  # noqa: E731
+    assert set(picks(top_k=1)) == {1}
+    assert set(picks(top_k=2)) == {1, 2}
+    assert set(picks(top_p=0.5)) == {1}  # 0.5 alone reaches p
+    assert set(picks(top_p=0.8)) == {1, 2}
+    assert set(picks(temperature=1.0)) == {0, 1, 2, 3}
+    assert int(pick_token(logits, keys[0], temperature=0.0)) == 1
