@@ -106,3 +106,13 @@ def test_missing_package_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(MissingPackageError, match=r"pip install 'loomax\[wandb\]'"):
         WandbTrackerConfig().init(tmp_path)
+
+
+def test_the_real_run_config_logs_to_wandb_and_jsonl(repo_root):
+    from loomax.config import parse_config
+    from loomax.tracking import JsonlTrackerConfig
+    from loomax.train_lm import TrainLmConfig
+
+    config = parse_config(TrainLmConfig, repo_root / "config" / "gpt2_small.yaml")
+    kinds = [type(t) for t in config.trainer.tracker]
+    assert kinds == [WandbTrackerConfig, JsonlTrackerConfig]
