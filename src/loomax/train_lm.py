@@ -204,7 +204,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         )
 
     try:
-        state = trainer.initial_state(lambda key: model_config.build(vocab_size, key=key))
+        state = trainer.initial_state(initial_model(config, vocab_size))
         batches = loader.iter_from(int(state.step), jax.process_index(), jax.process_count())
         try:
             final = trainer.train(state, batches)
@@ -235,6 +235,26 @@ def make_loader(config: TrainLmConfig, data: LmDatasets) -> BatchLoader:
         weight_schedule=[(stage.start, stage.weights) for stage in config.data.weight_schedule],
         prefetch=config.data.prefetch,
     )
+
+
+def initial_model(config: TrainLmConfig, vocab_size: int):
+    """``init(key) -> model``: fresh weights, or those of ``trainer.initialize_from_hf`` (read once, here)."""
+    path = config.trainer.initialize_from_hf
+    if path is None:
+        return lambda key: config.model.build(vocab_size, key=key)
+    from loomax.hf import load_hf
+
+    try:
+        model = load_hf(path, config.model)
+    except ValueError as e:
+        raise ValueError(f"trainer.initialize_from_hf: {e}") from e
+    if model.Vocab.size != vocab_size:
+        raise ValueError(
+            f"trainer.initialize_from_hf: {path} has a vocabulary of {model.Vocab.size}, the run {vocab_size}; "
+            f"set model.vocab_size: {model.Vocab.size} (and use the checkpoint's tokenizer)"
+        )
+    logger.info("model weights from the Hugging Face checkpoint %s", path)
+    return lambda key: model
 
 
 def _resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:

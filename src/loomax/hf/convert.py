@@ -147,9 +147,15 @@ def load_hf(path: str | os.PathLike, config: LmConfig | None = None) -> LmModel:
 
 
 def _check_same_architecture(config: LmConfig, arch: LmConfig, path) -> None:
-    family = _family(config)
-    if type(config) is not type(arch) or family.hf_config(config, 1) != family.hf_config(arch, 1):
+    if type(config) is not type(arch):
         raise ValueError(
-            f"trainer.initialize_from_hf: {path} holds {family.hf_config(arch, 1)}, "
-            f"which does not match the configured model ({family.hf_config(config, 1)})"
+            f"{path} holds a {type(arch).__name__}, the configured model is a {type(config).__name__}"
         )
+    family = _family(config)
+    want, have = family.hf_config(config, 1), family.hf_config(arch, 1)
+    if isinstance(config, LlamaConfig):  # rotary positions: the context length may change
+        want.pop("max_position_embeddings"), have.pop("max_position_embeddings")
+    diff = {k: (have[k], want.get(k)) for k in have if have[k] != want.get(k)}
+    if diff:
+        shown = ", ".join(f"{k}: {h!r} there, {w!r} configured" for k, (h, w) in diff.items())
+        raise ValueError(f"{path} does not match the configured model ({shown})")

@@ -116,6 +116,8 @@ class TrainerConfig:
     """A checkpoint, or a directory of them (the latest complete wins), to resume from; null = checkpointer.base_path."""
     initialize_from: str | None = None
     """Start from the model weights of this checkpoint (or directory of them), with a fresh optimizer at step 0."""
+    initialize_from_hf: str | None = None
+    """Start from the weights of a Hugging Face checkpoint directory (config.json + safetensors), fresh optimizer."""
     allow_partial_checkpoint: bool = False
     """Let a checkpoint lack some arrays of the state; those keep their fresh initial values."""
     jax_compilation_cache_dir: str | None = None
@@ -125,6 +127,8 @@ class TrainerConfig:
 
     def __post_init__(self):
         check_jax_options(self.jax_config)
+        if self.initialize_from is not None and self.initialize_from_hf is not None:
+            raise ValueError("set trainer.initialize_from or trainer.initialize_from_hf, not both")
         positive = ("num_train_steps", "train_batch_size", "log_every", "steps_per_eval")
         for name in positive:
             if getattr(self, name) <= 0:
