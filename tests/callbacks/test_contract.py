@@ -29,6 +29,7 @@ HOOKS = {
     "norms": {"every": 2, "histograms": True},
     "profiler": {"start": 2, "num_steps": 1},
     "progress": {},
+    "seq_len_warmup": {"min_seq_len": 16, "warmup_steps": 4},
     "skip_bad_steps": {"window": 4, "min_history": 2},
     "speed": {"every": 2},
     "stability": {"window": 4, "every": 2, "min_history": 2},
@@ -83,6 +84,7 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
         "stability/spike_score",
         "samples/0",
         "merge/saved_step",
+        "train/seq_len",
     ):
         assert key in logged, key
     assert all("norms/grad" not in r for step, r in records.items() if step % 2)  # every 2

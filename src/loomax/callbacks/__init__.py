@@ -21,6 +21,7 @@ from loomax.callbacks.nan_check import NanCheckHook, NonFiniteLossError
 from loomax.callbacks.norms import NormsHook
 from loomax.callbacks.profiler import ProfilerHook
 from loomax.callbacks.progress import ProgressBarHook
+from loomax.callbacks.seq_len_warmup import SeqLenWarmupHook
 from loomax.callbacks.skip_bad_steps import SkipBadStepsHook
 from loomax.callbacks.speed import SpeedMonitorHook
 from loomax.callbacks.stability import StabilityMonitor
@@ -45,6 +46,7 @@ __all__ = [
     "NormsHook",
     "ProfilerHook",
     "ProgressBarHook",
+    "SeqLenWarmupHook",
     "SkipBadStepsHook",
     "SpeedMonitorHook",
     "StabilityMonitor",

@@ -131,6 +131,10 @@ class Hook:
         """Arrays this hook keeps in ``TrainerState.extras``, by name."""
         return {}
 
+    def transform_batch(self, step: int, batch: Any) -> Any:
+        """The batch step ``step`` trains on (this process's rows, before sharding); default: as is."""
+        return batch
+
     # --------------------------------------------------------------- lifecycle
     def on_train_begin(self, info: StepInfo) -> None:
         """Called before the first step."""

@@ -488,6 +488,8 @@ class Trainer:
                 control.clear()
                 for step in range(start_step + 1, self.config.num_train_steps + 1):
                     batch = next(batches)
+                    for hook in self.hooks:
+                        batch = hook.transform_batch(step, batch)
                     dispatched_at = time.perf_counter()
                     state, metrics = self.train_step(state, batch)
                     if pending is not None:
