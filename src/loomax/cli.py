@@ -15,6 +15,9 @@ COMMANDS = {
     "cache": "tokenize the data into the token cache with Ray: loomax cache --config_path FILE [--overwrite]",
     "tokenizer": "train a byte-level BPE on a config's train sources: loomax tokenizer train --config_path FILE --out DIR",
     "bench": "time the jitted train step on synthetic data: loomax bench --config_path FILE [--steps N] [--save_every K]",
+    "export": "write a checkpoint as a Hugging Face directory (safetensors, config.json): loomax export --checkpoint PATH --out DIR",
+    "generate": "sample text from a checkpoint with a KV cache: loomax generate --checkpoint PATH --prompt TEXT [--temperature T] [--top_k K] [--top_p P]",
+    "eval": "loss, perplexity, bits per byte per validation set: loomax eval --checkpoint PATH [--config_path FILE]",
     "launch": "run a command on a TPU pod, GPU hosts, SLURM or N local processes: loomax launch --target T [--dry-run] -- train ...",
 }
 
@@ -40,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         _tokenizer(rest)
     elif command == "cache":
         _cache(rest)
+    elif command in ("export", "generate", "eval"):
+        from loomax import model_cli
+
+        getattr(model_cli, f"{command}_command")(rest, main_error)
     elif command == "launch":
         _launch(rest)
 

@@ -1,0 +1,160 @@
+"""Load a trained model for export, generation and evaluation, from any of its three forms.
+
+``--checkpoint PATH`` may be a ``model.save`` directory (``model.yaml``), a Hugging Face
+directory (``config.json``), or a trainer checkpoint (``step-N`` or a directory of them,
+the latest complete wins) whose run config is ``config.yaml`` in the run directory above
+it (or ``--config_path``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loomax.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from loomax.checkpoint.serialize import _is_named
+from loomax.config import parse_config
+from loomax.models.config import LmModel
+from loomax.train_lm import TrainLmConfig, _resolve_vocab_size
+
+
+@dataclass
+class LoadedModel:
+    """A model and what came with it."""
+
+    model: LmModel
+    run_config: TrainLmConfig | None
+    """The run's config (trainer checkpoints, or when ``--config_path`` is given)."""
+    tokenizer: Path | None
+    """tokenizer.json to encode prompts and decode samples, when known."""
+    description: str
+
+
+def find_run_config(path: Path) -> Path | None:
+    """``config.yaml`` of the run a checkpoint belongs to: in the checkpoint's parents."""
+    for parent in [path, *path.resolve().parents][:4]:
+        if (parent / "config.yaml").is_file():
+            return parent / "config.yaml"
+    return None
+
+
+def load_for_inference(
+    checkpoint: str | Path, *, config_path: str | None = None, overrides: list[str] = ()
+) -> LoadedModel:
+    """The model at ``checkpoint`` (see the module docstring), in float32 on one device."""
+    path = Path(checkpoint)
+    run_config = None
+    if config_path is not None or overrides:
+        run_config = parse_config(TrainLmConfig, config_path, list(overrides))
+    if (path / "model.yaml").is_file():
+        from loomax.models.saving import load_model
+
+        tokenizer = _run_tokenizer(run_config) if run_config is not None else None
+        return LoadedModel(load_model(path), run_config, tokenizer, f"saved model {path}")
+    if (path / "config.json").is_file():
+        from loomax.hf import load_hf
+
+        tokenizer = path / "tokenizer.json" if (path / "tokenizer.json").is_file() else None
+        if tokenizer is None and run_config is not None:
+            tokenizer = _run_tokenizer(run_config)
+        return LoadedModel(load_hf(path), run_config, tokenizer, f"Hugging Face checkpoint {path}")
+    if not path.exists():
+        raise FileNotFoundError(f"--checkpoint {path} does not exist")
+    if run_config is None:
+        found = find_run_config(path)
+        if found is None:
+            raise FileNotFoundError(
+                f"--checkpoint {path}: no model.yaml, config.json, or run config.yaml above it; pass --config_path"
+            )
+        run_config = parse_config(TrainLmConfig, str(found), [])
+    checkpoints = list_checkpoints(str(path))
+    if not checkpoints:
+        raise FileNotFoundError(
+            f"--checkpoint {path}: no complete checkpoint (step-N with metadata.json)"
+        )
+    tokenizer = _run_tokenizer(run_config)
+    from loomax.data.tokenizer import load_tokenizer
+
+    vocab = _resolve_vocab_size(run_config.model, load_tokenizer(tokenizer).get_vocab_size())
+    model = _read_model(checkpoints[-1], run_config, vocab)
+    return LoadedModel(model, run_config, tokenizer, f"checkpoint {checkpoints[-1]}")
+
+
+def _run_tokenizer(config: TrainLmConfig) -> Path:
+    from loomax.data.dataset import prepare_tokenizer
+
+    return Path(prepare_tokenizer(config.data))
+
+
+def _read_model(checkpoint, config: TrainLmConfig, vocab: int) -> LmModel:
+    skeleton = jax.eval_shape(lambda: config.model.build(vocab, key=jax.random.PRNGKey(0)))
+    template = {"model": skeleton}
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, template, is_leaf=_is_named)
+    tree, missing = load_checkpoint(checkpoint, template, shardings, prefix="model")
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} lacks {len(missing)} model array(s), e.g. {missing[:3]}: "
+            "does the run config match the checkpoint?"
+        )
+    return jax.tree.map(lambda x: x.astype(jnp.float32), tree["model"])
+
+
+def validation_sets(
+    config: TrainLmConfig, batch_size: int, max_batches: int | None
+) -> dict[str, list[np.ndarray]]:
+    """Validation batches per set: one set per ``data.validation`` source, or per train
+    source's held-out documents when there are none (caches are built if missing)."""
+    from loomax.data.dataset import build_caches
+    from loomax.data.loader import eval_batches
+    from loomax.data.token_cache import TokenCache
+    from loomax.data.windows import TokenWindows
+
+    data = config.data
+    train, validation = build_caches(data, _run_tokenizer(config), ray=config.trainer.ray)
+    if data.validation:
+        pieces = {
+            f"validation{i}": TokenCache.open(info.url)["train"]
+            for i, info in enumerate(validation)
+        }
+    else:
+        pieces = {
+            f"train{i}_heldout": TokenCache.open(info.url)["validation"]
+            for i, info in enumerate(train)
+        }
+    sets = {}
+    for name, piece in pieces.items():
+        windows = TokenWindows(piece.as_numpy(), config.model.seq_len)
+        if len(windows) == 0:
+            raise ValueError(
+                f"validation set {name} has fewer than seq_len={config.model.seq_len} tokens"
+            )
+        sets[name] = eval_batches(windows, batch_size, max_batches)
+    return sets
+
+
+def evaluate(loaded: LoadedModel, *, batch_size: int, max_batches: int | None) -> dict[str, float]:
+    """Loss, perplexity and bits per byte per validation set (``eval/<set>/...``) and their
+    macro averages (``eval/loss``, ...), with the run's loss settings."""
+    from loomax.callbacks.eval import make_loss_evaluator, next_token_bytes, token_byte_lengths
+    from loomax.data.tokenizer import load_tokenizer
+    from loomax.train_lm import model_lm_loss
+
+    config = loaded.run_config
+    if config is None:
+        raise ValueError(
+            "evaluation needs the run config (its data.validation): pass --config_path"
+        )
+    if loaded.model.config.seq_len != config.model.seq_len:
+        config = replace(config, model=replace(config.model, seq_len=loaded.model.config.seq_len))
+    sets = validation_sets(config, batch_size, max_batches)
+    tokenizer = load_tokenizer(_run_tokenizer(config))
+    count_bytes = next_token_bytes(token_byte_lengths(tokenizer, loaded.model.Vocab.size))
+    evaluator = make_loss_evaluator(
+        model_lm_loss(config), sets, config.trainer.policy, count_bytes=count_bytes
+    )
+    return evaluator(loaded.model)

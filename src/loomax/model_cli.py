@@ -1,0 +1,150 @@
+"""``loomax export|generate|eval --checkpoint PATH``: the commands that use a trained model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+from loomax.checkpoint import CheckpointError
+
+Error = Callable[[str], None]
+
+
+def _parse(parser: argparse.ArgumentParser, args: list[str], error: Error):
+    parser.add_argument(
+        "--checkpoint", required=True, help="saved model, HF directory or trainer checkpoint"
+    )
+    parser.add_argument(
+        "--config_path",
+        default=None,
+        help="the run's config (default: config.yaml above a trainer checkpoint)",
+    )
+    try:
+        known, overrides = parser.parse_known_args(args)  # the rest: --section.key VALUE overrides
+    except SystemExit:
+        error(f"usage: {parser.format_usage().strip()}")
+    return known, overrides
+
+
+def _load(known, overrides: list[str], error: Error):
+    from loomax.config import ConfigError
+    from loomax.inference import load_for_inference
+
+    try:
+        return load_for_inference(
+            known.checkpoint, config_path=known.config_path, overrides=overrides
+        )
+    except (ValueError, FileNotFoundError, CheckpointError, ConfigError) as e:
+        error(str(e))
+
+
+def export_command(args: list[str], error: Error) -> None:
+    """Write a checkpoint as a Hugging Face directory (safetensors + config.json + tokenizer)."""
+    from loomax.hf import export_hf
+
+    parser = argparse.ArgumentParser(prog="loomax export", add_help=False)
+    parser.add_argument("--out", required=True, help="directory to write")
+    parser.add_argument(
+        "--max_shard_gb", type=float, default=5.0, help="safetensors shard size limit"
+    )
+    known, overrides = _parse(parser, args, error)
+    loaded = _load(known, overrides, error)
+    special = {}
+    if loaded.tokenizer is not None:
+        from loomax.data.tokenizer import bos_id, eos_id, load_tokenizer
+
+        tokenizer = load_tokenizer(loaded.tokenizer)
+        eos = eos_id(tokenizer)
+        try:
+            bos = bos_id(tokenizer)
+        except ValueError:  # no BOS token: as GPT-2, documents start after an EOS
+            bos = eos
+        special = {"bos_token_id": bos, "eos_token_id": eos}
+    try:
+        out = export_hf(
+            loaded.model,
+            known.out,
+            tokenizer=loaded.tokenizer,
+            special_tokens=special,
+            max_shard_bytes=int(known.max_shard_gb * 1024**3),
+        )
+    except ValueError as e:
+        error(str(e))
+    print(f"exported {loaded.description} -> {out}")
+
+
+def generate_command(args: list[str], error: Error) -> None:
+    """Sample a continuation of ``--prompt`` with the KV cache."""
+    import jax
+
+    from loomax.models.generate import sample_tokens
+
+    parser = argparse.ArgumentParser(prog="loomax generate", add_help=False)
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top_k", type=int, default=None)
+    parser.add_argument("--top_p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's)"
+    )
+    parser.add_argument("--no_stop", action="store_true", help="do not stop at EOS")
+    known, overrides = _parse(parser, args, error)
+    loaded = _load(known, overrides, error)
+    path = known.tokenizer or loaded.tokenizer
+    if path is None:
+        error(f"{loaded.description} has no tokenizer: pass --tokenizer tokenizer.json")
+    from loomax.data.tokenizer import eos_id, load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    prompt = tokenizer.encode(known.prompt).ids
+    if not prompt:
+        error("--prompt encodes to no tokens")
+    try:
+        tokens = sample_tokens(
+            loaded.model,
+            prompt,
+            seq_len=loaded.model.config.seq_len,
+            max_new_tokens=known.max_new_tokens,
+            temperature=known.temperature,
+            top_k=known.top_k,
+            top_p=known.top_p,
+            key=jax.random.PRNGKey(known.seed),
+            stop_token=None if known.no_stop else eos_id(tokenizer),
+        )
+    except ValueError as e:
+        error(str(e))
+    print(tokenizer.decode(tokens))
+
+
+def eval_command(args: list[str], error: Error) -> None:
+    """Loss, perplexity and bits per byte per validation set, and their macro average."""
+    from loomax.inference import evaluate
+
+    parser = argparse.ArgumentParser(prog="loomax eval", add_help=False)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--max_batches", type=int, default=None, help="per set (default: all)")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a table"
+    )
+    known, overrides = _parse(parser, args, error)
+    loaded = _load(known, overrides, error)
+    try:
+        results = evaluate(loaded, batch_size=known.batch_size, max_batches=known.max_batches)
+    except (ValueError, FileNotFoundError) as e:
+        error(str(e))
+    if known.json:
+        print(json.dumps(results, sort_keys=True))
+        return
+    print(f"{loaded.description}")
+    rows = sorted({k.rsplit("/", 1)[0] for k in results})
+    print(f"{'set':<24} {'loss':>8} {'ppl':>10} {'bpb':>8}")
+    for row in [r for r in rows if r != "eval"] + ["eval"]:
+        name = "macro average" if row == "eval" else row.removeprefix("eval/")
+        bpb = results.get(f"{row}/bpb")
+        print(
+            f"{name:<24} {results[row + '/loss']:>8.4f} {results[row + '/perplexity']:>10.3f} "
+            f"{'' if bpb is None else f'{bpb:>8.4f}'}"
+        )
