@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import haliax as hax
 import jax
+import numpy as np
 import yaml
 
 from loomax.callbacks import (
@@ -128,17 +130,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
 
     data = build_lm_datasets(config.data, model_config.seq_len, ray=trainer_config.ray)
     vocab_size = _resolve_vocab_size(model_config, data.vocab_size)
-    eval_size = trainer_config.eval_batch_size or trainer_config.train_batch_size
-    validation = eval_batches(data.validation, eval_size, trainer_config.max_eval_batches)
-    dp = data_parallel_size(trainer.mesh)
-    if any(len(b) % dp for b in validation):
-        raise ValueError(
-            f"eval batches of {sorted({len(b) for b in validation})} sequences do not split over the data-parallel "
-            f"size {dp}: set trainer.eval_batch_size to a multiple of {dp} (and give data.validation at least that many windows)"
-        )
-    validation = [
-        b[process_rows(len(b), jax.process_index(), jax.process_count())] for b in validation
-    ]
+    validation = _eval_sets(config, data, data_parallel_size(trainer.mesh))
     loader = make_loader(config, data)
 
     tokens_per_step = trainer_config.train_batch_size * model_config.seq_len
@@ -175,7 +167,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         model_config=model_config,
         vocab_size=vocab_size,
         tokenizer=data.tokenizer,
-        validation={"validation": validation},
+        validation=validation if isinstance(validation, dict) else {"validation": validation},
         loss_fn=eval_loss,
         tokens_per_step=tokens_per_step,
         flops_per_token=flops_per_token,
@@ -255,6 +247,50 @@ def initial_model(config: TrainLmConfig, vocab_size: int):
         )
     logger.info("model weights from the Hugging Face checkpoint %s", path)
     return lambda key: model
+
+
+def _eval_sets(
+    config: TrainLmConfig, data: LmDatasets, dp: int
+) -> list[np.ndarray] | dict[str, list[np.ndarray]]:
+    """This process's rows of the eval batches: one list, or ``{name: batches}`` per validation source when there are several."""
+    size = config.trainer.eval_batch_size or config.trainer.train_batch_size
+    limit = config.trainer.max_eval_batches
+    sets: dict[str, list[np.ndarray]] = {}
+    if len(data.validation_sets) > 1:
+        sources = config.data.validation or config.data.train
+        for i, (source, windows) in enumerate(zip(sources, data.validation_sets, strict=True)):
+            name = _source_name(source, i)
+            while name in sets:
+                name += "_"
+            if len(windows) == 0:
+                logger.warning("validation set %s has no whole window: not evaluated", name)
+                continue
+            sets[name] = eval_batches(windows, size, limit)
+    if not sets:
+        sets[""] = eval_batches(data.validation, size, limit)
+    sizes = sorted({len(b) for batches in sets.values() for b in batches})
+    if any(n % dp for n in sizes):
+        raise ValueError(
+            f"eval batches of {sizes} sequences do not split over the data-parallel "
+            f"size {dp}: set trainer.eval_batch_size to a multiple of {dp} (and give data.validation at least that many windows)"
+        )
+    rows = lambda b: b[process_rows(len(b), jax.process_index(), jax.process_count())]  # noqa: E731
+    out = {name: [rows(b) for b in batches] for name, batches in sets.items()}
+    return out[""] if "" in out else out
+
+
+def _source_name(source, index: int) -> str:
+    """A short metric-safe name for a data source: its file stem, dataset id or embedded corpus."""
+    if source.urls:
+        name = Path(source.urls[0]).name.split(".")[0]
+    elif source.hf is not None:
+        name = source.hf.id.rsplit("/", 1)[-1]
+    elif source.embedded:
+        name = source.embedded
+    else:
+        name = ""
+    name = re.sub(r"[^A-Za-z0-9_-]+", "_", name).strip("_")
+    return name or f"set{index}"
 
 
 def _resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:

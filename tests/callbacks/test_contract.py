@@ -22,6 +22,7 @@ HOOKS = {
     "ema": {"decay": 0.9, "use_for_eval": True},
     "eval": {"every": 4, "max_batches": 1},
     "gc": {"every": 2},
+    "hf_export": {"every": 4},
     "memory": {"every": 2},
     "metric_saver": {"every": 4, "include": ["train/*", "eval/*"]},
     "model_merge": {"steps": [4], "window": 2},
@@ -94,3 +95,5 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
     assert (run_dir / "merged" / "step-4" / "metadata.json").exists()
     assert (run_dir / "checkpoints" / "step-8" / "config.yaml").exists()
     assert not (run_dir / "control.json").exists()  # the server stopped with the run
+    assert (run_dir / "hf" / "step-4" / "config.json").exists()  # hf_export: every 4 and at the end
+    assert (run_dir / "hf" / "step-8" / "tokenizer.json").exists()

@@ -13,6 +13,7 @@ from loomax.callbacks.eval import (
     token_byte_lengths,
 )
 from loomax.callbacks.garbage_collector import GarbageCollectorHook
+from loomax.callbacks.hf_export import HfExportHook
 from loomax.callbacks.log_metrics import LogMetricsHook
 from loomax.callbacks.memory import MemoryMonitorHook
 from loomax.callbacks.metric_saver import MetricSaverHook
@@ -37,6 +38,7 @@ __all__ = [
     "EmaHook",
     "EvalHook",
     "GarbageCollectorHook",
+    "HfExportHook",
     "LogMetricsHook",
     "MemoryMonitorHook",
     "MetricSaverHook",

@@ -52,13 +52,13 @@ def export_hf(
     model: LmModel,
     out_dir: str | os.PathLike,
     *,
-    tokenizer: str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike | Any = None,
     special_tokens: dict[str, int] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
     """Write ``model`` to ``out_dir`` in the Hugging Face layout; returns the directory.
 
-    ``tokenizer`` (a tokenizer.json) is copied alongside; ``special_tokens`` (e.g.
+    ``tokenizer`` (a tokenizer.json path, or a ``tokenizers.Tokenizer``) is written alongside; ``special_tokens`` (e.g.
     ``{"bos_token_id": 0, "eos_token_id": 0}``) go into config.json.
     """
     out = Path(out_dir)
@@ -68,7 +68,10 @@ def export_hf(
     _write_shards(out, tensors, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
-        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        if hasattr(tokenizer, "save"):  # a tokenizers.Tokenizer
+            tokenizer.save(str(out / "tokenizer.json"))
+        else:
+            shutil.copyfile(tokenizer, out / "tokenizer.json")
         tok_config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": model.config.seq_len,
