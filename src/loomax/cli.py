@@ -19,6 +19,8 @@ COMMANDS = {
     "generate": "sample text from a checkpoint with a KV cache: loomax generate --checkpoint PATH --prompt TEXT [--temperature T] [--top_k K] [--top_p P]",
     "eval": "loss, perplexity, bits per byte per validation set: loomax eval --checkpoint PATH [--config_path FILE]",
     "launch": "run a command on a TPU pod, GPU hosts, SLURM or N local processes: loomax launch --target T [--dry-run] -- train ...",
+    "schedule": "print a config's learning-rate phases and plot them: loomax schedule --config_path FILE [--out lr.png]",
+    "ladder": "a family of model sizes with scaling-law budgets: loomax ladder dry-run|run|results --config_path LADDER.yaml [--size 30M]",
 }
 
 
@@ -49,6 +51,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         getattr(model_cli, f"{command}_command")(rest, main_error)
     elif command == "launch":
         _launch(rest)
+    elif command == "schedule":
+        _schedule(rest)
+    elif command == "ladder":
+        from loomax.ladder.command import ladder_command
+
+        ladder_command(rest, load=_load, error=main_error)
 
 
 def main_error(message: str) -> None:
@@ -192,6 +200,31 @@ def _launch(args: list[str]) -> None:
     except (ValueError, FileNotFoundError) as e:
         main_error(str(e))
     raise SystemExit(code)
+
+
+def _schedule(args: list[str]) -> None:
+    from loomax.batch_schedule import BatchSchedule
+    from loomax.optim.plot import plot_schedule
+    from loomax.train_lm import TrainLmConfig
+
+    parser = argparse.ArgumentParser(prog="loomax schedule", add_help=False)
+    parser.add_argument("--out", default="lr.png", help="PNG to write (matplotlib)")
+    known, rest = parser.parse_known_args(args)
+    config = _load(TrainLmConfig, rest)
+    steps = config.trainer.num_train_steps
+    try:
+        batches = BatchSchedule(config.trainer.train_batch_size)
+        schedule = config.optimizer.lr_scheduler(steps, batches)
+    except ValueError as e:
+        main_error(str(e))
+    print(f"optimizer.type {type(config.optimizer).__name__}, {steps} steps:")
+    for phase in schedule.phases():
+        print(f"  {phase}")
+    try:
+        out = plot_schedule(schedule, steps, known.out)
+    except ImportError as e:
+        main_error(str(e))
+    print(f"plot: {out}")
 
 
 if __name__ == "__main__":

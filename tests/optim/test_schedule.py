@@ -145,3 +145,47 @@ def test_wsd_s_preset_parses(repo_root: Path, tmp_path: Path):
     decays = [p for p in schedule.phases() if p.kind == "linear"]
     assert [(p.start, p.end) for p in decays] == [(200, 250), (450, 500), (700, 750), (950, 1000)]
     assert float(schedule(250)) == pytest.approx(3e-3)
+
+
+def test_schedule_command_prints_phases_and_plots(repo_root: Path, tmp_path: Path, capsys):
+    from loomax.cli import main
+
+    out = tmp_path / "lr.png"
+    main(
+        [
+            "schedule",
+            "--config_path",
+            str(repo_root / "config" / "quickstart.yaml"),
+            "--optimizer.lr_schedule",
+            "linear",
+            "--optimizer.decay",
+            "0.2",
+            "--optimizer.cycles",
+            "[100, 200]",
+            "--out",
+            str(out),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert "cycle 0 warmup   steps       0-20" in printed
+    assert "cycle 2 linear" in printed and "steps     320-350" in printed
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_schedule_command_names_a_bad_key(repo_root: Path, capsys):
+    from loomax.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "schedule",
+                "--config_path",
+                str(repo_root / "config" / "quickstart.yaml"),
+                "--optimizer.cycles",
+                "3",
+                "--optimizer.cycle_length",
+                "10",
+            ]
+        )
+    assert exit_info.value.code == 2
+    assert "optimizer.cycle_length" in capsys.readouterr().err

@@ -1,0 +1,139 @@
+"""``loomax ladder dry-run|run|results``: plan, train and compare the sizes of a ladder."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+from loomax.ladder.config import LadderConfig, Rung, base_run, rung
+
+USAGE = (
+    "usage: loomax ladder dry-run|run|results --config_path LADDER.yaml [--size SIZE] [--out PNG]"
+)
+
+
+def rungs_of(
+    ladder: LadderConfig, ladder_path: str | None, sizes: list[str] | None = None
+) -> list[Rung]:
+    """The rungs of ``sizes`` (default: all), planned for the local device count."""
+    base = base_run(ladder, ladder_path)
+    devices = ladder.devices or jax.device_count()
+    return [rung(ladder, s, base=base, devices=devices) for s in (sizes or ladder.sizes)]
+
+
+def describe(r: Rung) -> str:
+    """The dry run's text for one rung."""
+    p, m, t = r.plan, r.config.model, r.config.trainer
+    o = r.config.optimizer
+    lines = [
+        f"size {r.size}: {type(m).__name__} hidden_dim {m.hidden_dim}, num_layers {m.num_layers}, "
+        f"num_heads {m.num_heads}, seq_len {m.seq_len}",
+        f"  parameters      {p.params:,} ({p.params / 1e6:.2f}M, embeddings included)",
+        f"  batch size      {p.batch_size} sequences = {p.batch_tokens:,} tokens per step",
+        f"  duration        {p.num_train_steps:,} steps = {p.tokens:,} tokens "
+        f"({p.tokens / p.params:.1f} tokens/param), {p.flops:.3g} FLOPs",
+        f"  optimizer       {o.get_choice_name(type(o))}, peak lr {o.learning_rate:.4g}, "
+        f"weight_decay {o.weight_decay}, warmup {o.warmup} steps",
+        f"  devices         minimal mesh {r.min_devices} device(s); this run: trainer.mesh {t.mesh}, "
+        f"per_device_parallelism {t.per_device_parallelism}",
+        "  checkpoints     "
+        + ", ".join(f"step {s} ({s * p.batch_tokens:,} tokens)" for s in p.checkpoint_steps),
+        f"  run dir         {t.run_dir}",
+        "  schedule:",
+    ]
+    schedule = o.lr_scheduler(t.num_train_steps)
+    lines += [f"    {phase}" for phase in schedule.phases()]
+    return "\n".join(lines)
+
+
+def ladder_command(args: list[str], *, load: Callable, error: Callable[[str], None]) -> None:
+    """Entry point of ``loomax ladder``; ``load`` parses a config class, ``error`` exits with a message."""
+    if not args or args[0] not in ("dry-run", "run", "results"):
+        error(USAGE)
+    action = args[0]
+    parser = argparse.ArgumentParser(prog=f"loomax ladder {action}", add_help=False)
+    parser.add_argument("--size", default=None)
+    parser.add_argument("--out", default=None)
+    known, rest = parser.parse_known_args(args[1:])
+    ladder: LadderConfig = load(LadderConfig, rest)
+    path = _config_path(rest)
+    if known.size is not None and known.size not in ladder.sizes:
+        error(f"--size {known.size} is not one of ladder.sizes {ladder.sizes}")
+    sizes = [known.size] if known.size else None
+    try:
+        rungs = rungs_of(ladder, path, sizes)
+    except (ValueError, FileNotFoundError) as e:
+        error(str(e))
+    if action == "dry-run":
+        _dry_run(rungs, known.out, error)
+    elif action == "run":
+        _run(rungs, error)
+    else:
+        _results(ladder, rungs_of(ladder, path), known.out, error)
+
+
+def _config_path(rest: list[str]) -> str | None:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config_path", default=None)
+    return parser.parse_known_args(rest)[0].config_path
+
+
+def _dry_run(rungs: list[Rung], out: str | None, error) -> None:
+    from loomax.optim.plot import plot_schedule
+
+    for r in rungs:
+        print(describe(r))
+        png = (
+            Path(out) if out and len(rungs) == 1 else r.run_dir.parent / f"{r.run_dir.name}-lr.png"
+        )
+        try:
+            plot_schedule(
+                r.config.optimizer.lr_scheduler(r.plan.num_train_steps),
+                r.plan.num_train_steps,
+                png,
+                title=f"{r.run_dir.name}: learning rate",
+            )
+        except ImportError as e:
+            error(str(e))
+        print(f"  lr plot         {png}")
+
+
+def _run(rungs: list[Rung], error) -> None:
+    from loomax.checkpoint import CheckpointError
+    from loomax.train_lm import train_lm
+
+    for r in rungs:
+        print(describe(r))
+        try:
+            result = train_lm(r.config)
+        except (ValueError, FileNotFoundError, CheckpointError) as e:
+            error(str(e))
+        if result.evals:
+            print(f"size {r.size}: eval loss {result.evals[-1][1]['eval/loss']:.4f}")
+
+
+def _results(ladder: LadderConfig, rungs: list[Rung], out: str | None, error) -> None:
+    import pandas as pd
+
+    from loomax.ladder.results import checkpoints_table, metrics_table, plot_loss_vs_compute
+
+    with pd.option_context("display.width", 200, "display.max_colwidth", 80):
+        print("checkpoints:")
+        print(checkpoints_table(rungs).to_string(index=False))
+        metrics = metrics_table(rungs)
+        if metrics.empty:
+            print(f"no metrics yet under {ladder.run_root}")
+            return
+        print("metrics:")
+        print(metrics.to_string(index=False))
+    png = Path(out) if out else Path(ladder.run_root) / f"{ladder.name}-loss-vs-compute.png"
+    try:
+        png, fit = plot_loss_vs_compute(metrics, png)
+    except ImportError as e:
+        error(str(e))
+    if fit is not None:
+        print(f"power law: loss = {fit[0]:.4g} * C^-{fit[1]:.4f}")
+    print(f"plot: {png}")
