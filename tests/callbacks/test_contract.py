@@ -41,11 +41,14 @@ HOOKS = {
 def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
     assert set(HOOKS) == set(HookConfig.get_known_choices()), "add new hook types to HOOKS"
     run_dir = tmp_path / "run"
+    other = tmp_path / "other.jsonl"  # a second validation set
+    docs = [{"text": f"class C{i}:\n    value = {i} * 3\n"} for i in range(100)]
+    other.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
     config = {
         "data": {
             "train": [{"urls": [str(tiny_corpus)]}],
+            "validation": [{"urls": [str(tiny_corpus)]}, {"urls": [str(other)]}],
             "tokenizer_vocab_size": 300,
-            "validation_fraction": 0.1,
             "cache_dir": str(tmp_path / "cache"),
         },
         "model": {"seq_len": 32, "hidden_dim": 32, "num_layers": 2, "num_heads": 2},
@@ -76,8 +79,9 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
     for key in (
         "train/loss",  # the run's own logging
         "throughput/steps_per_second",  # speed
-        "eval/validation/bpb",  # eval (named set)
-        "eval/bpb",  # the run's eval: bits per byte
+        "eval/train/bpb",  # per validation set (named by file)...
+        "eval/other/perplexity",
+        "eval/bpb",  # ...and their macro average
         "memory/host_rss_bytes",
         "norms/grad",
         "histograms/param",
@@ -88,6 +92,9 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
         "train/seq_len",
     ):
         assert key in logged, key
+    final_eval = records[8]
+    macro = (final_eval["eval/train/loss"] + final_eval["eval/other/loss"]) / 2
+    assert final_eval["eval/loss"] == pytest.approx(macro)
     assert all("norms/grad" not in r for step, r in records.items() if step % 2)  # every 2
     assert (run_dir / "metrics_step4.json").exists() and (run_dir / "metrics.json").exists()
     assert json.loads((run_dir / "metrics.json").read_text())["step"] == 8

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +67,9 @@ class LmDatasets:
 
     caches: list[str]
     """URLs of the token caches used (train sources, then validation sources)."""
+
+    validation_sets: list[TokenWindows] = field(default_factory=list)
+    """`validation` per source: each `data.validation` source (or each train source's held-out documents)."""
 
     @property
     def num_train_windows(self) -> int:
@@ -184,6 +187,7 @@ def build_lm_datasets(
         train=train,
         validation=validation,
         caches=[i.url for i in train_infos + validation_infos],
+        validation_sets=[TokenWindows(p.as_numpy(), seq_len) for p in pieces],
     )
 
 
