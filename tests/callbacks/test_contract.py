@@ -39,7 +39,10 @@ HOOKS = {
 
 
 def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
-    assert set(HOOKS) == set(HookConfig.get_known_choices()), "add new hook types to HOOKS"
+    built_in = {
+        n for n, c in HookConfig.get_known_choices().items() if c.__module__.startswith("loomax.")
+    }
+    assert set(HOOKS) == built_in, "add new hook types to HOOKS"
     run_dir = tmp_path / "run"
     other = tmp_path / "other.jsonl"  # a second validation set
     docs = [{"text": f"class C{i}:\n    value = {i} * 3\n"} for i in range(100)]

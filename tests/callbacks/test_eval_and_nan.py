@@ -39,3 +39,9 @@ def test_nan_check_names_step():
     hook.on_step(info(2, CompletedStep(1, {"train/loss": 3.0}, 0.1, 0.0)))
     with pytest.raises(NonFiniteLossError, match="inf at step 7"):
         hook.on_step(info(8, CompletedStep(7, {"train/loss": float("inf")}, 0.1, 0.0)))
+
+
+def test_nan_check_defers_to_a_hook_that_already_asked_to_stop():
+    i = info(8, CompletedStep(7, {"train/loss": float("nan")}, 0.1, 0.0))
+    i.control.stop("diverged", by="DivergenceDetector")
+    NanCheckHook().on_step(i)  # no error: the divergence detector checkpoints and stops

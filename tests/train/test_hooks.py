@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 
 import jax
 import numpy as np
 import pytest
 
 from loomax.callbacks import EmaHook, LogMetricsHook
-from loomax.train import Hook
+from loomax.config import ConfigError, parse_config
+from loomax.train import Hook, HookConfig, HookContext, TrainerConfig
 
 
 def records(tmp_path):
@@ -154,3 +156,36 @@ def test_hooks_that_change_the_step_come_before_the_state(tiny, tmp_path):
     tiny.init(trainer)
     with pytest.raises(RuntimeError, match="before initial_state"):
         trainer.add_hook(EmaHook(0.9))
+
+
+@HookConfig.register_subclass("test_counter")
+@dataclass(frozen=True)
+class CounterConfig(HookConfig):
+    """A user hook type, registered the way users register theirs."""
+
+    start: int = 0
+    """Initial count."""
+
+    def build(self, context):
+        counter = Counter()
+        counter.count = self.start
+        return counter
+
+
+def test_user_hook_types_parse_from_yaml_and_bad_settings_name_the_key(tmp_path):
+    import loomax.callbacks  # noqa: F401 - registers the built-in types
+
+    path = tmp_path / "trainer.yaml"
+    path.write_text(
+        "hooks:\n  - {type: test_counter, start: 5}\n  - {type: divergence, patience: 2}\n"
+    )
+    config = parse_config(TrainerConfig, path)
+    assert isinstance(config.hooks[0], CounterConfig) and config.hooks[0].start == 5
+    assert config.hooks[1].patience == 2
+    assert config.hooks[0].build(HookContext(trainer=None)).count == 5
+    path.write_text("hooks:\n  - {type: divergence, action: explode}\n")
+    with pytest.raises(ConfigError, match="action must be one of"):
+        parse_config(TrainerConfig, path)
+    path.write_text("hooks:\n  - {type: no_such_hook}\n")
+    with pytest.raises(ConfigError, match="no_such_hook"):
+        parse_config(TrainerConfig, path)

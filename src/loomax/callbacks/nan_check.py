@@ -19,8 +19,8 @@ class NanCheckHook(Hook):
     every = 1
 
     def on_step(self, info: StepInfo) -> None:
-        if info.previous is not None:
-            _check(info.previous)
+        if info.previous is not None and info.control.stop_reason is None:
+            _check(info.previous)  # a hook that already asked to stop (divergence) goes first
 
     def on_train_end(self, info: StepInfo) -> None:
         if info.previous is not None:
