@@ -7,6 +7,7 @@ from typing import Protocol
 
 import numpy as np
 
+from loomax.batch_schedule import BatchSchedule
 from loomax.data.mixture import Mixture
 from loomax.data.permutation import FeistelPermutation
 from loomax.data.windows import TokenWindows
@@ -35,7 +36,9 @@ class Windows(Protocol):
 class BatchLoader:
     """Training batches addressed by step: batch ``k`` is computed directly, with no replay.
 
-    Stream position ``p = step * batch_size + row`` is one sample. With several datasets
+    Stream position ``p = offset(step) + row`` is one sample, where ``offset(step)`` is
+    the sum of the batch sizes of the steps before (``step * batch_size`` for a constant
+    size; ``batch_size`` may be a ``BatchSchedule``). With several datasets
     a ``Mixture`` decides, per position, which dataset gives it and which of that
     dataset's samples it is (weights may change at given steps). A dataset's ``j``-th
     sample is window ``perm_e(j mod n)`` in epoch ``e = j // n``, where ``perm_e`` is a
@@ -47,7 +50,7 @@ class BatchLoader:
     def __init__(
         self,
         windows: Windows | Sequence[Windows],
-        batch_size: int,
+        batch_size: int | BatchSchedule,
         seed: int,
         shuffle: bool = True,
         *,
@@ -59,20 +62,27 @@ class BatchLoader:
         for i, dataset in enumerate(datasets):
             if len(dataset) == 0:
                 raise ValueError(f"cannot load batches from dataset {i}: it has zero windows")
-        if batch_size < 1:
+        if isinstance(batch_size, int) and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        schedule = (
+            batch_size if isinstance(batch_size, BatchSchedule) else BatchSchedule(batch_size)
+        )
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         self.datasets = datasets
         self.windows = datasets[0]
-        self.batch_size = batch_size
+        self.schedule = schedule
+        self.batch_size = schedule.sizes[0]
+        """The batch size of step 0 (the only one without a schedule)."""
         self.seed = seed
         self.shuffle = shuffle
         self.prefetch = prefetch
         self.mixture: Mixture | None = None
         if len(datasets) > 1 or weight_schedule:
             stages = [(0, list(weights) if weights is not None else [1.0] * len(datasets))]
-            stages += [(start * batch_size, list(w)) for start, w in weight_schedule if start > 0]
+            stages += [
+                (schedule.offset(start), list(w)) for start, w in weight_schedule if start > 0
+            ]
             self.mixture = Mixture(stages, seed)
         self._perms: dict[tuple[int, int], FeistelPermutation] = {}
 
@@ -110,9 +120,8 @@ class BatchLoader:
         """``(dataset, window index)`` of each row of batch ``step`` (all rows, or ``rows``)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        positions = np.arange(step * self.batch_size, (step + 1) * self.batch_size)[
-            rows or slice(None)
-        ]
+        start = self.schedule.offset(step)
+        positions = np.arange(start, start + self.schedule.size_at(step))[rows or slice(None)]
         if self.mixture is None:
             datasets, samples = np.zeros_like(positions), positions
         else:
@@ -128,12 +137,12 @@ class BatchLoader:
         return self.locate(step)[1]
 
     def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
-        """Batch ``step`` as an int32 array of shape ``(batch_size, seq_len)``.
+        """Batch ``step`` as an int32 array of shape ``(batch size of step, seq_len)``.
 
         With ``process_count > 1``, only this process's contiguous share of the rows,
-        ``(batch_size / process_count, seq_len)``: the other rows are never read.
+        ``(batch size / process_count, seq_len)``: the other rows are never read.
         """
-        rows = process_rows(self.batch_size, process_index, process_count)
+        rows = process_rows(self.schedule.size_at(step), process_index, process_count)
         datasets, indices = self.locate(step, rows)
         if len(self.datasets) == 1:
             return np.asarray(self.windows.get_batch(indices), dtype=np.int32)

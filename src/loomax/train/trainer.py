@@ -20,6 +20,7 @@ import jmp
 import numpy as np
 import optax
 
+from loomax.batch_schedule import BatchSchedule, BatchStage
 from loomax.checkpoint import (
     Checkpointer,
     CheckpointerConfig,
@@ -58,8 +59,8 @@ class TrainerConfig:
     """Seed of model initialisation, data order and every other random choice."""
     num_train_steps: int = 1000
     """Optimizer steps to take."""
-    train_batch_size: int = 32
-    """Sequences per optimizer step, over all devices."""
+    train_batch_size: int | list[BatchStage] = 32
+    """Sequences per optimizer step, over all devices: an int, or stages [{start: 0, value: 256}, {start: 1000, value: 512}]."""
     per_device_parallelism: int = -1
     """Sequences per device per forward/backward; smaller than the batch per device means gradient accumulation. -1 = the whole batch."""
     mp: str = "f32"
@@ -129,7 +130,7 @@ class TrainerConfig:
         check_jax_options(self.jax_config)
         if self.initialize_from is not None and self.initialize_from_hf is not None:
             raise ValueError("set trainer.initialize_from or trainer.initialize_from_hf, not both")
-        positive = ("num_train_steps", "train_batch_size", "log_every", "steps_per_eval")
+        positive = ("num_train_steps", "log_every", "steps_per_eval")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"trainer.{name} must be > 0, got {getattr(self, name)}")
@@ -150,6 +151,7 @@ class TrainerConfig:
         except (ValueError, KeyError) as e:
             raise ValueError(f"trainer.mp: cannot parse precision policy {self.mp!r} ({e})") from e
         self.axis_mappings()  # an axis mapped twice fails here, before any work
+        _ = self.batch_schedule  # a bad batch-size schedule fails here too
 
     def axis_mappings(self) -> AxisMappings:
         """The parameter and compute mappings from the basic and advanced fields."""
@@ -166,23 +168,30 @@ class TrainerConfig:
     def policy(self) -> jmp.Policy:
         return jmp.get_policy(self.mp)
 
-    def microbatches(self, num_devices: int) -> int:
+    @property
+    def batch_schedule(self) -> BatchSchedule:
+        """``train_batch_size`` as a schedule: batch size and data offset of every step."""
+        return BatchSchedule(self.train_batch_size)
+
+    def microbatches(self, num_devices: int, batch_size: int | None = None) -> int:
         """Microbatches per step implied by the batch and ``per_device_parallelism``.
 
-        ``num_devices`` is the data-parallel size (replica x data): the devices the batch is split over.
+        ``num_devices`` is the data-parallel size (replica x data): the devices the batch is
+        split over; ``batch_size`` defaults to the first (or only) batch size.
         """
-        if self.train_batch_size % num_devices:
+        batch = batch_size or self.batch_schedule.sizes[0]
+        if batch % num_devices:
             raise ValueError(
-                f"trainer.train_batch_size ({self.train_batch_size}) must be divisible by the data-parallel "
+                f"trainer.train_batch_size ({batch}) must be divisible by the data-parallel "
                 f"size {num_devices} (trainer.mesh replica x data)"
             )
-        per_device = self.train_batch_size // num_devices
+        per_device = batch // num_devices
         if self.per_device_parallelism == -1 or self.per_device_parallelism >= per_device:
             return 1
         if per_device % self.per_device_parallelism:
             raise ValueError(
                 f"trainer.per_device_parallelism ({self.per_device_parallelism}) must divide the batch per device "
-                f"({per_device} = train_batch_size {self.train_batch_size} / {num_devices} devices)"
+                f"({per_device} = train_batch_size {batch} / {num_devices} devices)"
             )
         return per_device // self.per_device_parallelism
 
@@ -220,6 +229,9 @@ class Trainer:
         self.mesh = config.mesh.build(devices)
         self.mappings = config.axis_mappings()
         self.num_microbatches = config.microbatches(data_parallel_size(self.mesh))
+        self.batch_schedule = config.batch_schedule
+        for size in self.batch_schedule.sizes:  # every stage must split over the devices
+            config.microbatches(data_parallel_size(self.mesh), size)
         self.hooks: list[Hook] = []
         self.jit_hooks: list[JitHook] = []
         self.extras: dict[str, StateExtra] = {}
@@ -228,7 +240,8 @@ class Trainer:
         """The ``extras`` entry evaluators use instead of the model weights (EMA), if any."""
         self._state_made = False
         self._tracker: Tracker | None = None
-        self._step_fn: Callable | None = None
+        self._step_fns: dict[int, Callable] = {}
+        """The jitted step per number of microbatches (each batch size may need its own)."""
         base_path = config.checkpointer.base_path or str(self.run_dir / "checkpoints")
         self.checkpointer = Checkpointer(config.checkpointer, base_path)
         self.checkpointer.check_writable()  # a clear error now, not at the first save
@@ -284,7 +297,7 @@ class Trainer:
         return fn
 
     def _before_compile(self, what: str) -> None:
-        if self._step_fn is not None:
+        if self._step_fns:
             raise RuntimeError(f"{what} must be added before the first call to train()")
 
     @property
@@ -426,31 +439,38 @@ class Trainer:
         call.jitted = jitted  # for .lower() and cache inspection
         return call
 
-    def _build_step(self, state: TrainerState) -> Callable:
-        if self._step_fn is None:
+    @property
+    def _step_fn(self) -> Callable | None:
+        """The step of the first batch size, once compiled."""
+        return self._step_fns.get(self.num_microbatches)
+
+    def _build_step(self, state: TrainerState, num_microbatches: int | None = None) -> Callable:
+        microbatches = num_microbatches or self.num_microbatches
+        if microbatches not in self._step_fns:
             step = make_train_step(
                 self.loss_fn,
                 self.optimizer,
                 mp=self.config.policy,
-                num_microbatches=self.num_microbatches,
+                num_microbatches=microbatches,
                 lr_schedule=self.lr_schedule,
                 jit_hooks=self.jit_hooks,
                 extras=self.extras,
             )
             shardings = self.state_shardings(state)
-            self._step_fn = self.mesh_jit(
+            self._step_fns[microbatches] = self.mesh_jit(
                 step, out_shardings=(shardings, replicated(self.mesh)), donate_argnums=0
             )
-        return self._step_fn
+        return self._step_fns[microbatches]
 
     def train_step(
-        self, state: TrainerState, batch: Any
+        self, state: TrainerState, batch: Any, *, num_microbatches: int | None = None
     ) -> tuple[TrainerState, dict[str, jax.Array]]:
         """Run the jitted pure step (compiled on first use); ``state`` is donated.
 
         ``batch`` is this process's rows (numpy) or an already global ``jax.Array``.
+        ``num_microbatches`` defaults to that of the first batch size.
         """
-        step_fn = self._build_step(state)
+        step_fn = self._build_step(state, num_microbatches)
         if not isinstance(batch, jax.Array):
             batch = self.shard_batch(batch)
         return step_fn(state, batch)
@@ -491,7 +511,7 @@ class Trainer:
                     for hook in self.hooks:
                         batch = hook.transform_batch(step, batch)
                     dispatched_at = time.perf_counter()
-                    state, metrics = self.train_step(state, batch)
+                    state, metrics = self.train_step(state, batch, **self._batch_size_args(step))
                     if pending is not None:
                         previous, last_done = self._complete(pending, last_done)
                     self._flush(info)  # the record of the step before, now that this one is queued
@@ -543,6 +563,13 @@ class Trainer:
                 logger.exception("checkpoint save failed")
         return info
 
+    def _batch_size_args(self, step: int) -> dict[str, int]:
+        """``train_step`` arguments for step ``step`` (made from batch ``step - 1``) under a batch-size schedule."""
+        if self.batch_schedule.is_constant:
+            return {}
+        size = self.batch_schedule.size_at(step - 1)
+        return {"num_microbatches": self.config.microbatches(data_parallel_size(self.mesh), size)}
+
     def _step_info(self, step, state, metrics, control, previous=None, dispatched_at=None):
         return StepInfo(
             step,
@@ -593,6 +620,8 @@ class Trainer:
             "train_seconds": self._train_seconds + time.perf_counter() - started,
             "mesh": dict(self.mesh.shape),
         }
+        if not self.batch_schedule.is_constant:
+            metadata["data"]["sequences_consumed"] = self.batch_schedule.offset(info.step)
         files = {k: v for hook in self.hooks for k, v in hook.checkpoint_files().items()}
         if self.checkpointer.save(
             info.step, info.state, metadata, permanent=permanent, files=files
