@@ -141,3 +141,11 @@ def test_trainer_steps_follow_the_schedule_and_resume_bitwise():
     resumed = train(make_trainer(6, run_dir, load_checkpoint=True), loader, [])
     for a, b in zip(leaves(full), leaves(resumed), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_batch_size_schedule_hook_logs_consumed_data():
+    from loomax.callbacks.batch_size import BatchSizeScheduleHook
+
+    hook = BatchSizeScheduleHook(BatchSchedule(STAGES), seq_len=16)
+    assert hook.values(4) == {"data/batch_size": 8, "data/sequences": 20, "data/tokens": 320}
+    assert hook.values(6)["data/batch_size"] == 2

@@ -14,6 +14,7 @@ from loomax.train_lm import TrainLmConfig, train_lm
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.slow]
 
 HOOKS = {
+    "batch_size_schedule": {"every": 4},
     "config_saver": {},
     "console": {"every": 2},
     "control": {"port": 0},
@@ -93,6 +94,7 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
         "samples/0",
         "merge/saved_step",
         "train/seq_len",
+        "data/tokens",  # batch_size_schedule
     ):
         assert key in logged, key
     final_eval = records[8]

@@ -1,5 +1,6 @@
 """Built-in hooks, one per module; importing this package registers their ``trainer.hooks`` types."""
 
+from loomax.callbacks.batch_size import BatchSizeScheduleHook
 from loomax.callbacks.config_saver import ConfigSaverHook
 from loomax.callbacks.console import ConsoleHook
 from loomax.callbacks.control_server import ControlServerHook
@@ -29,6 +30,7 @@ from loomax.callbacks.stability import StabilityMonitor
 from loomax.callbacks.textgen import TextGenHook
 
 __all__ = [
+    "BatchSizeScheduleHook",
     "ConfigSaverHook",
     "ConsoleHook",
     "ControlServerHook",
