@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
+from pathlib import Path
+
+import pytest
 
 from loomax.callbacks import ControlServerHook
 
@@ -60,3 +67,47 @@ def test_save_and_stop_over_http(tiny, tmp_path):
     checkpoint = tmp_path / "run" / "checkpoints" / f"step-{final.step}" / "metadata.json"
     assert json.loads(checkpoint.read_text())["permanent"]  # asked for: kept
     assert not control_file.exists()  # removed when the server stops
+
+
+@pytest.mark.slow
+def test_only_process_0_serves_and_the_stop_reaches_every_process(tmp_path):
+    worker = Path(__file__).with_name("control_worker.py")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(i), "2", str(port), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        control_file = tmp_path / "control.json"
+        deadline = time.monotonic() + 240
+        while not control_file.exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.1)
+        served = json.loads(control_file.read_text())
+        while (call(served["url"] + "/status", token=served["token"])[1].get("step") or 0) < 3:
+            assert all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        assert call(served["url"] + "/save_and_stop", "POST", token=served["token"])[0] == 202
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [r["process_index"] for r in results] == [0, 1]
+    assert results[0]["final_step"] == results[1]["final_step"] < 100_000
+    for r in results:
+        assert r["stop_reason"] == "save_and_stop over HTTP (requested by control server)"
+        assert r["saved_step"] == r["final_step"]
