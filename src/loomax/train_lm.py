@@ -119,13 +119,14 @@ def model_lm_loss(config: TrainLmConfig):
 def train_lm(config: TrainLmConfig) -> TrainLmResult:
     """Run the training job described by ``config``: data, model, loop, eval, sample."""
     trainer_config, model_config = config.trainer, config.model
-    optimizer = config.optimizer.build(trainer_config.num_train_steps)
+    batch_sizes = trainer_config.batch_schedule
+    optimizer = config.optimizer.build(trainer_config.num_train_steps, batch_sizes)
     loss_fn = model_lm_loss(config)
     trainer = Trainer(
         trainer_config,
         optimizer,
         loss_fn,
-        lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps),
+        lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps, batch_sizes),
     )
 
     data = build_lm_datasets(config.data, model_config.seq_len, ray=trainer_config.ray)
@@ -133,7 +134,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     validation = _eval_sets(config, data, data_parallel_size(trainer.mesh))
     loader = make_loader(config, data)
 
-    tokens_per_step = trainer_config.train_batch_size * model_config.seq_len
+    tokens_per_step = batch_sizes.sizes[0] * model_config.seq_len  # the first batch size's
     flops_per_token = 3 * model_config.flops_per_token(vocab_size)
     peak = total_peak_flops(trainer_config.policy.compute_dtype, trainer_config.device_peak_flops)
 
@@ -220,7 +221,7 @@ def make_loader(config: TrainLmConfig, data: LmDatasets) -> BatchLoader:
     seed = config.data.shuffle_seed if config.data.shuffle_seed is not None else config.trainer.seed
     return BatchLoader(
         data.train,
-        config.trainer.train_batch_size,
+        config.trainer.batch_schedule,
         seed=seed,
         shuffle=config.data.shuffle,
         weights=[source.weight for source in config.data.train],
@@ -253,7 +254,7 @@ def _eval_sets(
     config: TrainLmConfig, data: LmDatasets, dp: int
 ) -> list[np.ndarray] | dict[str, list[np.ndarray]]:
     """This process's rows of the eval batches: one list, or ``{name: batches}`` per validation source when there are several."""
-    size = config.trainer.eval_batch_size or config.trainer.train_batch_size
+    size = config.trainer.eval_batch_size or config.trainer.batch_schedule.sizes[0]
     limit = config.trainer.max_eval_batches
     sets: dict[str, list[np.ndarray]] = {}
     if len(data.validation_sets) > 1:
