@@ -28,6 +28,7 @@ from loomax.callbacks import (
 from loomax.config import to_yaml
 from loomax.data import BatchLoader, DataConfig, LmDatasets, build_lm_datasets, eval_batches
 from loomax.data.loader import process_rows
+from loomax.distributed import pod_ray_cluster
 from loomax.mesh import data_parallel_size
 from loomax.models import Gpt2Config, LmConfig, next_token_loss
 from loomax.models.attention import segment_ids_from_eos
@@ -129,7 +130,8 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps, batch_sizes),
     )
 
-    data = build_lm_datasets(config.data, model_config.seq_len, ray=trainer_config.ray)
+    with pod_ray_cluster(trainer_config.ray) as ray_config:  # on a pod: every host's CPUs
+        data = build_lm_datasets(config.data, model_config.seq_len, ray=ray_config)
     vocab_size = _resolve_vocab_size(model_config, data.vocab_size)
     validation = _eval_sets(config, data, data_parallel_size(trainer.mesh))
     loader = make_loader(config, data)

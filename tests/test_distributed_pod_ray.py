@@ -1,0 +1,60 @@
+"""Ray on a pod: process 0 starts the head, a process on another host joins it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loomax.distributed import RayConfig, pod_ray_role
+
+WORKER = Path(__file__).with_name("pod_ray_worker.py")
+
+
+@pytest.mark.parametrize(
+    "config, hosts, roles",
+    [
+        (RayConfig(), ["a", "a"], ["none", "none"]),  # one host: a local Ray on process 0
+        (RayConfig(), ["a", "a", "b", "b"], ["head", "idle", "join", "idle"]),
+        (RayConfig(address="10.0.0.9:6379"), ["a", "b"], ["none", "none"]),  # a cluster to join
+        (RayConfig(auto_start_cluster=False), ["a", "b"], ["none", "none"]),
+    ],
+)
+def test_roles(monkeypatch, config, hosts, roles):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert [pod_ray_role(config, hosts, i) for i in range(len(hosts))] == roles
+
+
+def test_ray_address_variable_means_no_pod_cluster(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    assert pod_ray_role(RayConfig(), ["a", "b"], 0) == "none"
+
+
+@pytest.mark.slow
+def test_head_on_process_0_and_the_other_host_joins():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("RAY_ADDRESS", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    result = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert result["nodes"] == 2 and result["cpus"] == 2.0  # the head's CPU and the joined one
+    assert result["auth_mode"] == "token"  # the pod's cluster is token-protected
