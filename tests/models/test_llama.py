@@ -94,10 +94,8 @@ def default_grads(model):
     return jax.grad(lambda m: next_token_loss(m, batch)[0])(model)
 
 
-@pytest.mark.parametrize("policy", [False, "offload", "nested", "save_all"])
+@pytest.mark.parametrize("policy", [False, "offload", "nested"])
 def test_remat_policies_do_not_change_gradients(default_grads, policy):
-    if policy == "offload" and jax.default_backend() == "cpu":
-        pytest.skip("offload needs a pinned_host memory space (GPU/TPU)")
     other = dataclasses.replace(TINY, gradient_checkpointing=policy)
     other = other.build(VOCAB, key=jax.random.PRNGKey(0))
     batch = tokens()
