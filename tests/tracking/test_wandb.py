@@ -116,3 +116,15 @@ def test_the_real_run_config_logs_to_wandb_and_jsonl(repo_root):
     config = parse_config(TrainLmConfig, repo_root / "config" / "gpt2_small.yaml")
     kinds = [type(t) for t in config.trainer.tracker]
     assert kinds == [WandbTrackerConfig, JsonlTrackerConfig]
+
+
+def test_online_without_an_api_key_says_what_to_set(monkeypatch, tmp_path):
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with pytest.raises(
+        ValueError, match="set WANDB_API_KEY or run `wandb login`, or use mode: offline"
+    ):
+        WandbTrackerConfig(mode="online").init(tmp_path / "run")

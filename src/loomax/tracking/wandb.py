@@ -81,7 +81,21 @@ class WandbTracker(Tracker):
         directory = Path(config.dir or os.environ.get("WANDB_DIR") or run_dir)
         directory.mkdir(parents=True, exist_ok=True)
         git = git_info()
-        self.run = wandb.init(
+        try:
+            self.run = self._init(wandb, config, run_dir, directory, git)
+        except wandb.errors.UsageError as e:
+            raise ValueError(
+                f"trainer.tracker type: wandb could not start a run ({e}): set WANDB_API_KEY or run "
+                "`wandb login`, or use mode: offline (WANDB_MODE=offline) to log locally"
+            ) from e
+        if config.save_git_diff and git.dirty:
+            patch = Path(self.run.dir) / "git_diff.patch"
+            patch.write_text(git.diff)
+            self.run.save(str(patch), base_path=self.run.dir, policy="now")
+        logger.info("wandb run %s (%s)", self.run_id, self.run.settings.mode)
+
+    def _init(self, wandb, config: WandbTrackerConfig, run_dir: Path, directory: Path, git):
+        return wandb.init(
             project=config.project,
             entity=config.entity,
             name=config.name or run_dir.name,
@@ -95,11 +109,6 @@ class WandbTracker(Tracker):
             config={"git": {"commit": git.commit, "dirty": git.dirty, "remote": git.remote}},
             settings=wandb.Settings(git_commit=git.commit or None),
         )
-        if config.save_git_diff and git.dirty:
-            patch = Path(self.run.dir) / "git_diff.patch"
-            patch.write_text(git.diff)
-            self.run.save(str(patch), base_path=self.run.dir, policy="now")
-        logger.info("wandb run %s (%s)", self.run_id, self.run.settings.mode)
 
     def log(self, metrics: dict[str, Any], *, step: int) -> None:
         self.run.log({k: _scalar(v) for k, v in metrics.items()}, step=step)
