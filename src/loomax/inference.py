@@ -155,6 +155,6 @@ def evaluate(loaded: LoadedModel, *, batch_size: int, max_batches: int | None) -
     tokenizer = load_tokenizer(_run_tokenizer(config))
     count_bytes = next_token_bytes(token_byte_lengths(tokenizer, loaded.model.Vocab.size))
     evaluator = make_loss_evaluator(
-        model_lm_loss(config), sets, config.trainer.policy, count_bytes=count_bytes
+        model_lm_loss(config, training=False), sets, config.trainer.policy, count_bytes=count_bytes
     )
     return evaluator(loaded.model)

@@ -105,8 +105,9 @@ def lm_loss(
     return loss_fn
 
 
-def model_lm_loss(config: TrainLmConfig):
-    """``lm_loss`` as ``config.model`` asks (block size, z-loss, document masking with the tokenizer's EOS)."""
+def model_lm_loss(config: TrainLmConfig, *, training: bool = True):
+    """``lm_loss`` as ``config.model`` asks (block size, document masking with the tokenizer's EOS,
+    and z-loss when ``training``: evaluation reports the plain cross-entropy)."""
     model = config.model
     eos = None
     if model.document_mask:
@@ -114,7 +115,8 @@ def model_lm_loss(config: TrainLmConfig):
         from loomax.data.tokenizer import eos_id, load_tokenizer
 
         eos = eos_id(load_tokenizer(prepare_tokenizer(config.data)))
-    return lm_loss(model.cross_entropy_block_size, z_loss_weight=model.z_loss_weight, eos_id=eos)
+    z_loss = model.z_loss_weight if training else 0.0
+    return lm_loss(model.cross_entropy_block_size, z_loss_weight=z_loss, eos_id=eos)
 
 
 def train_lm(config: TrainLmConfig) -> TrainLmResult:
@@ -140,7 +142,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     flops_per_token = 3 * model_config.flops_per_token(vocab_size)
     peak = total_peak_flops(trainer_config.policy.compute_dtype, trainer_config.device_peak_flops)
 
-    eval_loss = loss_fn
+    eval_loss = model_lm_loss(config, training=False)
     evaluator = EvalHook(
         make_loss_evaluator(
             eval_loss,
