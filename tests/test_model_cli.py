@@ -103,8 +103,8 @@ def test_eval_reports_per_set_and_macro(run, capsys):
         "eval/loss",
         "eval/perplexity",
         "eval/bpb",
-        "eval/train0_heldout/loss",
-        "eval/train0_heldout/bpb",
+        "eval/validation/loss",
+        "eval/validation/bpb",
     ):
         assert key in metrics and np.isfinite(metrics[key]), key
     assert metrics["eval/loss"] == pytest.approx(result.evals[-1][1]["eval/loss"], rel=1e-4)

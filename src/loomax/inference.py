@@ -105,39 +105,27 @@ def _read_model(checkpoint, config: TrainLmConfig, vocab: int) -> LmModel:
 
 
 def validation_sets(
-    config: TrainLmConfig, batch_size: int, max_batches: int | None
+    config: TrainLmConfig, batch_size: int | None, max_batches: int | None
 ) -> dict[str, list[np.ndarray]]:
-    """Validation batches per set: one set per ``data.validation`` source, or per train
-    source's held-out documents when there are none (caches are built if missing)."""
-    from loomax.data.dataset import build_caches
-    from loomax.data.loader import eval_batches
-    from loomax.data.token_cache import TokenCache
-    from loomax.data.windows import TokenWindows
+    """Validation batches per set, named as the in-loop eval names them (one set per
+    ``data.validation`` source, or per train source's held-out documents); caches are built
+    if missing."""
+    from loomax.data import build_lm_datasets
+    from loomax.train_lm import _eval_sets
 
-    data = config.data
-    train, validation = build_caches(data, _run_tokenizer(config), ray=config.trainer.ray)
-    if data.validation:
-        pieces = {
-            f"validation{i}": TokenCache.open(info.url)["train"]
-            for i, info in enumerate(validation)
-        }
-    else:
-        pieces = {
-            f"train{i}_heldout": TokenCache.open(info.url)["validation"]
-            for i, info in enumerate(train)
-        }
-    sets = {}
-    for name, piece in pieces.items():
-        windows = TokenWindows(piece.as_numpy(), config.model.seq_len)
-        if len(windows) == 0:
-            raise ValueError(
-                f"validation set {name} has fewer than seq_len={config.model.seq_len} tokens"
-            )
-        sets[name] = eval_batches(windows, batch_size, max_batches)
-    return sets
+    trainer = replace(
+        config.trainer,
+        eval_batch_size=batch_size or config.trainer.eval_batch_size,
+        max_eval_batches=max_batches or config.trainer.max_eval_batches,
+    )
+    data = build_lm_datasets(config.data, config.model.seq_len, ray=trainer.ray)
+    sets = _eval_sets(replace(config, trainer=trainer), data, 1)
+    return sets if isinstance(sets, dict) else {"validation": sets}
 
 
-def evaluate(loaded: LoadedModel, *, batch_size: int, max_batches: int | None) -> dict[str, float]:
+def evaluate(
+    loaded: LoadedModel, *, batch_size: int | None = None, max_batches: int | None = None
+) -> dict[str, float]:
     """Loss, perplexity and bits per byte per validation set (``eval/<set>/...``) and their
     macro averages (``eval/loss``, ...), with the run's loss settings."""
     from loomax.callbacks.eval import make_loss_evaluator, next_token_bytes, token_byte_lengths

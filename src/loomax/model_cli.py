@@ -124,8 +124,12 @@ def eval_command(args: list[str], error: Error) -> None:
     from loomax.inference import evaluate
 
     parser = argparse.ArgumentParser(prog="loomax eval", add_help=False)
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--max_batches", type=int, default=None, help="per set (default: all)")
+    parser.add_argument(
+        "--batch_size", type=int, default=None, help="default: trainer.eval_batch_size"
+    )
+    parser.add_argument(
+        "--max_batches", type=int, default=None, help="per set (default: trainer.max_eval_batches)"
+    )
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object instead of a table"
     )
