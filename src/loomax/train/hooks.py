@@ -7,7 +7,8 @@ should use ``info.previous`` (the step before, already finished) instead. Throug
 
 A ``Hook`` may also shape the step before training starts: ``wrap_optimizer`` (e.g.
 skip bad steps), ``jit_hooks`` (metrics computed inside the step) and ``state_extras``
-(arrays kept in ``TrainerState.extras``, e.g. EMA weights).
+(arrays kept in ``TrainerState.extras``, e.g. EMA weights); and ``transform_batch``
+changes each batch before it is sharded (sequence-length warm-up).
 """
 
 from __future__ import annotations
