@@ -48,7 +48,8 @@ def run_benchmark(
         lm_loss(model_config.cross_entropy_block_size),
         lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps),
     )
-    batch_size, seq_len = trainer_config.train_batch_size, model_config.seq_len
+    # a batch-size schedule is timed at its first stage
+    batch_size, seq_len = trainer_config.batch_schedule.sizes[0], model_config.seq_len
     rng = np.random.default_rng(trainer_config.seed)
     batches = [rng.integers(0, vocab_size, (batch_size, seq_len), dtype=np.int32) for _ in range(4)]
 

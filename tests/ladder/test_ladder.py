@@ -151,3 +151,13 @@ def test_three_tiny_sizes_end_to_end(tiny_ladder, capsys):
     assert (
         metrics.groupby("size")["flops"].max().sort_values().index == ["20K", "50K", "100K"]
     ).all()
+
+
+def test_llama_configurator_builds_a_llama():
+    from loomax.ladder import LlamaConfigurator
+
+    ladder = LadderConfig(sizes=["10M"], model=LlamaConfigurator(seq_len=256))
+    r = rung(ladder, "10M")
+    assert type(r.config.model).__name__ == "LlamaConfig"
+    assert r.config.model.intermediate_dim % 64 == 0 and r.config.model.seq_len == 256
+    assert r.plan.params > 10_000_000  # embeddings come on top of the 10M
