@@ -149,3 +149,46 @@ def test_batch_size_schedule_hook_logs_consumed_data():
     hook = BatchSizeScheduleHook(BatchSchedule(STAGES), seq_len=16)
     assert hook.values(4) == {"data/batch_size": 8, "data/sequences": 20, "data/tokens": 320}
     assert hook.values(6)["data/batch_size"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_train_lm_with_a_batch_size_schedule_from_yaml(tmp_path, tiny_corpus):
+    import json
+
+    from loomax.train_lm import train_lm
+
+    run_dir = tmp_path / "run"
+    args = {
+        "--data.train": json.dumps([{"urls": [str(tiny_corpus)]}]),
+        "--data.tokenizer_vocab_size": "300",
+        "--data.cache_dir": str(tmp_path / "cache"),
+        "--model.seq_len": "32",
+        "--model.hidden_dim": "32",
+        "--model.num_layers": "2",
+        "--model.num_heads": "2",
+        "--trainer.train_batch_size": "[{start: 0, value: 4}, {start: 3, value: 16}]",
+        "--trainer.num_train_steps": "6",
+        "--trainer.log_every": "1",
+        "--trainer.eval_at_start": "false",
+        "--trainer.max_eval_batches": "1",
+        "--trainer.progress_bar": "false",
+        "--trainer.run_dir": str(run_dir),
+        "--trainer.hooks": "[{type: batch_size_schedule}]",
+        "--optimizer.scale_lr_with_batch": "sqrt",
+        "--optimizer.lr_schedule": "constant",
+        "--optimizer.warmup": "0",
+        "--sample.enabled": "false",
+    }
+    config = parse_config(TrainLmConfig, None, [x for kv in args.items() for x in kv])
+    train_lm(config)
+    records = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        records.setdefault(record["step"], {}).update(record)
+    assert [records[s]["data/batch_size"] for s in range(1, 7)] == [4, 4, 4, 16, 16, 16]
+    assert records[6]["data/sequences"] == 3 * 4 + 3 * 16
+    lr = config.optimizer.learning_rate
+    assert records[3]["optim/learning_rate"] == pytest.approx(lr)
+    assert records[4]["optim/learning_rate"] == pytest.approx(2 * lr)  # sqrt(16 / 4)
+    assert "eval/loss" in records[6]
