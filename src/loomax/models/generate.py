@@ -8,6 +8,7 @@ for every token (the reference the cache is tested against).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import haliax as hax
@@ -77,9 +78,9 @@ def sample_tokens(
     prompt = list(prompt)[-(seq_len - 1) :]
     buffer = np.zeros(seq_len, np.int32)
     buffer[: len(prompt)] = prompt
-    options = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    options = (temperature, top_k, top_p)
     stop = min(seq_len, len(prompt) + max_new_tokens)
-    steps = _cached_steps(options) if use_cache else _full_steps(options)
+    steps = _cached_steps(*options) if use_cache else _full_steps(*options)
     state = steps.start(model, jnp.asarray(buffer), len(prompt))
     out = list(prompt)
     for pos in range(len(prompt), stop):
@@ -103,8 +104,10 @@ def _logits_at(model: LmModel, hidden, index) -> jax.Array:
     return hax.dot(h, model.lm_head_weight(), axis="embed").rearrange((Vocab,)).array
 
 
-def _full_steps(options) -> _Steps:
+@functools.lru_cache(maxsize=16)  # same options, same jitted steps: no recompiling per sample
+def _full_steps(temperature, top_k, top_p) -> _Steps:
     """No cache: ``state`` is the token buffer; every step reruns the model on all of it."""
+    options = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
 
     @jax.jit
     def next_token(model, tokens, pos, key):
@@ -115,8 +118,10 @@ def _full_steps(options) -> _Steps:
     return _Steps(lambda model, tokens, length: tokens, next_token)
 
 
-def _cached_steps(options) -> _Steps:
+@functools.lru_cache(maxsize=16)
+def _cached_steps(temperature, top_k, top_p) -> _Steps:
     """KV cache: ``state`` is ``(cache, logits of the last position)``; one prefill call."""
+    options = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
 
     @jax.jit
     def prefill(model, tokens, length):
