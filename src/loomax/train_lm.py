@@ -82,7 +82,11 @@ class TrainLmResult:
 
 
 def lm_loss(
-    block_size: int | None = 4096, *, z_loss_weight: float = 0.0, eos_id: int | None = None
+    block_size: int | None = 4096,
+    *,
+    z_loss_weight: float = 0.0,
+    eos_id: int | None = None,
+    vocab_block_size: int | None = None,
 ):
     """The trainer's loss: next-token cross-entropy on a ``[batch, position]`` token array.
 
@@ -100,6 +104,7 @@ def lm_loss(
             block_size=block_size,
             z_loss_weight=z_loss_weight,
             segment_ids=segments,
+            vocab_block_size=vocab_block_size,
         )
 
     return loss_fn
@@ -116,7 +121,12 @@ def model_lm_loss(config: TrainLmConfig, *, training: bool = True):
 
         eos = eos_id(load_tokenizer(prepare_tokenizer(config.data)))
     z_loss = model.z_loss_weight if training else 0.0
-    return lm_loss(model.cross_entropy_block_size, z_loss_weight=z_loss, eos_id=eos)
+    return lm_loss(
+        model.cross_entropy_block_size,
+        z_loss_weight=z_loss,
+        eos_id=eos,
+        vocab_block_size=model.cross_entropy_vocab_block_size,
+    )
 
 
 def train_lm(config: TrainLmConfig) -> TrainLmResult:

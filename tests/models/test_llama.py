@@ -140,8 +140,10 @@ def test_rotary_variants():
 def test_z_loss_adds_squared_log_partition(model):
     batch = tokens()
     plain, n = next_token_loss(model, batch, block_size=None)
-    for block in (None, 16):
-        with_z, _ = next_token_loss(model, batch, block_size=block, z_loss_weight=1e-2)
+    for block, vocab_block in ((None, None), (16, None), (16, 10)):
+        with_z, _ = next_token_loss(
+            model, batch, block_size=block, z_loss_weight=1e-2, vocab_block_size=vocab_block
+        )
         logits = model.logits(batch).array[:, :-1]
         lse = jax.nn.logsumexp(logits, axis=-1)
         np.testing.assert_allclose(with_z, plain + 1e-2 * np.sum(lse**2), rtol=1e-5)

@@ -64,3 +64,19 @@ def test_z_loss_value_and_gradients_match_plain(block):
     assert val > _plain_cross_entropy_sum(h, w, t, m)
     for got, want in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("block,vocab_block", [(8, 16), (37, 101), (16, 7)])
+def test_vocab_blocks_match_plain(block, vocab_block):
+    h, w, t, m = problem()
+    z = 1e-3
+    ref, ref_grads = jax.value_and_grad(_plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
+
+    def fused(h, w):
+        return fused_cross_entropy_sum(h, w, t, m, block, z, vocab_block)
+
+    np.testing.assert_allclose(fused(h, w), ref, rtol=1e-5)
+    val, grads = jax.value_and_grad(fused, argnums=(0, 1))(h, w)
+    np.testing.assert_allclose(val, ref, rtol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

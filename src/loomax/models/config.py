@@ -29,6 +29,8 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Layer remat: true (recompute block internals), false, offload, nested, recompute, save_all."""
     cross_entropy_block_size: int | None = 4096
     """Tokens per block of the fused LM head + softmax (bounds logits memory); null = plain full logits."""
+    cross_entropy_vocab_block_size: int | None = None
+    """Also split the vocabulary into blocks of this many entries (logits at most [tokens block, vocab block]); null = whole."""
     z_loss_weight: float = 0.0
     """Weight of the z-loss, the mean squared log-partition of the logits; 0 = off."""
     attn_backend: str = "auto"
@@ -44,6 +46,12 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
         if self.gradient_checkpointing not in REMAT_POLICIES:
             raise ValueError(
                 f"model.gradient_checkpointing must be one of {list(REMAT_POLICIES)}, got {self.gradient_checkpointing!r}"
+            )
+        vocab_block = self.cross_entropy_vocab_block_size
+        if vocab_block is not None and (vocab_block <= 0 or self.cross_entropy_block_size is None):
+            raise ValueError(
+                "model.cross_entropy_vocab_block_size must be positive and needs model.cross_entropy_block_size, "
+                f"got {vocab_block} with cross_entropy_block_size {self.cross_entropy_block_size}"
             )
         if self.z_loss_weight < 0:
             raise ValueError(f"model.z_loss_weight must be >= 0, got {self.z_loss_weight}")

@@ -32,11 +32,13 @@ def next_token_loss(
     block_size: int | None = 4096,
     z_loss_weight: float = 0.0,
     segment_ids: NamedArray | None = None,
+    vocab_block_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(sum of token losses, number of tokens)`` for predicting each next token.
 
     ``block_size`` tokens at a time go through the fused LM head and softmax; ``None``
-    computes full logits (the reference path, used in tests). ``z_loss_weight > 0`` adds
+    computes full logits (the reference path, used in tests); ``vocab_block_size`` also
+    splits the vocabulary, so at most ``[block_size, vocab_block_size]`` logits exist. ``z_loss_weight > 0`` adds
     ``z_loss_weight * logsumexp(logits)**2`` per token (keeps the softmax normaliser near 1).
     ``segment_ids`` keep attention within packed documents (see ``segment_ids_from_eos``).
     """
@@ -49,7 +51,9 @@ def next_token_loss(
     if block_size is None:
         total = _plain_cross_entropy_sum(h, w, t, m, z_loss_weight)
     else:
-        total = fused_cross_entropy_sum(h, w.astype(h.dtype), t, m, block_size, z_loss_weight)
+        total = fused_cross_entropy_sum(
+            h, w.astype(h.dtype), t, m, block_size, z_loss_weight, vocab_block_size
+        )
     return total, jnp.sum(m)
 
 
@@ -82,7 +86,7 @@ def _block_loss(h_b, w, t_b, m_b, z_loss_weight):
     return jnp.sum((lse - picked + z_loss_weight * lse**2) * m_b)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def fused_cross_entropy_sum(
     h: jax.Array,
     w: jax.Array,
@@ -90,34 +94,94 @@ def fused_cross_entropy_sum(
     weights: jax.Array,
     block_size: int,
     z_loss_weight: float = 0.0,
+    vocab_block_size: int | None = None,
 ) -> jax.Array:
     """``sum_i weights_i * (CE(h_i @ w.T, targets_i) + z * lse_i**2)`` over token blocks.
 
     ``h`` is ``[tokens, embed]``, ``w`` is ``[vocab, embed]``; at most ``[block_size,
-    vocab]`` logits exist at a time. Under differentiation the gradient is computed block
-    by block in the forward pass, so neither the logits nor the softmax are ever stored whole.
+    vocab]`` logits exist at a time, or ``[block_size, vocab_block_size]`` with vocabulary
+    blocks (an online logsumexp over them, then a second pass for the gradient). Under
+    differentiation the gradient is computed block by block in the forward pass, so
+    neither the logits nor the softmax are ever stored whole.
     """
-    return _fused_forward(h, w, targets, weights, block_size, z_loss_weight)
+    return _fused_forward(h, w, targets, weights, block_size, z_loss_weight, vocab_block_size)
 
 
-def _fused_forward(h, w, targets, weights, block_size, z_loss_weight):
+def _vocab_chunks(w: jax.Array, vocab_block: int):
+    """``w [V, d] -> [n, vb, d]`` (zero rows padding the last chunk) and the chunks' row ids."""
+    vb = min(vocab_block, w.shape[0])
+    chunks = _blocks(w, vb)
+    return chunks, jnp.arange(chunks.shape[0] * vb).reshape(chunks.shape[0], vb)
+
+
+def _chunked_lse_and_picked(h_b, chunks, ids, vocab, t_b):
+    """Per token: logsumexp of the logits and the target's logit, one vocabulary chunk at a time."""
+    acc = _acc(h_b.dtype)
+    low = jnp.finfo(acc).min
+
+    def body(carry, xs):
+        peak, norm, picked = carry
+        w_c, id_c = xs
+        logits = jnp.dot(h_b, w_c.T, preferred_element_type=acc)
+        logits = jnp.where(id_c[None, :] < vocab, logits, low)
+        new = jnp.maximum(peak, jnp.max(logits, axis=-1))
+        norm = norm * jnp.exp(peak - new) + jnp.sum(jnp.exp(logits - new[:, None]), axis=-1)
+        picked = picked + jnp.sum(jnp.where(id_c[None, :] == t_b[:, None], logits, 0.0), axis=-1)
+        return (new, norm, picked), None
+
+    n = h_b.shape[0]
+    init = (jnp.full((n,), low, acc), jnp.zeros((n,), acc), jnp.zeros((n,), acc))
+    (peak, norm, picked), _ = jax.lax.scan(body, init, (chunks, ids))
+    return peak + jnp.log(norm), picked
+
+
+def _chunked_grads(h_b, chunks, ids, vocab, t_b, m_b, lse, z_loss_weight):
+    """``(dh_b, dw)`` of the block's loss, recomputing each vocabulary chunk's softmax from ``lse``."""
+    acc = _acc(h_b.dtype)
+    scale = (m_b * (1 + 2 * z_loss_weight * lse))[:, None]
+
+    def body(dh, xs):
+        w_c, id_c = xs
+        logits = jnp.dot(h_b, w_c.T, preferred_element_type=acc)
+        probs = jnp.where(id_c[None, :] < vocab, jnp.exp(logits - lse[:, None]), 0.0)
+        is_target = id_c[None, :] == t_b[:, None]
+        dlogits = (probs * scale - jnp.where(is_target, m_b[:, None], 0.0)).astype(h_b.dtype)
+        dh = dh + jnp.dot(dlogits, w_c, preferred_element_type=acc)
+        return dh, jnp.dot(dlogits.T, h_b, preferred_element_type=acc)
+
+    dh, dw = jax.lax.scan(body, jnp.zeros(h_b.shape, acc), (chunks, ids))
+    return dh.astype(h_b.dtype), dw.reshape(-1, h_b.shape[1])[:vocab]
+
+
+def _fused_forward(h, w, targets, weights, block_size, z_loss_weight, vocab_block_size=None):
     block = min(block_size, h.shape[0])
+    if vocab_block_size is not None:
+        chunks, ids = _vocab_chunks(w, vocab_block_size)
 
     def body(total, xs):
         h_b, t_b, m_b = xs
-        return total + _block_loss(h_b, w, t_b, m_b, z_loss_weight), None
+        if vocab_block_size is None:
+            return total + _block_loss(h_b, w, t_b, m_b, z_loss_weight), None
+        lse, picked = _chunked_lse_and_picked(h_b, chunks, ids, w.shape[0], t_b)
+        return total + jnp.sum((lse - picked + z_loss_weight * lse**2) * m_b), None
 
     xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block))
     total, _ = jax.lax.scan(body, jnp.zeros((), _acc(h.dtype)), xs)
     return total
 
 
-def _fused_fwd(h, w, targets, weights, block_size, z_loss_weight):
+def _fused_fwd(h, w, targets, weights, block_size, z_loss_weight, vocab_block_size):
     block = min(block_size, h.shape[0])
     acc = _acc(h.dtype)
+    if vocab_block_size is not None:
+        chunks, ids = _vocab_chunks(w, vocab_block_size)
 
     def body(dw, xs):
         h_b, t_b, m_b = xs
+        if vocab_block_size is not None:
+            lse, picked = _chunked_lse_and_picked(h_b, chunks, ids, w.shape[0], t_b)
+            dh_b, dw_b = _chunked_grads(h_b, chunks, ids, w.shape[0], t_b, m_b, lse, z_loss_weight)
+            return dw + dw_b, (dh_b, lse - picked + z_loss_weight * lse**2)
         logits = jnp.dot(h_b, w.T, preferred_element_type=acc)
         peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
         exp = jnp.exp(logits - peak)  # the only pass of exp over [block, vocab]
@@ -140,7 +204,7 @@ def _fused_fwd(h, w, targets, weights, block_size, z_loss_weight):
     return total, (dh, dw.astype(w.dtype), targets, token_loss)
 
 
-def _fused_bwd(block_size, z_loss_weight, residuals, g):
+def _fused_bwd(block_size, z_loss_weight, vocab_block_size, residuals, g):
     dh, dw, targets, token_loss = residuals
     zero_targets = jnp.zeros(targets.shape, jax.dtypes.float0)
     return (dh * g.astype(dh.dtype), dw * g.astype(dw.dtype), zero_targets, token_loss * g)
