@@ -116,3 +116,34 @@ def test_blockwise_gradient_matches_vanilla(small_blocks, masked):
 
     for got, want in zip(loss("blockwise"), loss("vanilla"), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_models_give_the_same_logits_with_every_cpu_backend(family):
+    from loomax.models import Gpt2Config, LlamaConfig
+
+    def build(backend):
+        if family == "gpt2":
+            config = Gpt2Config(
+                seq_len=32, hidden_dim=32, num_layers=1, num_heads=4, attn_backend=backend
+            )
+        else:
+            config = LlamaConfig(
+                seq_len=32,
+                hidden_dim=32,
+                intermediate_dim=64,
+                num_layers=1,
+                num_heads=4,
+                num_kv_heads=2,
+                attn_backend=backend,
+            )
+        return config.build(50, key=jax.random.PRNGKey(0))
+
+    ids = hax.named(
+        jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, 50), ("batch", "position")
+    )
+    segments = segment_ids_from_eos(ids, 7)
+    want = build("vanilla").logits(ids, segment_ids=segments).array
+    for backend in ("blockwise", "xla"):
+        got = build(backend).logits(ids, segment_ids=segments).array
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=backend)
