@@ -31,6 +31,16 @@ def dry_run(capsys, *options: str, command=("train", "--config_path", "config/gp
 
 
 ENV = "env WANDB_API_KEY=*** WANDB_PROJECT=ladder LOOMAX_GIT_COMMIT=abc123"
+
+
+def stop_earlier(pidfile: str) -> str:
+    """The prefix that stops what an earlier attempt left running, then records this one's pid."""
+    return (
+        f"{{ p=$(cat {pidfile} 2>/dev/null) && grep -qa loomax /proc/$p/cmdline 2>/dev/null "
+        f"&& kill $p && sleep 5; }}; echo $$ > {pidfile} && exec"
+    )
+
+
 TRAIN = "train --config_path config/gpt2_small.yaml --trainer.run_id r1"
 
 
@@ -41,7 +51,7 @@ def test_tpu_pod(capsys):
     assert lines == [
         "# loomax launch --target tpu, retries: 2",
         "gcloud compute tpus tpu-vm ssh t1 --zone us-central2-b --worker=all --command "
-        f"'cd ~/loomax && {ENV} .venv/bin/loomax {TRAIN}'",
+        f"'cd ~/loomax && {stop_earlier('/tmp/loomax-launch.pid')} {ENV} .venv/bin/loomax {TRAIN}'",
         "# on failure: all of the above again, up to 2 more time(s)",
     ]
 
@@ -79,7 +89,10 @@ def test_gpu_hosts_one_process_per_gpu(capsys, tmp_path):
             f"LOOMAX_COORDINATOR_ADDRESS=gpu-a:8476 LOOMAX_NUM_PROCESSES=4 LOOMAX_PROCESS_ID={pid} "
             f"CUDA_VISIBLE_DEVICES={gpu}"
         )
-        expected.append(f"{ssh} {host} 'cd ~/loomax && {ENV} {dist} .venv/bin/loomax {TRAIN}'")
+        stop = stop_earlier(f"/tmp/loomax-launch-{gpu}.pid")
+        expected.append(
+            f"{ssh} {host} 'cd ~/loomax && {stop} {ENV} {dist} .venv/bin/loomax {TRAIN}'"
+        )
     assert lines[1:] == expected
 
 

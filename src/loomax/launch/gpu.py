@@ -46,6 +46,9 @@ def gpu_commands(config: LaunchConfig, job: Job) -> list[Command]:
                 name = f"loomax-{local}" if per_host > 1 else "loomax"
                 remote = docker_run(config.docker_image, job.args, env, "gpu", gpus=gpus, name=name)
             else:
-                remote = shell_command([config.loomax_bin, *job.args], env, cwd=config.remote_dir)
+                pidfile = f"/tmp/loomax-launch-{local}.pid"
+                remote = shell_command(
+                    [config.loomax_bin, *job.args], env, cwd=config.remote_dir, pidfile=pidfile
+                )
             commands.append(Command(["ssh", *config.ssh_options, host, remote]))
     return commands

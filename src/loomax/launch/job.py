@@ -42,11 +42,26 @@ def prepare_job(
     return Job(args, env)
 
 
-def shell_command(argv: Sequence[str], env: Mapping[str, str] = {}, cwd: str | None = None) -> str:
-    """``cd CWD && env K=V ... ARGV`` as one shell string (``~/`` in ``cwd`` is left to the shell)."""
+def shell_command(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    pidfile: str | None = None,
+) -> str:
+    """``cd CWD && env K=V ... ARGV`` as one shell string (``~/`` in ``cwd`` is left to the shell).
+
+    With ``pidfile``, a process an earlier attempt left running (its pid in that file, its
+    command line naming loomax) is stopped first, and the command records its own pid there.
+    """
     parts = []
     if cwd:
         parts.append(f"cd {quote_path(cwd)} &&")
+    if pidfile:
+        pid = shlex.quote(pidfile)
+        parts.append(
+            f"{{ p=$(cat {pid} 2>/dev/null) && grep -qa loomax /proc/$p/cmdline 2>/dev/null "
+            f"&& kill $p && sleep 5; }}; echo $$ > {pid} && exec"
+        )
     if env:
         parts.append("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
     parts.append(" ".join(shlex.quote(a) for a in argv))

@@ -9,6 +9,9 @@ from loomax.launch.config import LaunchConfig
 from loomax.launch.docker import docker_run
 from loomax.launch.job import Job, shell_command
 
+PIDFILE = "/tmp/loomax-launch.pid"
+"""Where each worker records the launched process, so a retry can stop what is left of it."""
+
 
 def tpu_ssh(config: LaunchConfig, remote_command: str) -> list[str]:
     """``gcloud compute tpus tpu-vm ssh NAME --zone Z [--project P] --worker=all --command CMD``."""
@@ -24,5 +27,7 @@ def tpu_command(config: LaunchConfig, job: Job) -> list[str]:
     if config.docker_image:
         remote = docker_run(config.docker_image, job.args, job.env, "tpu")
     else:
-        remote = shell_command([config.loomax_bin, *job.args], job.env, cwd=config.remote_dir)
+        remote = shell_command(
+            [config.loomax_bin, *job.args], job.env, cwd=config.remote_dir, pidfile=PIDFILE
+        )
     return tpu_ssh(config, remote)
