@@ -147,3 +147,13 @@ def test_models_give_the_same_logits_with_every_cpu_backend(family):
     for backend in ("blockwise", "xla"):
         got = build(backend).logits(ids, segment_ids=segments).array
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=backend)
+
+
+def test_auto_backend_choice():
+    from loomax.models.attention import resolve_backend
+
+    on_gpu = jax.default_backend() == "gpu"
+    assert resolve_backend("auto", jnp.float32, 256) == "vanilla"
+    assert resolve_backend("auto", jnp.float32, 8192) == "blockwise"
+    assert resolve_backend("auto", jnp.bfloat16, 256) == ("cudnn" if on_gpu else "vanilla")
+    assert resolve_backend("xla", jnp.float32, 8192) == "xla"
