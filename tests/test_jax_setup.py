@@ -12,7 +12,9 @@ from loomax.train import TrainerConfig
 
 
 def test_unknown_jax_option_names_the_key():
-    with pytest.raises(ValueError, match="trainer.jax_config: unknown JAX option.*jax_no_such_flag"):
+    with pytest.raises(
+        ValueError, match="trainer.jax_config: unknown JAX option.*jax_no_such_flag"
+    ):
         TrainerConfig(jax_config={"jax_no_such_flag": True})
 
 
