@@ -1,0 +1,23 @@
+"""The infra files the launcher names exist and agree with it."""
+
+from __future__ import annotations
+
+import yaml
+
+from loomax.launch.docker import DOCKERFILE, build_and_push
+
+
+def test_dockerfile_builds_the_variants_the_launcher_asks_for(repo_root):
+    text = (repo_root / DOCKERFILE).read_text()
+    assert "ARG ACCELERATOR=" in text
+    for accelerator in ("gpu", "tpu"):
+        build = build_and_push("img", accelerator)[0]
+        assert f"ACCELERATOR={accelerator}" in build
+        assert f"{accelerator})" in text  # a case of the install step
+    assert 'CMD ["loomax", "train"' in text
+
+
+def test_ray_cluster_yaml_starts_a_head_with_a_client_port(repo_root):
+    cluster = yaml.safe_load((repo_root / "infra" / "ray" / "cluster.yaml").read_text())
+    assert cluster["head_node_type"] in cluster["available_node_types"]
+    assert any("--ray-client-server-port=10001" in c for c in cluster["head_start_ray_commands"])
