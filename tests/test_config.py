@@ -132,7 +132,7 @@ def test_wrong_type_in_file(tmp_path):
 
 
 def test_wrong_type_on_command_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"trainer\.train_batch_size.*command line"):
+    with pytest.raises(ConfigError, match=r"(?s)trainer\.train_batch_size.*lots.*command line"):
         parse_config(TrainLmConfig, None, ["--trainer.train_batch_size", "lots"])
 
 

@@ -103,8 +103,10 @@ def _section_types(tp) -> list[type]:
 
 
 def _registry_members(cls: type) -> list[tuple[str, type]]:
+    """The built-in choices of a registry (types users or tests register elsewhere are not documented here)."""
     if issubclass(cls, draccus.ChoiceRegistry):
-        return sorted(cls.get_known_choices().items())
+        known = cls.get_known_choices().items()
+        return sorted((name, c) for name, c in known if c.__module__.startswith("loomax."))
     return []
 
 
