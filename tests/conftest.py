@@ -50,3 +50,16 @@ def ray_cluster():
     yield
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """One tiny trainer setup (tests/train/tiny_setup.py), shared by the hook and trainer tests."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "loomax_tests_tiny_setup", REPO / "tests" / "train" / "tiny_setup.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Tiny

@@ -1,6 +1,6 @@
 """A tiny GPT-2 trainer setup shared by the hook tests (same shapes, so compiles are cached).
 
-Loaded by tests/train/conftest.py and tests/callbacks/conftest.py as the ``tiny`` fixture.
+Loaded by tests/conftest.py as the ``tiny`` fixture.
 """
 
 from __future__ import annotations
