@@ -188,6 +188,10 @@ def test_train_lm_with_a_batch_size_schedule_from_yaml(tmp_path, tiny_corpus):
         records.setdefault(record["step"], {}).update(record)
     assert [records[s]["data/batch_size"] for s in range(1, 7)] == [4, 4, 4, 16, 16, 16]
     assert records[6]["data/sequences"] == 3 * 4 + 3 * 16
+    # the built-in throughput follows the schedule too (32 tokens per sequence)
+    assert [records[s]["throughput/tokens"] for s in (2, 3, 4, 6)] == [
+        32 * n for n in (8, 12, 28, 60)
+    ]
     lr = config.optimizer.learning_rate
     assert records[3]["optim/learning_rate"] == pytest.approx(lr)
     assert records[4]["optim/learning_rate"] == pytest.approx(2 * lr)  # sqrt(16 / 4)

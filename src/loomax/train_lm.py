@@ -148,7 +148,9 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     validation = _eval_sets(config, data, data_parallel_size(trainer.mesh))
     loader = make_loader(config, data)
 
-    tokens_per_step = batch_sizes.sizes[0] * model_config.seq_len  # the first batch size's
+    def tokens_done(step: int) -> int:  # tokens trained on by `step`, under any batch schedule
+        return batch_sizes.offset(step) * model_config.seq_len
+
     flops_per_token = 3 * model_config.flops_per_token(vocab_size)
     peak = total_peak_flops(trainer_config.policy.compute_dtype, trainer_config.device_peak_flops)
 
@@ -169,13 +171,13 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     config_yaml = to_yaml(config)
     trainer.add_hook(ConfigSaverHook(config_yaml, trainer.run_dir, write=primary))
     if trainer_config.progress_bar and primary:
-        trainer.add_hook(ProgressBarHook(trainer_config.num_train_steps, tokens_per_step))
+        trainer.add_hook(ProgressBarHook(trainer_config.num_train_steps, tokens_done))
     if trainer_config.crash_on_nan:
         trainer.add_hook(NanCheckHook())
     trainer.add_hook(evaluator)
-    trainer.add_hook(LogMetricsHook(trainer_config.log_every, tokens_per_step))
+    trainer.add_hook(LogMetricsHook(trainer_config.log_every, tokens_done))
     trainer.add_hook(
-        SpeedMonitorHook(trainer_config.log_every, tokens_per_step, flops_per_token, peak)
+        SpeedMonitorHook(trainer_config.log_every, tokens_done, flops_per_token, peak)
     )
     context = HookContext(
         trainer,
@@ -184,7 +186,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         tokenizer=data.tokenizer,
         validation=validation if isinstance(validation, dict) else {"validation": validation},
         loss_fn=eval_loss,
-        tokens_per_step=tokens_per_step,
+        tokens_per_step=tokens_done,
         flops_per_token=flops_per_token,
         peak_flops=peak,
         config_yaml=config_yaml,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from loomax.callbacks.tokens import TokenCount, token_count, tokens_of_step
 from loomax.train.hook_config import HookConfig, HookContext, check_positive
 from loomax.train.hooks import Hook, StepInfo
 
@@ -14,10 +15,10 @@ logger = logging.getLogger("loomax.console")
 class ConsoleHook(Hook):
     """Logs ``step N/T | loss | lr | tok/s`` for the last finished step every ``every`` steps."""
 
-    def __init__(self, every: int, total_steps: int, tokens_per_step: int):
+    def __init__(self, every: int, total_steps: int, tokens_per_step: int | TokenCount):
         self.every = every
         self.total_steps = total_steps
-        self.tokens_per_step = tokens_per_step
+        self.tokens = token_count(tokens_per_step)
         self.lines: list[str] = []
         """The lines written (the latest few hundred)."""
 
@@ -31,7 +32,7 @@ class ConsoleHook(Hook):
         if "optim/learning_rate" in done.metrics:
             parts.append(f"lr {done.metrics['optim/learning_rate']:.3g}")
         if done.duration > 0:
-            parts.append(f"{self.tokens_per_step / done.duration:,.0f} tok/s")
+            parts.append(f"{tokens_of_step(self.tokens, done.step) / done.duration:,.0f} tok/s")
         line = " | ".join(parts)
         self.lines = [*self.lines[-255:], line]
         logger.info(line)

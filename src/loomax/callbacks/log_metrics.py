@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loomax.callbacks.tokens import TokenCount, token_count
 from loomax.train.hooks import Hook, StepInfo
 
 
@@ -19,11 +20,11 @@ class LogMetricsHook(Hook):
     every = 1
     priority = -100
 
-    def __init__(self, log_every: int, tokens_per_step: int):
+    def __init__(self, log_every: int, tokens_per_step: int | TokenCount):
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
         self.log_every = log_every
-        self.tokens_per_step = tokens_per_step
+        self.tokens = token_count(tokens_per_step)
         self._last_logged: int | None = None
 
     def on_step(self, info: StepInfo) -> None:
@@ -40,7 +41,7 @@ class LogMetricsHook(Hook):
 
     def _log(self, info: StepInfo, record: dict[str, Any]) -> None:
         values = {k: v for k, v in info.host_metrics().items() if isinstance(v, int | float)}
-        values["throughput/tokens"] = info.step * self.tokens_per_step
+        values["throughput/tokens"] = self.tokens(info.step)
         for key, value in values.items():
             record.setdefault(key, value)
         self._last_logged = info.step

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from loomax.callbacks.tokens import TokenCount, token_count, tokens_of_step
 from loomax.train.hook_config import HookConfig, HookContext
 from loomax.train.hooks import Hook, StepInfo
 
@@ -13,9 +14,9 @@ from loomax.train.hooks import Hook, StepInfo
 class ProgressBarHook(Hook):
     """Advances every step; shows the loss and speed of the last finished step."""
 
-    def __init__(self, total_steps: int, tokens_per_step: int):
+    def __init__(self, total_steps: int, tokens_per_step: int | TokenCount):
         self.total_steps = total_steps
-        self.tokens_per_step = tokens_per_step
+        self.tokens = token_count(tokens_per_step)
         self.bar: tqdm | None = None
 
     def on_train_begin(self, info: StepInfo) -> None:
@@ -41,7 +42,7 @@ class ProgressBarHook(Hook):
         done = info.previous
         postfix = {"loss": f"{done.metrics.get('train/loss', float('nan')):.3f}"}
         if done.duration > 0:
-            postfix["tok/s"] = f"{self.tokens_per_step / done.duration:,.0f}"
+            postfix["tok/s"] = f"{tokens_of_step(self.tokens, done.step) / done.duration:,.0f}"
         self.bar.set_postfix(postfix, refresh=False)
 
 

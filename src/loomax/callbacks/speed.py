@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from loomax.callbacks.tokens import TokenCount, token_count
 from loomax.train.hook_config import HookConfig, HookContext
 from loomax.train.hooks import Hook, StepInfo
 
@@ -21,14 +22,14 @@ class SpeedMonitorHook(Hook):
     def __init__(
         self,
         every: int,
-        tokens_per_step: int,
+        tokens_per_step: int | TokenCount,
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
     ):
         if every < 1:
             raise ValueError(f"speed monitor every must be >= 1, got {every}")
         self.log_every = every
-        self.tokens_per_step = tokens_per_step
+        self.tokens = token_count(tokens_per_step)
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self._first_step: int | None = None
@@ -59,7 +60,10 @@ class SpeedMonitorHook(Hook):
         if self._mark is not None and info.step > self._mark[0]:
             steps, seconds = info.step - self._mark[0], now - self._mark[1]
             values = {
-                "throughput/tokens_per_second": self.tokens_per_step * steps / seconds,
+                "throughput/tokens_per_second": (
+                    self.tokens(info.step) - self.tokens(self._mark[0])
+                )
+                / seconds,
                 "throughput/steps_per_second": steps / seconds,
                 "throughput/step_seconds": seconds / steps,
             }

@@ -31,8 +31,8 @@ class HookContext:
     """Validation sets by name: lists of this process's rows of each eval batch."""
     loss_fn: Any = None
     """``loss_fn(model, batch, *, key) -> (loss_sum, weight)`` of the run."""
-    tokens_per_step: int = 0
-    """Tokens in one optimizer step (all processes)."""
+    tokens_per_step: Any = 0
+    """Tokens per optimizer step (all processes): an int, or ``tokens(step)`` = tokens trained on in steps 1..step."""
     flops_per_token: float | None = None
     """Training FLOPs per token (forward and backward)."""
     peak_flops: float | None = None
