@@ -176,9 +176,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         trainer.add_hook(NanCheckHook())
     trainer.add_hook(evaluator)
     trainer.add_hook(LogMetricsHook(trainer_config.log_every, tokens_done))
-    trainer.add_hook(
-        SpeedMonitorHook(trainer_config.log_every, tokens_done, flops_per_token, peak)
-    )
+    trainer.add_hook(SpeedMonitorHook(trainer_config.log_every, tokens_done, flops_per_token, peak))
     context = HookContext(
         trainer,
         model_config=model_config,
