@@ -211,7 +211,9 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         )
 
     try:
-        state = trainer.initial_state(initial_model(config, vocab_size))
+        state = trainer.initial_state(
+            initial_model(config, vocab_size), initial_weights=initial_weights(config, vocab_size)
+        )
         batches = loader.iter_from(int(state.step), jax.process_index(), jax.process_count())
         try:
             final = trainer.train(state, batches)
@@ -245,23 +247,35 @@ def make_loader(config: TrainLmConfig, data: LmDatasets) -> BatchLoader:
 
 
 def initial_model(config: TrainLmConfig, vocab_size: int):
-    """``init(key) -> model``: fresh weights, or those of ``trainer.initialize_from_hf`` (read once, here)."""
+    """``init(key) -> model``: the fresh weights of ``config.model``."""
+    return lambda key: config.model.build(vocab_size, key=key)
+
+
+def initial_weights(config: TrainLmConfig, vocab_size: int):
+    """``load() -> model`` for ``trainer.initialize_from_hf`` (None without it).
+
+    The trainer calls it only when the run does not resume from its own checkpoint.
+    """
     path = config.trainer.initialize_from_hf
     if path is None:
-        return lambda key: config.model.build(vocab_size, key=key)
-    from loomax.hf import load_hf
+        return None
 
-    try:
-        model = load_hf(path, config.model)
-    except ValueError as e:
-        raise ValueError(f"trainer.initialize_from_hf: {e}") from e
-    if model.Vocab.size != vocab_size:
-        raise ValueError(
-            f"trainer.initialize_from_hf: {path} has a vocabulary of {model.Vocab.size}, the run {vocab_size}; "
-            f"set model.vocab_size: {model.Vocab.size} (and use the checkpoint's tokenizer)"
-        )
-    logger.info("model weights from the Hugging Face checkpoint %s", path)
-    return lambda key: model
+    def load():
+        from loomax.hf import load_hf
+
+        try:
+            model = load_hf(path, config.model)
+        except ValueError as e:
+            raise ValueError(f"trainer.initialize_from_hf: {e}") from e
+        if model.Vocab.size != vocab_size:
+            raise ValueError(
+                f"trainer.initialize_from_hf: {path} has a vocabulary of {model.Vocab.size}, the run {vocab_size}; "
+                f"set model.vocab_size: {model.Vocab.size} (and use the checkpoint's tokenizer)"
+            )
+        logger.info("model weights from the Hugging Face checkpoint %s", path)
+        return model
+
+    return load
 
 
 def _eval_sets(

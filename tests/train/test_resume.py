@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from loomax.callbacks import EmaHook
 from loomax.checkpoint import CheckpointerConfig, CheckpointError, KeepPolicy, list_checkpoints
 from loomax.data import BatchLoader, TokenWindows
 from loomax.models import Gpt2Config
@@ -132,9 +133,13 @@ def test_initialize_from_takes_weights_only(tmp_path):
     trainer = make_trainer(
         tmp_path / "new", initialize_from=str(tmp_path / "source" / "checkpoints")
     )
+    trainer.add_hook(EmaHook(0.9))  # hook extras start from the loaded weights too
     state, _ = start(trainer)
     assert int(state.step) == 0
     for a, b in zip(params(state), params(trained), strict=True):
+        np.testing.assert_array_equal(a, b)
+    ema = [np.asarray(x) for x in jax.tree.leaves(state.extras["ema"])]
+    for a, b in zip(ema, params(trained), strict=True):
         np.testing.assert_array_equal(a, b)
     mu = jax.tree.leaves(state.opt_state[1].mu)
     assert all(not np.any(np.asarray(m)) for m in mu)  # a fresh optimizer

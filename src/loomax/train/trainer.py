@@ -308,12 +308,19 @@ class Trainer:
         return self._tracker
 
     # ------------------------------------------------------------------ state
-    def initial_state(self, init_model: Callable[[jax.Array], eqx.Module]) -> TrainerState:
+    def initial_state(
+        self,
+        init_model: Callable[[jax.Array], eqx.Module],
+        *,
+        initial_weights: Callable[[], eqx.Module] | None = None,
+    ) -> TrainerState:
         """The state to train from: resumed from a checkpoint, or fresh from ``init_model(key)``.
 
         ``trainer.load_checkpoint`` decides whether a checkpoint is loaded (from
         ``load_checkpoint_path`` or the checkpointer's ``base_path``); without one,
-        ``trainer.initialize_from`` may supply the model weights. A fresh state is made
+        ``trainer.initialize_from`` may supply the model weights, or else
+        ``initial_weights()`` (e.g. a Hugging Face checkpoint's, called only when the run
+        does not resume), each with a fresh optimizer at step 0. A fresh state is made
         inside a jit whose outputs are already sharded by the parameter mapping, so the
         whole model never exists on one device or host; loaded arrays are read straight
         into that sharding, whatever the mesh that saved them.
@@ -338,6 +345,9 @@ class Trainer:
                 return resumed
             if self.config.initialize_from is not None:
                 return self._initialize_from(shapes, shardings, fresh)
+            if initial_weights is not None:
+                model = self.config.policy.cast_to_param(initial_weights())
+                return self._start_from(fresh(), model, shardings)
             return fresh()
 
     def _resume(self, shapes, shardings, fresh: Callable[[], TrainerState]):
@@ -374,16 +384,26 @@ class Trainer:
         checkpoint, loaded, missing = found
         state = fresh()
         model = self._fill_missing(checkpoint, loaded.model, missing, lambda: state.model)
-        reinit = jax.jit(
-            lambda m: self.optimizer.init(eqx.filter(m, eqx.is_inexact_array)),
-            out_shardings=shardings.opt_state,
-        )
         logger.info(
             "model weights from %s (step %d); optimizer fresh at step 0",
             checkpoint,
             checkpoint.step,
         )
-        return eqx.tree_at(lambda s: (s.model, s.opt_state), state, (model, reinit(model)))
+        return self._start_from(state, model, shardings)
+
+    def _start_from(self, state: TrainerState, model: eqx.Module, shardings) -> TrainerState:
+        """``state`` with ``model`` as its weights (placed by the parameter mapping), and the
+        optimizer state and the hooks' extras (e.g. EMA weights) made anew from them."""
+
+        def place_and_derive(m):
+            params = eqx.filter(m, eqx.is_inexact_array)
+            extras = {name: extra.init(params) for name, extra in self.extras.items()}
+            return m, self.optimizer.init(params), extras
+
+        out = (shardings.model, shardings.opt_state, shardings.extras)
+        with self.mesh_context():
+            model, opt_state, extras = jax.jit(place_and_derive, out_shardings=out)(model)
+        return TrainerState(state.step, model, opt_state, state.key, extras)
 
     def _fill_missing(self, checkpoint: CheckpointInfo, tree, missing: list[str], fresh):
         if not missing:
