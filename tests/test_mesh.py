@@ -41,13 +41,15 @@ def test_two_minus_ones_and_zero():
 
 def test_default_mappings():
     m = make_axis_mappings()
-    assert m.parameter == {"embed": "data", "mlp": "model", "heads": "model"}
-    assert m.compute == {"batch": ("replica", "data"), "mlp": "model", "heads": "model"}
+    tp = {"mlp": "model", "heads": "model", "kv_heads": "model"}
+    assert m.parameter == {"embed": "data", **tp}
+    assert m.compute == {"batch": ("replica", "data"), **tp}
 
 
 def test_advanced_overrides():
     m = make_axis_mappings(
         fsdp_axis=["embed", "vocab"],
+        tensor_parallel_axes=["mlp", "heads"],
         axis_resources={"kv_heads": "model"},
         parameter_axis_resources={"mlp": None},
     )

@@ -5,6 +5,7 @@ Run as a subprocess (the device count is fixed when JAX starts):
   python sharded_run.py process ID COUNT PORT RUN_DIR [STEP]         # one of COUNT processes, mesh data=4;
                                                                      # the last process gets SIGTERM at STEP
   python sharded_run.py load CHECKPOINTS '[[1,1,1,1], ...]'         # load the final checkpoint on meshes
+  python sharded_run.py llama '[[KV_HEADS, 1,2,2,4], ...]'          # a grouped-query Llama on meshes
 
 The training modes save a final checkpoint under RUN_DIR (or a temporary directory).
 """
@@ -12,6 +13,7 @@ The training modes save a final checkpoint under RUN_DIR (or a temporary directo
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -27,7 +29,7 @@ import numpy as np  # noqa: E402
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
 from loomax.distributed import DistributedConfig  # noqa: E402
 from loomax.mesh import MeshConfig  # noqa: E402
-from loomax.models import Gpt2Config  # noqa: E402
+from loomax.models import Gpt2Config, LlamaConfig  # noqa: E402
 from loomax.optim import AdamConfig  # noqa: E402
 from loomax.tracking import NoopTrackerConfig  # noqa: E402
 from loomax.train import Trainer, TrainerConfig  # noqa: E402
@@ -126,6 +128,31 @@ def load(path: str, mesh: MeshConfig, devices) -> dict:
     }
 
 
+def run_llama(kv_heads: int, mesh: MeshConfig, devices) -> dict:
+    """A few steps of a grouped-query Llama (4 query heads) under the default mappings."""
+    model = LlamaConfig(
+        seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
+        num_kv_heads=kv_heads,
+    )  # fmt: skip
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("loomax.train.trainer").addHandler(handler)
+    trainer = make_trainer(mesh, tempfile.mkdtemp(), devices)
+    losses: list[float] = []
+    trainer.add_hook(lambda info: losses.append(info.loss))
+    state = trainer.initial_state(lambda key: model.build(VOCAB, key=key))
+    k_proj = state.model.blocks.stacked.attn.k_proj.weight
+    trainer.train(state, loader().iter_from(0, 0, 1))
+    logging.getLogger("loomax.train.trainer").removeHandler(handler)
+    return {
+        "losses": losses,
+        "k_proj_axes": [a.name for a in k_proj.axes],
+        "k_proj_spec": str(k_proj.array.sharding.spec),
+        "kept_whole": [w for w in warnings if "kept whole" in w],
+    }
+
+
 def main() -> None:
     mode = sys.argv[1]
     if mode == "meshes":
@@ -148,6 +175,12 @@ def main() -> None:
         out = []
         for replica, data, model, n in json.loads(sys.argv[3]):
             out.append(load(sys.argv[2], MeshConfig(replica, data, model), jax.devices()[:n]))
+        print(json.dumps(out))
+    elif mode == "llama":
+        out = []
+        for kv_heads, replica, data, model, n in json.loads(sys.argv[2]):
+            mesh = MeshConfig(replica, data, model)
+            out.append(run_llama(kv_heads, mesh, jax.devices()[:n]))
         print(json.dumps(out))
 
 

@@ -73,6 +73,21 @@ def test_parameters_and_optimizer_state_are_sharded_as_declared(mesh_runs):
     assert by_mesh[(1, 1, 1)]["embedding_shard_shape"] == [64, 32]
 
 
+@pytest.mark.slow
+def test_grouped_query_llama_splits_kv_heads_when_they_divide_and_keeps_them_whole_otherwise():
+    cases = [[2, 1, 1, 1, 1], [2, 1, 2, 2, 4], [1, 1, 1, 1, 1], [1, 1, 2, 2, 4]]
+    gqa_1, gqa_tp, mqa_1, mqa_tp = result_of(run_worker(["llama", json.dumps(cases)], devices=4))
+    assert gqa_tp["k_proj_axes"] == ["layers", "kv_heads", "head_size", "embed"]
+    assert gqa_tp["k_proj_spec"] == "P(None, 'model', None, 'data')"  # 2 KV heads over model=2
+    assert mqa_tp["k_proj_spec"] == "P(None, None, None, 'data')"  # 1 KV head: kept whole
+    assert mqa_tp["kept_whole"] == [
+        "parameter mapping: 'kv_heads' (size 1) does not split 2 ways over model: kept whole on every device"
+    ]
+    assert gqa_tp["kept_whole"] == [] and mqa_1["kept_whole"] == []
+    for one, tp in ((gqa_1, gqa_tp), (mqa_1, mqa_tp)):
+        np.testing.assert_allclose(tp["losses"], one["losses"], rtol=1e-5)
+
+
 def run_two_processes(run_dir, *extra: str) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -38,6 +38,7 @@ from loomax.mesh import (
     batch_sharding,
     data_parallel_size,
     make_axis_mappings,
+    replicate_indivisible,
     replicated,
 )
 from loomax.tracking import JsonlTrackerConfig, Tracker, TrackerConfig, build_tracker
@@ -97,7 +98,7 @@ class TrainerConfig:
     """Logical axis split over the data-parallel mesh axes (replica, data)."""
     fsdp_axis: str | list[str] | None = "embed"
     """Logical axis (or axes) of parameters and optimizer state split over `data` (FSDP); null = replicate."""
-    tensor_parallel_axes: list[str] = field(default_factory=lambda: ["mlp", "heads"])
+    tensor_parallel_axes: list[str] = field(default_factory=lambda: ["mlp", "heads", "kv_heads"])
     """Logical axes split over `model` (tensor parallelism; only matters when mesh.model > 1)."""
     axis_resources: dict[str, str | list[str] | None] = field(default_factory=dict)
     """Advanced: logical axis -> mesh axis (or list) for both mappings, applied after the basic fields."""
@@ -239,6 +240,7 @@ class Trainer:
         self.eval_weights: str | None = None
         """The ``extras`` entry evaluators use instead of the model weights (EMA), if any."""
         self._state_made = False
+        self._sharding_notes: set[str] = set()
         self._tracker: Tracker | None = None
         self._step_fns: dict[int, Callable] = {}
         """The jitted step per number of microbatches (each batch size may need its own)."""
@@ -424,10 +426,17 @@ class Trainer:
         )
 
     def state_shardings(self, state: Any) -> Any:
-        """Shardings of a state (or its shapes) under the parameter mapping."""
-        return hax.partitioning.infer_resource_partitions(
+        """Shardings of a state (or its shapes) under the parameter mapping; an axis whose
+        size does not divide over its mesh axes is kept whole (with a warning, once)."""
+        shardings = hax.partitioning.infer_resource_partitions(
             state, self.mappings.parameter, preserve_existing_shardings=False, mesh=self.mesh
         )
+        shardings, notes = replicate_indivisible(shardings, state)
+        for note in notes:
+            if note not in self._sharding_notes:
+                self._sharding_notes.add(note)
+                logger.warning("parameter mapping: %s: kept whole on every device", note)
+        return shardings
 
     def mesh_context(self) -> contextlib.ExitStack:
         """Enter the mesh and the compute mapping (what tracing a sharded function needs)."""
