@@ -41,7 +41,7 @@ def _load(known, overrides: list[str], error: Error):
 
 def export_command(args: list[str], error: Error) -> None:
     """Write a checkpoint as a Hugging Face directory (safetensors + config.json + tokenizer)."""
-    from loomax.hf import export_hf
+    from loomax.hf import export_hf, special_token_ids
 
     parser = argparse.ArgumentParser(prog="loomax export", add_help=False)
     parser.add_argument("--out", required=True, help="directory to write")
@@ -52,15 +52,9 @@ def export_command(args: list[str], error: Error) -> None:
     loaded = _load(known, overrides, error)
     special = {}
     if loaded.tokenizer is not None:
-        from loomax.data.tokenizer import bos_id, eos_id, load_tokenizer
+        from loomax.data.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(loaded.tokenizer)
-        eos = eos_id(tokenizer)
-        try:
-            bos = bos_id(tokenizer)
-        except ValueError:  # no BOS token: as GPT-2, documents start after an EOS
-            bos = eos
-        special = {"bos_token_id": bos, "eos_token_id": eos}
+        special = special_token_ids(load_tokenizer(loaded.tokenizer))
     try:
         out = export_hf(
             loaded.model,

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from loomax.hf import export_hf, load_hf, read_hf
+from loomax.hf import export_hf, load_hf, read_hf, special_token_ids
 from loomax.models import Gpt2Config, LlamaConfig
 from loomax.models.rotary import Llama3Rotary
 
@@ -120,3 +120,30 @@ def test_export_refuses_what_hf_cannot_load(tmp_path):
         export_hf(qk.build(VOCAB, key=jax.random.PRNGKey(0)), tmp_path)
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_hf(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize(
+    "special, want",
+    [
+        (None, {"bos_token_id": None, "eos_token_id": None}),
+        ({"eos_token_id": 5}, {"bos_token_id": 5, "eos_token_id": 5}),
+        ({"bos_token_id": 1, "eos_token_id": 5}, {"bos_token_id": 1, "eos_token_id": 5}),
+    ],
+)
+@pytest.mark.parametrize("case", ["gpt2", "llama-gqa"])
+def test_special_token_ids_are_explicit_not_transformers_defaults(tmp_path, case, special, want):
+    # absent ids make transformers assume its own (GPT-2's 50256, Llama's 1 and 2), which a
+    # small or different vocabulary does not have
+    export_hf(CASES[case].build(VOCAB, key=jax.random.PRNGKey(0)), tmp_path, special_tokens=special)
+    config, _ = read_hf(tmp_path)
+    assert {k: config[k] for k in want} == want
+
+
+def test_special_token_ids_of_a_tokenizer():
+    from tokenizers import Tokenizer, models
+
+    vocab = {"a": 0, "<|endoftext|>": 1, "<s>": 2}
+    eos_only = Tokenizer(models.WordLevel({"a": 0, "<|endoftext|>": 1}, unk_token="a"))
+    both = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    assert special_token_ids(eos_only) == {"bos_token_id": 1, "eos_token_id": 1}
+    assert special_token_ids(both) == {"bos_token_id": 2, "eos_token_id": 1}

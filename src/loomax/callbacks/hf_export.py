@@ -77,9 +77,9 @@ class HfExportConfig(HookConfig):
     def build(self, context: HookContext) -> Hook:
         special = {}
         if context.tokenizer is not None:
-            from loomax.data.tokenizer import eos_id
+            from loomax.hf import special_token_ids
 
-            special = {"eos_token_id": eos_id(context.tokenizer)}
+            special = special_token_ids(context.tokenizer)
         return HfExportHook(
             self.every,
             self.path or Path(context.trainer.run_dir) / "hf",

@@ -48,6 +48,20 @@ def hf_state(model: LmModel) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return config, tensors
 
 
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """config.json's ``bos_token_id``/``eos_token_id`` for a ``tokenizers.Tokenizer``: its
+    end-of-document token, and its beginning-of-document token or else the EOS again (as
+    GPT-2: documents start after an EOS)."""
+    from loomax.data.tokenizer import bos_id, eos_id
+
+    eos = eos_id(tokenizer)
+    try:
+        bos = bos_id(tokenizer)
+    except ValueError:
+        bos = eos
+    return {"bos_token_id": bos, "eos_token_id": eos}
+
+
 def export_hf(
     model: LmModel,
     out_dir: str | os.PathLike,
@@ -59,12 +73,16 @@ def export_hf(
     """Write ``model`` to ``out_dir`` in the Hugging Face layout; returns the directory.
 
     ``tokenizer`` (a tokenizer.json path, or a ``tokenizers.Tokenizer``) is written alongside; ``special_tokens`` (e.g.
-    ``{"bos_token_id": 0, "eos_token_id": 0}``) go into config.json.
+    ``{"bos_token_id": 0, "eos_token_id": 0}``) go into config.json; a missing BOS is the
+    EOS, and with neither both are written as null, so that transformers does not assume
+    its own defaults (GPT-2's 50256, Llama's 1 and 2), which need not exist in this vocabulary.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config, tensors = hf_state(model)
     config.update(special_tokens or {})
+    config.setdefault("eos_token_id", None)
+    config.setdefault("bos_token_id", config["eos_token_id"])
     _write_shards(out, tensors, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
