@@ -65,33 +65,10 @@ def test_export_writes_hf_directory_with_tokenizer(run, tmp_path, capsys):
     for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(trained), strict=True):
         np.testing.assert_array_equal(a, b)
     # the HF directory is itself a --checkpoint: generate from it, greedy, with its tokenizer
-    main(
-        [
-            "generate",
-            "--checkpoint",
-            str(tmp_path / "hf"),
-            "--prompt",
-            "def f",
-            "--temperature",
-            "0",
-            "--max_new_tokens",
-            "6",
-        ]
-    )
+    greedy = ["--prompt", "def f", "--temperature", "0", "--max_new_tokens", "6"]
+    main(["generate", "--checkpoint", str(tmp_path / "hf"), *greedy])
     from_hf = capsys.readouterr().out
-    main(
-        [
-            "generate",
-            "--checkpoint",
-            str(root / "run" / "checkpoints"),
-            "--prompt",
-            "def f",
-            "--temperature",
-            "0",
-            "--max_new_tokens",
-            "6",
-        ]
-    )
+    main(["generate", "--checkpoint", str(root / "run" / "checkpoints"), *greedy])
     assert capsys.readouterr().out == from_hf and from_hf.startswith("def f")
 
 
