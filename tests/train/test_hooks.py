@@ -189,3 +189,24 @@ def test_user_hook_types_parse_from_yaml_and_bad_settings_name_the_key(tmp_path)
     path.write_text("hooks:\n  - {type: no_such_hook}\n")
     with pytest.raises(ConfigError, match="no_such_hook"):
         parse_config(TrainerConfig, path)
+
+
+def _types_with_every() -> list[str]:
+    import dataclasses
+
+    import loomax.callbacks  # noqa: F401 - registers the built-in types
+
+    return sorted(
+        name
+        for name, cls in HookConfig.get_known_choices().items()
+        if cls.__module__.startswith("loomax.")
+        and "every" in {f.name for f in dataclasses.fields(cls)}
+    )
+
+
+@pytest.mark.parametrize("kind", _types_with_every())
+def test_every_interval_must_be_positive_at_parse_time(tmp_path, kind):
+    path = tmp_path / "trainer.yaml"
+    path.write_text(f"hooks:\n  - {{type: {kind}, every: 0}}\n")
+    with pytest.raises(ConfigError, match=rf"\({kind}\): every must be > 0, got 0"):
+        parse_config(TrainerConfig, path)

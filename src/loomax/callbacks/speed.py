@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from loomax.callbacks.tokens import TokenCount, token_count
-from loomax.train.hook_config import HookConfig, HookContext
+from loomax.train.hook_config import HookConfig, HookContext, check_positive
 from loomax.train.hooks import Hook, StepInfo
 
 
@@ -84,6 +84,9 @@ class SpeedMonitorConfig(HookConfig):
 
     every: int = 10
     """Log throughput every this many steps."""
+
+    def __post_init__(self):
+        check_positive(self, "every")
 
     def build(self, context: HookContext) -> Hook:
         return SpeedMonitorHook(
