@@ -53,7 +53,7 @@ def memory_worker(process_id: int, count: int, port: int, fsdp: bool) -> None:
     from loomax.models import Gpt2Config
     from loomax.optim import AdamConfig
     from loomax.tracking import NoopTrackerConfig
-    from loomax.train import Trainer, TrainerConfig
+    from loomax.train import Trainer, TrainerConfig, setup_process
     from loomax.train_lm import lm_loss
 
     model = Gpt2Config(
@@ -70,7 +70,7 @@ def memory_worker(process_id: int, count: int, port: int, fsdp: bool) -> None:
             coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=process_id
         ),
     )
-    trainer = Trainer(config, AdamConfig().build(1), lm_loss())
+    trainer = Trainer(config, AdamConfig().build(1), lm_loss(), run_id=setup_process(config))
     state = trainer.initial_state(lambda key: model.build(vocab, key=key))
     batch = np.random.default_rng(process_id).integers(0, vocab, (1, model.seq_len), dtype=np.int32)
     state, metrics = trainer.train_step(state, batch)

@@ -21,13 +21,13 @@ def test_unknown_jax_option_names_the_key():
 def test_trainer_applies_the_cache_dir_and_options(tmp_path):
     script = f"""
 import jax, jax.numpy as jnp, optax
-from loomax.train import Trainer, TrainerConfig
+from loomax.train import TrainerConfig, setup_process
 config = TrainerConfig(
     run_dir={str(tmp_path / "run")!r},
     jax_compilation_cache_dir={str(tmp_path / "cache")!r},
     jax_config={{"jax_persistent_cache_min_compile_time_secs": 0, "jax_default_matmul_precision": "highest"}},
 )
-Trainer(config, optax.sgd(0.1), lambda m, b, key=None: (0.0, 1.0))
+setup_process(config)
 assert jax.config.jax_default_matmul_precision == "highest"
 jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(4)).block_until_ready()
 """

@@ -14,7 +14,7 @@ import numpy as np
 
 from loomax.peak_flops import measure_matmul_flops, total_peak_flops
 from loomax.tracking import NoopTrackerConfig
-from loomax.train import Trainer
+from loomax.train import Trainer, setup_process
 from loomax.train_lm import TrainLmConfig, lm_loss
 
 
@@ -46,6 +46,7 @@ def run_benchmark(
         trainer_config,
         config.optimizer.build(trainer_config.num_train_steps),
         lm_loss(model_config.cross_entropy_block_size),
+        run_id=setup_process(trainer_config),
         lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps),
     )
     # a batch-size schedule is timed at its first stage
@@ -57,7 +58,7 @@ def run_benchmark(
     start = time.perf_counter()
     step_fn = trainer.compiled_step(state, batches[0])
     compile_s = time.perf_counter() - start
-    batches = [trainer.shard_batch(b) for b in batches]
+    batches = [trainer.runtime.shard_batch(b) for b in batches]
 
     def timed(state, n: int, save_every: int | None = None, first: int = 0):
         times = []

@@ -103,10 +103,14 @@ def _section_types(tp) -> list[type]:
 
 
 def _registry_members(cls: type) -> list[tuple[str, type]]:
-    """The built-in choices of a registry (types users or tests register elsewhere are not documented here)."""
+    """The built-in choices of a registry (types users or tests register elsewhere, and removed ones kept only to say how to migrate, are not documented here)."""
     if issubclass(cls, draccus.ChoiceRegistry):
         known = cls.get_known_choices().items()
-        return sorted((name, c) for name, c in known if c.__module__.startswith("loomax."))
+        return sorted(
+            (name, c)
+            for name, c in known
+            if c.__module__.startswith("loomax.") and not getattr(c, "removed", False)
+        )
     return []
 
 

@@ -29,14 +29,13 @@ from loomax.config import to_yaml
 from loomax.data import BatchLoader, DataConfig, LmDatasets, build_lm_datasets, eval_batches
 from loomax.data.loader import process_rows
 from loomax.distributed import pod_ray_cluster
-from loomax.mesh import data_parallel_size
 from loomax.models import Gpt2Config, LmConfig, next_token_loss
 from loomax.models.attention import segment_ids_from_eos
 from loomax.models.axes import Batch, Position
 from loomax.models.generate import sample_tokens
 from loomax.optim import AdamConfig, OptimizerConfig
 from loomax.peak_flops import total_peak_flops
-from loomax.train import HookContext, StepInfo, Trainer, TrainerConfig
+from loomax.train import HookContext, StepInfo, Trainer, TrainerConfig, setup_process
 
 logger = logging.getLogger(__name__)
 
@@ -135,17 +134,19 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     batch_sizes = trainer_config.batch_schedule
     optimizer = config.optimizer.build(trainer_config.num_train_steps, batch_sizes)
     loss_fn = model_lm_loss(config)
+    run_id = setup_process(trainer_config)
     trainer = Trainer(
         trainer_config,
         optimizer,
         loss_fn,
+        run_id=run_id,
         lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps, batch_sizes),
     )
 
     with pod_ray_cluster(trainer_config.ray) as ray_config:  # on a pod: every host's CPUs
         data = build_lm_datasets(config.data, model_config.seq_len, ray=ray_config)
     vocab_size = _resolve_vocab_size(model_config, data.vocab_size)
-    validation = _eval_sets(config, data, data_parallel_size(trainer.mesh))
+    validation = _eval_sets(config, data, trainer.runtime.data_parallel_size)
     loader = make_loader(config, data)
 
     def tokens_done(step: int) -> int:  # tokens trained on by `step`, under any batch schedule
@@ -160,8 +161,8 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
             eval_loss,
             validation,
             trainer_config.policy,
-            jit=trainer.mesh_jit,
-            prepare=trainer.shard_batch,
+            jit=trainer.runtime.jit,
+            prepare=trainer.runtime.shard_batch,
             count_bytes=next_token_bytes(token_byte_lengths(data.tokenizer, vocab_size)),
         ),
         trainer_config.steps_per_eval,
@@ -178,7 +179,9 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     trainer.add_hook(LogMetricsHook(trainer_config.log_every, tokens_done))
     trainer.add_hook(SpeedMonitorHook(trainer_config.log_every, tokens_done, flops_per_token, peak))
     context = HookContext(
-        trainer,
+        trainer.runtime,
+        trainer_config=trainer_config,
+        run_dir=trainer.run_dir,
         model_config=model_config,
         vocab_size=vocab_size,
         tokenizer=data.tokenizer,

@@ -24,7 +24,7 @@ from loomax.mesh import MeshConfig  # noqa: E402
 from loomax.models import Gpt2Config  # noqa: E402
 from loomax.optim import AdamConfig  # noqa: E402
 from loomax.tracking import NoopTrackerConfig  # noqa: E402
-from loomax.train import Trainer, TrainerConfig  # noqa: E402
+from loomax.train import Trainer, TrainerConfig, setup_process  # noqa: E402
 from loomax.train_lm import lm_loss  # noqa: E402
 
 MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=1, num_heads=2)
@@ -47,7 +47,7 @@ def main() -> None:
         ),
     )
     optimizer = AdamConfig(learning_rate=1e-3, warmup=0)
-    trainer = Trainer(config, optimizer.build(STEPS), lm_loss())
+    trainer = Trainer(config, optimizer.build(STEPS), lm_loss(), run_id=setup_process(config))
     trainer.add_hook(ControlServerHook(trainer.run_dir, serve=jax.process_index() == 0))
     state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
     rng = np.random.default_rng(pid)

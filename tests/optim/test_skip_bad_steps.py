@@ -7,7 +7,8 @@ import numpy as np
 import optax
 import pytest
 
-from loomax.optim.skip_bad_steps import skip_bad_steps, skip_metrics
+from loomax.optim.skip_bad_steps import skip_bad_steps
+from loomax.train.step import optimizer_state_metrics as skip_metrics
 
 
 def run(losses, grads_scale, **kw):

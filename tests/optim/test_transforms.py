@@ -141,15 +141,36 @@ def test_lr_scales_with_sqrt_of_batch_growth():
 
 @pytest.mark.parametrize(
     "value, expected",
-    [("false", None), ("true", (100, 6.0)), ("50", (50, 6.0))],
+    [
+        ("false", None),
+        ("true", SkipBadStepsConfig()),
+        ("50", SkipBadStepsConfig(rolling_interval_length=50)),
+        (
+            "{rolling_interval_length: 20, sigma_factor: 3, min_history: 5}",
+            SkipBadStepsConfig(rolling_interval_length=20, sigma_factor=3, min_history=5),
+        ),
+    ],
 )
 def test_skip_bad_steps_forms(value, expected):
     config = parse_config(TrainLmConfig, None, ["--optimizer.skip_bad_steps", value])
-    assert config.optimizer.skip_bad_steps_window() == expected
-    nested = AdamConfig(
-        skip_bad_steps=SkipBadStepsConfig(rolling_interval_length=20, sigma_factor=3)
+    assert config.optimizer.skip_bad_steps_config() == expected
+
+
+def test_skip_bad_steps_min_history_is_honoured():
+    """min_history (the old hook's knob) reaches the transform: with 2 it skips at step 3."""
+    config = AdamConfig(
+        learning_rate=0.1,
+        warmup=0,
+        lr_schedule="constant",
+        skip_bad_steps=SkipBadStepsConfig(rolling_interval_length=4, min_history=2),
     )
-    assert nested.skip_bad_steps_window() == (20, 3)
+    tx = config.build(100)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    for loss in [1.0, 1.01]:
+        _, state = tx.update({"w": jnp.full(3, 0.1)}, state, params, value=jnp.float32(loss))
+    updates, after = tx.update({"w": jnp.full(3, 0.1)}, state, params, value=jnp.float32(100.0))
+    assert not np.any(updates["w"]) and int(after.skipped) == 1
 
 
 def test_skipped_step_leaves_params_and_state_alone():

@@ -32,7 +32,7 @@ from loomax.mesh import MeshConfig  # noqa: E402
 from loomax.models import Gpt2Config, LlamaConfig  # noqa: E402
 from loomax.optim import AdamConfig  # noqa: E402
 from loomax.tracking import NoopTrackerConfig  # noqa: E402
-from loomax.train import Trainer, TrainerConfig  # noqa: E402
+from loomax.train import Trainer, TrainerConfig, setup_process  # noqa: E402
 from loomax.train_lm import lm_loss  # noqa: E402
 
 MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=4)
@@ -55,7 +55,8 @@ def make_trainer(mesh: MeshConfig, run_dir: str, devices=None, **settings) -> Tr
         **settings,
     )
     optimizer = AdamConfig(learning_rate=3e-3, warmup=0)
-    return Trainer(config, optimizer.build(STEPS), lm_loss(), devices=devices)
+    run_id = setup_process(config)
+    return Trainer(config, optimizer.build(STEPS), lm_loss(), run_id=run_id, devices=devices)
 
 
 def digest(state) -> dict:

@@ -12,7 +12,7 @@ import pytest
 
 from loomax.callbacks import EmaHook, LogMetricsHook
 from loomax.config import ConfigError, parse_config
-from loomax.train import Hook, HookConfig, HookContext, TrainerConfig
+from loomax.train import Hook, HookConfig, HookContext, TrainerConfig, hook_type
 
 
 def records(tmp_path):
@@ -158,18 +158,21 @@ def test_hooks_that_change_the_step_come_before_the_state(tiny, tmp_path):
         trainer.add_hook(EmaHook(0.9))
 
 
-@HookConfig.register_subclass("test_counter")
-@dataclass(frozen=True)
-class CounterConfig(HookConfig):
-    """A user hook type, registered the way users register theirs."""
+@hook_type("test_counter")
+class CountFrom(Counter):
+    """A user hook type, declared the way users declare theirs: one class, one Config."""
 
-    start: int = 0
-    """Initial count."""
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        start: int = 0
+        """Initial count."""
 
-    def build(self, context):
-        counter = Counter()
-        counter.count = self.start
-        return counter
+        def __post_init__(self):
+            self.check(self.start >= 0, f"start must be >= 0, got {self.start}")
+
+    def __init__(self, config=None, /, **settings):
+        Hook.__init__(self, config, **settings)
+        self.count = self.config.start
 
 
 def test_user_hook_types_parse_from_yaml_and_bad_settings_name_the_key(tmp_path):
@@ -180,9 +183,15 @@ def test_user_hook_types_parse_from_yaml_and_bad_settings_name_the_key(tmp_path)
         "hooks:\n  - {type: test_counter, start: 5}\n  - {type: divergence, patience: 2}\n"
     )
     config = parse_config(TrainerConfig, path)
-    assert isinstance(config.hooks[0], CounterConfig) and config.hooks[0].start == 5
+    assert isinstance(config.hooks[0], CountFrom.Config) and config.hooks[0].start == 5
     assert config.hooks[1].patience == 2
-    assert config.hooks[0].build(HookContext(trainer=None)).count == 5
+    assert config.hooks[0].build(HookContext(runtime=None)).count == 5
+    assert CountFrom(start=2).count == 2  # the same settings from Python, validated once
+    with pytest.raises(ValueError, match=r"trainer.hooks \(test_counter\): start must be >= 0"):
+        CountFrom(start=-1)
+    path.write_text("hooks:\n  - {type: test_counter, start: -1}\n")
+    with pytest.raises(ConfigError, match="start must be >= 0"):
+        parse_config(TrainerConfig, path)
     path.write_text("hooks:\n  - {type: divergence, action: explode}\n")
     with pytest.raises(ConfigError, match="action must be one of"):
         parse_config(TrainerConfig, path)
@@ -209,4 +218,16 @@ def test_every_interval_must_be_positive_at_parse_time(tmp_path, kind):
     path = tmp_path / "trainer.yaml"
     path.write_text(f"hooks:\n  - {{type: {kind}, every: 0}}\n")
     with pytest.raises(ConfigError, match=rf"\({kind}\): every must be > 0, got 0"):
+        parse_config(TrainerConfig, path)
+
+
+def test_removed_skip_bad_steps_hook_says_how_to_migrate(tmp_path):
+    import loomax.callbacks  # noqa: F401 - registers the built-in types
+
+    path = tmp_path / "trainer.yaml"
+    path.write_text("hooks:\n  - {type: skip_bad_steps, window: 50, k: 4.0}\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"optimizer.skip_bad_steps: \{rolling_interval_length: 50, sigma_factor: 4.0",
+    ):
         parse_config(TrainerConfig, path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -108,7 +109,7 @@ def test_previous_step_is_one_behind_and_finished(tmp_path):
 def test_step_compiles_once(tmp_path):
     trainer = make_trainer(tmp_path, steps=5)
     trainer.train(init(trainer), batches())
-    assert trainer._step_fn.jitted._cache_size() == 1
+    assert trainer.compilations() == 1
 
 
 def nan_after(step_to_break):
@@ -167,12 +168,19 @@ def test_jsonl_records_contract(tmp_path):
 
 
 def test_jit_hook_via_add_hook(tmp_path):
-    trainer = make_trainer(tmp_path, steps=3)
-    trainer.add_hook(JitHook(lambda ctx: {"debug/step_seen": ctx.step.astype(jnp.float32)}))
-    values = []
-    trainer.add_hook(lambda info: values.append(info.host_metrics()["debug/step_seen"]))
+    """A JitHook's outputs reach whoever holds it (``info.traced``), never the shared metrics."""
+    trainer = make_trainer(tmp_path, steps=4)
+    seen = JitHook(lambda ctx: {"debug/step_seen": ctx.step.astype(jnp.float32)})
+    every2 = JitHook(lambda ctx: {"debug/every2": ctx.step.astype(jnp.float32) + 1}, every=2)
+    trainer.add_hook(seen)
+    trainer.add_hook(every2)
+    values, shared = [], []
+    trainer.add_hook(lambda info: values.append(info.traced(seen)["debug/step_seen"]))
+    trainer.add_hook(lambda info: values.append(info.traced(every2)["debug/every2"]), every=2)
+    trainer.add_hook(lambda info: shared.append(set(info.host_metrics())))
     trainer.train(init(trainer), batches())
-    assert values == [0.0, 1.0, 2.0]
+    assert values == [0.0, 1.0, 2.0, 2.0, 3.0, 4.0]
+    assert all(not any(k.startswith("debug/") for k in keys) for keys in shared)
     with pytest.raises(RuntimeError, match="before the first call"):
         trainer.add_hook(JitHook(lambda ctx: {}))
 
@@ -200,32 +208,29 @@ def test_max_train_time_stops_cleanly_and_runs_end_hooks(tmp_path):
 
 
 def test_step_k_plus_1_is_dispatched_before_waiting_on_step_k(tmp_path):
+    """Step k-1 is seen finished (``info.previous.finished_at``) only after step k was
+    dispatched: the host never leaves the device idle while it waits."""
     trainer = make_trainer(tmp_path, steps=4)
-    events = []
-    step_fn, complete = trainer.train_step, trainer._complete  # bound methods
+    dispatched = {}
+    step_fn = trainer.train_step
 
     def dispatch(state, batch):
-        events.append(
-            ("dispatch", int(state.step) + 1)
-        )  # int() here is on the input state, already done
+        dispatched[len(dispatched) + 1] = time.perf_counter()
         return step_fn(state, batch)
 
-    def wait(pending, last_done):
-        events.append(("wait", pending[0]))
-        return complete(pending, last_done)
-
-    trainer.train_step, trainer._complete = dispatch, wait
+    trainer.train_step = dispatch  # the public step, timed
+    seen = []
+    trainer.add_hook(lambda info: seen.append((info.step, info.previous)))
     durations = []
     trainer.add_hook(lambda info: durations.append(info.step_duration), every=2)
-    trainer.train(init(trainer), batches())
-    assert events == [
-        ("dispatch", 1),
-        ("dispatch", 2),
-        ("wait", 1),
-        ("dispatch", 3),
-        ("wait", 2),
-        ("dispatch", 4),
-        ("wait", 3),
-        ("wait", 4),
+    final = trainer.train(init(trainer), batches())
+    assert [(step, prev.step if prev else None) for step, prev in seen] == [
+        (1, None),
+        (2, 1),
+        (3, 2),
+        (4, 3),
     ]
+    for step, previous in seen[1:]:
+        assert previous.finished_at > dispatched[step]  # k-1 waited on after k was queued
+    assert final.previous.step == 4
     assert len(durations) == 2 and all(d is not None and d > 0 for d in durations)

@@ -24,7 +24,7 @@ from loomax.callbacks.norms import NormsHook
 from loomax.callbacks.profiler import ProfilerHook
 from loomax.callbacks.progress import ProgressBarHook
 from loomax.callbacks.seq_len_warmup import SeqLenWarmupHook
-from loomax.callbacks.skip_bad_steps import SkipBadStepsHook
+from loomax.callbacks.skip_bad_steps import RemovedSkipBadStepsConfig  # noqa: F401 - registers the migration error
 from loomax.callbacks.speed import SpeedMonitorHook
 from loomax.callbacks.stability import StabilityMonitor
 from loomax.callbacks.textgen import TextGenHook
@@ -51,7 +51,6 @@ __all__ = [
     "ProfilerHook",
     "ProgressBarHook",
     "SeqLenWarmupHook",
-    "SkipBadStepsHook",
     "SpeedMonitorHook",
     "StabilityMonitor",
     "TextGenHook",

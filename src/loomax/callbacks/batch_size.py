@@ -48,5 +48,5 @@ class BatchSizeScheduleConfig(HookConfig):
 
     def build(self, context: HookContext) -> Hook:
         return BatchSizeScheduleHook(
-            context.trainer.config.batch_schedule, context.model_config.seq_len, self.every
+            context.trainer_config.batch_schedule, context.model_config.seq_len, self.every
         )

@@ -36,4 +36,4 @@ class ConfigSaverConfig(HookConfig):
     def build(self, context: HookContext) -> Hook | list:
         if context.config_yaml is None:
             return []
-        return ConfigSaverHook(context.config_yaml, context.trainer.run_dir, write=context.primary)
+        return ConfigSaverHook(context.config_yaml, context.run_dir, write=context.primary)

@@ -50,5 +50,5 @@ class ConsoleConfig(HookConfig):
         check_positive(self, "every")
 
     def build(self, context: HookContext) -> Hook:
-        config = context.trainer.config
+        config = context.trainer_config
         return ConsoleHook(self.every, config.num_train_steps, context.tokens_per_step)

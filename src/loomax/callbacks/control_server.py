@@ -171,4 +171,4 @@ class ControlServerConfig(HookConfig):
             )
 
     def build(self, context: HookContext) -> Hook:
-        return ControlServerHook(context.trainer.run_dir, port=self.port, serve=context.primary)
+        return ControlServerHook(context.run_dir, port=self.port, serve=context.primary)

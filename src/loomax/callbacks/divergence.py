@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 logger = logging.getLogger(__name__)
@@ -25,32 +25,39 @@ class DivergenceError(RuntimeError):
     """Training diverged and the divergence detector's action is ``abort``."""
 
 
+@hook_type("divergence")
 class DivergenceDetector(Hook):
     """Watches ``train/loss`` of finished steps; ``action`` is ``stop`` (checkpoint, then stop) or ``abort``."""
 
-    every = 1
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Stop or abort when the EMA-smoothed loss runs away from its best (NaN/Inf at once)."""
+
+        ema: float = 0.9
+        """Smoothing of the loss EMA (weight of the previous value)."""
+        abs_threshold: float | None = None
+        """Diverging while the EMA exceeds its best by more than this; null = off."""
+        rel_threshold: float | None = 0.5
+        """Diverging while the EMA exceeds its best by more than this fraction of it; null = off."""
+        patience: int = 3
+        """Act after this many diverging steps in a row."""
+        warmup: int = 10
+        """Steps observed before divergence is judged (NaN/Inf acts at once)."""
+        action: str = "stop"
+        """stop (save a checkpoint, then stop cleanly) or abort (raise an error at once)."""
+
+        def __post_init__(self):
+            self.check_positive("patience", "abs_threshold", "rel_threshold")
+            self.check(
+                self.action in ACTIONS, f"action must be one of {ACTIONS}, got {self.action!r}"
+            )
+            self.check(0 <= self.ema < 1, f"ema must be in [0, 1), got {self.ema}")
+
+    config: Config
     priority = 10  # before the NaN check, so that `stop` can act on a NaN
 
-    def __init__(
-        self,
-        *,
-        ema: float = 0.9,
-        abs_threshold: float | None = None,
-        rel_threshold: float | None = 0.5,
-        patience: int = 3,
-        warmup: int = 10,
-        action: str = "stop",
-    ):
-        if action not in ACTIONS:
-            raise ValueError(f"divergence action must be one of {ACTIONS}, got {action!r}")
-        if not 0 <= ema < 1:
-            raise ValueError(f"divergence ema must be in [0, 1), got {ema}")
-        self.decay = ema
-        self.abs_threshold = abs_threshold
-        self.rel_threshold = rel_threshold
-        self.patience = patience
-        self.warmup = warmup
-        self.action = action
+    def __init__(self, config: Config | None = None, /, **settings: Any):
+        super().__init__(config, **settings)
         self.ema: float | None = None
         self.best = math.inf
         self.bad_steps = 0
@@ -73,15 +80,16 @@ class DivergenceDetector(Hook):
         if not math.isfinite(loss):
             self._act(info, f"training loss is {loss} at step {step}")
             return
-        self.ema = loss if self.ema is None else self.decay * self.ema + (1 - self.decay) * loss
+        c = self.config
+        self.ema = loss if self.ema is None else c.ema * self.ema + (1 - c.ema) * loss
         self.seen += 1
-        diverging = self.seen > self.warmup and (
-            (self.abs_threshold is not None and self.ema > self.best + self.abs_threshold)
-            or (self.rel_threshold is not None and self.ema > self.best * (1 + self.rel_threshold))
+        diverging = self.seen > c.warmup and (
+            (c.abs_threshold is not None and self.ema > self.best + c.abs_threshold)
+            or (c.rel_threshold is not None and self.ema > self.best * (1 + c.rel_threshold))
         )
         self.bad_steps = self.bad_steps + 1 if diverging else 0
         self.best = min(self.best, self.ema)
-        if self.bad_steps >= self.patience:
+        if self.bad_steps >= c.patience:
             self._act(
                 info,
                 f"loss diverged at step {step}: smoothed loss {self.ema:.4f} vs best {self.best:.4f} "
@@ -90,8 +98,8 @@ class DivergenceDetector(Hook):
 
     def _act(self, info: StepInfo, reason: str) -> None:
         self.triggered = reason
-        logger.error("divergence detector: %s (action: %s)", reason, self.action)
-        if self.action == "abort":
+        logger.error("divergence detector: %s (action: %s)", reason, self.config.action)
+        if self.config.action == "abort":
             raise DivergenceError(reason)
         info.control.save()
         info.control.stop(reason)
@@ -109,41 +117,3 @@ class DivergenceDetector(Hook):
         self.best = math.inf if state["best"] is None else state["best"]
         self.bad_steps = state["bad_steps"]
         self.seen = state["seen"]
-
-
-@HookConfig.register_subclass("divergence")
-@dataclass(frozen=True)
-class DivergenceConfig(HookConfig):
-    """Stop or abort when the EMA-smoothed loss runs away from its best (NaN/Inf at once)."""
-
-    ema: float = 0.9
-    """Smoothing of the loss EMA (weight of the previous value)."""
-    abs_threshold: float | None = None
-    """Diverging while the EMA exceeds its best by more than this; null = off."""
-    rel_threshold: float | None = 0.5
-    """Diverging while the EMA exceeds its best by more than this fraction of it; null = off."""
-    patience: int = 3
-    """Act after this many diverging steps in a row."""
-    warmup: int = 10
-    """Steps observed before divergence is judged (NaN/Inf acts at once)."""
-    action: str = "stop"
-    """stop (save a checkpoint, then stop cleanly) or abort (raise an error at once)."""
-
-    def __post_init__(self):
-        check_positive(self, "patience", "abs_threshold", "rel_threshold")
-        if self.action not in ACTIONS:
-            raise ValueError(
-                f"trainer.hooks (divergence): action must be one of {ACTIONS}, got {self.action!r}"
-            )
-        if not 0 <= self.ema < 1:
-            raise ValueError(f"trainer.hooks (divergence): ema must be in [0, 1), got {self.ema}")
-
-    def build(self, context: HookContext) -> Hook:
-        return DivergenceDetector(
-            ema=self.ema,
-            abs_threshold=self.abs_threshold,
-            rel_threshold=self.rel_threshold,
-            patience=self.patience,
-            warmup=self.warmup,
-            action=self.action,
-        )

@@ -45,7 +45,7 @@ def make_loss_evaluator(
     ``(loss_sum, weight)`` in nats; ``count_bytes(batch)`` (traced) returns the UTF-8
     bytes of the predicted tokens, which gives bits per byte. Sums are added on the
     device and pulled to the host once per set. ``jit`` and ``prepare`` let a trainer run
-    it sharded (``trainer.mesh_jit`` and ``trainer.shard_batch``).
+    it sharded (``runtime.jit`` and ``runtime.shard_batch``).
     """
     named = dict(batches) if isinstance(batches, Mapping) else None
     sets = named if named is not None else {"": batches}
@@ -195,7 +195,6 @@ class EvalConfig(HookConfig):
         check_positive(self, "every", "max_batches")
 
     def build(self, context: HookContext) -> Hook:
-        trainer = context.trainer
         sets = {k: v[: self.max_batches] for k, v in context.validation.items()}
         count = None
         if context.tokenizer is not None and context.vocab_size:
@@ -203,9 +202,9 @@ class EvalConfig(HookConfig):
         evaluate = make_loss_evaluator(
             context.loss_fn,
             sets,
-            trainer.config.policy,
-            jit=trainer.mesh_jit,
-            prepare=trainer.shard_batch,
+            context.trainer_config.policy,
+            jit=context.runtime.jit,
+            prepare=context.runtime.shard_batch,
             count_bytes=count,
         )
         return EvalHook(

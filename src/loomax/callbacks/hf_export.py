@@ -82,7 +82,7 @@ class HfExportConfig(HookConfig):
             special = special_token_ids(context.tokenizer)
         return HfExportHook(
             self.every,
-            self.path or Path(context.trainer.run_dir) / "hf",
+            self.path or Path(context.run_dir) / "hf",
             tokenizer=context.tokenizer,
             special_tokens=special,
             primary=context.primary,

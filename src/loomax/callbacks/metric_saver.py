@@ -78,7 +78,7 @@ class MetricSaverConfig(HookConfig):
 
     def build(self, context: HookContext) -> Hook:
         return MetricSaverHook(
-            context.trainer.run_dir,
+            context.run_dir,
             every=self.every,
             include=list(self.include),
             write=context.primary,

@@ -106,5 +106,5 @@ class ModelMergeConfig(HookConfig):
             raise ValueError("trainer.hooks (model_merge): steps must list at least one step")
 
     def build(self, context: HookContext) -> Hook:
-        directory = Path(self.directory) if self.directory else context.trainer.run_dir / "merged"
+        directory = Path(self.directory) if self.directory else context.run_dir / "merged"
         return ModelMergeHook(list(self.steps), self.window, directory)

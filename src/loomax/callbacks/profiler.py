@@ -80,5 +80,5 @@ class ProfilerConfig(HookConfig):
         check_positive(self, "start", "num_steps")
 
     def build(self, context: HookContext) -> Hook:
-        directory = Path(self.directory) if self.directory else context.trainer.run_dir / "profile"
+        directory = Path(self.directory) if self.directory else context.run_dir / "profile"
         return ProfilerHook(directory, start=self.start, num_steps=self.num_steps)

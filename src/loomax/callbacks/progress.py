@@ -54,4 +54,4 @@ class ProgressConfig(HookConfig):
     def build(self, context: HookContext) -> Hook | list:
         if not context.primary:
             return []
-        return ProgressBarHook(context.trainer.config.num_train_steps, context.tokens_per_step)
+        return ProgressBarHook(context.trainer_config.num_train_steps, context.tokens_per_step)

@@ -96,7 +96,7 @@ class TextGenConfig(HookConfig):
     def build(self, context: HookContext) -> Hook:
         if context.tokenizer is None:
             raise ValueError("trainer.hooks (textgen) needs the run's tokenizer")
-        tokenizer, policy = context.tokenizer, context.trainer.config.policy
+        tokenizer, policy = context.tokenizer, context.trainer_config.policy
         return TextGenHook(
             self.every,
             list(self.prompts),

@@ -33,6 +33,22 @@ class SkipBadStepsConfig:
     """Steps of history the mean and std are taken over."""
     sigma_factor: float = 6.0
     """How many standard deviations above the mean count as a bad step."""
+    min_history: int = 10
+    """Accepted steps needed before anything is skipped (a NaN/Inf step always is); at most the window."""
+
+    def __post_init__(self):
+        if self.rolling_interval_length < 2:
+            raise ValueError(
+                f"optimizer.skip_bad_steps.rolling_interval_length must be >= 2, got {self.rolling_interval_length}"
+            )
+        if self.sigma_factor <= 0:
+            raise ValueError(
+                f"optimizer.skip_bad_steps.sigma_factor must be > 0, got {self.sigma_factor}"
+            )
+        if self.min_history < 1:
+            raise ValueError(
+                f"optimizer.skip_bad_steps.min_history must be >= 1, got {self.min_history}"
+            )
 
 
 @dataclass(frozen=True)
@@ -86,7 +102,7 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
     clip_update_norm: ClipUpdateNormConfig | None = None
     """Clip the update norm against the history of update norms; null = off."""
     skip_bad_steps: SkipBadStepsConfig | bool | int = False
-    """Skip steps whose loss or grad norm spikes: true, a window length, or {rolling_interval_length, sigma_factor}."""
+    """Skip steps whose loss or grad norm spikes: true, a window length, or {rolling_interval_length, sigma_factor, min_history}."""
 
     def __post_init__(self):
         if self.learning_rate <= 0:
@@ -122,12 +138,7 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
                 raise ValueError(f"optimizer.{name} must be >= 0, got {getattr(self, name)}")
         if self.decay is not None and self.decay < 0:
             raise ValueError(f"optimizer.decay must be >= 0 or null, got {self.decay}")
-        skip = self.skip_bad_steps_window()
-        if skip is not None and (skip[0] < 2 or skip[1] <= 0):
-            raise ValueError(
-                "optimizer.skip_bad_steps needs rolling_interval_length >= 2 and sigma_factor > 0, "
-                f"got {self.skip_bad_steps!r}"
-            )
+        self.skip_bad_steps_config()  # a bad window fails here, naming the key
         clip = self.clip_update_norm
         if clip is not None and (clip.rolling_interval_length < 2 or clip.sigma_factor <= 0):
             raise ValueError(
@@ -167,16 +178,16 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
         scaled.phases = schedule.phases  # type: ignore[attr-defined]
         return scaled
 
-    def skip_bad_steps_window(self) -> tuple[int, float] | None:
-        """``(window, sigma_factor)`` of ``skip_bad_steps``, or None when off."""
+    def skip_bad_steps_config(self) -> SkipBadStepsConfig | None:
+        """``skip_bad_steps`` as its full settings, or None when off."""
         skip = self.skip_bad_steps
         if skip is False:
             return None
         if skip is True:
-            skip = SkipBadStepsConfig()
-        elif isinstance(skip, int):
-            skip = SkipBadStepsConfig(rolling_interval_length=skip)
-        return skip.rolling_interval_length, skip.sigma_factor
+            return SkipBadStepsConfig()
+        if isinstance(skip, int):
+            return SkipBadStepsConfig(rolling_interval_length=skip)
+        return skip
 
     def decay_mask(self, params):
         """The weight-decay mask of a parameter tree (see ``weight_decay_modules``)."""
@@ -215,8 +226,10 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
             parts.append(optax.add_decayed_weights(decay, self.decay_mask))
         parts.append(optax.scale_by_learning_rate(lr))
         tx = optax.chain(*parts)
-        skip = self.skip_bad_steps_window()
+        skip = self.skip_bad_steps_config()
         if skip is not None:
-            window, sigma = skip
-            tx = skip_bad_steps(tx, window=window, k=sigma, min_history=min(10, window))
+            window = skip.rolling_interval_length
+            tx = skip_bad_steps(
+                tx, window=window, k=skip.sigma_factor, min_history=min(skip.min_history, window)
+            )
         return tx

@@ -12,7 +12,7 @@ The loss reaches the transform through optax's extra arguments:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,13 @@ class SkipBadStepsState(NamedTuple):
     """1 if the last step was skipped, else 0."""
     total_skipped: jax.Array
     """Steps skipped since the start of training."""
+
+    def step_metrics(self) -> dict[str, jax.Array]:
+        """``optim/skipped_step`` (1 if this step was skipped) and the running total."""
+        return {
+            "optim/skipped_step": self.skipped.astype(jnp.float32),
+            "optim/skipped_steps_total": self.total_skipped.astype(jnp.float32),
+        }
 
 
 def skip_bad_steps(
@@ -97,18 +104,3 @@ def _above(x: jax.Array, history: jax.Array, filled: jax.Array, k: float) -> jax
     mean = jnp.sum(jnp.where(mask, history, 0.0)) / n
     var = jnp.sum(jnp.where(mask, (history - mean) ** 2, 0.0)) / n
     return x > mean + k * jnp.sqrt(var)
-
-
-def skip_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """``optim/skipped_step`` (and the running total) if ``opt_state`` holds a skip-bad-steps state."""
-    found = [
-        s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SkipBadStepsState))
-        if isinstance(s, SkipBadStepsState)
-    ]
-    if not found:
-        return {}
-    return {
-        "optim/skipped_step": found[0].skipped.astype(jnp.float32),
-        "optim/skipped_steps_total": found[0].total_skipped.astype(jnp.float32),
-    }

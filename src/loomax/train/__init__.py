@@ -1,15 +1,18 @@
 """The pure train step, its state, the trainer loop and its hooks."""
 
-from loomax.train.control import Control
-from loomax.train.hook_config import HookConfig, HookContext
+from loomax.train.config import TrainerConfig
+from loomax.train.control import Control, Decision
+from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import CompletedStep, FnHook, Hook, StepInfo
+from loomax.train.process import setup_process
 from loomax.train.state import TrainerState
 from loomax.train.step import JitHook, StateExtra, StepContext, make_train_step
-from loomax.train.trainer import Trainer, TrainerConfig
+from loomax.train.trainer import Trainer
 
 __all__ = [
     "CompletedStep",
     "Control",
+    "Decision",
     "FnHook",
     "Hook",
     "HookConfig",
@@ -21,5 +24,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "TrainerState",
+    "hook_type",
     "make_train_step",
+    "setup_process",
 ]

@@ -12,13 +12,15 @@ stop requested by any process reaches process 0 and from there everyone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Literal
 
 import jax
 
@@ -28,6 +30,28 @@ logger = logging.getLogger(__name__)
 
 _PREFIX = "loomax/control"
 _KEEP_STEPS = 100  # processes never drift this many steps apart: each step has collectives
+
+
+SaveKind = Literal["permanent", "temporary"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the trainer does at the end of a step, in this order: ``eval``, ``save``, ``stop``."""
+
+    eval: bool = False
+    """Run the evaluators."""
+    save: SaveKind | None = None
+    """Save a checkpoint: a permanent one (kept by the retention policy) or a temporary one."""
+    stop: str | None = None
+    """Why to stop after this step; None = go on."""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Decision:
+        return cls(**json.loads(text))
 
 
 class Control:
@@ -71,38 +95,43 @@ class Control:
         self.requested_by.append(f"{what} by {who}")
         logger.info("%s requested by %s", what, who)
 
-    def proposal(self) -> dict[str, Any]:
-        """The requests as the trainer's proposal fields."""
-        return {"stop": self.stop_reason, "save": self.save_requested, "eval": self.eval_requested}
+    def proposal(self) -> Decision:
+        """The requests as a decision (a requested save is a permanent one)."""
+        return Decision(
+            eval=self.eval_requested,
+            save="permanent" if self.save_requested else None,
+            stop=self.stop_reason,
+        )
 
 
 class StepAgreement:
-    """``agree(step, proposal)`` returns the decision every process takes at ``step``."""
+    """``agree(step, proposal)`` returns the ``Decision`` every process takes at ``step``."""
 
     def __init__(self, timeout: float = 3600.0):
         self._timeout_ms = int(timeout * 1000)
         self._client = coordination_client()
         self._requested_stop = False
 
-    def agree(self, step: int, proposal: dict[str, Any]) -> dict[str, Any]:
+    def agree(self, step: int, proposal: Decision) -> Decision:
         """Process 0's ``proposal``, with ``stop`` set if any process proposed one."""
         if self._client is None:
             return proposal
         pid = jax.process_index()
         if pid != 0:
-            if proposal.get("stop") and not self._requested_stop:
-                self._client.key_value_set(f"{_PREFIX}/stop/{pid}", str(proposal["stop"]))
+            if proposal.stop and not self._requested_stop:
+                self._client.key_value_set(f"{_PREFIX}/stop/{pid}", proposal.stop)
                 self._requested_stop = True
-            return json.loads(
+            return Decision.from_json(
                 self._client.blocking_key_value_get(f"{_PREFIX}/step/{step}", self._timeout_ms)
             )
-        decision = dict(proposal)
-        if not decision.get("stop"):
+        decision = proposal
+        if not decision.stop:
             requests = self._client.key_value_dir_get(f"{_PREFIX}/stop/")
             if requests:
                 key, reason = requests[0]
-                decision["stop"] = f"{reason} (process {key.rsplit('/', 1)[-1]})"
-        self._client.key_value_set(f"{_PREFIX}/step/{step}", json.dumps(decision))
+                stop = f"{reason} (process {key.rsplit('/', 1)[-1]})"
+                decision = dataclasses.replace(decision, stop=stop)
+        self._client.key_value_set(f"{_PREFIX}/step/{step}", decision.to_json())
         if step > _KEEP_STEPS:
             self._client.key_value_delete(f"{_PREFIX}/step/{step - _KEEP_STEPS}")
         return decision

@@ -1,26 +1,38 @@
-"""``trainer.hooks``: hooks chosen in YAML through a choice registry (``type: divergence``).
+"""Hook settings: ``HookConfig`` (a ``trainer.hooks`` entry), ``hook_type`` and ``HookContext``.
 
-Each built-in hook module registers its config with ``@HookConfig.register_subclass(name)``;
-a user hook registers the same way, in code imported before the config is parsed.
-``build(context)`` turns the config into hooks, given what the run knows
-(``HookContext``: the trainer, the model config, the tokenizer, the validation sets...).
+A hook is declared once: a ``Hook`` subclass with a nested frozen ``Config`` dataclass,
+registered by ``@hook_type("name")``. The config holds (and validates, once, in its
+``__post_init__``) every setting; the hook reads them from ``self.config``. The same
+registry builds the run's default hooks and those listed in YAML
+(``trainer.hooks: [{type: divergence, patience: 3}]``); a user hook registers the same
+way, in code imported before the config is parsed.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import draccus
+
+if TYPE_CHECKING:
+    from loomax.runtime import MeshRuntime
+    from loomax.train.config import TrainerConfig
 
 
 @dataclass
 class HookContext:
-    """What a run offers hook configs when it builds them."""
+    """What a run offers hooks when it builds them (everything optional but ``runtime``)."""
 
-    trainer: Any
-    """The ``Trainer`` (run_dir, mesh_jit, shard_batch, config)."""
+    runtime: MeshRuntime
+    """The mesh and axis mappings (``jit``, ``shard_batch``, ``mesh_context``)."""
+    trainer_config: TrainerConfig | None = None
+    """The ``trainer`` section (num_train_steps, policy, batch_schedule...)."""
+    run_dir: Path | None = None
+    """The run directory (hooks write their files under it)."""
     model_config: Any = None
     """The ``model`` section (seq_len, flops_per_token)."""
     vocab_size: int | None = None
@@ -30,7 +42,9 @@ class HookContext:
     validation: dict[str, list[Any]] = field(default_factory=dict)
     """Validation sets by name: lists of this process's rows of each eval batch."""
     loss_fn: Any = None
-    """``loss_fn(model, batch, *, key) -> (loss_sum, weight)`` of the run."""
+    """``loss_fn(model, batch, *, key) -> (loss_sum, weight)`` of evaluation."""
+    evaluator: Callable[[Any], dict[str, float]] | None = None
+    """The run's evaluator (``model -> {eval/loss, ...}``), built once and shared by eval hooks."""
     tokens_per_step: Any = 0
     """Tokens per optimizer step (all processes): an int, or ``tokens(step)`` = tokens trained on in steps 1..step."""
     flops_per_token: float | None = None
@@ -45,17 +59,50 @@ class HookContext:
 
 @dataclass(frozen=True)
 class HookConfig(draccus.ChoiceRegistry, abc.ABC):
-    """Base of hook configs; ``type`` picks the hook."""
+    """Settings of one hook; in YAML, ``type`` picks the hook (see ``hook_type``)."""
 
-    @abc.abstractmethod
+    hook_class: ClassVar[Any] = None
+    """The ``Hook`` subclass these settings build (set by ``hook_type``)."""
+
     def build(self, context: HookContext) -> Any:
-        """The hook (a ``Hook``, a ``JitHook``) or a list of them."""
+        """The hook (or hooks) these settings describe, given what the run knows."""
+        if self.hook_class is None:
+            raise TypeError(f"{type(self).__name__} is not registered with @hook_type")
+        return self.hook_class.from_config(self, context)
+
+    @classmethod
+    def type_name(cls) -> str:
+        """The ``type`` this config is registered under."""
+        return cls.get_choice_name(cls)
+
+    def check(self, ok: bool, message: str) -> None:
+        """Raise ``ValueError`` naming ``trainer.hooks (type)`` unless ``ok``."""
+        if not ok:
+            raise ValueError(f"trainer.hooks ({self.type_name()}): {message}")
+
+    def check_positive(self, *names: str) -> None:
+        """Raise ``ValueError`` naming the hook type and field if a field is set and not > 0."""
+        for name in names:
+            value = getattr(self, name)
+            self.check(value is None or value > 0, f"{name} must be > 0, got {value}")
+
+
+def hook_type(name: str) -> Callable[[type], type]:
+    """Class decorator: register the hook's nested ``Config`` as ``trainer.hooks`` type ``name``."""
+
+    def register(cls: type) -> type:
+        config_cls = cls.__dict__.get("Config")
+        if config_cls is None or not issubclass(config_cls, HookConfig):
+            raise TypeError(
+                f"@hook_type({name!r}): {cls.__name__} needs a nested Config(HookConfig)"
+            )
+        HookConfig.register_subclass(name)(config_cls)
+        config_cls.hook_class = cls
+        return cls
+
+    return register
 
 
 def check_positive(config: HookConfig, *names: str) -> None:
-    """Raise ``ValueError`` naming ``trainer.hooks[type].field`` if a field is not > 0."""
-    for name in names:
-        value = getattr(config, name)
-        if value is not None and value <= 0:
-            kind = config.get_choice_name(type(config))
-            raise ValueError(f"trainer.hooks ({kind}): {name} must be > 0, got {value}")
+    """Transitional alias of ``config.check_positive(*names)``."""
+    config.check_positive(*names)

@@ -13,17 +13,19 @@ changes each batch before it is sharded (sequence-length warm-up).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import optax
 
 from loomax.train.control import Control
+from loomax.train.hook_config import HookConfig, HookContext
 from loomax.train.state import TrainerState
 from loomax.train.step import JitHook, StateExtra
 
@@ -59,6 +61,8 @@ class StepInfo:
     """The run directory (hooks write their files under it)."""
     eval_weights: str | None = None
     """Name of the ``state.extras`` entry to evaluate instead of the model's weights (EMA)."""
+    traced_outputs: dict[int, dict[str, jax.Array]] = field(default_factory=dict)
+    """What each ``JitHook`` computed in this step, by ``id`` of the JitHook (see ``traced``)."""
     _host: dict[str, float] | None = None
     _finished_at: float | None = None
 
@@ -68,6 +72,15 @@ class StepInfo:
             self._host = {k: _to_host(v) for k, v in jax.device_get(self.metrics).items()}
             self._finished_at = time.perf_counter()
         return self._host
+
+    def traced(self, jit_hook: JitHook) -> dict[str, Any]:
+        """What ``jit_hook`` computed inside this step, on the host (waits for the step).
+
+        Only the hook that owns ``jit_hook`` reads it, on the steps it is due; the values
+        never join the shared ``metrics``.
+        """
+        outputs = self.traced_outputs[id(jit_hook)]
+        return {k: _to_host(v) for k, v in jax.device_get(outputs).items()}
 
     @property
     def step_duration(self) -> float | None:
@@ -107,10 +120,33 @@ class Hook:
     ``on_step`` runs on every step divisible by ``every``; ``on_train_begin`` runs once
     with the initial state (``step`` is the starting step), ``on_train_end`` once with
     the final one. Hooks run by ``priority`` (higher first), then in registration order.
+
+    A hook with settings declares them once, in a nested frozen ``Config(HookConfig)``
+    registered by ``@hook_type(name)``; ``Hook(config)`` or ``Hook(**settings)`` builds
+    it, and it reads them as ``self.config`` (a ``every`` field sets ``self.every``).
+    ``from_config`` is how a run builds it from YAML, with what the run knows.
     """
 
+    Config: ClassVar[type[HookConfig] | None] = None
     every: int = 1
     priority: int = 0
+
+    def __init__(self, config: HookConfig | None = None, /, **settings: Any):
+        if self.Config is None:
+            if config is not None or settings:
+                raise TypeError(f"{type(self).__name__} takes no settings")
+            return
+        if config is None:
+            config = self.Config(**settings)
+        elif settings:
+            config = dataclasses.replace(config, **settings)
+        self.config = config
+        self.every = getattr(config, "every", type(self).every)
+
+    @classmethod
+    def from_config(cls, config: HookConfig, context: HookContext) -> Hook | list[Hook]:
+        """The hook of ``config`` in a run (override to take what it needs from ``context``)."""
+        return cls(config)
 
     @property
     def name(self) -> str:
@@ -197,6 +233,7 @@ class FnHook(Hook):
     """A plain function of ``StepInfo`` run every ``every`` steps."""
 
     def __init__(self, fn: Callable[[StepInfo], Any], every: int = 1, priority: int = 0):
+        super().__init__()
         if every < 1:
             raise ValueError(f"hook every must be >= 1, got {every}")
         self.fn = fn

@@ -12,10 +12,12 @@ import jax.numpy as jnp
 import jmp
 import optax
 
-from loomax.optim.skip_bad_steps import skip_metrics
 from loomax.train.state import TrainerState
 
 Metrics = dict[str, jax.Array]
+TRACED = "traced"
+"""Key of the step's metrics under which the ``JitHook`` outputs travel (a tuple, in hook
+order); the trainer takes them out and hands each to its hook, never to the tracker."""
 
 
 class LossFn(Protocol):
@@ -45,10 +47,11 @@ class StepContext(eqx.Module):
 class JitHook:
     """Metrics computed inside the jitted step from a ``StepContext``.
 
-    ``fn`` returns a small dict of scalars (or small arrays); they join the step's metrics.
-    With ``every > 1`` they are computed only on steps whose number (counted from 1, as
+    ``fn`` returns a small dict of scalars (or small arrays). They are private to the hook
+    that added the ``JitHook``: it reads them with ``info.traced(jit_hook)``. With
+    ``every > 1`` they are computed only on steps whose number (counted from 1, as
     ``StepInfo.step``) is divisible by ``every``, the steps a host hook with the same
-    ``every`` sees, and are zeros otherwise.
+    ``every`` sees (other steps carry placeholders nobody reads).
     """
 
     fn: Callable[[StepContext], Metrics]
@@ -122,18 +125,29 @@ def make_train_step(
         updates, opt_state = optimizer.update(grads, state.opt_state, params, value=loss)
         model = eqx.apply_updates(state.model, updates)
         metrics: Metrics = {"train/loss": loss, "optim/grad_norm": optax.tree.norm(grads)}
-        metrics.update(skip_metrics(opt_state))
+        metrics.update(optimizer_state_metrics(opt_state))
         if lr_schedule is not None:
             metrics["optim/learning_rate"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
         context = StepContext(state.step, state.model, grads, updates, loss, model)
-        for hook in jit_hooks:
-            metrics.update(_run_jit_hook(hook, context))
+        if jit_hooks:
+            metrics[TRACED] = tuple(_run_jit_hook(hook, context) for hook in jit_hooks)
         new_extras = dict(state.extras)
         for name, extra in (extras or {}).items():
             new_extras[name] = extra.update(state.extras[name], context)
         return TrainerState(state.step + 1, model, opt_state, key, new_extras), metrics
 
     return train_step
+
+
+def optimizer_state_metrics(opt_state: Any) -> Metrics:
+    """Metrics reported by parts of the optimizer state: every node with a ``step_metrics()``
+    method (e.g. skip-bad-steps' ``optim/skipped_step``) contributes its dict."""
+    reports = lambda x: callable(getattr(x, "step_metrics", None))  # noqa: E731
+    out: Metrics = {}
+    for node in jax.tree.leaves(opt_state, is_leaf=reports):
+        if reports(node):
+            out.update(node.step_metrics())
+    return out
 
 
 def _run_jit_hook(hook: JitHook, context: StepContext) -> Metrics:

@@ -1,0 +1,96 @@
+"""``MeshRuntime``: a device mesh with its axis mappings, and what sharded code needs from them.
+
+The trainer, evaluators and hooks place arrays and trace functions through this one
+object (``mesh_context``, ``jit``, ``shard_batch``, ``state_shardings``); none of them
+needs the trainer itself to do so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import haliax as hax
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from loomax.mesh import (
+    AxisMappings,
+    MeshConfig,
+    batch_sharding,
+    data_parallel_size,
+    replicate_indivisible,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class MeshRuntime:
+    """A ``Mesh`` and the parameter and compute mappings that place named axes on it."""
+
+    def __init__(self, mesh: Mesh, mappings: AxisMappings):
+        self.mesh = mesh
+        self.mappings = mappings
+        self._notes: set[str] = set()
+
+    @classmethod
+    def create(
+        cls,
+        mesh: MeshConfig,
+        mappings: AxisMappings,
+        devices: Sequence[jax.Device] | None = None,
+    ) -> MeshRuntime:
+        """The runtime of ``mesh`` over ``devices`` (default: every device of every process)."""
+        return cls(mesh.build(devices), mappings)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Devices a batch is split over (replica x data)."""
+        return data_parallel_size(self.mesh)
+
+    def mesh_context(self) -> contextlib.ExitStack:
+        """Enter the mesh and the compute mapping (what tracing a sharded function needs)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(hax.partitioning.set_mesh(self.mesh))
+        stack.enter_context(hax.axis_mapping(self.mappings.compute))
+        return stack
+
+    def state_shardings(self, tree: Any) -> Any:
+        """Shardings of a state (or its shapes) under the parameter mapping; an axis whose
+        size does not divide over its mesh axes is kept whole (with a warning, once)."""
+        shardings = hax.partitioning.infer_resource_partitions(
+            tree, self.mappings.parameter, preserve_existing_shardings=False, mesh=self.mesh
+        )
+        shardings, notes = replicate_indivisible(shardings, tree)
+        for note in notes:
+            if note not in self._notes:
+                self._notes.add(note)
+                logger.warning("parameter mapping: %s: kept whole on every device", note)
+        return shardings
+
+    def shard_batch(self, local_batch: Any) -> Any:
+        """A global batch array from this process's rows, split over (replica, data)."""
+
+        def to_global(x):
+            x = np.asarray(x)
+            sharding = batch_sharding(self.mesh, x.ndim)
+            global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+            return jax.make_array_from_process_local_data(sharding, x, global_shape)
+
+        return jax.tree.map(to_global, local_batch)
+
+    def jit(self, fn: Callable, **jit_kwargs) -> Callable:
+        """``jax.jit(fn)``, traced and run inside ``mesh_context``; ``.jitted`` is the raw jit."""
+        jitted = jax.jit(fn, **jit_kwargs)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with self.mesh_context():
+                return jitted(*args, **kwargs)
+
+        call.jitted = jitted  # for .lower() and cache inspection
+        return call

@@ -1,0 +1,169 @@
+"""Where a run's state comes from: a checkpoint to resume, other weights, or a fresh init.
+
+The policy, in order: ``trainer.load_checkpoint`` decides whether a checkpoint is resumed
+(from ``load_checkpoint_path`` or the checkpointer's ``base_path``); without one,
+``trainer.initialize_from`` may supply the model weights, or else ``initial_weights()``
+(e.g. a Hugging Face checkpoint's, read only when the run does not resume), each with a
+fresh optimizer at step 0; otherwise the state is fresh. A fresh state is made inside a
+jit whose outputs are already sharded by the parameter mapping, so the whole model never
+exists on one device or host; loaded arrays are read straight into that sharding,
+whatever the mesh that saved them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from loomax.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointInfo,
+    list_checkpoints,
+    load_latest,
+)
+from loomax.checkpoint.storage import to_url
+from loomax.runtime import MeshRuntime
+from loomax.train.config import TrainerConfig
+from loomax.train.state import TrainerState
+from loomax.train.step import StateExtra
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Restored:
+    """The state to train from, and what a resumed checkpoint carried besides it."""
+
+    state: TrainerState
+    checkpoint: CheckpointInfo | None = None
+    """The checkpoint the run resumed from, if any."""
+    hook_states: dict[str, Any] = field(default_factory=dict)
+    """Hook states saved with that checkpoint, by hook key."""
+    train_seconds: float = 0.0
+    """Training time already spent before that checkpoint."""
+
+
+@dataclass
+class StateBuilder:
+    """Makes a run's ``TrainerState`` on ``runtime``'s mesh, by the policy above."""
+
+    config: TrainerConfig
+    runtime: MeshRuntime
+    optimizer: optax.GradientTransformation
+    extras: Mapping[str, StateExtra]
+
+    def restore(
+        self,
+        init_model: Callable[[jax.Array], eqx.Module],
+        checkpointer: Checkpointer,
+        initial_weights: Callable[[], eqx.Module] | None = None,
+    ) -> Restored:
+        """The state to train from (see the module docstring for the order of sources)."""
+        policy = self.config.policy
+
+        def init(key):
+            model_key, train_key = jax.random.split(key)
+            model = policy.cast_to_param(init_model(model_key))
+            params = eqx.filter(model, eqx.is_inexact_array)
+            opt_state = self.optimizer.init(params)
+            extras = {name: extra.init(params) for name, extra in self.extras.items()}
+            return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key, extras)
+
+        key = jax.random.PRNGKey(self.config.seed)
+        with self.runtime.mesh_context():
+            shapes = jax.eval_shape(init, key)
+            shardings = self.runtime.state_shardings(shapes)
+            fresh = functools.partial(jax.jit(init, out_shardings=shardings), key)
+            resumed = self._resume(checkpointer, shapes, shardings, fresh)
+            if resumed is not None:
+                return resumed
+            if self.config.initialize_from is not None:
+                return Restored(self._initialize_from(shapes, shardings, fresh))
+            if initial_weights is not None:
+                model = policy.cast_to_param(initial_weights())
+                return Restored(self._start_from(fresh(), model, shardings))
+            return Restored(fresh())
+
+    def _resume(self, checkpointer: Checkpointer, shapes, shardings, fresh) -> Restored | None:
+        config = self.config
+        own = checkpointer.directory.url
+        checkpointer.adopt(list_checkpoints(own), None)
+        if config.load_checkpoint is False:
+            return None
+        path = config.load_checkpoint_path or own
+        found = load_latest(path, shapes, shardings, fall_back=config.load_checkpoint is None)
+        if found is None:
+            if config.load_checkpoint:
+                raise FileNotFoundError(
+                    f"trainer.load_checkpoint is true but there is no complete checkpoint at {path}"
+                )
+            if config.load_checkpoint_path:
+                logger.warning("no complete checkpoint at %s: starting fresh", path)
+            return None
+        checkpoint, state, missing = found
+        state = self._fill_missing(checkpoint, state, missing, fresh)
+        logger.info("resumed from %s (step %d)", checkpoint, checkpoint.step)
+        if to_url(path) == own or checkpoint.directory.url.startswith(own + "/"):
+            checkpointer.adopt([], checkpoint.step)  # this step is already on disk
+        return Restored(
+            state,
+            checkpoint,
+            checkpoint.metadata.get("hooks", {}),
+            float(checkpoint.metadata.get("train_seconds", 0.0)),
+        )
+
+    def _initialize_from(self, shapes, shardings, fresh) -> TrainerState:
+        path = self.config.initialize_from
+        found = load_latest(path, shapes, shardings, fall_back=False, prefix="model")
+        if found is None:
+            raise FileNotFoundError(f"trainer.initialize_from: no complete checkpoint at {path}")
+        checkpoint, loaded, missing = found
+        state = fresh()
+        model = self._fill_missing(checkpoint, loaded.model, missing, lambda: state.model)
+        logger.info(
+            "model weights from %s (step %d); optimizer fresh at step 0",
+            checkpoint,
+            checkpoint.step,
+        )
+        return self._start_from(state, model, shardings)
+
+    def _start_from(self, state: TrainerState, model: eqx.Module, shardings) -> TrainerState:
+        """``state`` with ``model`` as its weights (placed by the parameter mapping), and the
+        optimizer state and the hooks' extras (e.g. EMA weights) made anew from them."""
+
+        def place_and_derive(m):
+            params = eqx.filter(m, eqx.is_inexact_array)
+            extras = {name: extra.init(params) for name, extra in self.extras.items()}
+            return m, self.optimizer.init(params), extras
+
+        out = (shardings.model, shardings.opt_state, shardings.extras)
+        with self.runtime.mesh_context():
+            model, opt_state, extras = jax.jit(place_and_derive, out_shardings=out)(model)
+        return TrainerState(state.step, model, opt_state, state.key, extras)
+
+    def _fill_missing(self, checkpoint: CheckpointInfo, tree, missing: list[str], fresh):
+        if not missing:
+            return tree
+        if not self.config.allow_partial_checkpoint:
+            raise CheckpointError(
+                f"checkpoint {checkpoint} lacks {len(missing)} array(s) of the state, e.g. "
+                f"{', '.join(missing[:3])}; set trainer.allow_partial_checkpoint: true to start those fresh"
+            )
+        logger.warning(
+            "checkpoint %s lacks %d array(s) (%s...): they keep their initial values",
+            checkpoint,
+            len(missing),
+            ", ".join(missing[:3]),
+        )
+        return jax.tree.map(
+            lambda a, b: b if a is None else a, tree, fresh(), is_leaf=lambda x: x is None
+        )
