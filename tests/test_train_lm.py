@@ -139,9 +139,12 @@ def test_quickstart_cli_few_steps(tmp_path, repo_root):
     assert records[-1]["step"] == 4 and "eval/loss" in records[-1] and "train/loss" in records[-1]
 
 
-def test_eval_batch_must_split_over_data_parallel_devices(tmp_path, tiny_corpus, monkeypatch):
-    import loomax.train_lm as train_lm_module
+def test_eval_batch_must_split_over_data_parallel_devices(tmp_path, tiny_corpus):
+    from loomax.data import build_lm_datasets
+    from loomax.lm import eval_sets
 
-    monkeypatch.setattr(train_lm_module, "data_parallel_size", lambda mesh: 3)
+    config = small_config(tmp_path, tiny_corpus)
+    data = build_lm_datasets(config.data, config.model.seq_len)
+    assert eval_sets(config, data, 2)[0].shape[0] == 8  # one process holds all 8 rows
     with pytest.raises(ValueError, match=r"trainer.eval_batch_size to a multiple of 3"):
-        train_lm(small_config(tmp_path, tiny_corpus))
+        eval_sets(config, data, 3)

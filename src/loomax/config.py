@@ -7,12 +7,13 @@ how to parse; it never imports the sections themselves (they sit above it in the
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import draccus
 import yaml
@@ -112,6 +113,26 @@ def parse_config(
 def to_yaml(config: object) -> str:
     """The config as YAML, in the form ``parse_config`` reads back."""
     return draccus.dump(config)
+
+
+def to_json_dict(config: object) -> dict[str, Any]:
+    """The config as plain JSON values (nested dicts; durations and the like as strings)."""
+    return json.loads(json.dumps(yaml.safe_load(to_yaml(config)), default=str))
+
+
+def flatten_config(config: object) -> dict[str, Any]:
+    """The config as one level of dotted keys (``trainer.seed``), e.g. for trackers' hyperparameters."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = value
+
+    walk("", to_json_dict(config))
+    return out
 
 
 def _describe_decoding_error(e: DecodingError, config_path, args: Sequence[str]) -> str:

@@ -18,8 +18,8 @@ import numpy as np
 from loomax.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from loomax.checkpoint.serialize import _is_named
 from loomax.config import parse_config
+from loomax.lm import TrainLmConfig, resolve_vocab_size
 from loomax.models.config import LmModel
-from loomax.train_lm import TrainLmConfig, _resolve_vocab_size
 
 
 @dataclass
@@ -79,7 +79,7 @@ def load_for_inference(
     tokenizer = _run_tokenizer(run_config)
     from loomax.data.tokenizer import load_tokenizer
 
-    vocab = _resolve_vocab_size(run_config.model, load_tokenizer(tokenizer).get_vocab_size())
+    vocab = resolve_vocab_size(run_config.model, load_tokenizer(tokenizer).get_vocab_size())
     model = _read_model(checkpoints[-1], run_config, vocab)
     return LoadedModel(model, run_config, tokenizer, f"checkpoint {checkpoints[-1]}")
 
@@ -111,7 +111,7 @@ def validation_sets(
     ``data.validation`` source, or per train source's held-out documents); caches are built
     if missing."""
     from loomax.data import build_lm_datasets
-    from loomax.train_lm import _eval_sets
+    from loomax.lm import eval_sets
 
     trainer = replace(
         config.trainer,
@@ -119,7 +119,7 @@ def validation_sets(
         max_eval_batches=max_batches or config.trainer.max_eval_batches,
     )
     data = build_lm_datasets(config.data, config.model.seq_len, ray=trainer.ray)
-    sets = _eval_sets(replace(config, trainer=trainer), data, 1)
+    sets = eval_sets(replace(config, trainer=trainer), data, 1)
     return sets if isinstance(sets, dict) else {"validation": sets}
 
 
@@ -130,7 +130,7 @@ def evaluate(
     macro averages (``eval/loss``, ...), with the run's loss settings."""
     from loomax.callbacks.eval import make_loss_evaluator, next_token_bytes, token_byte_lengths
     from loomax.data.tokenizer import load_tokenizer
-    from loomax.train_lm import model_lm_loss
+    from loomax.lm import model_lm_loss
 
     config = loaded.run_config
     if config is None:

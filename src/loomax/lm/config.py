@@ -1,0 +1,52 @@
+"""``TrainLmConfig``: the whole run YAML of a language-model training job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loomax.data import DataConfig
+from loomax.models import Gpt2Config, LmConfig
+from loomax.optim import AdamConfig, OptimizerConfig
+from loomax.train import TrainerConfig
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """A text sample printed at the end of training."""
+
+    enabled: bool = True
+    """Generate a sample after training."""
+    prompt: str = "def "
+    """Text the sample starts from."""
+    max_new_tokens: int = 64
+    """Tokens to generate."""
+    temperature: float = 0.8
+    """Softmax temperature; 0 = greedy."""
+
+
+@dataclass(frozen=True)
+class TrainLmConfig:
+    """A whole training run: data, model, optimizer, trainer (and the closing sample)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Where the text comes from and how it is tokenized."""
+    model: LmConfig = field(default_factory=Gpt2Config)
+    """The model (`type`: gpt2)."""
+    optimizer: OptimizerConfig = field(default_factory=AdamConfig)
+    """The optimizer and its learning-rate schedule (`type`: adam)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Loop, batch, precision, logging and evaluation."""
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    """What to generate once training is done."""
+
+
+def resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:
+    """The model's vocabulary size: ``model.vocab_size``, or the tokenizer's when null."""
+    if model_config.vocab_size is None:
+        return tokenizer_vocab
+    if model_config.vocab_size < tokenizer_vocab:
+        raise ValueError(
+            f"model.vocab_size ({model_config.vocab_size}) is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab}); raise it or set it to null"
+        )
+    return model_config.vocab_size

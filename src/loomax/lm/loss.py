@@ -1,0 +1,58 @@
+"""The language-model objective the trainer minimises: next-token cross-entropy on token arrays."""
+
+from __future__ import annotations
+
+import haliax as hax
+
+from loomax.lm.config import TrainLmConfig
+from loomax.models import next_token_loss
+from loomax.models.attention import segment_ids_from_eos
+from loomax.models.axes import Batch, Position
+
+
+def lm_loss(
+    block_size: int | None = 4096,
+    *,
+    z_loss_weight: float = 0.0,
+    eos_id: int | None = None,
+    vocab_block_size: int | None = None,
+):
+    """The trainer's loss: next-token cross-entropy on a ``[batch, position]`` token array.
+
+    With ``eos_id``, attention stays within the documents packed into each sequence.
+    """
+
+    def loss_fn(model, tokens, *, key=None):
+        tokens = hax.auto_sharded(
+            hax.named(tokens, (Batch, Position))
+        )  # batch over (replica, data)
+        segments = None if eos_id is None else segment_ids_from_eos(tokens, eos_id)
+        return next_token_loss(
+            model,
+            tokens,
+            block_size=block_size,
+            z_loss_weight=z_loss_weight,
+            segment_ids=segments,
+            vocab_block_size=vocab_block_size,
+        )
+
+    return loss_fn
+
+
+def model_lm_loss(config: TrainLmConfig, *, training: bool = True):
+    """``lm_loss`` as ``config.model`` asks (block size, document masking with the tokenizer's EOS,
+    and z-loss when ``training``: evaluation reports the plain cross-entropy)."""
+    model = config.model
+    eos = None
+    if model.document_mask:
+        from loomax.data.dataset import prepare_tokenizer
+        from loomax.data.tokenizer import eos_id, load_tokenizer
+
+        eos = eos_id(load_tokenizer(prepare_tokenizer(config.data)))
+    z_loss = model.z_loss_weight if training else 0.0
+    return lm_loss(
+        model.cross_entropy_block_size,
+        z_loss_weight=z_loss,
+        eos_id=eos,
+        vocab_block_size=model.cross_entropy_vocab_block_size,
+    )

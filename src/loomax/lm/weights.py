@@ -1,0 +1,41 @@
+"""Where a run's first weights come from: a fresh init, or a Hugging Face checkpoint."""
+
+from __future__ import annotations
+
+import logging
+
+from loomax.lm.config import TrainLmConfig
+
+logger = logging.getLogger(__name__)
+
+
+def initial_model(config: TrainLmConfig, vocab_size: int):
+    """``init(key) -> model``: the fresh weights of ``config.model``."""
+    return lambda key: config.model.build(vocab_size, key=key)
+
+
+def initial_weights(config: TrainLmConfig, vocab_size: int):
+    """``load() -> model`` for ``trainer.initialize_from_hf`` (None without it).
+
+    The trainer calls it only when the run does not resume from its own checkpoint.
+    """
+    path = config.trainer.initialize_from_hf
+    if path is None:
+        return None
+
+    def load():
+        from loomax.hf import load_hf
+
+        try:
+            model = load_hf(path, config.model)
+        except ValueError as e:
+            raise ValueError(f"trainer.initialize_from_hf: {e}") from e
+        if model.Vocab.size != vocab_size:
+            raise ValueError(
+                f"trainer.initialize_from_hf: {path} has a vocabulary of {model.Vocab.size}, the run {vocab_size}; "
+                f"set model.vocab_size: {model.Vocab.size} (and use the checkpoint's tokenizer)"
+            )
+        logger.info("model weights from the Hugging Face checkpoint %s", path)
+        return model
+
+    return load
