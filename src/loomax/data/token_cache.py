@@ -46,11 +46,11 @@ import tensorstore as ts
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from loomax.checkpoint.storage import CONTEXT, Directory, display, join, local_path, to_url
 from loomax.data.cache import file_sha256, fingerprint
 from loomax.data.sources import ReadStats, Shard, read_shard, source_fingerprint
 from loomax.data.tokenizer import bos_id, encode_documents, eos_id, resolve_tokenizer_path
 from loomax.distributed import RayConfig, ray_session
+from loomax.storage import CONTEXT, Directory, display, join, local_path, to_url
 
 FORMAT_VERSION = 1
 """Bump when the layout or meaning of the cache changes, so old caches are refused."""

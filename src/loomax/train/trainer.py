@@ -29,7 +29,6 @@ from loomax.checkpoint import (
     list_checkpoints,
     load_latest,
 )
-from loomax.checkpoint.storage import to_url
 from loomax.distributed import DistributedConfig, RayConfig, broadcast_str
 from loomax.jax_setup import apply_jax_settings, check_jax_options
 from loomax.mesh import (
@@ -41,6 +40,7 @@ from loomax.mesh import (
     replicate_indivisible,
     replicated,
 )
+from loomax.storage import to_url
 from loomax.tracking import JsonlTrackerConfig, Tracker, TrackerConfig, build_tracker
 from loomax.tracking.artifacts import write_file
 from loomax.train.control import Control, StepAgreement, StopSignals
