@@ -97,9 +97,9 @@ def build_ray(corpus: Path, tokenizer: Path, cache: Path, workers: int) -> dict[
     import numpy as np
     import ray
 
-    from loomax.data import token_cache
     from loomax.data.sources import SourceConfig, source_shards
     from loomax.data.token_cache import TokenCache, build_token_cache
+    from loomax.data.token_cache import build as token_cache
     from loomax.distributed import RayConfig, init_ray
 
     phases = _time_phases(token_cache, ("_tokenize_missing", "_finish"))

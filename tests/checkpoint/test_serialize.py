@@ -19,8 +19,8 @@ from loomax.checkpoint.serialize import (
     snapshot,
     write_snapshot,
 )
-from loomax.checkpoint.storage import Directory, to_url
 from loomax.models import Gpt2Config
+from loomax.storage import Directory, to_url
 
 MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=4)
 

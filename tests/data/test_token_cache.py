@@ -5,7 +5,6 @@ real tensorstore files under tmp_path.
 """
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -18,15 +17,16 @@ import numpy as np
 import pytest
 import ray
 
-from loomax.data import token_cache
 from loomax.data.sources import SourceConfig, source_shards
 from loomax.data.token_cache import (
-    _TEST_HOOK_ENV,
     TokenCache,
     TokenCacheError,
+    assemble,
     build_token_cache,
     cache_fingerprint,
     is_held_out,
+    layout,
+    tasks,
 )
 from loomax.data.tokenizer import encode_documents, load_tokenizer, train_bpe_tokenizer
 from loomax.distributed import RayConfig, init_ray
@@ -38,19 +38,16 @@ DRIVER = Path(__file__).with_name("token_cache_driver.py")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A local Ray cluster of 2 CPUs whose workers see the test hook folder."""
-    hook = tmp_path_factory.mktemp("hook")
-    if ray.is_initialized():  # left over from elsewhere: its workers would lack the hook
+def cluster():
+    """A local Ray cluster of exactly 2 CPUs."""
+    if ray.is_initialized():  # left over from elsewhere, of another size
         ray.shutdown()
-    os.environ[_TEST_HOOK_ENV] = str(hook)  # before the cluster starts, so workers inherit it
     try:
         assert init_ray(RayConfig(num_cpus=2))
         assert ray.cluster_resources()["CPU"] == 2
-        yield SimpleNamespace(address=ray.get_runtime_context().gcs_address, hook=hook)
+        yield SimpleNamespace(address=ray.get_runtime_context().gcs_address)
     finally:
         ray.shutdown()
-        del os.environ[_TEST_HOOK_ENV]
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +157,10 @@ def test_max_documents_keeps_the_first_documents_in_global_order(cluster, corpus
 
 def test_memory_store_is_built_in_process_with_tiny_chunks(corpus, tmp_path, monkeypatch):
     # tiny flushes, chunks and files, so pieces grow in many writes and arrays span many files
-    for name, value in [("_FLUSH_TOKENS", 50), ("_SHARD_TOKENS", 128), ("_READ_CHUNK", 16)]:
-        monkeypatch.setattr(token_cache, name, value)
-    monkeypatch.setattr(token_cache, "_COPY_WINDOW", 1)
+    monkeypatch.setattr(tasks, "_FLUSH_TOKENS", 50)
+    monkeypatch.setattr(layout, "_SHARD_TOKENS", 128)
+    monkeypatch.setattr(layout, "_READ_CHUNK", 16)
+    monkeypatch.setattr(assemble, "_COPY_WINDOW", 1)
     url = f"memory://{tmp_path.name}"  # no Ray: its workers cannot see this process's memory
     info = build(corpus, url, holdout_fraction=0.2)
     assert info.url == url and info.shards_tokenized == NUM_SHARDS
@@ -179,24 +177,21 @@ def test_killed_build_resumes_to_the_same_cache(cluster, corpus, tmp_path):
     reference = tmp_path / "reference"
     build(corpus, reference)
     cache = tmp_path / "cache"
-    (cluster.hook / "sleep").write_text("0.4")
+    args = {
+        "urls": corpus.source.urls,
+        "tokenizer": str(corpus.tokenizer),
+        "cache": str(cache),
+        "address": cluster.address,
+        "sleep": 0.4,  # per shard, so the driver is killed with shards left to do
+    }
+    driver = subprocess.Popen([sys.executable, str(DRIVER), json.dumps(args)])
     try:
-        args = {
-            "urls": corpus.source.urls,
-            "tokenizer": str(corpus.tokenizer),
-            "cache": str(cache),
-            "address": cluster.address,
-        }
-        driver = subprocess.Popen([sys.executable, str(DRIVER), json.dumps(args)])
-        try:
-            wait_for(lambda: len(ledger_times(cache)) >= 2 or driver.poll() is not None, 60)
-            driver.send_signal(signal.SIGKILL)
-        finally:
-            driver.wait()
-        assert driver.returncode == -signal.SIGKILL, "the build ended before it was killed"
-        wait_for_quiet_ledger(cache)  # tasks of the killed driver may finish before Ray ends them
+        wait_for(lambda: len(ledger_times(cache)) >= 2 or driver.poll() is not None, 60)
+        driver.send_signal(signal.SIGKILL)
     finally:
-        (cluster.hook / "sleep").unlink()
+        driver.wait()
+    assert driver.returncode == -signal.SIGKILL, "the build ended before it was killed"
+    wait_for_quiet_ledger(cache)  # tasks of the killed driver may finish before Ray ends them
     before = ledger_times(cache)
     assert 2 <= len(before) < NUM_SHARDS and not (cache / "meta.json").exists()
     with pytest.raises(TokenCacheError, match="no meta.json"):
@@ -213,9 +208,8 @@ def test_failed_task_resumes_to_the_same_cache(cluster, corpus, tmp_path):
     build(corpus, reference, holdout_fraction=0.2)
     cache = tmp_path / "cache"
     failing = corpus.shards[3].name
-    (cluster.hook / "fail-once").write_text(failing)
-    with pytest.raises(TokenCacheError, match=f"shard {failing} failed.*fails once"):
-        build(corpus, cache, holdout_fraction=0.2)
+    with pytest.raises(TokenCacheError, match=f"shard {failing} failed.*fails on purpose"):
+        build(corpus, cache, holdout_fraction=0.2, before_piece=fail_on(failing))
     before = ledger_times(cache)
     assert "3.json" not in before and len(before) >= 3
 
@@ -281,6 +275,19 @@ def test_opening_a_missing_cache_names_it(tmp_path):
 
 
 # ---------------------------------------------------------------------- helpers
+def fail_on(name: str):
+    """A `before_piece` that fails the task of shard `name`.
+
+    A closure, so Ray pickles it by value: workers need not import this test module.
+    """
+
+    def before_piece(shard) -> None:
+        if shard.name == name:
+            raise RuntimeError(f"shard {shard.name} fails on purpose")
+
+    return before_piece
+
+
 def assert_same_cache(cache: Path, reference: Path) -> None:
     """Both caches hold the same splits, tokens, offsets and meta."""
     got, want = TokenCache.open(cache), TokenCache.open(reference)

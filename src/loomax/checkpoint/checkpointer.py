@@ -28,8 +28,8 @@ from loomax.checkpoint.serialize import (
     snapshot,
     write_snapshot,
 )
-from loomax.checkpoint.storage import Directory, to_url
 from loomax.distributed import barrier
+from loomax.storage import Directory, to_url
 
 logger = logging.getLogger(__name__)
 

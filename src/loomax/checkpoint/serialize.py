@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from loomax.checkpoint.storage import CONTEXT, join
+from loomax.storage import CONTEXT, join
 
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
 """Shards above this are split into several chunks, so large arrays are written in parallel."""

@@ -1,4 +1,4 @@
-"""Format readers: the documents of one file, or of one slice of a Hugging Face dataset.
+"""Format readers: the documents of one file (Hugging Face datasets: `hf_datasets`).
 
 Files are opened through fsspec, so a local path and any URL it knows (`gs://`, `s3://`,
 `memory://`, ...) read alike. A `.txt` file is one document; a `.jsonl` line is one
@@ -15,16 +15,11 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import math
-import os
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
-from typing import IO, TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import IO, Any
 
 import fsspec
-
-if TYPE_CHECKING:
-    from loomax.data.sources import HfSourceConfig
 
 SUPPORTED_EXTENSIONS = (
     ".txt",
@@ -37,11 +32,8 @@ SUPPORTED_EXTENSIONS = (
 )
 """File name endings `read_file` can read."""
 
-HF_ROWS_PER_SHARD = 100_000
-"""Rows per shard of a non-streaming Hugging Face dataset when `num_shards` is null."""
-
 _PARQUET_BATCH_ROWS = 1024
-"""Rows decoded at a time from a parquet row group or a dataset slice."""
+"""Rows decoded at a time from a parquet row group."""
 
 
 @dataclass
@@ -129,7 +121,9 @@ def _read_txt(url: str, compression: str | None, text_key: str, reject: Reject) 
         try:
             data = _open_bytes(raw, compression).read()
         except Exception as error:
-            raise ValueError(f"data source: {url}: cannot read ({_describe(error)})") from error
+            raise ValueError(
+                f"data source: {url}: cannot read ({describe_error(error)})"
+            ) from error
     try:
         yield data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -179,7 +173,7 @@ def _numbered_lines(file: IO[bytes], url: str) -> Iterator[tuple[int, bytes]]:
             line = file.readline()
         except Exception as error:
             raise ValueError(
-                f"data source: {url}: cannot read after line {number} ({_describe(error)})"
+                f"data source: {url}: cannot read after line {number} ({describe_error(error)})"
             ) from error
         if not line:
             return
@@ -196,7 +190,7 @@ def _read_parquet(url: str, text_key: str, reject: Reject) -> Iterator[str]:
             parquet = pq.ParquetFile(raw)
         except Exception as error:
             raise ValueError(
-                f"data source: {url}: not a readable parquet file ({_describe(error)})"
+                f"data source: {url}: not a readable parquet file ({describe_error(error)})"
             ) from error
         rows = parquet.metadata.num_rows
         problem = _column_problem(parquet.schema_arrow, text_key)
@@ -213,7 +207,7 @@ def _read_parquet(url: str, text_key: str, reject: Reject) -> Iterator[str]:
                 return
             except Exception as error:
                 raise ValueError(
-                    f"data source: {url}, row {row}: cannot read ({_describe(error)})"
+                    f"data source: {url}, row {row}: cannot read ({describe_error(error)})"
                 ) from error
             for value in batch.column(0).to_pylist():
                 if value is None:
@@ -235,169 +229,6 @@ def _column_problem(schema: Any, text_key: str) -> str | None:
     return None
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
+    """`Type: message` of an exception, for error messages."""
     return f"{type(error).__name__}: {error}"
-
-
-# --------------------------------------------------------------------------- Hugging Face
-
-
-def hf_label(hf: HfSourceConfig) -> str:
-    """`hf:<id>[@revision][:<name>]:<split>`: names the dataset in shard names and errors."""
-    revision = f"@{hf.revision}" if hf.revision else ""
-    name = f":{hf.name}" if hf.name else ""
-    return f"hf:{hf.id}{revision}{name}:{hf.split}"
-
-
-def hf_num_rows(hf: HfSourceConfig) -> int:
-    """Rows of a non-streaming dataset split (downloading and preparing it if needed)."""
-    return len(load_hf(hf))
-
-
-def hf_num_streams(hf: HfSourceConfig) -> int:
-    """How many independent pieces (`IterableDataset.num_shards`) a streaming dataset has."""
-    dataset = load_hf(hf)
-    return getattr(dataset, "num_shards", None) or dataset.n_shards
-
-
-def hf_default_shards(rows: int) -> int:
-    """Shards of a non-streaming dataset of `rows` rows when `num_shards` is null."""
-    return max(1, math.ceil(rows / HF_ROWS_PER_SHARD))
-
-
-def read_hf_rows(hf: HfSourceConfig, start: int, stop: int, reject: Reject) -> Iterator[str]:
-    """The texts of rows `[start, stop)` of a non-streaming dataset."""
-    dataset = load_hf(hf)
-    label = hf_label(hf)
-    problem = _feature_problem(dataset.features, hf.text_key)
-    if problem is not None:
-        if stop > start:
-            reject(f"{label}, rows {start}-{stop - 1}", problem, stop - start)
-        return
-    texts = dataset.select_columns([hf.text_key]).with_format(None)
-    for begin in range(start, stop, _PARQUET_BATCH_ROWS):
-        end = min(stop, begin + _PARQUET_BATCH_ROWS)
-        for row, value in enumerate(texts[begin:end][hf.text_key], start=begin):
-            yield from _checked_text(value, f"{label}, row {row}", hf.text_key, reject)
-
-
-def read_hf_stream(hf: HfSourceConfig, index: int, count: int, reject: Reject) -> Iterator[str]:
-    """The texts of piece `index` of `count` of a streaming dataset."""
-    dataset = load_hf(hf)
-    if count > 1:
-        dataset = dataset.shard(num_shards=count, index=index)
-    features = dataset.features
-    if features is not None and hf.text_key in features:
-        dataset = dataset.select_columns([hf.text_key])
-    where = f"{hf_label(hf)}:stream[{index}/{count}]"
-    for row, record in enumerate(dataset):
-        if hf.text_key not in record:
-            reject(f"{where}, row {row}", f"no column {hf.text_key!r} (set `hf.text_key`)")
-            continue
-        yield from _checked_text(record[hf.text_key], f"{where}, row {row}", hf.text_key, reject)
-
-
-def _checked_text(value: object, where: str, text_key: str, reject: Reject) -> Iterator[str]:
-    """`value` if it is a string; otherwise rejects it."""
-    if isinstance(value, str):
-        yield value
-    else:
-        kind = "null" if value is None else f"a {type(value).__name__}, not a string"
-        reject(where, f"{text_key!r} is {kind}")
-
-
-def _feature_problem(features: Any, text_key: str) -> str | None:
-    """Why dataset `features` have no string column `text_key`, or None if they have."""
-    if text_key not in features:
-        return f"no column {text_key!r} (columns: {', '.join(features)}; set `hf.text_key`)"
-    dtype = getattr(features[text_key], "dtype", None)
-    if dtype not in ("string", "large_string"):
-        return f"column {text_key!r} holds {features[text_key]}, not strings"
-    return None
-
-
-def load_hf(hf: HfSourceConfig) -> Any:
-    """The dataset split `hf` names: a `Dataset`, or an `IterableDataset` when streaming.
-
-    `id` is a directory written by `save_to_disk`, any other local directory or packaged
-    builder (`json`, `parquet`, ...) `datasets.load_dataset` reads, or a Hub id (from the
-    HF cache when `HF_DATASETS_OFFLINE=1`). Loaded once per process and config.
-    """
-    key = json.dumps(asdict(hf), sort_keys=True)
-    if key not in _loaded:
-        if len(_loaded) >= 8:
-            _loaded.pop(next(iter(_loaded)))
-        _loaded[key] = _load_hf(hf)
-    return _loaded[key]
-
-
-_loaded: dict[str, Any] = {}
-"""Datasets this process has loaded, by config (oldest first)."""
-
-
-def _load_hf(hf: HfSourceConfig) -> Any:
-    datasets = _import_datasets()
-    path = os.path.expanduser(hf.id)
-    if _is_saved_dataset(path):
-        return _load_saved(datasets, path, hf)
-    try:
-        return datasets.load_dataset(
-            path if os.path.isdir(path) else hf.id,
-            name=hf.name,
-            split=hf.split,
-            streaming=hf.streaming,
-            revision=hf.revision,
-            data_dir=hf.data_dir,
-            data_files=list(hf.data_files) or None,
-        )
-    except Exception as error:
-        offline = (
-            " (offline: only the HF cache is used)"
-            if getattr(datasets.config, "HF_HUB_OFFLINE", False)
-            else ""
-        )
-        raise ValueError(
-            f"data source {hf_label(hf)}: cannot load{offline}: {_describe(error)}"
-        ) from error
-
-
-def _is_saved_dataset(path: str) -> bool:
-    """Whether `path` is a directory written by `Dataset(Dict).save_to_disk`."""
-    return any(
-        os.path.isfile(os.path.join(path, name)) for name in ("state.json", "dataset_dict.json")
-    )
-
-
-def _load_saved(datasets: Any, path: str, hf: HfSourceConfig) -> Any:
-    """The split of a `save_to_disk` directory, as an `IterableDataset` when streaming."""
-    label = hf_label(hf)
-    unused = [key for key in ("name", "revision", "data_dir", "data_files") if getattr(hf, key)]
-    if unused:
-        raise ValueError(
-            f"data source {label}: `hf.{unused[0]}` is not used for a dataset saved with "
-            "save_to_disk; leave it unset"
-        )
-    dataset = datasets.load_from_disk(path)
-    split = hf.split
-    if isinstance(dataset, datasets.DatasetDict):
-        if split not in dataset:
-            raise ValueError(
-                f"data source {label}: no split {split!r} in {path}; splits: {', '.join(dataset)}"
-            )
-        dataset = dataset[split]
-    elif dataset.split is not None and str(dataset.split) != split:
-        raise ValueError(f"data source {label}: {path} holds split {dataset.split!r}")
-    if not hf.streaming:
-        return dataset
-    shards = hf.num_shards or hf_default_shards(len(dataset))
-    return dataset.to_iterable_dataset(num_shards=max(1, min(shards, len(dataset))))
-
-
-def _import_datasets() -> Any:
-    try:
-        import datasets
-    except ImportError as error:
-        raise ImportError(
-            "data source: `hf` sources need the `datasets` package (pip install datasets)"
-        ) from error
-    return datasets

@@ -19,9 +19,10 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from loomax.data import readers
+from loomax.data import hf_datasets, readers
 from loomax.data.braces import expand_braces
 from loomax.data.embedded import EMBEDDED_CORPORA, embedded_paths
+from loomax.data.hf_datasets import HfSourceConfig
 from loomax.data.readers import SUPPORTED_EXTENSIONS, ReadStats
 
 __all__ = [
@@ -36,49 +37,6 @@ __all__ = [
     "source_paths",
     "source_shards",
 ]
-
-
-@dataclass(frozen=True)
-class HfSourceConfig:
-    """A Hugging Face dataset split: a Hub id, a local dataset directory or a packaged builder."""
-
-    id: str
-    """Hub id (`org/name`), a local directory (from `save_to_disk`, or of data files), or a builder like `json`."""
-
-    name: str | None = None
-    """Dataset configuration (subset), e.g. `sample-10BT`; null = the default one."""
-
-    split: str = "train"
-    """Split to read."""
-
-    text_key: str = "text"
-    """Column holding the document text."""
-
-    streaming: bool = False
-    """Stream the data files instead of downloading and preparing the whole split first."""
-
-    revision: str | None = None
-    """Hub branch, tag or commit to read; pin it so the token cache key follows the data."""
-
-    data_dir: str | None = None
-    """Subdirectory of the dataset repository to read (passed to `load_dataset`)."""
-
-    data_files: list[str] = field(default_factory=list)
-    """Data files or globs to read (passed to `load_dataset`); empty = the dataset's own."""
-
-    num_shards: int | None = None
-    """Shards to read in parallel: row ranges, or when streaming groups of data files; null = one per 100k rows, or per data file."""
-
-    def __post_init__(self) -> None:
-        for key in ("id", "split", "text_key"):
-            if not getattr(self, key):
-                raise ValueError(f"data source: `hf.{key}` must not be empty")
-        if isinstance(self.data_files, str):
-            raise ValueError("data source: `hf.data_files` must be a list of paths or globs")
-        if self.num_shards is not None and self.num_shards < 1:
-            raise ValueError(
-                f"data source: `hf.num_shards` must be >= 1 or null, got {self.num_shards}"
-            )
 
 
 @dataclass(frozen=True)
@@ -209,9 +167,9 @@ def read_shard(
     elif source.hf is not None:
         reject = readers.rejecter(skip_bad_records, stats)
         if shard.rows is not None:
-            documents = readers.read_hf_rows(source.hf, *shard.rows, reject)
+            documents = hf_datasets.read_hf_rows(source.hf, *shard.rows, reject)
         else:
-            documents = readers.read_hf_stream(source.hf, shard.index, shard.count, reject)
+            documents = hf_datasets.read_hf_stream(source.hf, shard.index, shard.count, reject)
         for document in documents:
             stats.documents += 1
             yield document
@@ -335,15 +293,15 @@ def _glob_files(pattern: str) -> list[tuple[str, dict[str, Any]]]:
 
 def _hf_shards(source: SourceConfig, hf: HfSourceConfig) -> list[Shard]:
     """Row ranges of a non-streaming dataset, or pieces of a streaming one."""
-    label = readers.hf_label(hf)
+    label = hf_datasets.hf_label(hf)
     if hf.streaming:
-        streams = readers.hf_num_streams(hf)
+        streams = hf_datasets.hf_num_streams(hf)
         count = min(hf.num_shards or streams, streams)
         return [
             Shard(source, i, f"{label}:stream[{i}/{count}]", (), count=count) for i in range(count)
         ]
-    rows = readers.hf_num_rows(hf)
-    count = max(1, min(hf.num_shards or readers.hf_default_shards(rows), rows))
+    rows = hf_datasets.hf_num_rows(hf)
+    count = max(1, min(hf.num_shards or hf_datasets.hf_default_shards(rows), rows))
     bounds = [i * rows // count for i in range(count + 1)]
     return [
         Shard(source, i, f"{label}:rows[{start}:{stop}]", (), (start, stop), count)

@@ -30,8 +30,8 @@ from loomax.checkpoint import (
     list_checkpoints,
     load_latest,
 )
-from loomax.checkpoint.storage import to_url
 from loomax.runtime import MeshRuntime
+from loomax.storage import to_url
 from loomax.train.config import TrainerConfig
 from loomax.train.state import TrainerState
 from loomax.train.step import StateExtra

@@ -1,4 +1,4 @@
-"""Where checkpoints live: a local directory or any tensorstore key-value store URL.
+"""Where checkpoints and token caches live: a local directory or any tensorstore kvstore URL.
 
 Every read, write, listing and deletion goes through a tensorstore ``KvStore``, so the
 same code serves local paths, ``gs://``, ``s3://`` and ``memory://`` (used in tests).

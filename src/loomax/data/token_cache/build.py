@@ -1,0 +1,255 @@
+"""Building a token cache: documents tokenized in parallel by Ray into flat tensorstore arrays.
+
+`build_token_cache` tokenizes each shard in a Ray task (`tasks`), which writes the
+shard's tokens to a piece of its own and then records the shard in the ledger. Once the
+ledger holds every shard needed, the driver copies the pieces into one flat array per
+split (`assemble`) and writes `meta.json` last. An interrupted build (driver killed, a
+task failed) resumes from the ledger (`ledger`): rerunning it tokenizes only the shards
+the ledger lacks, and the result is the same, token for token. See `layout` for what is
+stored where.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from loomax.data.cache import fingerprint
+from loomax.data.sources import Shard
+from loomax.data.token_cache.assemble import assemble_splits
+from loomax.data.token_cache.layout import FORMAT_VERSION, META_FILE, TokenCacheError
+from loomax.data.token_cache.ledger import claim, delete_pieces, entry_tokens, read_ledger
+from loomax.data.token_cache.settings import BuildPlan, SplitInfo, TokenCacheInfo, cache_settings
+from loomax.data.token_cache.tasks import PieceJob, build_piece
+from loomax.data.tokenizer import bos_id, eos_id, resolve_tokenizer_path
+from loomax.distributed import RayConfig, ray_session
+from loomax.storage import Directory, to_url
+
+
+def build_token_cache(
+    shards: Sequence[Shard],
+    tokenizer_path: str | os.PathLike,
+    cache_url: str | os.PathLike,
+    *,
+    max_documents: int | None = None,
+    holdout_fraction: float = 0.0,
+    holdout_seed: int = 0,
+    bos: bool = False,
+    skip_bad_records: bool = False,
+    overwrite: bool = False,
+    ray_config: RayConfig = RayConfig(),
+    progress: bool = True,
+    before_piece: Callable[[Shard], None] | None = None,
+) -> TokenCacheInfo:
+    """Tokenizes `shards` with Ray into a token cache at `cache_url`, or resumes that build.
+
+    Documents are ordered by shard, then within it; `max_documents` keeps the first
+    that many. Each becomes its tokens followed by EOS (preceded by BOS if `bos`),
+    exactly as `encode_documents` makes them. A complete cache with the same settings is
+    returned as is; one with other settings raises `TokenCacheError` naming what
+    differs, unless `overwrite` deletes it first. `ray_config` says which Ray cluster
+    to use; if Ray is already initialized it is used as is.
+    `memory://` caches are built in this process, since Ray workers cannot see them.
+
+    `before_piece`, for tests and fault drills, is called with each shard to tokenize,
+    in the task that tokenizes it (a Ray worker: it must pickle, e.g. a closure), before
+    the shard is read: it may sleep to slow the build down, or raise to fail that task.
+    It is not part of the cache's settings.
+    """
+    if not 0 <= holdout_fraction < 1:
+        raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
+    if max_documents is not None and max_documents < 1:
+        raise ValueError(f"max_documents must be >= 1 or null, got {max_documents}")
+    if not shards:
+        raise ValueError("token cache: no shards to tokenize")
+    tokenizer_file = resolve_tokenizer_path(tokenizer_path)
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    settings = cache_settings(
+        shards,
+        tokenizer_file,
+        max_documents=max_documents,
+        holdout_fraction=holdout_fraction,
+        holdout_seed=holdout_seed,
+        bos=bos,
+    )
+    build = BuildPlan(
+        root=Directory(to_url(cache_url)),
+        shards=shards,
+        settings=settings,
+        key=fingerprint(settings),
+        tokenizer_file=tokenizer_file,
+        token_ids={
+            "vocab_size": tokenizer.get_vocab_size(),
+            "eos_id": eos_id(tokenizer),
+            "bos_id": bos_id(tokenizer) if bos else None,  # raises now if there is none
+        },
+        skip_bad_records=skip_bad_records,
+    )
+    meta, tokenized = claim(build, overwrite), 0
+    if meta is None:
+        ledger = read_ledger(build)
+        before = len(ledger)
+        if build.shards_used(ledger) is None:
+            jobs = [
+                _job(build, i, before_piece) for i in range(len(build.shards)) if i not in ledger
+            ]
+            _tokenize_missing(build, jobs, ledger, ray_config, progress)
+        tokenized = len(ledger) - before
+        meta = _finish(build, ledger)
+    delete_pieces(build.root)
+    return _info(build.root, meta, tokenized)
+
+
+def _job(build: BuildPlan, position: int, before_piece: Callable[[Shard], None] | None) -> PieceJob:
+    return PieceJob(
+        position=position,
+        shard=build.shards[position],
+        root_url=build.root.url,
+        fingerprint=build.key,
+        tokenizer_sha256=build.settings["tokenizer_sha256"],
+        bos_id=build.token_ids["bos_id"],
+        max_documents=build.max_documents,
+        holdout_fraction=build.holdout["fraction"],
+        holdout_seed=build.holdout["seed"],
+        skip_bad_records=build.skip_bad_records,
+        before_piece=before_piece,
+    )
+
+
+# ---------------------------------------------------------------------- tokenizing
+_Outcome = tuple[PieceJob, "dict[str, Any] | BaseException"]
+
+
+def _tokenize_missing(
+    build: BuildPlan,
+    jobs: list[PieceJob],
+    ledger: dict[int, dict],
+    ray_config: RayConfig,
+    progress: bool,
+) -> None:
+    """Runs `jobs` (the shards the ledger lacks), in order, until the shards used are all in it.
+
+    Runs on Ray, or in this process for memory:// caches. Raises `TokenCacheError` naming
+    the first shard that failed, after the shards already running have finished.
+    """
+    tokenizer_json = build.tokenizer_file.read_text(encoding="utf-8")
+    if build.root.url.startswith("memory://"):
+        _collect(build, ledger, _run_here(jobs, tokenizer_json), progress)
+        return
+    with ray_session(ray_config):
+        _collect(build, ledger, _run_on_ray(jobs, tokenizer_json), progress)
+
+
+def _collect(
+    build: BuildPlan, ledger: dict[int, dict], runner: Iterator[_Outcome], progress: bool
+) -> None:
+    """Adds the outcomes of `runner` to `ledger`, with a progress bar; raises on failure."""
+    failures: list[tuple[PieceJob, BaseException]] = []
+    tokens = sum(entry_tokens(entry) for entry in ledger.values())
+    bar = tqdm(
+        total=len(build.shards),
+        initial=len(ledger),
+        desc="token cache",
+        unit="shard",
+        file=sys.stderr,
+        disable=not progress,
+    )
+    try:
+        for job, outcome in runner:
+            if isinstance(outcome, BaseException):
+                failures.append((job, outcome))
+                continue
+            ledger[job.position] = outcome
+            tokens += entry_tokens(outcome)
+            bar.update()
+            bar.set_postfix(tokens=f"{tokens:,}")
+            if not failures and build.shards_used(ledger) is not None:
+                break
+    finally:
+        runner.close()
+        bar.close()
+    if failures:
+        job, error = failures[0]
+        raise TokenCacheError(
+            f"token cache: tokenizing shard {job.shard.name} failed "
+            f"({len(failures)} shard(s) failed; finished shards are kept, rerun to resume): "
+            f"{type(error).__name__}: {error}"
+        ) from error
+
+
+def _run_on_ray(jobs: Sequence[PieceJob], tokenizer_json: str) -> Iterator[_Outcome]:
+    """Runs `jobs` as Ray tasks, a few per CPU at a time, in order; yields them as they end.
+
+    After the first failure no new task starts, but running ones finish (their work is
+    kept in the ledger). Closing the iterator cancels the tasks still running.
+    """
+    import ray  # only here: reading a cache, or building one in memory, needs no Ray
+
+    task = ray.remote(build_piece)
+    tokenizer_ref = ray.put(tokenizer_json)
+    in_flight = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+    queue, running, failed = deque(jobs), {}, False
+    try:
+        while running or (queue and not failed):
+            while queue and not failed and len(running) < in_flight:
+                job = queue.popleft()
+                running[task.remote(job, tokenizer_ref)] = job
+            [ref], _ = ray.wait(list(running), num_returns=1)
+            job = running.pop(ref)
+            try:
+                outcome: dict[str, Any] | BaseException = ray.get(ref)
+            except ray.exceptions.RayError as error:
+                outcome, failed = getattr(error, "cause", None) or error, True
+            yield job, outcome
+    finally:
+        for ref in running:
+            ray.cancel(ref)
+
+
+def _run_here(jobs: Sequence[PieceJob], tokenizer_json: str) -> Iterator[_Outcome]:
+    """Runs `jobs` one by one in this process (for stores other processes cannot see)."""
+    for job in jobs:
+        try:
+            yield job, build_piece(job, tokenizer_json)
+        except Exception as error:  # reported by the caller, like a failed Ray task
+            yield job, error
+            return
+
+
+# ---------------------------------------------------------------------- finishing
+def _finish(build: BuildPlan, ledger: dict[int, dict]) -> dict:
+    """Copies the pieces of the shards used into the flat arrays, then writes `meta.json`."""
+    used = build.shards_used(ledger)
+    assert used is not None, "every shard used is in the ledger"
+    entries = [ledger[position] for position in range(used)]
+    meta = {
+        "format": FORMAT_VERSION,
+        "fingerprint": build.key,
+        "settings": build.settings,
+        "tokenizer": str(build.tokenizer_file),
+        **build.token_ids,
+        "splits": assemble_splits(build, entries),
+        "shards": {"total": len(build.shards), "used": used},
+        "documents_skipped": sum(entry["skipped"] for entry in entries),
+        "skipped_examples": [e for entry in entries for e in entry["skipped_examples"]][:10],
+    }
+    build.root.write_json(META_FILE, meta)
+    return meta
+
+
+def _info(root: Directory, meta: dict, tokenized: int) -> TokenCacheInfo:
+    return TokenCacheInfo(
+        url=root.url,
+        fingerprint=meta["fingerprint"],
+        splits={name: SplitInfo(**counts) for name, counts in meta["splits"].items()},
+        documents_skipped=meta["documents_skipped"],
+        shards_total=meta["shards"]["total"],
+        shards_used=meta["shards"]["used"],
+        shards_tokenized=tokenized,
+    )

@@ -1,0 +1,141 @@
+"""One shard into one piece: the job a Ray task (or this process, for memory://) runs.
+
+A task reads its shard, tokenizes it in batches, writes the documents of each split to a
+piece of its own (`pieces/<i>/<attempt>/<split>/`), and only then records the shard in
+the ledger (`ledger/<i>.json`), so a ledger entry always names a complete piece.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+from tokenizers import Tokenizer
+
+from loomax.data.sources import ReadStats, Shard, read_shard
+from loomax.data.token_cache.layout import create_array, is_held_out, piece_dir, split_names
+from loomax.data.tokenizer import encode_documents
+from loomax.storage import Directory
+
+_ENCODE_BATCH = 1024
+"""Documents a task reads before encoding them in one batch."""
+
+_FLUSH_TOKENS = 1 << 22
+"""Tokens a task buffers before appending them to its piece."""
+
+
+@dataclass(frozen=True)
+class PieceJob:
+    """What a task needs to tokenize one shard into a piece and record it in the ledger."""
+
+    position: int
+    shard: Shard
+    root_url: str
+    fingerprint: str
+    tokenizer_sha256: str
+    bos_id: int | None
+    max_documents: int | None
+    holdout_fraction: float
+    holdout_seed: int
+    skip_bad_records: bool
+    before_piece: Callable[[Shard], None] | None = None
+    """Called with the shard in the task before it is read (see `build_token_cache`)."""
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(sha256: str, text: str) -> Tokenizer:
+    """The tokenizer of a tokenizer.json's text, parsed once per process."""
+    return Tokenizer.from_str(text)
+
+
+def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
+    """Tokenizes one shard into a new piece, then records it in the ledger; returns the entry."""
+    if job.before_piece is not None:
+        job.before_piece(job.shard)
+    tokenizer = _tokenizer(job.tokenizer_sha256, tokenizer_json)
+    bos = np.array([] if job.bos_id is None else [job.bos_id], dtype=np.int32)
+    root = Directory(job.root_url)
+    attempt = uuid.uuid4().hex[:12]  # a task left running by a killed driver writes elsewhere
+    writers = {
+        split: PieceWriter(piece_dir(root, job.position, attempt, split))
+        for split in split_names(job.holdout_fraction)
+    }
+    stats = ReadStats()
+    documents = read_shard(job.shard, skip_bad_records=job.skip_bad_records, stats=stats)
+    index = 0
+    for batch in _batched(itertools.islice(documents, job.max_documents), _ENCODE_BATCH):
+        for tokens in encode_documents(tokenizer, batch):
+            held_out = is_held_out(job.shard.name, index, job.holdout_fraction, job.holdout_seed)
+            writers["validation" if held_out else "train"].append(
+                np.concatenate((bos, tokens)) if len(bos) else tokens
+            )
+            index += 1
+    entry = {
+        "position": job.position,
+        "name": job.shard.name,
+        "fingerprint": job.fingerprint,
+        "piece": attempt,
+        "documents": index,
+        "skipped": stats.skipped,
+        "skipped_examples": stats.examples,
+        "splits": {split: writer.close() for split, writer in writers.items()},
+    }
+    root.child("ledger").write_json(f"{job.position}.json", entry)  # after the piece; atomic
+    return entry
+
+
+def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    iterator = iter(items)
+    while batch := list(itertools.islice(iterator, size)):
+        yield batch
+
+
+class PieceWriter:
+    """Appends documents to one split of a piece: tokens (grown as needed), then offsets."""
+
+    def __init__(self, directory: Directory) -> None:
+        self._directory = directory
+        self._tokens: ts.TensorStore | None = None
+        self._buffer: list[np.ndarray] = []
+        self._buffered = 0
+        self._written = 0
+        self._lengths: list[int] = []
+
+    def append(self, document: np.ndarray) -> None:
+        """Adds one document's tokens; they are written once enough are buffered."""
+        self._buffer.append(document)
+        self._buffered += len(document)
+        self._lengths.append(len(document))
+        if self._buffered >= _FLUSH_TOKENS:
+            self._flush()
+
+    def close(self) -> dict[str, int]:
+        """Writes what is buffered and the offsets; returns the split's counts."""
+        self._flush()
+        if self._tokens is None:
+            create_array(self._directory.child("tokens"), "int32", 0)
+        offsets = np.zeros(len(self._lengths) + 1, dtype=np.int64)
+        np.cumsum(self._lengths, out=offsets[1:])
+        create_array(self._directory.child("offsets"), "int64", len(offsets)).write(
+            offsets
+        ).result()
+        return {"documents": len(self._lengths), "tokens": self._written}
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        data = np.concatenate(self._buffer)
+        end = self._written + len(data)
+        if self._tokens is None:  # sized by the first write, so small pieces get small chunks
+            self._tokens = create_array(self._directory.child("tokens"), "int32", end)
+        else:
+            self._tokens = self._tokens.resize(exclusive_max=[end]).result()
+        self._tokens[self._written : end].write(data).result()
+        self._written = end
+        self._buffer, self._buffered = [], 0
