@@ -138,14 +138,14 @@ def run_llama(kv_heads: int, mesh: MeshConfig, devices) -> dict:
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("loomax.train.trainer").addHandler(handler)
+    logging.getLogger("loomax").addHandler(handler)
     trainer = make_trainer(mesh, tempfile.mkdtemp(), devices)
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
     state = trainer.initial_state(lambda key: model.build(VOCAB, key=key))
     k_proj = state.model.blocks.stacked.attn.k_proj.weight
     trainer.train(state, loader().iter_from(0, 0, 1))
-    logging.getLogger("loomax.train.trainer").removeHandler(handler)
+    logging.getLogger("loomax").removeHandler(handler)
     return {
         "losses": losses,
         "k_proj_axes": [a.name for a in k_proj.axes],

@@ -25,10 +25,11 @@ from loomax.tracking import Tracker, build_tracker
 from loomax.tracking.artifacts import write_file
 from loomax.train.config import TrainerConfig
 from loomax.train.control import Control, Decision, StepAgreement, StopSignals
-from loomax.train.hooks import CompletedStep, FnHook, Hook, StepInfo, hook_state_keys
+from loomax.train.hook_set import HookSet
+from loomax.train.hooks import CompletedStep, FnHook, Hook, StepInfo
 from loomax.train.restore import StateBuilder
 from loomax.train.state import TrainerState
-from loomax.train.step import TRACED, JitHook, LossFn, StateExtra, make_train_step
+from loomax.train.step import TRACED, JitHook, LossFn, make_train_step
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +71,7 @@ class Trainer:
         self.num_microbatches = config.microbatches(dp)
         for size in self.batch_schedule.sizes:  # every stage must split over the devices
             config.microbatches(dp, size)
-        self.hooks: list[Hook] = []
-        self.jit_hooks: list[JitHook] = []
-        self.extras: dict[str, StateExtra] = {}
-        """Arrays hooks keep in ``TrainerState.extras``, by name."""
-        self.eval_weights: str | None = None
-        """The ``extras`` entry evaluators use instead of the model weights (EMA), if any."""
+        self.hook_set = HookSet()
         self._state_made = False
         self._tracker: Tracker | None = None
         self._step_fns: dict[int, Callable] = {}
@@ -123,35 +119,20 @@ class Trainer:
         """
         if fn is None:
             return lambda f: self.add_hook(f, every=every, priority=priority)
+        compiled = bool(self._step_fns)
         if isinstance(fn, JitHook):
-            self._before_compile("JitHooks")
-            self.jit_hooks.append(fn)
+            self.hook_set.add_jit_hooks([fn], "JitHooks", compiled=compiled)
             return fn
         hook = fn if isinstance(fn, Hook) else FnHook(fn, every, priority)
-        wrapped, jit_hooks = hook.wrap_optimizer(self.optimizer), hook.jit_hooks()
-        extras = hook.state_extras()
-        if wrapped is not self.optimizer or extras:
-            if self._state_made:
-                raise RuntimeError(
-                    f"hook {hook.name} changes the optimizer or the state: add it before initial_state()"
-                )
-            self.optimizer = wrapped
-        if jit_hooks:
-            self._before_compile(f"hook {hook.name} (it has JitHooks)")
-            self.jit_hooks.extend(jit_hooks)
-        for name, extra in extras.items():
-            if name in self.extras:
-                raise ValueError(f"two hooks keep state extras named {name!r}")
-            self.extras[name] = extra
-        if getattr(hook, "provides_eval_weights", None):
-            self.eval_weights = hook.provides_eval_weights
-        self.hooks.append(hook)
-        self.hooks.sort(key=lambda h: -h.priority)  # stable: registration order among equals
+        self.optimizer = self.hook_set.add(
+            hook, self.optimizer, state_made=self._state_made, compiled=compiled
+        )
         return fn
 
-    def _before_compile(self, what: str) -> None:
-        if self._step_fns:
-            raise RuntimeError(f"{what} must be added before the first call to train()")
+    @property
+    def hooks(self) -> list[Hook]:
+        """The hooks in running order."""
+        return self.hook_set.hooks
 
     @property
     def tracker(self) -> Tracker:
@@ -170,7 +151,7 @@ class Trainer:
         """The state to train from: resumed, initialized from other weights, or fresh from
         ``init_model(key)`` (the order is ``loomax.train.restore``'s); sharded on the mesh."""
         self._state_made = True
-        builder = StateBuilder(self.config, self.runtime, self.optimizer, self.extras)
+        builder = StateBuilder(self.config, self.runtime, self.optimizer, self.hook_set.extras)
         restored = builder.restore(init_model, self.checkpointer, initial_weights)
         self.restored_from = restored.checkpoint
         self._restored_hook_states = restored.hook_states
@@ -186,8 +167,8 @@ class Trainer:
                 mp=self.config.policy,
                 num_microbatches=microbatches,
                 lr_schedule=self.lr_schedule,
-                jit_hooks=self.jit_hooks,
-                extras=self.extras,
+                jit_hooks=self.hook_set.jit_hooks,
+                extras=self.hook_set.extras,
             )
             shardings = self.runtime.state_shardings(state)
             out = (shardings, replicated(self.runtime.mesh))
@@ -232,7 +213,8 @@ class Trainer:
         batches = iter(batches)
         control = Control()
         info = self._step_info(int(state.step), state, {}, control)
-        self._load_hook_states()
+        self.hook_set.load_states(self._restored_hook_states)
+        self._restored_hook_states = {}
         pending: tuple[int, dict] | None = None
         previous: CompletedStep | None = None
         self._started = self._last_done = time.perf_counter()
@@ -240,20 +222,18 @@ class Trainer:
         self.stop_reason = None
         try:
             with signals.installed():
-                self._call("on_train_begin", info)
+                self.hook_set.call("on_train_begin", info)
                 self._act(info, Decision(eval=control.eval_requested))
                 control.clear()
                 for step in range(info.step + 1, self.config.num_train_steps + 1):
-                    batch = next(batches)
-                    for hook in self.hooks:
-                        batch = hook.transform_batch(step, batch)
+                    batch = self.hook_set.transform_batch(step, next(batches))
                     dispatched_at = time.perf_counter()
                     state, metrics = self.train_step(state, batch, **self._batch_size_args(step))
                     if pending is not None:  # the step before is done: its values are on the host
                         previous = self._complete(*pending)
                     self._flush(info)  # the record of the step before, now that this one is queued
                     info = self._step_info(step, state, metrics, control, previous, dispatched_at)
-                    self._call("on_step", info)
+                    self.hook_set.call("on_step", info)
                     pending = (step, info.metrics)
                     decision = agreement.agree(step, self._propose(step, control, signals))
                     control.clear()
@@ -264,16 +244,12 @@ class Trainer:
                         break
                 if pending is not None:
                     info.previous = self._complete(*pending)
-                self._call("on_train_end", info)
+                self.hook_set.call("on_train_end", info)
                 self._act(info, self._final_decision(info.step, control))
                 control.clear()
                 self.checkpointer.wait()
         except BaseException as error:
-            for hook in self.hooks:
-                try:
-                    hook.on_error(info, error)
-                except Exception:  # noqa: BLE001 - the original error matters more
-                    logger.exception("hook %s failed in on_error", hook.name)
+            self.hook_set.on_error(info, error)
             raise
         finally:
             self._flush(info)
@@ -323,30 +299,17 @@ class Trainer:
             dispatched_at=dispatched_at,
             control=control,
             run_dir=self.run_dir,
-            eval_weights=self.eval_weights,
-            traced_outputs=dict(zip(map(id, self.jit_hooks), traced, strict=bool(traced))),
+            eval_weights=self.hook_set.eval_weights,
+            traced_outputs=dict(zip(map(id, self.hook_set.jit_hooks), traced, strict=bool(traced))),
         )
-
-    def _call(self, method: str, info: StepInfo, *args: Any) -> None:
-        """Run ``method`` of every hook (``on_step`` only where due), naming the running hook."""
-        for hook in self.hooks:
-            if method == "on_step" and info.step % hook.every:
-                continue
-            info.control.running = hook.name
-            try:
-                getattr(hook, method)(info, *args)
-            finally:
-                info.control.running = None
 
     def _act(self, info: StepInfo, decision: Decision) -> None:
         """Evaluate, then save, as ``decision`` says."""
         if decision.eval:
-            results: dict[str, float] = {}
-            for hook in self.hooks:
-                results.update(hook.run_eval(info) or {})
+            results = self.hook_set.evaluate(info)
             if results:
                 info.log(results)
-                self._call("on_eval", info, results)
+                self.hook_set.call("on_eval", info, results)
         if decision.save:
             self._save(info, permanent=decision.save == "permanent")
 
@@ -361,33 +324,19 @@ class Trainer:
             "config": self.run_config,
             "data": {"batches_consumed": info.step},
             "rng_key": np.asarray(jax.device_get(info.state.key)).tolist(),
-            "hooks": self._hook_states(),
+            "hooks": self.hook_set.states(),
             "train_seconds": self._train_seconds + time.perf_counter() - self._started,
             "mesh": dict(self.mesh.shape),
         }
         if not self.batch_schedule.is_constant:
             metadata["data"]["sequences_consumed"] = self.batch_schedule.offset(info.step)
-        files = {k: v for hook in self.hooks for k, v in hook.checkpoint_files().items()}
+        files = self.hook_set.checkpoint_files()
         if self.checkpointer.save(
             info.step, info.state, metadata, permanent=permanent, files=files
         ):
-            self._call("on_save", info, self.checkpointer.directory.child(f"step-{info.step}").url)
-
-    def _hook_states(self) -> dict[str, Any]:
-        return {key: hook.state_dict() for key, hook in hook_state_keys(self.hooks).items()}
-
-    def _load_hook_states(self) -> None:
-        saved, self._restored_hook_states = self._restored_hook_states, {}
-        if not saved:
-            return
-        keyed = hook_state_keys(self.hooks)
-        for key, value in saved.items():
-            if key in keyed:
-                keyed[key].load_state_dict(value)
-            else:
-                logger.warning(
-                    "checkpoint has state for hook %r, which this run does not have", key
-                )
+            self.hook_set.call(
+                "on_save", info, self.checkpointer.directory.child(f"step-{info.step}").url
+            )
 
     def _complete(self, step: int, metrics: dict[str, jax.Array]) -> CompletedStep:
         """``step`` as finished, its scalar metrics on the host (waits for it)."""
@@ -403,8 +352,7 @@ class Trainer:
             return
         record = dict(info.record)
         info.record.clear()
-        for hook in self.hooks:
-            hook.pre_log(info, record)
+        self.hook_set.pre_log(info, record)
         if record:
             self.tracker.log(record, step=info.step)
 
