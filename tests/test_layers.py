@@ -1,0 +1,129 @@
+"""The import graph of ``loomax``: layers point down only, and no module imports itself back.
+
+Every ``import`` that runs counts, including those inside functions (an import moved
+into a function to dodge a circle is still a circle); ``if TYPE_CHECKING:`` blocks,
+which never run, do not. The layers are those of docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+import loomax
+
+ROOT = Path(loomax.__file__).parent
+
+LAYERS: list[set[str]] = [
+    {"errors", "config", "storage", "jax_setup", "_xla_flags", "peak_flops", "batch_schedule"},
+    {"mesh", "tree_paths"},
+    {"distributed", "runtime", "tracking"},
+    {"models", "optim", "data", "checkpoint"},
+    {"hf"},
+    {"train"},
+    {"callbacks", "lm"},
+    {"train_lm", "inference"},
+    {"benchmark", "ladder", "plan", "launch", "model_cli", "config_reference"},
+    {"cli"},
+]
+"""Top-level modules and packages of ``loomax``, lowest layer first. A unit may import
+its own package and units of lower layers, nothing at its own layer or above."""
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """For every module, the ``loomax`` modules it imports (resolved to existing modules)."""
+
+    def resolve(name: str) -> str | None:
+        while name not in modules:
+            if "." not in name:
+                return None
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    edges: dict[str, set[str]] = collections.defaultdict(set)
+    for name, path in modules.items():
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                found = resolve(target) if target.startswith("loomax.") else None
+                if found and found != name and not name.startswith(found + "."):
+                    edges[name].add(found)  # a package's __init__ is not an import back
+    return edges
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` outside ``if TYPE_CHECKING:`` blocks."""
+    for node in ast.iter_child_nodes(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Name | ast.Attribute) and "TYPE_CHECKING" in ast.unparse(test):
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(m) for m in _modules()} - {""}
+    placed = set().union(*LAYERS)
+    assert units <= placed, f"give these a layer in LAYERS: {sorted(units - placed)}"
+
+
+def test_imports_point_down_the_layers():
+    layer = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+    wrong = sorted(
+        f"{a} -> {b}"
+        for a, targets in _imports(_modules()).items()
+        for b in targets
+        if _unit(a) and _unit(a) != _unit(b) and layer[_unit(b)] >= layer[_unit(a)]
+    )
+    assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    edges = _imports(_modules())
+    cycles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in list(edges):
+        if module not in index:
+            visit(module)
+    assert not cycles, f"modules that import each other: {cycles}"
