@@ -25,6 +25,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from loomax import tree_paths
 from loomax.checkpoint.storage import CONTEXT, join
 
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
@@ -77,18 +78,6 @@ class Snapshot:
 
 
 # ---------------------------------------------------------------------- naming
-def _key_name(entry: Any) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def leaf_name(path: Sequence[Any]) -> str:
-    """A leaf's key path as a slash-separated name, e.g. ``model/blocks/attn/q/weight``."""
-    return "/".join(_key_name(p) for p in path) or "root"
-
-
 def _is_named(x: Any) -> bool:
     return isinstance(x, hax.NamedArray)
 
@@ -100,10 +89,10 @@ def _unname(x: Any) -> Any:
 def named_leaves(tree: Any) -> list[tuple[str, Any]]:
     """``(name, leaf)`` for every leaf of ``tree``, in flattening order.
 
-    A Haliax ``NamedArray`` counts as one leaf (its array), named by its own path.
+    Names are slash-separated key paths (``model/blocks/attn/q/weight``, ``root`` for a bare
+    leaf); a Haliax ``NamedArray`` counts as one leaf (its array), named by its own path.
     """
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_named)
-    named = [(leaf_name(path), _unname(leaf)) for path, leaf in leaves]
+    named = [(name or "root", _unname(leaf)) for name, leaf in tree_paths.named_leaves(tree)]
     seen: set[str] = set()
     for name, _ in named:
         if name in seen:
