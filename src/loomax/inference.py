@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from loomax.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from loomax.checkpoint.serialize import _is_named
 from loomax.config import parse_config
 from loomax.lm import TrainLmConfig, resolve_vocab_size
 from loomax.models.config import LmModel
+from loomax.tree_paths import is_named_array
 
 
 @dataclass
@@ -94,7 +94,7 @@ def _read_model(checkpoint, config: TrainLmConfig, vocab: int) -> LmModel:
     skeleton = jax.eval_shape(lambda: config.model.build(vocab, key=jax.random.PRNGKey(0)))
     template = {"model": skeleton}
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = jax.tree.map(lambda _: device, template, is_leaf=_is_named)
+    shardings = jax.tree.map(lambda _: device, template, is_leaf=is_named_array)
     tree, missing = load_checkpoint(checkpoint, template, shardings, prefix="model")
     if missing:
         raise CheckpointError(

@@ -1,4 +1,4 @@
-"""Readers for what the trackers write: wandb's offline run files and TensorBoard event files."""
+"""Readers for what the trackers write: JSON lines, wandb's offline run files, TensorBoard event files."""
 
 from __future__ import annotations
 
@@ -94,3 +94,23 @@ def wandb_offline(tmp_path, monkeypatch) -> Path:
 
 def offline_runs(root: Path) -> list[Path]:
     return sorted(root.glob("offline-run-*"))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file, one dict a line."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_events(logdir: Path):
+    """TensorBoard's own reader over the event files in ``logdir``, loaded."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return events
+
+
+def text_of(events, tag: str) -> str:
+    """The one text entry logged under ``tag``."""
+    (event,) = events.Tensors(tag)
+    return event.tensor_proto.string_val[0].decode()

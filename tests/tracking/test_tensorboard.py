@@ -16,18 +16,7 @@ from loomax.tracking import (
     build_tracker,
 )
 
-
-def read_events(logdir):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
-    events.Reload()
-    return events
-
-
-def text_of(events, tag) -> str:
-    (event,) = events.Tensors(tag)
-    return event.tensor_proto.string_val[0].decode()
+from .conftest import read_events, text_of
 
 
 def test_scalars_config_and_summary_are_read_back(tmp_path):

@@ -7,6 +7,8 @@ import math
 
 from loomax.tracking import CompositeTracker, JsonlTrackerConfig, NoopTrackerConfig, build_tracker
 
+from .conftest import read_jsonl
+
 
 def test_jsonl_writes_one_object_per_call_and_summary(tmp_path):
     tracker = JsonlTrackerConfig().init(tmp_path)
@@ -15,9 +17,9 @@ def test_jsonl_writes_one_object_per_call_and_summary(tmp_path):
     tracker.log_hyperparameters({"trainer.seed": 0})
     tracker.log_summary({"final": 1.5})
     tracker.finish()
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == [3, 4]
-    assert json.loads(lines[0])["eval/loss"] == "nan"
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [3, 4]
+    assert records[0]["eval/loss"] == "nan"
     assert json.loads((tmp_path / "summary.json").read_text()) == {"final": 1.5}
     assert json.loads((tmp_path / "hparams.json").read_text()) == {"trainer.seed": 0}
 

@@ -21,6 +21,7 @@ import optax
 from loomax.train.hook_config import HookConfig, HookContext, check_positive
 from loomax.train.hooks import Hook, StepInfo
 from loomax.train.step import JitHook, StepContext
+from loomax.tree_paths import named_leaves
 
 KINDS = ("grad", "param", "update")
 HIST_BINS = 32
@@ -30,17 +31,11 @@ HIST_RANGE = (-12.0, 4.0)
 
 def _named_leaves(tree) -> list[tuple[str, jax.Array, bool]]:
     """(path, array, has a layers axis) for every inexact array of ``tree``."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, hax.NamedArray)
-    )
     out = []
-    for path, leaf in leaves:
+    for name, leaf in named_leaves(tree):
         stacked = isinstance(leaf, hax.NamedArray) and "layers" in [a.name for a in leaf.axes]
         array = leaf.rearrange(("layers", ...)).array if stacked else getattr(leaf, "array", leaf)
         if eqx.is_inexact_array(array):
-            name = "/".join(
-                str(getattr(p, "name", getattr(p, "key", getattr(p, "idx", p)))) for p in path
-            )
             out.append((name, array, stacked))
     return out
 

@@ -25,7 +25,9 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from loomax import tree_paths
 from loomax.storage import CONTEXT, join
+from loomax.tree_paths import is_named_array
 
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
 """Shards above this are split into several chunks, so large arrays are written in parallel."""
@@ -77,33 +79,19 @@ class Snapshot:
 
 
 # ---------------------------------------------------------------------- naming
-def _key_name(entry: Any) -> str:
-    for attr in ("name", "key", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
-
-
-def leaf_name(path: Sequence[Any]) -> str:
-    """A leaf's key path as a slash-separated name, e.g. ``model/blocks/attn/q/weight``."""
-    return "/".join(_key_name(p) for p in path) or "root"
-
-
-def _is_named(x: Any) -> bool:
-    return isinstance(x, hax.NamedArray)
 
 
 def _unname(x: Any) -> Any:
-    return x.array if _is_named(x) else x
+    return x.array if is_named_array(x) else x
 
 
 def named_leaves(tree: Any) -> list[tuple[str, Any]]:
     """``(name, leaf)`` for every leaf of ``tree``, in flattening order.
 
-    A Haliax ``NamedArray`` counts as one leaf (its array), named by its own path.
+    Names are slash-separated key paths (``model/blocks/attn/q/weight``, ``root`` for a bare
+    leaf); a Haliax ``NamedArray`` counts as one leaf (its array), named by its own path.
     """
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_named)
-    named = [(leaf_name(path), _unname(leaf)) for path, leaf in leaves]
+    named = [(name or "root", _unname(leaf)) for name, leaf in tree_paths.named_leaves(tree)]
     seen: set[str] = set()
     for name, _ in named:
         if name in seen:
@@ -267,7 +255,7 @@ def read_tree(
     checkpoint. A dtype differing from the checkpoint's is cast; a shape mismatch raises.
     """
     named = named_leaves(template)
-    template_leaves, treedef = jax.tree.flatten(template, is_leaf=_is_named)
+    template_leaves, treedef = jax.tree.flatten(template, is_leaf=is_named_array)
     shard_leaves = [_unname(s) for s in treedef.flatten_up_to(shardings)]
     missing: list[str] = []
     jobs = []
@@ -292,7 +280,7 @@ def read_tree(
             out.append(job[1])
         else:
             array = _finish_read(url, name, *job[1])
-            out.append(hax.NamedArray(array, original.axes) if _is_named(original) else array)
+            out.append(hax.NamedArray(array, original.axes) if is_named_array(original) else array)
     return jax.tree.unflatten(treedef, out), missing
 
 

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from loomax.data.tokenizer import bos_id, eos_id
 from loomax.hf import gpt2 as hf_gpt2
 from loomax.hf import llama as hf_llama
 from loomax.hf.layout import export_tensors, load_tensors
@@ -52,8 +53,6 @@ def special_token_ids(tokenizer: Any) -> dict[str, int]:
     """config.json's ``bos_token_id``/``eos_token_id`` for a ``tokenizers.Tokenizer``: its
     end-of-document token, and its beginning-of-document token or else the EOS again (as
     GPT-2: documents start after an EOS)."""
-    from loomax.data.tokenizer import bos_id, eos_id
-
     eos = eos_id(tokenizer)
     try:
         bos = bos_id(tokenizer)

@@ -1,4 +1,10 @@
-"""The ``model`` section: a choice registry of language-model configs (``model.type``)."""
+"""The ``model`` section and what every model provides.
+
+``LmConfig`` is the choice registry of language-model configs (``model.type``: each model
+module registers its own subclass), ``LmModel`` the interface the loss, the trainer and
+generation use, ``SavedModel`` what ``model.save`` writes to ``model.yaml``. This module
+imports no model, no saving code above it: ``loomax.models.saving`` loads what it saves.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from loomax.models.attention import BACKENDS
+from loomax.models.files import write_files
 
 REMAT_POLICIES = (True, False, "offload", "nested", "recompute", "save_all")
 """Values of ``gradient_checkpointing``, each a Haliax ``ScanCheckpointPolicy`` (see docs/models.md)."""
@@ -130,10 +137,10 @@ class LmModel(eqx.Module):
         return hax.dot(hidden, self.lm_head_weight(), axis="embed")
 
     def save(self, path) -> None:
-        """Write config and weights to directory ``path`` (safetensors, no pickle); see ``load_model``."""
-        from loomax.models.saving import save_model
-
-        save_model(self, path)
+        """Write config and weights to directory ``path`` (YAML and safetensors, no pickle),
+        replacing a previous save there; ``loomax.load_model(path)`` reads it back."""
+        saved = SavedModel(self.config, self.Vocab.size)
+        write_files(path, draccus.dump(saved), self)
 
 
 class KvCache(eqx.Module):
@@ -141,3 +148,11 @@ class KvCache(eqx.Module):
 
     k: hax.NamedArray
     v: hax.NamedArray
+
+
+@dataclass(frozen=True)
+class SavedModel:
+    """What ``model.yaml`` holds: the ``model`` section (with ``type``) and the vocabulary size."""
+
+    model: LmConfig
+    vocab_size: int = 0

@@ -6,9 +6,10 @@ import re
 from collections.abc import Sequence
 
 import equinox as eqx
-import haliax as hax
 import haliax.nn as hnn
 import jax
+
+from loomax.tree_paths import is_named_array, named_leaves, path_name
 
 
 def weight_decay_mask(model: eqx.Module, *, decay_embeddings: bool = False):
@@ -29,19 +30,9 @@ def weight_decay_mask(model: eqx.Module, *, decay_embeddings: bool = False):
     return jax.tree.map(mark, model, is_leaf=lambda x: isinstance(x, hnn.Linear | hnn.Embedding))
 
 
-def parameter_name(path) -> str:
-    """A dotted name for a pytree key path, e.g. ``blocks.stacked.attn.qkv.weight``."""
-    parts = []
-    for key in path:
-        for attr in ("name", "key", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-    return ".".join(parts)
-
-
 def regex_mask(model: eqx.Module, patterns: str | Sequence[str]):
-    """True for every parameter whose dotted name matches (``re.search``) one of ``patterns``."""
+    """True for every parameter whose dotted name (e.g. ``blocks.stacked.attn.qkv.weight``)
+    matches (``re.search``) one of ``patterns``."""
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     try:
         compiled = [re.compile(p) for p in patterns]
@@ -49,17 +40,12 @@ def regex_mask(model: eqx.Module, patterns: str | Sequence[str]):
         raise ValueError(f"optimizer.weight_decay_modules: bad regex ({e})") from e
 
     def mark(path, leaf):
-        hit = any(c.search(parameter_name(path)) for c in compiled)
+        hit = any(c.search(path_name(path, ".")) for c in compiled)
         return jax.tree.map(lambda _: hit, leaf)
 
-    return jax.tree_util.tree_map_with_path(
-        mark, model, is_leaf=lambda x: isinstance(x, hax.NamedArray)
-    )
+    return jax.tree_util.tree_map_with_path(mark, model, is_leaf=is_named_array)
 
 
 def parameter_names(model: eqx.Module) -> list[str]:
     """Dotted names of the model's parameters (what ``weight_decay_modules`` matches)."""
-    leaves = jax.tree_util.tree_leaves_with_path(
-        eqx.filter(model, eqx.is_inexact_array), is_leaf=lambda x: isinstance(x, hax.NamedArray)
-    )
-    return [parameter_name(path) for path, _ in leaves]
+    return [name for name, _ in named_leaves(eqx.filter(model, eqx.is_inexact_array), ".")]

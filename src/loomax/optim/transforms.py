@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from loomax.tree_paths import is_named_array
+
 
 def clip_update_rms(threshold: float) -> optax.GradientTransformation:
     """Scale each parameter's update down so that its root-mean-square is at most ``threshold``."""
@@ -113,16 +115,14 @@ def orthogonalize_linear(steps: int = 5) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def _is_named(x) -> bool:
-    return isinstance(x, hax.NamedArray)
-
-
 def on_raw_arrays(inner: optax.GradientTransformation) -> optax.GradientTransformation:
     """Run ``inner`` on the plain arrays inside NamedArrays (for transforms whose state
     changes a leaf's shape, e.g. factored statistics, which cannot keep axis names)."""
 
     def strip(tree):
-        return jax.tree.map(lambda x: x.array if _is_named(x) else x, tree, is_leaf=_is_named)
+        return jax.tree.map(
+            lambda x: x.array if is_named_array(x) else x, tree, is_leaf=is_named_array
+        )
 
     def init(params):
         return inner.init(strip(params))
@@ -130,10 +130,10 @@ def on_raw_arrays(inner: optax.GradientTransformation) -> optax.GradientTransfor
     def update(updates, state, params=None):
         raw, state = inner.update(strip(updates), state, None if params is None else strip(params))
         named = jax.tree.map(
-            lambda orig, new: hax.NamedArray(new, orig.axes) if _is_named(orig) else new,
+            lambda orig, new: hax.NamedArray(new, orig.axes) if is_named_array(orig) else new,
             updates,
             raw,
-            is_leaf=_is_named,
+            is_leaf=is_named_array,
         )
         return named, state
 

@@ -11,7 +11,11 @@ import draccus
 
 
 class Tracker(abc.ABC):
-    """Receives metrics from process 0. Implementations must not block training for long."""
+    """Receives metrics from process 0. Implementations must not block training for long.
+
+    ``finish`` may be called twice; after it, every other call raises (a tracker that
+    records nothing, like ``noop``, may ignore them all instead).
+    """
 
     @abc.abstractmethod
     def log(self, metrics: dict[str, Any], *, step: int) -> None:

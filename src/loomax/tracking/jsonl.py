@@ -32,19 +32,29 @@ class JsonlTracker(Tracker):
         self._file = open(self.path, "a", encoding="utf-8")
         self._summary: dict[str, Any] = {}
 
+    def _check_open(self) -> None:
+        if self._file.closed:
+            raise RuntimeError(f"the jsonl tracker of {self.path} is finished")
+
     def log(self, metrics: dict[str, Any], *, step: int) -> None:
+        self._check_open()
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
+        self._check_open()
         with open(self.path.parent / "hparams.json", "w", encoding="utf-8") as f:
             json.dump(hparams, f, indent=2, default=str)
 
     def log_summary(self, summary: dict[str, Any]) -> None:
+        self._check_open()
         self._summary.update({k: _jsonable(v) for k, v in summary.items()})
         with open(self.path.parent / "summary.json", "w", encoding="utf-8") as f:
             json.dump(self._summary, f, indent=2)
+
+    def log_artifact(self, path: Path, *, name: str, type: str = "artifact") -> None:
+        self._check_open()  # the file itself already lies in the run directory
 
     def finish(self) -> None:
         self._file.close()
