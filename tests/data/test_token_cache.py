@@ -157,10 +157,10 @@ def test_max_documents_keeps_the_first_documents_in_global_order(cluster, corpus
 
 def test_memory_store_is_built_in_process_with_tiny_chunks(corpus, tmp_path, monkeypatch):
     # tiny flushes, chunks and files, so pieces grow in many writes and arrays span many files
-    monkeypatch.setattr(tasks, "_FLUSH_TOKENS", 50)
-    monkeypatch.setattr(layout, "_SHARD_TOKENS", 128)
-    monkeypatch.setattr(layout, "_READ_CHUNK", 16)
-    monkeypatch.setattr(assemble, "_COPY_WINDOW", 1)
+    monkeypatch.setattr(tasks, "FLUSH_TOKENS", 50)
+    monkeypatch.setattr(layout, "SHARD_TOKENS", 128)
+    monkeypatch.setattr(layout, "READ_CHUNK", 16)
+    monkeypatch.setattr(assemble, "COPY_WINDOW", 1)
     url = f"memory://{tmp_path.name}"  # no Ray: its workers cannot see this process's memory
     info = build(corpus, url, holdout_fraction=0.2)
     assert info.url == url and info.shards_tokenized == NUM_SHARDS

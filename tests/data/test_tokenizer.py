@@ -101,7 +101,7 @@ def test_encode_documents_appends_eos(
     trained: tuple[Tokenizer, Path], chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tokenizer, _ = trained
-    monkeypatch.setattr(tokenizer_module, "_ENCODE_CHUNK", chunk)
+    monkeypatch.setattr(tokenizer_module, "ENCODE_CHUNK", chunk)
     documents = CORPUS[:5]
     encoded = encode_documents(tokenizer, documents)
     assert len(encoded) == 5

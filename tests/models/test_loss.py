@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loomax.models.loss import _plain_cross_entropy_sum, fused_cross_entropy_sum
+from loomax.models.loss import plain_cross_entropy_sum, fused_cross_entropy_sum
 
 
 def problem(n=37, d=16, v=101, seed=0):
@@ -22,7 +22,7 @@ def problem(n=37, d=16, v=101, seed=0):
 @pytest.mark.parametrize("block", [1, 8, 16, 37, 64])
 def test_value_and_gradients_match_plain(block):
     h, w, t, m = problem()
-    ref, ref_grads = jax.value_and_grad(_plain_cross_entropy_sum, argnums=(0, 1, 3))(h, w, t, m)
+    ref, ref_grads = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1, 3))(h, w, t, m)
     val = fused_cross_entropy_sum(h, w, t, m, block)
     grads = jax.grad(lambda h, w, m: fused_cross_entropy_sum(h, w, t, m, block), argnums=(0, 1, 2))(
         h, w, m
@@ -49,19 +49,19 @@ def test_extreme_logits_stay_finite():
     h = h * 1e3
     val, grads = jax.value_and_grad(lambda h: fused_cross_entropy_sum(h, w, t, m, 16))(h)
     assert np.isfinite(val) and np.all(np.isfinite(grads))
-    np.testing.assert_allclose(val, _plain_cross_entropy_sum(h, w, t, m), rtol=1e-5)
+    np.testing.assert_allclose(val, plain_cross_entropy_sum(h, w, t, m), rtol=1e-5)
 
 
 @pytest.mark.parametrize("block", [8, 37])
 def test_z_loss_value_and_gradients_match_plain(block):
     h, w, t, m = problem()
     z = 1e-3
-    ref, ref_grads = jax.value_and_grad(_plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
+    ref, ref_grads = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
     val, grads = jax.value_and_grad(
         lambda h, w: fused_cross_entropy_sum(h, w, t, m, block, z), argnums=(0, 1)
     )(h, w)
     np.testing.assert_allclose(val, ref, rtol=1e-5)
-    assert val > _plain_cross_entropy_sum(h, w, t, m)
+    assert val > plain_cross_entropy_sum(h, w, t, m)
     for got, want in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -70,7 +70,7 @@ def test_z_loss_value_and_gradients_match_plain(block):
 def test_vocab_blocks_match_plain(block, vocab_block):
     h, w, t, m = problem()
     z = 1e-3
-    ref, ref_grads = jax.value_and_grad(_plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
+    ref, ref_grads = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
 
     def fused(h, w):
         return fused_cross_entropy_sum(h, w, t, m, block, z, vocab_block)

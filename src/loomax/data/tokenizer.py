@@ -21,7 +21,7 @@ EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>")
 MIN_VOCAB_SIZE = 260
 """Smallest vocabulary `train_bpe_tokenizer` accepts: 256 bytes, EOS and a few merges."""
 
-_ENCODE_CHUNK = 512
+ENCODE_CHUNK = 512
 """Documents per `encode_batch` call: large enough to use every core, small enough to bound memory."""
 
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -139,8 +139,8 @@ def encode_documents(
     """
     eos = [eos_id(tokenizer)] if append_eos else []
     encoded: list[np.ndarray] = []
-    for start in range(0, len(documents), _ENCODE_CHUNK):
-        chunk = list(documents[start : start + _ENCODE_CHUNK])
+    for start in range(0, len(documents), ENCODE_CHUNK):
+        chunk = list(documents[start : start + ENCODE_CHUNK])
         for encoding in tokenizer.encode_batch_fast(chunk):
             encoded.append(np.array(encoding.ids + eos, dtype=np.int32))
     return encoded

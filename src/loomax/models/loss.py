@@ -49,7 +49,7 @@ def next_token_loss(
     t = targets.array.reshape(-1)
     m = weights.rearrange(targets.axes).array.reshape(-1)
     if block_size is None:
-        total = _plain_cross_entropy_sum(h, w, t, m, z_loss_weight)
+        total = plain_cross_entropy_sum(h, w, t, m, z_loss_weight)
     else:
         total = fused_cross_entropy_sum(
             h, w.astype(h.dtype), t, m, block_size, z_loss_weight, vocab_block_size
@@ -62,9 +62,11 @@ def _acc(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _plain_cross_entropy_sum(
+def plain_cross_entropy_sum(
     h: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array, z_loss_weight: float = 0.0
 ) -> jax.Array:
+    """The weighted cross-entropy sum (plus z-loss) with the whole logits matrix in memory:
+    the plain form the fused and blocked losses must equal."""
     logits = jnp.dot(h, w.T, preferred_element_type=_acc(h.dtype))
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]

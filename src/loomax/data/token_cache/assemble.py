@@ -20,7 +20,7 @@ from loomax.data.token_cache.layout import (
 from loomax.data.token_cache.settings import BuildPlan
 from loomax.storage import Directory
 
-_COPY_WINDOW = 8
+COPY_WINDOW = 8
 """Shards whose pieces are copied into the flat arrays at the same time."""
 
 
@@ -89,7 +89,7 @@ def _assemble_split(root: Directory, split: str, entries: list[dict], counts: li
         pending.append(
             offsets[doc_base + 1 : doc_base + n_docs + 1].write(piece_offsets + token_base)
         )
-        while len(pending) > 2 * _COPY_WINDOW:
+        while len(pending) > 2 * COPY_WINDOW:
             pending.popleft().result()
         doc_base += n_docs
         token_base += n_tokens

@@ -35,10 +35,10 @@ META_FILE = "meta.json"
 BUILD_FILE = "build.json"
 """Written when a build starts: the settings that pieces and ledger entries belong to."""
 
-_SHARD_TOKENS = 1 << 22
+SHARD_TOKENS = 1 << 22
 """Tokens per stored file (zarr3 shard) of a token array: 16 MiB before compression."""
 
-_READ_CHUNK = 1 << 16
+READ_CHUNK = 1 << 16
 """Tokens per separately readable chunk inside a stored file (256 KiB)."""
 
 
@@ -78,13 +78,13 @@ def array_spec(url: str, dtype: str | None = None, size: int | None = None) -> d
     }
     if dtype is None:
         return spec
-    read_chunk = min(_READ_CHUNK, _next_power_of_two(max(size or 0, 1)))
+    read_chunk = min(READ_CHUNK, _next_power_of_two(max(size or 0, 1)))
     spec["metadata"] = {
         "shape": [size],
         "data_type": dtype,
         "chunk_grid": {
             "name": "regular",
-            "configuration": {"chunk_shape": [max(_SHARD_TOKENS, read_chunk)]},
+            "configuration": {"chunk_shape": [max(SHARD_TOKENS, read_chunk)]},
         },
         "codecs": [
             {

@@ -26,7 +26,7 @@ from loomax.storage import Directory
 _ENCODE_BATCH = 1024
 """Documents a task reads before encoding them in one batch."""
 
-_FLUSH_TOKENS = 1 << 22
+FLUSH_TOKENS = 1 << 22
 """Tokens a task buffers before appending them to its piece."""
 
 
@@ -112,7 +112,7 @@ class PieceWriter:
         self._buffer.append(document)
         self._buffered += len(document)
         self._lengths.append(len(document))
-        if self._buffered >= _FLUSH_TOKENS:
+        if self._buffered >= FLUSH_TOKENS:
             self._flush()
 
     def close(self) -> dict[str, int]:
