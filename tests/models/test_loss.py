@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loomax.models.loss import plain_cross_entropy_sum, fused_cross_entropy_sum
+from loomax.models.loss import fused_cross_entropy_sum, plain_cross_entropy_sum
 
 
 def problem(n=37, d=16, v=101, seed=0):
