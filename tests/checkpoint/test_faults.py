@@ -43,10 +43,11 @@ def write_config(tmp_path: Path, corpus: Path, **trainer) -> Path:
     return path
 
 
-def start(config: Path, *args: str) -> subprocess.Popen:
+def start(config: Path, *args: str, script: Path | None = None) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    program = [str(script)] if script else ["-m", "loomax.cli"]
     return subprocess.Popen(
-        [sys.executable, "-m", "loomax.cli", "train", "--config_path", str(config), *args],
+        [sys.executable, *program, "train", "--config_path", str(config), *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -75,7 +76,7 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 240):
             return value
         if proc.poll() is not None:
             raise AssertionError(f"the run ended early:\n{proc.stdout.read()[-3000:]}")
-        time.sleep(0.002)
+        time.sleep(0.05)
     proc.kill()
     raise AssertionError("timed out")
 
@@ -87,42 +88,47 @@ def read_every_array(checkpoint) -> None:
     load_checkpoint(checkpoint, template, {n: device for n in template})
 
 
+def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, train/loss) of every record, in the order written (a resumed run appends)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["train/loss"]) for r in map(json.loads, lines) if "train/loss" in r]
+
+
 @pytest.mark.slow
 def test_kill_9_during_an_async_save_resumes_from_the_last_complete_one(tmp_path, tiny_corpus):
-    # a checkpoint every step, of a model big enough that a save is nearly always in flight
+    # a checkpoint every 3 steps; the run kills itself while the save of step 6 is in flight
     config = write_config(
         tmp_path,
         tiny_corpus,
-        num_train_steps=12,
-        checkpointer={"keep": [{"every": 1}]},
+        num_train_steps=9,
+        checkpointer={"keep": [{"every": 3}]},
+        hooks=[{"type": "test_kill_mid_save", "step": 6}],
     )
     base = tmp_path / "run" / "checkpoints"
     bigger = ["--model.hidden_dim", "256", "--model.num_layers", "4"]
-    proc = start(config, *bigger)
-
-    def saving():
-        complete = {c.step for c in list_checkpoints(str(base))}
-        partial = [
-            p for p in base.glob("step-*") if int(p.name[5:]) not in complete and any(p.iterdir())
-        ]
-        return complete and partial
-
-    wait_for(saving, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    killer = Path(__file__).with_name("kill_mid_save.py")
+    proc = start(config, *bigger, script=killer)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
     complete = [c.step for c in list_checkpoints(str(base))]
-    partial = sorted(
-        int(p.name[5:]) for p in base.glob("step-*") if int(p.name[5:]) not in complete
-    )
-    assert complete and partial and partial[-1] > complete[-1]  # killed mid-save
-    assert complete[-1] < 12
+    assert complete == [3] and (base / "step-6").exists()  # killed mid-save
+    assert not (base / "step-6" / "metadata.json").exists()
+    first = dict(logged_losses(tmp_path / "run"))
 
-    out = finish(start(config, *bigger))
+    no_kill = ["--trainer.hooks", "[]"]
+    out = finish(start(config, *bigger, *no_kill))
     assert f"resumed from {base}/step-{complete[-1]} (step {complete[-1]})" in out
     checkpoints = list_checkpoints(str(base))
-    assert [c.step for c in checkpoints] == list(range(1, 13))
+    assert [c.step for c in checkpoints] == [3, 6, 9]
     for checkpoint in checkpoints:
         read_every_array(checkpoint)  # nothing left corrupt
+    # the steps run twice (after the last complete checkpoint, before the kill) give the
+    # same loss both times: resuming is exact
+    records = logged_losses(tmp_path / "run")
+    again = records[records.index((max(first), first[max(first)])) + 1 :]
+    redone = [(step, loss) for step, loss in again if step in first]
+    assert [step for step, _ in redone] == list(range(4, max(first) + 1))
+    assert all(loss == first[step] for step, loss in redone)
 
 
 @pytest.mark.slow

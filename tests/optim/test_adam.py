@@ -6,6 +6,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from loomax.models import Gpt2Config
@@ -41,15 +42,34 @@ def test_zero_gradient_update_is_pure_decay_on_masked_leaves():
     assert not np.any(updates.token_embeddings.weight.array)
 
 
-def test_clipping_bounds_the_update_direction():
+def _first_moment(state):
+    """Adam's first moment ``mu`` in an optimizer state (after one step: (1 - b1) * gradient seen)."""
+    found = [
+        s
+        for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(s, optax.ScaleByAdamState)
+    ]
+    assert len(found) == 1
+    return found[0].mu
+
+
+@pytest.mark.parametrize("scale, clipped", [(1e6, True), (1e-4, False)])
+def test_clipping_scales_the_gradient_adam_sees(scale, clipped):
+    """Adam's first update is about -lr * sign(g) at any scale, so look at the gradient it
+    received: its global norm is max_grad_norm when the raw norm is above it, else unchanged."""
     config = AdamConfig(
-        learning_rate=1.0, weight_decay=0.0, warmup=0, max_grad_norm=1.0, lr_schedule="constant"
+        learning_rate=1.0, weight_decay=0.0, warmup=0, max_grad_norm=0.5, lr_schedule="constant"
     )
     tx = config.build(10)
     params = eqx.filter(MODEL, eqx.is_inexact_array)
-    huge = jax.tree.map(lambda p: jnp.full_like(p, 1e6), params)
-    updates, _ = tx.update(huge, tx.init(params), params)
-    assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
+    grads = jax.tree.map(lambda p: jnp.full_like(p, scale), params)
+    raw_norm = float(optax.tree.norm(grads))
+    _, state = tx.update(grads, tx.init(params), params)
+    seen = jax.tree.map(lambda m: m / (1 - config.beta1), _first_moment(state))
+    seen_norm = float(optax.tree.norm(seen))
+    np.testing.assert_allclose(seen_norm, 0.5 if clipped else raw_norm, rtol=1e-5)
+    direction = jax.tree.map(lambda s, g: s / seen_norm - g / raw_norm, seen, grads)
+    assert float(optax.tree.norm(direction)) < 1e-5  # clipping rescales, never turns
 
 
 @pytest.mark.parametrize(
