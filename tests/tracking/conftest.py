@@ -76,7 +76,11 @@ def read_wandb_run(run_dir: Path, timeout: float = 30.0) -> dict:
         elif kind == "summary":
             run["summary"].update(_items(record.summary.update))
         elif kind == "artifact":
-            run["artifacts"].append(record.artifact.name)
+            art = record.artifact
+            entries = {e.path: (e.size, e.digest) for e in art.manifest.contents}
+            run["artifacts"].append(
+                {"name": art.name, "type": art.type, "run_id": art.run_id, "files": entries}
+            )
     run["files"] = sorted(p.name for p in (run_dir / "files").iterdir())
     return run
 

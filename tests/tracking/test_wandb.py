@@ -91,10 +91,17 @@ def test_configured_id_wins_and_is_stored(wandb_offline, tmp_path):
 def test_artifacts_are_logged(wandb_offline, tmp_path):
     tracker = WandbTrackerConfig().init(tmp_path / "run")
     path = tmp_path / "run" / "notes.json"
-    path.write_text("{}")
+    path.write_text('{"lr": 0.1}')
     tracker.log_artifact(path, name="notes.json", type="notes")
     tracker.finish()
-    assert read_wandb_run(offline_runs(wandb_offline)[0])["artifacts"] == ["notes.json"]
+    run = read_wandb_run(offline_runs(wandb_offline)[0])
+    (artifact,) = run["artifacts"]
+    assert (artifact["name"], artifact["type"], artifact["run_id"]) == (
+        "notes.json",
+        "notes",
+        run["id"],
+    )
+    assert {name: size for name, (size, _) in artifact["files"].items()} == {"notes.json": 11}
 
 
 def test_bad_mode_names_the_key():
@@ -114,8 +121,9 @@ def test_the_real_run_config_logs_to_wandb_and_jsonl(repo_root):
     from loomax.train_lm import TrainLmConfig
 
     config = parse_config(TrainLmConfig, repo_root / "config" / "gpt2_small.yaml")
-    kinds = [type(t) for t in config.trainer.tracker]
-    assert kinds == [WandbTrackerConfig, JsonlTrackerConfig]
+    wandb, jsonl = config.trainer.tracker
+    assert isinstance(wandb, WandbTrackerConfig) and isinstance(jsonl, JsonlTrackerConfig)
+    assert (wandb.project, wandb.tags) == ("loomax", ["gpt2", "small", "openwebtext"])
 
 
 def test_online_without_an_api_key_says_what_to_set(monkeypatch, tmp_path):
