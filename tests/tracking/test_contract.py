@@ -76,7 +76,7 @@ def wandb_view(run_dir: Path) -> View:
         "metrics": metrics,
         "hparams": hparams,
         "summary": {k: v for k, v in run["summary"].items() if not k.startswith("_")},
-        "artifacts": run["artifacts"],
+        "artifacts": [a["name"] for a in run["artifacts"]],
     }
 
 

@@ -33,7 +33,11 @@ def test_artifacts_are_saved_and_logged(wandb_offline, tmp_path):
     assert json.loads(table.read_text()) == {"loss": [2.0, 1.5]}
     assert text.read_text() == "def f():" and copied.read_text() == "a\nb\n"
     run = read_wandb_run(offline_runs(wandb_offline)[0])
-    assert sorted(run["artifacts"]) == ["eval_table.json", "sample.txt", "vocab.txt"]
+    assert sorted(a["name"] for a in run["artifacts"]) == [
+        "eval_table.json",
+        "sample.txt",
+        "vocab.txt",
+    ]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
