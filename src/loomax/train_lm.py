@@ -9,12 +9,8 @@ from pathlib import Path
 import jax
 
 from loomax.callbacks import (
-    ConfigSaverHook,
     EvalHook,
-    LogMetricsHook,
-    NanCheckHook,
-    ProgressBarHook,
-    SpeedMonitorHook,
+    default_hooks,
     make_loss_evaluator,
     next_token_bytes,
     token_byte_lengths,
@@ -71,28 +67,16 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     peak = total_peak_flops(trainer_config.policy.compute_dtype, trainer_config.device_peak_flops)
 
     eval_loss = model_lm_loss(config, training=False)
-    evaluator = EvalHook(
-        make_loss_evaluator(
-            eval_loss,
-            validation,
-            trainer_config.policy,
-            jit=trainer.runtime.jit,
-            prepare=trainer.runtime.shard_batch,
-            count_bytes=next_token_bytes(token_byte_lengths(data.tokenizer, vocab_size)),
-        ),
-        trainer_config.steps_per_eval,
-        at_start=trainer_config.eval_at_start,
+    evaluate = make_loss_evaluator(  # the run's evaluator, shared by the eval hooks
+        eval_loss,
+        validation,
+        trainer_config.policy,
+        jit=trainer.runtime.jit,
+        prepare=trainer.runtime.shard_batch,
+        count_bytes=next_token_bytes(token_byte_lengths(data.tokenizer, vocab_size)),
     )
     primary = jax.process_index() == 0  # only process 0 prints and writes shared files
     config_yaml = to_yaml(config)
-    trainer.add_hook(ConfigSaverHook(config_yaml, trainer.run_dir, write=primary))
-    if trainer_config.progress_bar and primary:
-        trainer.add_hook(ProgressBarHook(trainer_config.num_train_steps, tokens_done))
-    if trainer_config.crash_on_nan:
-        trainer.add_hook(NanCheckHook())
-    trainer.add_hook(evaluator)
-    trainer.add_hook(LogMetricsHook(trainer_config.log_every, tokens_done))
-    trainer.add_hook(SpeedMonitorHook(trainer_config.log_every, tokens_done, flops_per_token, peak))
     context = HookContext(
         trainer.runtime,
         trainer_config=trainer_config,
@@ -102,16 +86,20 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         tokenizer=data.tokenizer,
         validation=validation if isinstance(validation, dict) else {"validation": validation},
         loss_fn=eval_loss,
+        evaluator=evaluate,
         tokens_per_step=tokens_done,
         flops_per_token=flops_per_token,
         peak_flops=peak,
         config_yaml=config_yaml,
         primary=primary,
     )
-    for hook_config in trainer_config.hooks:  # trainer.hooks from the YAML
+    hooks = []  # the run's own hooks (trainer settings), then trainer.hooks from the YAML
+    for hook_config in default_hooks(trainer_config) + list(trainer_config.hooks):
         built = hook_config.build(context)
         for hook in built if isinstance(built, list) else [built]:
             trainer.add_hook(hook)
+            hooks.append(hook)
+    evaluator = next(h for h in hooks if isinstance(h, EvalHook))  # the run's own eval
 
     trainer.run_config = to_json_dict(config)
     run_dir = trainer.run_dir

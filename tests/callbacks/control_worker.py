@@ -48,7 +48,7 @@ def main() -> None:
     )
     optimizer = AdamConfig(learning_rate=1e-3, warmup=0)
     trainer = Trainer(config, optimizer.build(STEPS), lm_loss(), run_id=setup_process(config))
-    trainer.add_hook(ControlServerHook(trainer.run_dir, serve=jax.process_index() == 0))
+    trainer.add_hook(ControlServerHook(run_dir=trainer.run_dir, serve=jax.process_index() == 0))
     state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
     rng = np.random.default_rng(pid)
     rows = BATCH // jax.process_count()

@@ -7,7 +7,7 @@ from loomax.callbacks import ConfigSaverHook
 
 def test_config_in_run_dir_and_checkpoints(tiny, tmp_path):
     trainer = tiny.trainer(tmp_path, steps=2)
-    trainer.add_hook(ConfigSaverHook("model:\n  type: gpt2\n", trainer.run_dir))
+    trainer.add_hook(ConfigSaverHook(config_yaml="model:\n  type: gpt2\n", run_dir=trainer.run_dir))
     assert (trainer.run_dir / "config.yaml").read_text() == "model:\n  type: gpt2\n"
     trainer.add_hook(lambda info: info.control.save() if info.step == 1 else None)
     trainer.train(tiny.init(trainer), tiny.batches())

@@ -1,4 +1,5 @@
-"""Contract: every registered hook type runs in one short train_lm run configured from YAML."""
+"""Contract: every registered hook type runs in one short train_lm run configured from YAML,
+and every stateful built-in hook's state survives a real checkpoint."""
 
 from __future__ import annotations
 
@@ -8,10 +9,8 @@ import pytest
 import yaml
 
 from loomax.config import parse_config
-from loomax.train import HookConfig
+from loomax.train import Hook, HookConfig, HookContext
 from loomax.train_lm import TrainLmConfig, train_lm
-
-pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.slow]
 
 HOOKS = {
     "batch_size_schedule": {"every": 4},
@@ -24,6 +23,7 @@ HOOKS = {
     "eval": {"every": 4, "max_batches": 1},
     "gc": {"every": 2},
     "hf_export": {"every": 4},
+    "log_metrics": {"every": 2},
     "memory": {"every": 2},
     "metric_saver": {"every": 4, "include": ["train/*", "eval/*"]},
     "model_merge": {"steps": [4], "window": 2},
@@ -32,17 +32,27 @@ HOOKS = {
     "profiler": {"start": 2, "num_steps": 1},
     "progress": {},
     "seq_len_warmup": {"min_seq_len": 16, "warmup_steps": 4},
-    "skip_bad_steps": {"window": 4, "min_history": 2},
     "speed": {"every": 2},
     "stability": {"window": 4, "every": 2, "min_history": 2},
     "textgen": {"every": 4, "prompts": ["def "], "max_new_tokens": 4},
 }
 
 
-def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
-    built_in = {
-        n for n, c in HookConfig.get_known_choices().items() if c.__module__.startswith("loomax.")
+def built_in_types() -> dict[str, type[HookConfig]]:
+    """The hook types Loomax registers (not tests' and not the removed ones)."""
+    import loomax.callbacks  # noqa: F401 - registers the built-in types
+
+    return {
+        name: cls
+        for name, cls in HookConfig.get_known_choices().items()
+        if cls.__module__.startswith("loomax.") and cls.hook_class is not None
     }
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
+    built_in = set(built_in_types())
     assert set(HOOKS) == built_in, "add new hook types to HOOKS"
     run_dir = tmp_path / "run"
     other = tmp_path / "other.jsonl"  # a second validation set
@@ -89,7 +99,6 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
         "memory/host_rss_bytes",
         "norms/grad",
         "histograms/param",
-        "optim/skipped_step",
         "stability/spike_score",
         "samples/0",
         "merge/saved_step",
@@ -109,3 +118,59 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
     assert not (run_dir / "control.json").exists()  # the server stopped with the run
     assert (run_dir / "hf" / "step-4" / "config.json").exists()  # hf_export: every 4 and at the end
     assert (run_dir / "hf" / "step-8" / "tokenizer.json").exists()
+
+
+STATEFUL = {
+    "divergence": {"warmup": 1, "patience": 50},
+    "early_stopping": {"patience": 5},
+    "eval": {"every": 2},
+    "stability": {"window": 4, "every": 2, "min_history": 2},
+}
+"""Settings of the built-in hooks with a ``state_dict`` (all of them)."""
+
+
+def test_stateful_hooks_state_round_trips_through_a_checkpoint(tiny, tmp_path):
+    stateful = {
+        name
+        for name, cls in built_in_types().items()
+        if cls.hook_class.state_dict is not Hook.state_dict
+    }
+    assert stateful == set(STATEFUL), "add new stateful hook types to STATEFUL"
+    eval_losses = iter([3.0, 2.0, 2.5, 2.6, 2.7])
+
+    def run(steps):
+        trainer = tiny.trainer(tmp_path, steps=steps)
+        context = HookContext(
+            trainer.runtime,
+            trainer_config=trainer.config,
+            run_dir=trainer.run_dir,
+            evaluator=lambda model: {"eval/loss": next(eval_losses)},
+        )
+        known = HookConfig.get_known_choices()
+        hooks = [known[name](**settings).build(context) for name, settings in STATEFUL.items()]
+        for hook in hooks:
+            trainer.add_hook(hook)
+        return trainer, hooks
+
+    first, hooks = run(steps=6)
+    first.train(tiny.init(first), tiny.batches())
+    first.finish()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-6" / "metadata.json"
+    saved = json.loads(checkpoint.read_text())["hooks"]
+    assert set(saved) == {hook.name for hook in hooks}
+    assert saved["EvalHook[every=2]"]["last_step"] == 6 and saved["StabilityMonitor"]["flags"]
+    assert saved["EarlyStoppingHook"] == {"best": 2.0, "evals_without_improvement": 1}
+
+    second, fresh = run(steps=6)
+    loaded = {}
+
+    class Snapshot(Hook):
+        priority = 1000  # before the others: what was loaded, untouched
+
+        def on_train_begin(self, info):
+            loaded.update({hook.name: hook.state_dict() for hook in fresh})
+
+    second.add_hook(Snapshot())
+    second.train(tiny.init(second), tiny.batches())  # resumes at step 6: states load, nothing runs
+    second.finish()
+    assert json.loads(json.dumps(loaded)) == saved

@@ -32,7 +32,7 @@ def call(url, method="GET", token=None):
 
 def test_save_and_stop_over_http(tiny, tmp_path):
     trainer = tiny.trainer(tmp_path, steps=100_000, max_train_time=timedelta(seconds=120))
-    hook = ControlServerHook(trainer.run_dir, port=0)
+    hook = ControlServerHook(run_dir=trainer.run_dir, port=0)
     trainer.add_hook(hook)
     control_file = trainer.run_dir / "control.json"
     replies = {}

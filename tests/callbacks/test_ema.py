@@ -14,13 +14,13 @@ def embedding(model):
 
 def test_ema_matches_hand_average_and_is_evaluated(tiny, tmp_path):
     trainer = tiny.trainer(tmp_path, steps=3)
-    trainer.add_hook(EmaHook(0.5, use_for_eval=True))
+    trainer.add_hook(EmaHook(decay=0.5, use_for_eval=True))
     seen, evaluated = [], []
     trainer.add_hook(lambda info: seen.append(embedding(info.state.model)))
     trainer.add_hook(
         EvalHook(
-            lambda model: evaluated.append(embedding(model)) or {"eval/loss": 1.0},
-            3,
+            evaluate=lambda model: evaluated.append(embedding(model)) or {"eval/loss": 1.0},
+            every=3,
             at_start=False,
         )
     )

@@ -18,7 +18,9 @@ def info(step, previous=None):
 
 def test_eval_requests_at_start_every_and_end_without_repeat():
     calls = []
-    hook = EvalHook(lambda model: calls.append(model) or {"eval/loss": 1.0}, every=5, at_start=True)
+    hook = EvalHook(
+        evaluate=lambda model: calls.append(model) or {"eval/loss": 1.0}, every=5, at_start=True
+    )
 
     def run(method, step):
         i = info(step)

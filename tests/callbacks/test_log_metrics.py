@@ -17,11 +17,12 @@ def done(step, at):
 
 
 def test_logs_every_n_and_fills_other_records_in_pre_log():
-    hook = LogMetricsHook(log_every=3, tokens_per_step=100)
+    hook = LogMetricsHook(every=3, tokens_per_step=100)
     logged = {}
     for step in range(1, 7):
         i = info(step)
-        hook.on_step(i)
+        if step % hook.every == 0:  # as the trainer calls it
+            hook.on_step(i)
         record = dict(i.record)
         if step == 4:
             record["eval/loss"] = 2.0  # logged by another hook
@@ -34,7 +35,7 @@ def test_logs_every_n_and_fills_other_records_in_pre_log():
 
 
 def test_end_logs_once_when_not_on_cadence():
-    hook = LogMetricsHook(log_every=10, tokens_per_step=1)
+    hook = LogMetricsHook(every=10, tokens_per_step=1)
     final = info(3, done(3, 5.0))
     hook.on_train_end(final)
     assert final.record["train/loss"] == 1 / 4

@@ -9,7 +9,7 @@ from loomax.train import StepInfo
 
 
 def test_writes_filtered_step_files_and_latest(tmp_path):
-    hook = MetricSaverHook(tmp_path, every=2, include=["train/*", "eval/loss"])
+    hook = MetricSaverHook(run_dir=tmp_path, every=2, include=["train/*", "eval/loss"])
     for step in (1, 2, 3):
         record = {"train/loss": 1.0 / step, "optim/learning_rate": 0.1}
         if step == 2:

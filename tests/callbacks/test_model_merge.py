@@ -9,7 +9,7 @@ from loomax.callbacks import ModelMergeHook
 
 def test_merged_model_is_the_window_average(tiny, tmp_path):
     trainer = tiny.trainer(tmp_path, steps=5)
-    hook = ModelMergeHook([4], window=2, directory=tmp_path / "merged")
+    hook = ModelMergeHook(steps=[4], window=2, directory=str(tmp_path / "merged"))
     trainer.add_hook(hook)
     seen = {}
     trainer.add_hook(

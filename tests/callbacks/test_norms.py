@@ -14,7 +14,7 @@ from loomax.callbacks import LogMetricsHook, NormsHook
 def test_norms_are_logged_on_their_steps(tiny, tmp_path):
     trainer = tiny.trainer(tmp_path, steps=4)
     trainer.add_hook(NormsHook(every=2, per_layer=True, histograms=True))
-    trainer.add_hook(LogMetricsHook(log_every=1, tokens_per_step=64))
+    trainer.add_hook(LogMetricsHook(every=1, tokens_per_step=64))
     final = trainer.train(tiny.init(trainer), tiny.batches())
     trainer.finish()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

@@ -7,7 +7,7 @@ from loomax.callbacks import ProfilerHook
 
 def test_trace_of_steps_is_written(tiny, tmp_path):
     trainer = tiny.trainer(tmp_path, steps=5)
-    hook = ProfilerHook(tmp_path / "run" / "profile", start=2, num_steps=2)
+    hook = ProfilerHook(directory=str(tmp_path / "run" / "profile"), start=2, num_steps=2)
     active = {}
     trainer.add_hook(hook)
     trainer.add_hook(lambda info: active.update({info.step: hook.active}), priority=-1)

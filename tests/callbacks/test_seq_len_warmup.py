@@ -19,4 +19,4 @@ def test_lengths_grow_linearly_and_keep_tokens(tiny, tmp_path):
     trainer.add_hook(hook)
     final = trainer.train(tiny.init(trainer), tiny.batches())
     assert final.step == 5 and np.isfinite(final.loss)
-    assert trainer._step_fn.jitted._cache_size() == 3  # one compile per length
+    assert trainer.compilations() == 3  # one compile per length

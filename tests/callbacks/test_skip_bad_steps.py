@@ -1,4 +1,5 @@
-"""Skip bad steps: a step whose loss spikes leaves the weights unchanged and is reported."""
+"""Skip bad steps (now ``optimizer.skip_bad_steps``, no longer a hook): a spiking step in a
+trainer leaves the weights unchanged and is reported as ``optim/skipped_step``."""
 
 from __future__ import annotations
 
@@ -6,13 +7,17 @@ import json
 
 import numpy as np
 
-from loomax.callbacks import LogMetricsHook, SkipBadStepsHook
+from loomax.callbacks import LogMetricsHook
+from loomax.optim import AdamConfig, SkipBadStepsConfig
+from loomax.train import Trainer
 
 
 def test_spiking_step_is_skipped(tiny, tmp_path):
-    trainer = tiny.trainer(tmp_path, steps=8, loss_fn=tiny.spiking_loss())
-    trainer.add_hook(SkipBadStepsHook(window=10, k=3.0, min_history=4))
-    trainer.add_hook(LogMetricsHook(log_every=1, tokens_per_step=64))
+    config = tiny.trainer(tmp_path, steps=8).config
+    skip = SkipBadStepsConfig(rolling_interval_length=10, sigma_factor=3.0, min_history=4)
+    opt = AdamConfig(learning_rate=1e-3, warmup=0, lr_schedule="constant", skip_bad_steps=skip)
+    trainer = Trainer(config, opt.build(8), tiny.spiking_loss(), lr_schedule=opt.lr_scheduler(8))
+    trainer.add_hook(LogMetricsHook(every=1, tokens_per_step=64))
     weights = {}
     trainer.add_hook(
         lambda info: weights.update(

@@ -10,7 +10,7 @@ from loomax.train.hooks import CompletedStep
 
 
 def test_spike_score_by_hand():
-    monitor = StabilityMonitor(window=4, k=1.0, log_every=1, min_history=3)
+    monitor = StabilityMonitor(window=4, k=1.0, every=1, min_history=3)
     losses = [1.0, 1.0, 1.0, 5.0, 1.0, 1.0]
     for step, loss in enumerate(losses, 1):
         metrics = {"train/loss": loss, "optim/grad_norm": 1.0}

@@ -9,8 +9,8 @@ def test_samples_are_logged_every_n_steps(tiny, tmp_path):
     trainer = tiny.trainer(tmp_path, steps=4)
     letters = "abcdefghijklmnopqrstuvwxyz "
     hook = TextGenHook(
-        2,
-        ["ab", "z"],
+        every=2,
+        prompts=["ab", "z"],
         encode=lambda text: [letters.index(c) for c in text],
         decode=lambda ids: "".join(letters[i % len(letters)] for i in ids),
         seq_len=tiny.model.seq_len,

@@ -31,7 +31,7 @@ def test_run_starts_from_hf_weights(tmp_path):
         lambda m, b, key=None: (0.0, 1.0),
         run_dir=tmp_path / "run",
     )
-    trainer.add_hook(EmaHook(0.9))  # extras made from the loaded weights, not the random ones
+    trainer.add_hook(EmaHook(decay=0.9))  # extras made from the loaded weights, not the random ones
     state = trainer.initial_state(
         initial_model(config, 50), initial_weights=initial_weights(config, 50)
     )

@@ -67,7 +67,7 @@ def test_control_eval_save_stop_with_who_asked(tiny, tmp_path, caplog):
 
     trainer.add_hook(Evaluator())
     trainer.add_hook(Asker())
-    trainer.add_hook(LogMetricsHook(log_every=100, tokens_per_step=64))
+    trainer.add_hook(LogMetricsHook(every=100, tokens_per_step=64))
     with caplog.at_level(logging.INFO):
         final = trainer.train(tiny.init(trainer), tiny.batches())
     trainer.finish()
@@ -90,7 +90,7 @@ def test_pre_log_adds_changes_and_drops(tiny, tmp_path):
             record["custom/double_loss"] = 2 * record["train/loss"]
             record.pop("optim/grad_norm")
 
-    trainer.add_hook(LogMetricsHook(log_every=1, tokens_per_step=64))
+    trainer.add_hook(LogMetricsHook(every=1, tokens_per_step=64))
     trainer.add_hook(Edit())
     trainer.train(tiny.init(trainer), tiny.batches())
     trainer.finish()
@@ -133,7 +133,7 @@ class Counter(Hook):
 
 def test_hook_state_and_state_extras_survive_a_checkpoint_round_trip(tiny, tmp_path):
     first = tiny.trainer(tmp_path, steps=3)
-    first.add_hook(EmaHook(0.5))
+    first.add_hook(EmaHook(decay=0.5))
     counter = Counter()
     first.add_hook(counter)
     final = first.train(tiny.init(first), tiny.batches())
@@ -141,7 +141,7 @@ def test_hook_state_and_state_extras_survive_a_checkpoint_round_trip(tiny, tmp_p
     first.finish()
 
     second = tiny.trainer(tmp_path, steps=3)
-    second.add_hook(EmaHook(0.5))
+    second.add_hook(EmaHook(decay=0.5))
     restored = Counter()
     second.add_hook(restored)
     state = tiny.init(second)
@@ -155,7 +155,7 @@ def test_hooks_that_change_the_step_come_before_the_state(tiny, tmp_path):
     trainer = tiny.trainer(tmp_path, steps=1)
     tiny.init(trainer)
     with pytest.raises(RuntimeError, match="before initial_state"):
-        trainer.add_hook(EmaHook(0.9))
+        trainer.add_hook(EmaHook(decay=0.9))
 
 
 @hook_type("test_counter")

@@ -133,7 +133,7 @@ def test_initialize_from_takes_weights_only(tmp_path):
     trainer = make_trainer(
         tmp_path / "new", initialize_from=str(tmp_path / "source" / "checkpoints")
     )
-    trainer.add_hook(EmaHook(0.9))  # hook extras start from the loaded weights too
+    trainer.add_hook(EmaHook(decay=0.9))  # hook extras start from the loaded weights too
     state, _ = start(trainer)
     assert int(state.step) == 0
     for a, b in zip(params(state), params(trained), strict=True):

@@ -147,8 +147,10 @@ def test_jsonl_records_contract(tmp_path):
     from loomax.callbacks import LogMetricsHook, SpeedMonitorHook
 
     trainer = make_trainer(tmp_path, steps=6)
-    trainer.add_hook(LogMetricsHook(log_every=2, tokens_per_step=64))
-    trainer.add_hook(SpeedMonitorHook(2, tokens_per_step=64, flops_per_token=1e6, peak_flops=1e12))
+    trainer.add_hook(LogMetricsHook(every=2, tokens_per_step=64))
+    trainer.add_hook(
+        SpeedMonitorHook(every=2, tokens_per_step=64, flops_per_token=1e6, peak_flops=1e12)
+    )
     trainer.train(init(trainer), batches())
     trainer.finish()
     records = [

@@ -4,6 +4,7 @@ from loomax.callbacks.batch_size import BatchSizeScheduleHook
 from loomax.callbacks.config_saver import ConfigSaverHook
 from loomax.callbacks.console import ConsoleHook
 from loomax.callbacks.control_server import ControlServerHook
+from loomax.callbacks.defaults import default_hooks
 from loomax.callbacks.divergence import DivergenceDetector, DivergenceError
 from loomax.callbacks.early_stopping import EarlyStoppingHook
 from loomax.callbacks.ema import EmaHook
@@ -54,6 +55,7 @@ __all__ = [
     "SpeedMonitorHook",
     "StabilityMonitor",
     "TextGenHook",
+    "default_hooks",
     "make_loss_evaluator",
     "next_token_bytes",
     "token_byte_lengths",

@@ -8,19 +8,49 @@ this hook logs ``data/batch_size`` (sequences in the step), ``data/sequences`` a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from loomax.batch_schedule import BatchSchedule
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 
+@hook_type("batch_size_schedule")
 class BatchSizeScheduleHook(Hook):
     """Logs the batch size of step ``step`` and the sequences and tokens consumed by then."""
 
-    def __init__(self, schedule: BatchSchedule, seq_len: int, every: int = 1):
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Log the batch size and the sequences and tokens consumed (follows trainer.train_batch_size)."""
+
+        every: int = 1
+        """Log every this many steps."""
+
+        def __post_init__(self):
+            self.check_positive("every")
+
+    config: Config
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        /,
+        *,
+        schedule: BatchSchedule,
+        seq_len: int,
+        **settings: Any,
+    ):
+        super().__init__(config, **settings)
         self.schedule = schedule
         self.seq_len = seq_len
-        self.every = every
+
+    @classmethod
+    def from_config(cls, config: Config, context: HookContext) -> Hook:
+        return cls(
+            config,
+            schedule=context.trainer_config.batch_schedule,
+            seq_len=context.model_config.seq_len,
+        )
 
     def values(self, step: int) -> dict[str, int]:
         """What is logged at ``step`` (step ``step`` trained on batch ``step - 1``)."""
@@ -33,20 +63,3 @@ class BatchSizeScheduleHook(Hook):
 
     def on_step(self, info: StepInfo) -> None:
         info.log(self.values(info.step))
-
-
-@HookConfig.register_subclass("batch_size_schedule")
-@dataclass(frozen=True)
-class BatchSizeScheduleConfig(HookConfig):
-    """Log the batch size and the sequences and tokens consumed (follows trainer.train_batch_size)."""
-
-    every: int = 1
-    """Log every this many steps."""
-
-    def __post_init__(self):
-        check_positive(self, "every")
-
-    def build(self, context: HookContext) -> Hook:
-        return BatchSizeScheduleHook(
-            context.trainer_config.batch_schedule, context.model_config.seq_len, self.every
-        )

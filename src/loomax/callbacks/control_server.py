@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from loomax.train.hook_config import HookConfig, HookContext
+from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 logger = logging.getLogger(__name__)
@@ -32,15 +32,35 @@ logger = logging.getLogger(__name__)
 COMMANDS = ("stop", "save", "save_and_stop")
 
 
+@hook_type("control")
 class ControlServerHook(Hook):
     """Serves the control API while training (only where ``serve`` is true: process 0)."""
 
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """HTTP control on 127.0.0.1 (GET /status, POST /stop, /save, /save_and_stop) with a bearer token."""
+
+        port: int = 0
+        """Port on 127.0.0.1; 0 = any free port (the URL is written to <run_dir>/control.json)."""
+
+        def __post_init__(self):
+            self.check(0 <= self.port < 65536, f"port must be in [0, 65535], got {self.port}")
+
+    config: Config
     every = 1
     priority = 100  # commands reach the control object before the other hooks run
 
-    def __init__(self, run_dir: Path, *, port: int = 0, serve: bool = True):
+    def __init__(
+        self,
+        config: Config | None = None,
+        /,
+        *,
+        run_dir: str | Path,
+        serve: bool = True,
+        **settings: Any,
+    ):
+        super().__init__(config, **settings)
         self.run_dir = Path(run_dir)
-        self.port = port
         self.serve = serve
         self.token = secrets.token_urlsafe(24)
         self.url: str | None = None
@@ -49,6 +69,10 @@ class ControlServerHook(Hook):
         self._pending: list[str] = []
         self._status: dict[str, Any] = {"step": None, "loss": None, "state": "starting"}
 
+    @classmethod
+    def from_config(cls, config: Config, context: HookContext) -> Hook:
+        return cls(config, run_dir=context.run_dir, serve=context.primary)
+
     @property
     def control_file(self) -> Path:
         return self.run_dir / "control.json"
@@ -56,7 +80,7 @@ class ControlServerHook(Hook):
     def on_train_begin(self, info: StepInfo) -> None:
         if not self.serve:
             return
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), _handler(self))
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.config.port), _handler(self))
         self._server.daemon_threads = True
         host, port = self._server.server_address[:2]
         self.url = f"http://{host}:{port}"
@@ -154,21 +178,3 @@ def _handler(hook: ControlServerHook) -> type[BaseHTTPRequestHandler]:
             logger.debug(format, *args)
 
     return Handler
-
-
-@HookConfig.register_subclass("control")
-@dataclass(frozen=True)
-class ControlServerConfig(HookConfig):
-    """HTTP control on 127.0.0.1 (GET /status, POST /stop, /save, /save_and_stop) with a bearer token."""
-
-    port: int = 0
-    """Port on 127.0.0.1; 0 = any free port (the URL is written to <run_dir>/control.json)."""
-
-    def __post_init__(self):
-        if not 0 <= self.port < 65536:
-            raise ValueError(
-                f"trainer.hooks (control): port must be in [0, 65535], got {self.port}"
-            )
-
-    def build(self, context: HookContext) -> Hook:
-        return ControlServerHook(context.run_dir, port=self.port, serve=context.primary)

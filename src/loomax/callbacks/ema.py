@@ -9,28 +9,42 @@ parameters and saved in checkpoints) and is updated inside the step:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import equinox as eqx
 import jax
 
-from loomax.train.hook_config import HookConfig, HookContext
+from loomax.train.hook_config import HookConfig, hook_type
 from loomax.train.hooks import Hook
 from loomax.train.step import StateExtra, StepContext
 
 EMA_KEY = "ema"
 
 
+@hook_type("ema")
 class EmaHook(Hook):
     """Keeps ``extras["ema"]``; nothing runs on the host."""
 
-    def __init__(self, decay: float = 0.999, *, use_for_eval: bool = False):
-        if not 0 <= decay < 1:
-            raise ValueError(f"ema decay must be in [0, 1), got {decay}")
-        self.decay = decay
-        self.provides_eval_weights = EMA_KEY if use_for_eval else None
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """An exponential moving average of the weights, kept in the checkpointed state."""
+
+        decay: float = 0.999
+        """Weight of the previous average at each step."""
+        use_for_eval: bool = False
+        """Evaluate the EMA weights instead of the trained ones."""
+
+        def __post_init__(self):
+            self.check(0 <= self.decay < 1, f"decay must be in [0, 1), got {self.decay}")
+
+    config: Config
+
+    def __init__(self, config: Config | None = None, /, **settings: Any):
+        super().__init__(config, **settings)
+        self.provides_eval_weights = EMA_KEY if self.config.use_for_eval else None
 
     def state_extras(self) -> dict[str, StateExtra]:
-        decay = self.decay
+        decay = self.config.decay
 
         def update(ema, context: StepContext):
             params = eqx.filter(context.new_model, eqx.is_inexact_array)
@@ -39,21 +53,3 @@ class EmaHook(Hook):
             )
 
         return {EMA_KEY: StateExtra(init=lambda params: params, update=update)}
-
-
-@HookConfig.register_subclass("ema")
-@dataclass(frozen=True)
-class EmaConfig(HookConfig):
-    """An exponential moving average of the weights, kept in the checkpointed state."""
-
-    decay: float = 0.999
-    """Weight of the previous average at each step."""
-    use_for_eval: bool = False
-    """Evaluate the EMA weights instead of the trained ones."""
-
-    def __post_init__(self):
-        if not 0 <= self.decay < 1:
-            raise ValueError(f"trainer.hooks (ema): decay must be in [0, 1), got {self.decay}")
-
-    def build(self, context: HookContext) -> Hook:
-        return EmaHook(self.decay, use_for_eval=self.use_for_eval)

@@ -11,15 +11,18 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
+
+if TYPE_CHECKING:
+    from loomax.train.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -123,41 +126,84 @@ def next_token_bytes(byte_lengths: np.ndarray) -> Callable[[Any], jax.Array]:
     return count
 
 
+@hook_type("eval")
 class EvalHook(Hook):
     """Asks for an evaluation every ``every`` steps (and at the start and the end, optionally).
 
     The trainer then calls ``run_eval``, logs the results and passes them to every hook's
     ``on_eval``. The model evaluated is ``info.eval_model`` (EMA weights if a hook asks).
+    ``evaluate(model) -> metrics`` is e.g. ``make_loss_evaluator(...)``; ``name`` is the
+    key its state (history) is saved under.
     """
+
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Another evaluation on the run's validation sets (the run's own follows trainer.steps_per_eval)."""
+
+        every: int = 1000
+        """Evaluate every this many steps."""
+        at_start: bool = False
+        """Also evaluate before the first step."""
+        at_end: bool = True
+        """Also evaluate after the last step."""
+        max_batches: int | None = None
+        """Use at most this many batches of each validation set; null = all the run has."""
+
+        def __post_init__(self):
+            self.check_positive("every", "max_batches")
+
+        @classmethod
+        def of_run(cls, trainer: TrainerConfig) -> EvalHook.Config:
+            """The run's own evaluation: trainer.steps_per_eval, eval_at_start, max_eval_batches."""
+            return cls(
+                every=trainer.steps_per_eval,
+                at_start=trainer.eval_at_start,
+                max_batches=trainer.max_eval_batches,
+            )
+
+    config: Config
 
     def __init__(
         self,
-        evaluate: Evaluator,
-        every: int,
+        config: Config | None = None,
+        /,
         *,
-        at_start: bool = True,
-        at_end: bool = True,
+        evaluate: Evaluator,
         name: str = "EvalHook",
+        **settings: Any,
     ):
-        if every < 1:
-            raise ValueError(f"eval every must be >= 1, got {every}")
+        super().__init__(config, **settings)
         self.evaluate = evaluate
-        self.every = every
-        self.at_start = at_start
-        self.at_end = at_end
         self.state_key = name
         self.last_step: int | None = None
         self.history: list[tuple[int, dict[str, float]]] = []
 
+    @classmethod
+    def from_config(cls, config: Config, context: HookContext) -> Hook:
+        """Uses the run's evaluator (``context.evaluator``) unless ``max_batches`` asks for fewer batches.
+
+        The run's own evaluation (``Config.of_run``) keeps its state under ``EvalHook``,
+        others under ``EvalHook[every=N]``.
+        """
+        sets = {k: v[: config.max_batches] for k, v in context.validation.items()}
+        evaluate = context.evaluator
+        if evaluate is None or any(len(sets[k]) < len(v) for k, v in context.validation.items()):
+            evaluate = _own_evaluator(sets, context)
+        trainer = context.trainer_config
+        own = trainer is not None and config == cls.Config.of_run(trainer)
+        return cls(
+            config, evaluate=evaluate, name="EvalHook" if own else f"EvalHook[every={config.every}]"
+        )
+
     def on_train_begin(self, info: StepInfo) -> None:
-        if self.at_start and self.last_step != info.step:  # a resumed run already has it
+        if self.config.at_start and self.last_step != info.step:  # a resumed run already has it
             info.control.eval()
 
     def on_step(self, info: StepInfo) -> None:
         info.control.eval()
 
     def on_train_end(self, info: StepInfo) -> None:
-        if self.at_end and self.last_step != info.step:
+        if self.config.at_end and self.last_step != info.step:
             info.control.eval()
 
     def run_eval(self, info: StepInfo) -> dict[str, float] | None:
@@ -177,40 +223,16 @@ class EvalHook(Hook):
         self.history = [(s, r) for s, r in state["history"]]
 
 
-@HookConfig.register_subclass("eval")
-@dataclass(frozen=True)
-class EvalConfig(HookConfig):
-    """Another evaluation on the run's validation sets (the run's own follows trainer.steps_per_eval)."""
-
-    every: int = 1000
-    """Evaluate every this many steps."""
-    at_start: bool = False
-    """Also evaluate before the first step."""
-    at_end: bool = True
-    """Also evaluate after the last step."""
-    max_batches: int | None = None
-    """Use at most this many batches of each validation set; null = all the run has."""
-
-    def __post_init__(self):
-        check_positive(self, "every", "max_batches")
-
-    def build(self, context: HookContext) -> Hook:
-        sets = {k: v[: self.max_batches] for k, v in context.validation.items()}
-        count = None
-        if context.tokenizer is not None and context.vocab_size:
-            count = next_token_bytes(token_byte_lengths(context.tokenizer, context.vocab_size))
-        evaluate = make_loss_evaluator(
-            context.loss_fn,
-            sets,
-            context.trainer_config.policy,
-            jit=context.runtime.jit,
-            prepare=context.runtime.shard_batch,
-            count_bytes=count,
-        )
-        return EvalHook(
-            evaluate,
-            self.every,
-            at_start=self.at_start,
-            at_end=self.at_end,
-            name=f"EvalHook[every={self.every}]",
-        )
+def _own_evaluator(sets: dict[str, list[Any]], context: HookContext) -> Evaluator:
+    """An evaluator of ``sets`` (a subset of the run's validation batches)."""
+    count = None
+    if context.tokenizer is not None and context.vocab_size:
+        count = next_token_bytes(token_byte_lengths(context.tokenizer, context.vocab_size))
+    return make_loss_evaluator(
+        context.loss_fn,
+        sets,
+        context.trainer_config.policy,
+        jit=context.runtime.jit,
+        prepare=context.runtime.shard_batch,
+        count_bytes=count,
+    )

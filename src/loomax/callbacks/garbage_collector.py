@@ -8,17 +8,36 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
+from typing import Any
 
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 
+@hook_type("gc")
 class GarbageCollectorHook(Hook):
     """``gc.disable()`` at the start, ``gc.collect(generation)`` every ``every`` steps."""
 
-    def __init__(self, every: int = 1000, generation: int = 1):
-        self.every = every
-        self.generation = generation
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Disable automatic garbage collection and collect every N steps instead."""
+
+        every: int = 1000
+        """Collect every this many steps."""
+        generation: int = 1
+        """Oldest generation collected on the cadence (0-2; a full collection runs at the start)."""
+
+        def __post_init__(self):
+            self.check_positive("every")
+            self.check(
+                self.generation in (0, 1, 2),
+                f"generation must be 0, 1 or 2, got {self.generation}",
+            )
+
+    config: Config
+
+    def __init__(self, config: Config | None = None, /, **settings: Any):
+        super().__init__(config, **settings)
         self.collections = 0
         self._was_enabled: bool | None = None
 
@@ -28,7 +47,7 @@ class GarbageCollectorHook(Hook):
         gc.collect()
 
     def on_step(self, info: StepInfo) -> None:
-        gc.collect(self.generation)
+        gc.collect(self.config.generation)
         self.collections += 1
 
     def on_train_end(self, info: StepInfo) -> None:
@@ -41,24 +60,3 @@ class GarbageCollectorHook(Hook):
         if self._was_enabled:
             gc.enable()
         self._was_enabled = None
-
-
-@HookConfig.register_subclass("gc")
-@dataclass(frozen=True)
-class GarbageCollectorConfig(HookConfig):
-    """Disable automatic garbage collection and collect every N steps instead."""
-
-    every: int = 1000
-    """Collect every this many steps."""
-    generation: int = 1
-    """Oldest generation collected on the cadence (0-2; a full collection runs at the start)."""
-
-    def __post_init__(self):
-        check_positive(self, "every")
-        if self.generation not in (0, 1, 2):
-            raise ValueError(
-                f"trainer.hooks (gc): generation must be 0, 1 or 2, got {self.generation}"
-            )
-
-    def build(self, context: HookContext) -> Hook:
-        return GarbageCollectorHook(self.every, self.generation)

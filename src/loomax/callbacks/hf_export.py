@@ -9,33 +9,68 @@ from typing import Any
 
 import jax
 
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 logger = logging.getLogger(__name__)
 
 
+@hook_type("hf_export")
 class HfExportHook(Hook):
     """Writes the model as a Hugging Face checkpoint (``loomax.hf.export_hf``) every
-    ``every`` steps and when training ends. Every process gathers the (possibly sharded)
-    weights; only the ``primary`` one writes."""
+    ``every`` steps and when training ends, into ``<path>/step-<N>`` (``path`` defaults to
+    ``<run_dir>/hf``). Every process gathers the (possibly sharded) weights; only the
+    ``primary`` one writes."""
+
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Writes Hugging Face checkpoints (safetensors + config.json + tokenizer) every N steps and at the end."""
+
+        every: int = 1000
+        """Export every this many steps (and once when training ends)."""
+        path: str | None = None
+        """Directory of the step-N exports; null = <run_dir>/hf."""
+
+        def __post_init__(self):
+            self.check_positive("every")
+
+    config: Config
 
     def __init__(
         self,
-        every: int,
-        path: str | Path,
+        config: Config | None = None,
+        /,
         *,
+        run_dir: str | Path | None = None,
         tokenizer: Any = None,
         special_tokens: dict[str, int] | None = None,
         primary: bool = True,
+        **settings: Any,
     ):
-        self.every = every
-        self.path = Path(path)
+        super().__init__(config, **settings)
+        if self.config.path is None and run_dir is None:
+            raise ValueError("HfExportHook needs a path or a run_dir")
+        self.path = Path(self.config.path) if self.config.path else Path(run_dir) / "hf"
         self.tokenizer = tokenizer
         self.special_tokens = special_tokens or {}
         self.primary = primary
         self.last_step: int | None = None
         self.written: list[Path] = []
+
+    @classmethod
+    def from_config(cls, config: Config, context: HookContext) -> Hook:
+        special = {}
+        if context.tokenizer is not None:
+            from loomax.hf import special_token_ids
+
+            special = special_token_ids(context.tokenizer)
+        return cls(
+            config,
+            run_dir=context.run_dir,
+            tokenizer=context.tokenizer,
+            special_tokens=special,
+            primary=context.primary,
+        )
 
     def on_step(self, info: StepInfo) -> None:
         self._export(info)
@@ -59,31 +94,3 @@ class HfExportHook(Hook):
         export_hf(model, out, tokenizer=self.tokenizer, special_tokens=self.special_tokens)
         self.written.append(out)
         logger.info("exported a Hugging Face checkpoint at step %d: %s", info.step, out)
-
-
-@HookConfig.register_subclass("hf_export")
-@dataclass(frozen=True)
-class HfExportConfig(HookConfig):
-    """Writes Hugging Face checkpoints (safetensors + config.json + tokenizer) every N steps and at the end."""
-
-    every: int = 1000
-    """Export every this many steps (and once when training ends)."""
-    path: str | None = None
-    """Directory of the step-N exports; null = <run_dir>/hf."""
-
-    def __post_init__(self):
-        check_positive(self, "every")
-
-    def build(self, context: HookContext) -> Hook:
-        special = {}
-        if context.tokenizer is not None:
-            from loomax.hf import special_token_ids
-
-            special = special_token_ids(context.tokenizer)
-        return HfExportHook(
-            self.every,
-            self.path or Path(context.run_dir) / "hf",
-            tokenizer=context.tokenizer,
-            special_tokens=special,
-            primary=context.primary,
-        )

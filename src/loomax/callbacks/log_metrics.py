@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from loomax.callbacks.tokens import TokenCount, token_count
+from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 
+@hook_type("log_metrics")
 class LogMetricsHook(Hook):
-    """Every ``log_every`` steps (and at the end) log the step's scalar metrics.
+    """Every ``every`` steps (and at the end) log the step's scalar metrics.
 
     It also fills in any step another hook logs on (an eval off the log cadence, in
     ``pre_log``), so every record of a training step carries the train metrics. Its low
@@ -17,19 +20,37 @@ class LogMetricsHook(Hook):
     ``SpeedMonitorHook``.
     """
 
-    every = 1
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Train metrics to the tracker every N steps (the run adds one at trainer.log_every)."""
+
+        every: int = 10
+        """Log every this many steps."""
+
+        def __post_init__(self):
+            self.check_positive("every")
+
+    config: Config
     priority = -100
 
-    def __init__(self, log_every: int, tokens_per_step: int | TokenCount):
-        if log_every < 1:
-            raise ValueError(f"log_every must be >= 1, got {log_every}")
-        self.log_every = log_every
+    def __init__(
+        self,
+        config: Config | None = None,
+        /,
+        *,
+        tokens_per_step: int | TokenCount,
+        **settings: Any,
+    ):
+        super().__init__(config, **settings)
         self.tokens = token_count(tokens_per_step)
         self._last_logged: int | None = None
 
+    @classmethod
+    def from_config(cls, config: Config, context: HookContext) -> Hook:
+        return cls(config, tokens_per_step=context.tokens_per_step)
+
     def on_step(self, info: StepInfo) -> None:
-        if info.step % self.log_every == 0:
-            self._log(info, info.record)
+        self._log(info, info.record)
 
     def on_train_end(self, info: StepInfo) -> None:
         if self._last_logged != info.step:

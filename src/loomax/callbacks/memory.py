@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import jax
 
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 
@@ -34,26 +34,21 @@ def memory_metrics() -> dict[str, float]:
     return out
 
 
+@hook_type("memory")
 class MemoryMonitorHook(Hook):
     """Logs ``memory/*`` every ``every`` steps."""
 
-    def __init__(self, every: int = 10):
-        self.every = every
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Device memory in use and peak (GPU/TPU stats), host RSS."""
+
+        every: int = 10
+        """Log every this many steps."""
+
+        def __post_init__(self):
+            self.check_positive("every")
+
+    config: Config
 
     def on_step(self, info: StepInfo) -> None:
         info.log(memory_metrics())
-
-
-@HookConfig.register_subclass("memory")
-@dataclass(frozen=True)
-class MemoryConfig(HookConfig):
-    """Device memory in use and peak (GPU/TPU stats), host RSS."""
-
-    every: int = 10
-    """Log every this many steps."""
-
-    def __post_init__(self):
-        check_positive(self, "every")
-
-    def build(self, context: HookContext) -> Hook:
-        return MemoryMonitorHook(self.every)

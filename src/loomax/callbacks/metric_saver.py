@@ -14,41 +14,64 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 
+@hook_type("metric_saver")
 class MetricSaverHook(Hook):
-    """Collects the records the tracker receives (after the other hooks' ``pre_log``)."""
+    """Collects the records the tracker receives (after the other hooks' ``pre_log``).
 
+    Files go to ``run_dir`` where ``write`` is true (process 0).
+    """
+
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Latest metrics to <run_dir>/metrics_step{step}.json every N steps and metrics.json."""
+
+        every: int | None = None
+        """Write metrics_step{step}.json every this many steps; null = only metrics.json."""
+        include: list[str] = field(default_factory=lambda: ["*"])
+        """Glob patterns of the metric names kept, e.g. [train/*, eval/*]."""
+
+        def __post_init__(self):
+            self.check_positive("every")
+
+    config: Config
     priority = -200  # its pre_log runs after the one that fills in train metrics
 
     def __init__(
         self,
-        run_dir: Path,
+        config: Config | None = None,
+        /,
         *,
-        every: int | None = None,
-        include: list[str] | None = None,
+        run_dir: str | Path,
         write: bool = True,
+        **settings: Any,
     ):
+        super().__init__(config, **settings)
+        self.every = 1  # config.every is the cadence of the per-step files, not of on_step
         self.run_dir = Path(run_dir)
-        self.save_every = every
-        self.include = include or ["*"]
         self.write = write
         self.latest: dict[str, Any] = {}
+
+    @classmethod
+    def from_config(cls, config: Config, context: HookContext) -> Hook:
+        return cls(config, run_dir=context.run_dir, write=context.primary)
 
     def pre_log(self, info: StepInfo, record: dict[str, Any]) -> None:
         kept = {
             k: _plain(v)
             for k, v in record.items()
-            if any(fnmatch.fnmatch(k, p) for p in self.include)
+            if any(fnmatch.fnmatch(k, p) for p in self.config.include)
         }
         self.latest.update(kept)
         self.latest["step"] = info.step
         if not self.write:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.save_every and info.step % self.save_every == 0:
+        save_every = self.config.every
+        if save_every and info.step % save_every == 0:
             (self.run_dir / f"metrics_step{info.step}.json").write_text(
                 json.dumps({"step": info.step, **kept}, indent=1)
             )
@@ -61,25 +84,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
-
-
-@HookConfig.register_subclass("metric_saver")
-@dataclass(frozen=True)
-class MetricSaverConfig(HookConfig):
-    """Latest metrics to <run_dir>/metrics_step{step}.json every N steps and metrics.json."""
-
-    every: int | None = None
-    """Write metrics_step{step}.json every this many steps; null = only metrics.json."""
-    include: list[str] = field(default_factory=lambda: ["*"])
-    """Glob patterns of the metric names kept, e.g. [train/*, eval/*]."""
-
-    def __post_init__(self):
-        check_positive(self, "every")
-
-    def build(self, context: HookContext) -> Hook:
-        return MetricSaverHook(
-            context.run_dir,
-            every=self.every,
-            include=list(self.include),
-            write=context.primary,
-        )

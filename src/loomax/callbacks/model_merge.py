@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 from loomax.checkpoint import Checkpointer, CheckpointerConfig
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 from loomax.train.step import StateExtra, StepContext
 
@@ -26,25 +27,55 @@ logger = logging.getLogger(__name__)
 MERGE_KEY = "merge"
 
 
+@hook_type("model_merge")
 class ModelMergeHook(Hook):
-    """Averages the weights of the ``window`` steps up to each of ``steps`` and saves them."""
+    """Averages the weights of the ``window`` steps up to each of ``steps`` and saves them
+    under ``directory`` (default ``<run_dir>/merged``)."""
 
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Average the weights over the last `window` steps before each of `steps`; save the merged model."""
+
+        steps: list[int] = field(default_factory=list)
+        """Steps at which a merged model is saved (each averages the `window` steps up to it)."""
+        window: int = 10
+        """Steps averaged."""
+        directory: str | None = None
+        """Where merged models go; null = <run_dir>/merged."""
+
+        def __post_init__(self):
+            self.check_positive("window")
+            self.check(bool(self.steps), "steps must list at least one step")
+            self.check(all(s >= 1 for s in self.steps), f"steps must be >= 1, got {self.steps}")
+
+    config: Config
     every = 1
 
-    def __init__(self, steps: list[int], window: int, directory: Path):
-        if not steps or any(s < 1 for s in steps):
-            raise ValueError(
-                f"model merge steps must be a non-empty list of steps >= 1, got {steps}"
-            )
-        self.steps = sorted(set(steps))
-        self.window = window
-        self.directory = Path(directory)
+    def __init__(
+        self,
+        config: Config | None = None,
+        /,
+        *,
+        run_dir: str | Path | None = None,
+        **settings: Any,
+    ):
+        super().__init__(config, **settings)
+        if self.config.directory is None and run_dir is None:
+            raise ValueError("ModelMergeHook needs a directory or a run_dir")
+        directory = self.config.directory
+        self.directory = Path(directory) if directory else Path(run_dir) / "merged"
+        self.steps = sorted(set(self.config.steps))
+        """The steps saved at, sorted."""
         self.saved: list[int] = []
         self._saver: Checkpointer | None = None
 
+    @classmethod
+    def from_config(cls, config: Config, context: HookContext) -> Hook:
+        return cls(config, run_dir=context.run_dir)
+
     def state_extras(self) -> dict[str, StateExtra]:
         targets = jnp.asarray(self.steps)
-        starts = jnp.maximum(targets - self.window + 1, 1)
+        starts = jnp.maximum(targets - self.config.window + 1, 1)
 
         def update(total, context: StepContext):
             done = context.step + 1  # the step just taken, counted from 1
@@ -65,7 +96,7 @@ class ModelMergeHook(Hook):
     def on_step(self, info: StepInfo) -> None:
         if info.step not in self.steps:
             return
-        count = min(self.window, info.step)
+        count = min(self.config.window, info.step)
         total = info.state.extras[MERGE_KEY]
         model = eqx.filter(info.state.model, eqx.is_inexact_array)
         averaged = jax.tree.map(lambda t, p: (t / count).astype(p.dtype), total, model)
@@ -86,25 +117,3 @@ class ModelMergeHook(Hook):
             info.step,
             self.directory,
         )
-
-
-@HookConfig.register_subclass("model_merge")
-@dataclass(frozen=True)
-class ModelMergeConfig(HookConfig):
-    """Average the weights over the last `window` steps before each of `steps`; save the merged model."""
-
-    steps: list[int] = field(default_factory=list)
-    """Steps at which a merged model is saved (each averages the `window` steps up to it)."""
-    window: int = 10
-    """Steps averaged."""
-    directory: str | None = None
-    """Where merged models go; null = <run_dir>/merged."""
-
-    def __post_init__(self):
-        check_positive(self, "window")
-        if not self.steps:
-            raise ValueError("trainer.hooks (model_merge): steps must list at least one step")
-
-    def build(self, context: HookContext) -> Hook:
-        directory = Path(self.directory) if self.directory else context.run_dir / "merged"
-        return ModelMergeHook(list(self.steps), self.window, directory)

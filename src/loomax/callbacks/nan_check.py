@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from loomax.train.hook_config import HookConfig, HookContext
+from loomax.train.hook_config import HookConfig, hook_type
 from loomax.train.hooks import CompletedStep, Hook, StepInfo
 
 
@@ -13,8 +13,13 @@ class NonFiniteLossError(FloatingPointError):
     """The training loss became NaN or infinite."""
 
 
+@hook_type("nan_check")
 class NanCheckHook(Hook):
     """Checks the loss of each finished step (one step behind, so it never stalls the device)."""
+
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Stop with an error at a NaN/Inf loss (the run adds one when trainer.crash_on_nan is true)."""
 
     every = 1
 
@@ -34,12 +39,3 @@ def _check(done: CompletedStep) -> None:
             f"training loss is {loss} at step {done.step}; stopping (set trainer.crash_on_nan: false to "
             "continue). Lower optimizer.learning_rate, raise optimizer.warmup, or check the data."
         )
-
-
-@HookConfig.register_subclass("nan_check")
-@dataclass(frozen=True)
-class NanCheckConfig(HookConfig):
-    """Stop with an error at a NaN/Inf loss (the run adds one when trainer.crash_on_nan is true)."""
-
-    def build(self, context: HookContext) -> Hook:
-        return NanCheckHook()

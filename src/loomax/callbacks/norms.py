@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, hook_type
 from loomax.train.hooks import Hook, StepInfo
 from loomax.train.step import JitHook, StepContext
 from loomax.tree_paths import named_leaves
@@ -66,23 +66,38 @@ def norm_metrics(
     return out
 
 
+@hook_type("norms")
 class NormsHook(Hook):
-    """Computes norms in the step every ``every`` steps and logs them."""
+    """Computes norms in the step every ``every`` steps (a ``JitHook`` of its own) and logs them."""
 
-    def __init__(self, every: int = 10, *, per_layer: bool = True, histograms: bool = False):
-        self.every = every
-        self.per_layer = per_layer
-        self.histograms = histograms
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Gradient, parameter and update norms (global and per parameter), optionally histograms."""
+
+        every: int = 10
+        """Compute and log every this many steps."""
+        per_layer: bool = True
+        """Also log the norm of every parameter (per layer for stacked layers)."""
+        histograms: bool = False
+        """Also log histograms of log10 |value| (32 bins over [-12, 4])."""
+
+        def __post_init__(self):
+            self.check_positive("every")
+
+    config: Config
+
+    def __init__(self, config: Config | None = None, /, **settings: Any):
+        super().__init__(config, **settings)
+        c = self.config
+        fn = lambda ctx: norm_metrics(ctx, per_layer=c.per_layer, histograms=c.histograms)  # noqa: E731
+        self._jit = JitHook(fn, every=c.every)
 
     def jit_hooks(self) -> list[JitHook]:
-        fn = lambda ctx: norm_metrics(ctx, per_layer=self.per_layer, histograms=self.histograms)  # noqa: E731
-        return [JitHook(fn, every=self.every)]
+        return [self._jit]
 
     def on_step(self, info: StepInfo) -> None:
         values = {}
-        for key, value in info.host_metrics().items():
-            if not key.startswith(("norms/", "histograms/")):
-                continue
+        for key, value in info.traced(self._jit).items():
             value = np.asarray(value)
             if value.ndim == 0:
                 values[key] = float(value)
@@ -91,27 +106,3 @@ class NormsHook(Hook):
             else:
                 values.update({f"{key}/{i}": float(v) for i, v in enumerate(value)})
         info.log(values)
-
-    def pre_log(self, info: StepInfo, record: dict[str, Any]) -> None:
-        if info.step % self.every:  # off-cadence steps carry zeros from the step: drop them
-            for key in [k for k in record if k.startswith(("norms/", "histograms/"))]:
-                del record[key]
-
-
-@HookConfig.register_subclass("norms")
-@dataclass(frozen=True)
-class NormsConfig(HookConfig):
-    """Gradient, parameter and update norms (global and per parameter), optionally histograms."""
-
-    every: int = 10
-    """Compute and log every this many steps."""
-    per_layer: bool = True
-    """Also log the norm of every parameter (per layer for stacked layers)."""
-    histograms: bool = False
-    """Also log histograms of log10 |value| (32 bins over [-12, 4])."""
-
-    def __post_init__(self):
-        check_positive(self, "every")
-
-    def build(self, context: HookContext) -> Hook:
-        return NormsHook(self.every, per_layer=self.per_layer, histograms=self.histograms)

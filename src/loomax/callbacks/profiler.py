@@ -5,39 +5,74 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 logger = logging.getLogger(__name__)
 
 
+@hook_type("profiler")
 class ProfilerHook(Hook):
     """Starts the trace after step ``start - 1`` is dispatched; stops once step ``start + num_steps - 1`` is done.
 
-    Open the result with TensorBoard's profile plugin or Perfetto (``*.trace.json.gz``).
+    The trace goes to ``directory`` (default ``<run_dir>/profile``). Open it with
+    TensorBoard's profile plugin or Perfetto (``*.trace.json.gz``).
     """
 
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """A jax.profiler trace of steps [start, start + num_steps) into <run_dir>/profile."""
+
+        start: int = 5
+        """First step traced (after compilation has settled)."""
+        num_steps: int = 3
+        """Steps traced."""
+        directory: str | None = None
+        """Where the trace goes; null = <run_dir>/profile."""
+
+        def __post_init__(self):
+            self.check_positive("start", "num_steps")
+
+    config: Config
     every = 1
 
-    def __init__(self, directory: Path, *, start: int = 5, num_steps: int = 3):
-        if start < 1 or num_steps < 1:
-            raise ValueError(f"profiler start and num_steps must be >= 1, got {start}, {num_steps}")
-        self.directory = Path(directory)
-        self.start, self.num_steps = start, num_steps
+    def __init__(
+        self,
+        config: Config | None = None,
+        /,
+        *,
+        run_dir: str | Path | None = None,
+        **settings: Any,
+    ):
+        super().__init__(config, **settings)
+        if self.config.directory is None and run_dir is None:
+            raise ValueError("ProfilerHook needs a directory or a run_dir")
+        directory = self.config.directory
+        self.directory = Path(directory) if directory else Path(run_dir) / "profile"
         self.active = False
         self.done = False
 
+    @classmethod
+    def from_config(cls, config: Config, context: HookContext) -> Hook:
+        return cls(config, run_dir=context.run_dir)
+
+    @property
+    def last_step(self) -> int:
+        """The last step traced."""
+        return self.config.start + self.config.num_steps - 1
+
     def on_train_begin(self, info: StepInfo) -> None:
-        if info.step == self.start - 1:
+        if info.step == self.config.start - 1:
             self._begin()
 
     def on_step(self, info: StepInfo) -> None:
-        if info.step == self.start - 1 and not self.done:
+        if info.step == self.config.start - 1 and not self.done:
             self._begin()
-        elif self.active and info.step >= self.start + self.num_steps - 1:
+        elif self.active and info.step >= self.last_step:
             jax.block_until_ready(info.metrics)
             self._end()
 
@@ -53,8 +88,8 @@ class ProfilerHook(Hook):
         self.active = True
         logger.info(
             "profiling steps %d to %d into %s",
-            self.start,
-            self.start + self.num_steps - 1,
+            self.config.start,
+            self.last_step,
             self.directory,
         )
 
@@ -62,23 +97,3 @@ class ProfilerHook(Hook):
         if self.active:
             jax.profiler.stop_trace()
             self.active, self.done = False, True
-
-
-@HookConfig.register_subclass("profiler")
-@dataclass(frozen=True)
-class ProfilerConfig(HookConfig):
-    """A jax.profiler trace of steps [start, start + num_steps) into <run_dir>/profile."""
-
-    start: int = 5
-    """First step traced (after compilation has settled)."""
-    num_steps: int = 3
-    """Steps traced."""
-    directory: str | None = None
-    """Where the trace goes; null = <run_dir>/profile."""
-
-    def __post_init__(self):
-        check_positive(self, "start", "num_steps")
-
-    def build(self, context: HookContext) -> Hook:
-        directory = Path(self.directory) if self.directory else context.run_dir / "profile"
-        return ProfilerHook(directory, start=self.start, num_steps=self.num_steps)

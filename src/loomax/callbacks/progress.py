@@ -3,21 +3,48 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from loomax.callbacks.tokens import TokenCount, token_count, tokens_of_step
-from loomax.train.hook_config import HookConfig, HookContext
+from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 
+@hook_type("progress")
 class ProgressBarHook(Hook):
     """Advances every step; shows the loss and speed of the last finished step."""
 
-    def __init__(self, total_steps: int, tokens_per_step: int | TokenCount):
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """A tqdm progress bar (the run adds one when trainer.progress_bar is true)."""
+
+    config: Config
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        /,
+        *,
+        total_steps: int,
+        tokens_per_step: int | TokenCount,
+        **settings: Any,
+    ):
+        super().__init__(config, **settings)
         self.total_steps = total_steps
         self.tokens = token_count(tokens_per_step)
         self.bar: tqdm | None = None
+
+    @classmethod
+    def from_config(cls, config: Config, context: HookContext) -> Hook | list[Hook]:
+        if not context.primary:  # one bar per run: process 0's
+            return []
+        return cls(
+            config,
+            total_steps=context.trainer_config.num_train_steps,
+            tokens_per_step=context.tokens_per_step,
+        )
 
     def on_train_begin(self, info: StepInfo) -> None:
         self.bar = tqdm(
@@ -44,14 +71,3 @@ class ProgressBarHook(Hook):
         if done.duration > 0:
             postfix["tok/s"] = f"{tokens_of_step(self.tokens, done.step) / done.duration:,.0f}"
         self.bar.set_postfix(postfix, refresh=False)
-
-
-@HookConfig.register_subclass("progress")
-@dataclass(frozen=True)
-class ProgressConfig(HookConfig):
-    """A tqdm progress bar (the run adds one when trainer.progress_bar is true)."""
-
-    def build(self, context: HookContext) -> Hook | list:
-        if not context.primary:
-            return []
-        return ProgressBarHook(context.trainer_config.num_train_steps, context.tokens_per_step)

@@ -13,25 +13,50 @@ from typing import Any
 
 import numpy as np
 
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 
+@hook_type("seq_len_warmup")
 class SeqLenWarmupHook(Hook):
-    """Reshapes each batch to the warm-up's sequence length; logs ``train/seq_len``."""
+    """Reshapes each batch to the warm-up's sequence length; logs ``train/seq_len``.
 
-    def __init__(self, seq_len: int, min_seq_len: int, warmup_steps: int):
+    ``seq_len`` is the model's (the length reached at the end of the warm-up).
+    """
+
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Linear warm-up of the sequence length from min_seq_len, keeping tokens per batch."""
+
+        min_seq_len: int = 64
+        """Starting sequence length; must divide model.seq_len."""
+        warmup_steps: int = 1000
+        """Steps over which the length grows to model.seq_len."""
+
+        def __post_init__(self):
+            self.check_positive("min_seq_len", "warmup_steps")
+
+    config: Config
+
+    def __init__(self, config: Config | None = None, /, *, seq_len: int, **settings: Any):
+        super().__init__(config, **settings)
+        min_seq_len = self.config.min_seq_len
         if not 0 < min_seq_len <= seq_len or seq_len % min_seq_len:
             raise ValueError(
                 f"seq_len warm-up: min_seq_len ({min_seq_len}) must divide the model's seq_len ({seq_len})"
             )
-        self.seq_len, self.min_seq_len, self.warmup_steps = seq_len, min_seq_len, warmup_steps
+        self.seq_len = seq_len
         self.lengths = [n for n in range(min_seq_len, seq_len + 1, min_seq_len) if seq_len % n == 0]
+
+    @classmethod
+    def from_config(cls, config: Config, context: HookContext) -> Hook:
+        return cls(config, seq_len=context.model_config.seq_len)
 
     def length_at(self, step: int) -> int:
         """Sequence length of step ``step`` (counted from 1)."""
-        fraction = min((step - 1) / max(self.warmup_steps, 1), 1.0)
-        target = self.min_seq_len + fraction * (self.seq_len - self.min_seq_len)
+        c = self.config
+        fraction = min((step - 1) / max(c.warmup_steps, 1), 1.0)
+        target = c.min_seq_len + fraction * (self.seq_len - c.min_seq_len)
         return max(n for n in self.lengths if n <= target + 1e-9)
 
     def transform_batch(self, step: int, batch: Any) -> Any:
@@ -48,20 +73,3 @@ class SeqLenWarmupHook(Hook):
     def pre_log(self, info: StepInfo, record: dict[str, Any]) -> None:
         if info.step >= 1:
             record["train/seq_len"] = self.length_at(info.step)
-
-
-@HookConfig.register_subclass("seq_len_warmup")
-@dataclass(frozen=True)
-class SeqLenWarmupConfig(HookConfig):
-    """Linear warm-up of the sequence length from min_seq_len, keeping tokens per batch."""
-
-    min_seq_len: int = 64
-    """Starting sequence length; must divide model.seq_len."""
-    warmup_steps: int = 1000
-    """Steps over which the length grows to model.seq_len."""
-
-    def __post_init__(self):
-        check_positive(self, "min_seq_len", "warmup_steps")
-
-    def build(self, context: HookContext) -> Hook:
-        return SeqLenWarmupHook(context.model_config.seq_len, self.min_seq_len, self.warmup_steps)

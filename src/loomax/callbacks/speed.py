@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from loomax.callbacks.tokens import TokenCount, token_count
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 
+@hook_type("speed")
 class SpeedMonitorHook(Hook):
     """Logs ``throughput/{tokens_per_second,steps_per_second,step_seconds,mfu}`` every ``every`` steps.
 
@@ -19,16 +21,32 @@ class SpeedMonitorHook(Hook):
     backward); with ``peak_flops`` (all devices together) MFU is logged too.
     """
 
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Throughput and MFU (the run adds one at trainer.log_every; add this for another cadence)."""
+
+        every: int = 10
+        """Log throughput every this many steps."""
+
+        def __post_init__(self):
+            self.check_positive("every")
+
+    config: Config
+
     def __init__(
         self,
-        every: int,
+        config: Config | None = None,
+        /,
+        *,
         tokens_per_step: int | TokenCount,
         flops_per_token: float | None = None,
         peak_flops: float | None = None,
+        **settings: Any,
     ):
-        if every < 1:
-            raise ValueError(f"speed monitor every must be >= 1, got {every}")
-        self.log_every = every
+        super().__init__(config, **settings)
+        self.every = (
+            1  # on_step sees every step (to catch the first one); it logs every config.every
+        )
         self.tokens = token_count(tokens_per_step)
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
@@ -36,12 +54,21 @@ class SpeedMonitorHook(Hook):
         self._mark: tuple[int, float] | None = None  # (step, when it finished)
         self._last_logged: int | None = None
 
+    @classmethod
+    def from_config(cls, config: Config, context: HookContext) -> Hook:
+        return cls(
+            config,
+            tokens_per_step=context.tokens_per_step,
+            flops_per_token=context.flops_per_token,
+            peak_flops=context.peak_flops,
+        )
+
     def on_train_begin(self, info: StepInfo) -> None:
         self._first_step = info.step + 1
 
     def on_step(self, info: StepInfo) -> None:
         self._see_first_step(info)
-        if info.step % self.log_every == 0:
+        if info.step % self.config.every == 0:
             self._log(info)
 
     def on_train_end(self, info: StepInfo) -> None:
@@ -75,20 +102,3 @@ class SpeedMonitorHook(Hook):
         if self._mark is not None or info.step == self._first_step:
             self._mark = (info.step, now)
         self._last_logged = info.step
-
-
-@HookConfig.register_subclass("speed")
-@dataclass(frozen=True)
-class SpeedMonitorConfig(HookConfig):
-    """Throughput and MFU (the run adds one at trainer.log_every; add this for another cadence)."""
-
-    every: int = 10
-    """Log throughput every this many steps."""
-
-    def __post_init__(self):
-        check_positive(self, "every")
-
-    def build(self, context: HookContext) -> Hook:
-        return SpeedMonitorHook(
-            self.every, context.tokens_per_step, context.flops_per_token, context.peak_flops
-        )

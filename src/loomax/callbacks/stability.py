@@ -13,21 +13,39 @@ from typing import Any
 
 import numpy as np
 
-from loomax.train.hook_config import HookConfig, HookContext, check_positive
+from loomax.train.hook_config import HookConfig, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 WATCHED = ("train/loss", "optim/grad_norm")
 
 
+@hook_type("stability")
 class StabilityMonitor(Hook):
-    """Logs ``stability/spike_score`` and ``stability/spikes`` every ``log_every`` steps."""
+    """Logs ``stability/spike_score`` and ``stability/spikes`` every ``every`` steps
+    (it sees each finished step)."""
 
-    every = 1
+    @dataclass(frozen=True)
+    class Config(HookConfig):
+        """Spike score: share of recent steps whose loss or grad norm exceeded mean + k*std."""
 
-    def __init__(
-        self, window: int = 100, k: float = 3.0, log_every: int = 10, min_history: int = 10
-    ):
-        self.window, self.k, self.log_every, self.min_history = window, k, log_every, min_history
+        window: int = 100
+        """Steps in the rolling window."""
+        k: float = 3.0
+        """Standard deviations above the mean that make a spike."""
+        every: int = 10
+        """Log the score every this many steps."""
+        min_history: int = 10
+        """Steps needed in the window before a step is judged."""
+
+        def __post_init__(self):
+            self.check_positive("window", "k", "every", "min_history")
+
+    config: Config
+
+    def __init__(self, config: Config | None = None, /, **settings: Any):
+        super().__init__(config, **settings)
+        self.every = 1  # on_step sees every finished step; it logs every config.every
+        window = self.config.window
         self.history = {key: deque(maxlen=window) for key in WATCHED}
         self.flags: deque[bool] = deque(maxlen=window)
 
@@ -39,10 +57,10 @@ class StabilityMonitor(Hook):
             value = metrics.get(key)
             if value is None:
                 continue
-            if len(past) >= self.min_history:
+            if len(past) >= self.config.min_history:
                 judged = True
                 values = np.asarray(past)
-                spike |= bool(value > values.mean() + self.k * values.std())
+                spike |= bool(value > values.mean() + self.config.k * values.std())
             past.append(value)
         if judged:
             self.flags.append(spike)
@@ -56,7 +74,7 @@ class StabilityMonitor(Hook):
     def on_step(self, info: StepInfo) -> None:
         if info.previous is not None:
             self.observe(info.previous.metrics)
-        if info.step % self.log_every == 0:
+        if info.step % self.config.every == 0:
             info.log({"stability/spike_score": self.score, "stability/spikes": sum(self.flags)})
 
     def state_dict(self) -> dict[str, Any]:
@@ -64,26 +82,5 @@ class StabilityMonitor(Hook):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, values in state["history"].items():
-            self.history[key] = deque(values, maxlen=self.window)
-        self.flags = deque(state["flags"], maxlen=self.window)
-
-
-@HookConfig.register_subclass("stability")
-@dataclass(frozen=True)
-class StabilityConfig(HookConfig):
-    """Spike score: share of recent steps whose loss or grad norm exceeded mean + k*std."""
-
-    window: int = 100
-    """Steps in the rolling window."""
-    k: float = 3.0
-    """Standard deviations above the mean that make a spike."""
-    every: int = 10
-    """Log the score every this many steps."""
-    min_history: int = 10
-    """Steps needed in the window before a step is judged."""
-
-    def __post_init__(self):
-        check_positive(self, "window", "k", "every", "min_history")
-
-    def build(self, context: HookContext) -> Hook:
-        return StabilityMonitor(self.window, self.k, self.every, self.min_history)
+            self.history[key] = deque(values, maxlen=self.config.window)
+        self.flags = deque(state["flags"], maxlen=self.config.window)

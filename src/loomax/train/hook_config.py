@@ -101,8 +101,3 @@ def hook_type(name: str) -> Callable[[type], type]:
         return cls
 
     return register
-
-
-def check_positive(config: HookConfig, *names: str) -> None:
-    """Transitional alias of ``config.check_positive(*names)``."""
-    config.check_positive(*names)
