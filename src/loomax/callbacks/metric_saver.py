@@ -38,6 +38,7 @@ class MetricSaverHook(Hook):
             self.check_positive("every")
 
     config: Config
+    sees_every_step = True  # it keeps its own cadence with config.every
     priority = -200  # its pre_log runs after the one that fills in train metrics
 
     def __init__(
@@ -50,7 +51,6 @@ class MetricSaverHook(Hook):
         **settings: Any,
     ):
         super().__init__(config, **settings)
-        self.every = 1  # config.every is the cadence of the per-step files, not of on_step
         self.run_dir = Path(run_dir)
         self.write = write
         self.latest: dict[str, Any] = {}

@@ -32,6 +32,7 @@ class SpeedMonitorHook(Hook):
             self.check_positive("every")
 
     config: Config
+    sees_every_step = True  # it keeps its own cadence with config.every
 
     def __init__(
         self,
@@ -44,9 +45,6 @@ class SpeedMonitorHook(Hook):
         **settings: Any,
     ):
         super().__init__(config, **settings)
-        self.every = (
-            1  # on_step sees every step (to catch the first one); it logs every config.every
-        )
         self.tokens = token_count(tokens_per_step)
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops

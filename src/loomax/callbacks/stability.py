@@ -41,10 +41,10 @@ class StabilityMonitor(Hook):
             self.check_positive("window", "k", "every", "min_history")
 
     config: Config
+    sees_every_step = True  # it keeps its own cadence with config.every
 
     def __init__(self, config: Config | None = None, /, **settings: Any):
         super().__init__(config, **settings)
-        self.every = 1  # on_step sees every finished step; it logs every config.every
         window = self.config.window
         self.history = {key: deque(maxlen=window) for key in WATCHED}
         self.flags: deque[bool] = deque(maxlen=window)

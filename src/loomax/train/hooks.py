@@ -123,13 +123,17 @@ class Hook:
 
     A hook with settings declares them once, in a nested frozen ``Config(HookConfig)``
     registered by ``@hook_type(name)``; ``Hook(config)`` or ``Hook(**settings)`` builds
-    it, and it reads them as ``self.config`` (a ``every`` field sets ``self.every``).
+    it, and it reads them as ``self.config`` (an ``every`` field sets ``self.every``, unless
+    ``sees_every_step``).
     ``from_config`` is how a run builds it from YAML, with what the run knows.
     """
 
     Config: ClassVar[type[HookConfig] | None] = None
     every: int = 1
     priority: int = 0
+    sees_every_step: ClassVar[bool] = False
+    """True for a hook whose ``on_step`` must see every step although its config has an
+    ``every`` (it keeps its own cadence with it, e.g. of logging)."""
 
     def __init__(self, config: HookConfig | None = None, /, **settings: Any):
         if self.Config is None:
@@ -141,7 +145,8 @@ class Hook:
         elif settings:
             config = dataclasses.replace(config, **settings)
         self.config = config
-        self.every = getattr(config, "every", type(self).every)
+        if not self.sees_every_step:
+            self.every = getattr(config, "every", type(self).every)
 
     @classmethod
     def from_config(cls, config: HookConfig, context: HookContext) -> Hook | list[Hook]:

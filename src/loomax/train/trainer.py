@@ -114,8 +114,9 @@ class Trainer:
         """Run ``fn(info)`` after every ``every``-th step; usable as ``@trainer.add_hook(every=N)``.
 
         ``fn`` may also be a ``Hook`` (keeps its own ``every`` and ``priority``) or a
-        ``JitHook``. Hooks that change the step (``wrap_optimizer``, ``jit_hooks``,
-        ``state_extras``) must be added before ``initial_state``.
+        ``JitHook``, whose outputs whoever holds it reads with ``info.traced(jit_hook)``.
+        Hooks that change the step (``wrap_optimizer``, ``jit_hooks``, ``state_extras``)
+        must be added before ``initial_state``.
         """
         if fn is None:
             return lambda f: self.add_hook(f, every=every, priority=priority)
