@@ -47,3 +47,25 @@ def test_nan_check_defers_to_a_hook_that_already_asked_to_stop():
     i = info(8, CompletedStep(7, {"train/loss": float("nan")}, 0.1, 0.0))
     i.control.stop("diverged", by="DivergenceDetector")
     NanCheckHook().on_step(i)  # no error: the divergence detector checkpoints and stops
+
+
+def test_nan_check_catches_the_last_step_at_the_end_and_lets_finite_losses_pass():
+    hook = NanCheckHook()
+    hook.on_step(info(1))  # no finished step yet: nothing to check
+    hook.on_step(info(3, CompletedStep(2, {"train/loss": 1e30}, 0.1, 0.0)))  # large, finite
+    with pytest.raises(NonFiniteLossError, match="nan at step 9.*trainer.crash_on_nan: false"):
+        hook.on_train_end(info(9, CompletedStep(9, {"train/loss": float("nan")}, 0.1, 0.0)))
+
+
+def test_eval_hook_without_at_start_waits_for_its_interval():
+    hook = EvalHook(evaluate=lambda model: {"eval/loss": 2.0}, every=4, at_start=False)
+    begin = info(0)
+    hook.on_train_begin(begin)
+    assert (
+        not begin.control.eval_requested and hook.every == 4
+    )  # the trainer calls on_step at 4, 8...
+    due = info(4)
+    hook.on_step(due)
+    assert due.control.eval_requested
+    assert hook.history == []  # requesting is not evaluating: the trainer then calls run_eval
+    assert hook.run_eval(due) == {"eval/loss": 2.0} and hook.run_eval(due) is None  # once a step
