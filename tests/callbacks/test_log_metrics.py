@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from loomax.callbacks import LogMetricsHook, SpeedMonitorHook
 from loomax.train.hooks import CompletedStep, StepInfo
 
 
 def info(step, previous=None, record=None):
-    i = StepInfo(step=step, state=None, metrics={}, previous=previous, record=record or {})
-    i._host = {"train/loss": 1.0 / (step + 1), "optim/learning_rate": 0.1}
-    return i
+    metrics = {"train/loss": np.float64(1.0 / (step + 1)), "optim/learning_rate": np.float64(0.1)}
+    return StepInfo(step=step, state=None, metrics=metrics, previous=previous, record=record or {})
 
 
 def done(step, at):
