@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from loomax.distributed.net import free_port
 from loomax.launch.config import LaunchConfig
 from loomax.launch.docker import build_and_push
 from loomax.launch.gpu import gpu_commands
 from loomax.launch.job import Job, mask_secrets, prepare_job
-from loomax.launch.local import free_port, local_commands
+from loomax.launch.local import local_commands
 from loomax.launch.processes import Command, run_group, with_retries
 from loomax.launch.slurm import render_sbatch, sbatch_path
 from loomax.launch.tpu import tpu_command

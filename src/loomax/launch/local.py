@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 
 from loomax.distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
@@ -28,13 +27,6 @@ def local_commands(config: LaunchConfig, job: Job, port: int) -> list[Command]:
         }
         commands.append(Command([sys.executable, "-m", "loomax.cli", *job.args], env))
     return commands
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _with_device_count(flags: str, count: int) -> str:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from loomax.distributed.process_groups import stop_groups
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,8 @@ def run_group(commands: Sequence[Command], *, grace: float = 5.0, poll: float = 
 
     As soon as one fails (or is killed) the others are stopped: SIGTERM to each process
     group, then SIGKILL after ``grace`` seconds (a multi-process job cannot go on without
-    one of its processes). Returns the first failure's exit code (negative: a signal).
+    one of its processes); at the end, helpers a process left behind in its group (e.g. a
+    local Ray) are stopped the same way. Returns the first failure's exit code (negative: a signal).
     """
     procs = [
         subprocess.Popen(
@@ -48,7 +49,7 @@ def run_group(commands: Sequence[Command], *, grace: float = 5.0, poll: float = 
                 return 0
             time.sleep(poll)
     finally:
-        _stop(procs, grace)
+        stop_groups(procs, grace)
 
 
 def with_retries(attempt: Callable[[int], int], retries: int) -> int:
@@ -66,25 +67,3 @@ def with_retries(attempt: Callable[[int], int], retries: int) -> int:
         if code == 0:
             return 0
     return code
-
-
-def _stop(procs: Sequence[subprocess.Popen], grace: float) -> None:
-    running = [p for p in procs if p.poll() is None]
-    for p in running:
-        _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in running:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            _signal_group(p, signal.SIGKILL)
-            p.wait()
-    for p in procs:  # helpers a process left behind in its group (e.g. a local Ray)
-        _signal_group(p, signal.SIGKILL)
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

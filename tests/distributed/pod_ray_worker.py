@@ -1,4 +1,4 @@
-"""Worker for test_distributed_pod_ray: one of 2 JAX processes posing as separate hosts.
+"""Worker for tests/distributed/test_pod_ray.py: one of 2 JAX processes posing as separate hosts.
 
 python pod_ray_worker.py PROCESS_ID PORT    # prints JSON from process 0
 """

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from loomax.distributed import RayConfig, pod_ray_role
+from loomax.distributed.net import free_port
 
 WORKER = Path(__file__).with_name("pod_ray_worker.py")
 
@@ -37,9 +37,7 @@ def test_ray_address_variable_means_no_pod_cluster(monkeypatch):
 
 @pytest.mark.slow
 def test_head_on_process_0_and_the_other_host_joins():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("RAY_ADDRESS", None)
     procs = [

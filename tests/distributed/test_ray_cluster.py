@@ -1,7 +1,6 @@
 """Ray settings: documented fields, checked values, and clear errors before any waiting."""
 
 import dataclasses
-import socket
 import time
 
 import pytest
@@ -9,6 +8,7 @@ import ray
 
 from loomax.config_reference import field_docs
 from loomax.distributed import RayConfig, init_ray, ray_session
+from loomax.distributed.net import free_port
 
 
 def test_every_field_has_a_doc():
@@ -33,9 +33,7 @@ def no_ray(monkeypatch):
 
 
 def test_unreachable_address_fails_fast_naming_it(no_ray):
-    with socket.socket() as probe:  # a port nobody listens at
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # a port nobody listens at
     start = time.monotonic()
     with pytest.raises(ConnectionError, match=rf"Ray cluster at '127\.0\.0\.1:{port}'"):
         init_ray(RayConfig(address=f"127.0.0.1:{port}", connect_timeout_s=2))
