@@ -26,6 +26,7 @@ import numpy as np
 import tensorstore as ts
 
 from loomax.checkpoint.storage import CONTEXT, join
+from loomax.errors import UserError
 
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
 """Shards above this are split into several chunks, so large arrays are written in parallel."""
@@ -34,7 +35,7 @@ _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "c
 _JSON_SCALARS = (bool, int, float, str, type(None))
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be read: missing, truncated or of the wrong shape."""
 
 

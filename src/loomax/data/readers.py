@@ -23,6 +23,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 import fsspec
 
+from loomax.errors import DataSourceError, MissingPackageError
+
 if TYPE_CHECKING:
     from loomax.data.sources import HfSourceConfig
 
@@ -60,7 +62,7 @@ class ReadStats:
 
 
 Reject = Callable[..., None]
-"""`reject(where, why, count=1)`: raise ValueError for a bad record, or count it as skipped."""
+"""`reject(where, why, count=1)`: raise DataSourceError for a bad record, or count it as skipped."""
 
 
 def rejecter(skip_bad_records: bool, stats: ReadStats) -> Reject:
@@ -68,7 +70,7 @@ def rejecter(skip_bad_records: bool, stats: ReadStats) -> Reject:
 
     def reject(where: str, why: str, count: int = 1) -> None:
         if not skip_bad_records:
-            raise ValueError(f"data source: {where}: {why}")
+            raise DataSourceError(f"data source: {where}: {why}")
         stats.skip(where, why, count)
 
     return reject
@@ -178,7 +180,7 @@ def _numbered_lines(file: IO[bytes], url: str) -> Iterator[tuple[int, bytes]]:
         try:
             line = file.readline()
         except Exception as error:
-            raise ValueError(
+            raise DataSourceError(
                 f"data source: {url}: cannot read after line {number} ({_describe(error)})"
             ) from error
         if not line:
@@ -397,7 +399,7 @@ def _import_datasets() -> Any:
     try:
         import datasets
     except ImportError as error:
-        raise ImportError(
+        raise MissingPackageError(
             "data source: `hf` sources need the `datasets` package (pip install datasets)"
         ) from error
     return datasets

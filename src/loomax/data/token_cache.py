@@ -51,6 +51,7 @@ from loomax.data.cache import file_sha256, fingerprint
 from loomax.data.sources import ReadStats, Shard, read_shard, source_fingerprint
 from loomax.data.tokenizer import bos_id, encode_documents, eos_id, resolve_tokenizer_path
 from loomax.distributed import RayConfig, ray_session
+from loomax.errors import UserError
 
 FORMAT_VERSION = 1
 """Bump when the layout or meaning of the cache changes, so old caches are refused."""
@@ -81,7 +82,7 @@ _TEST_HOOK_ENV = "LOOMAX_TOKEN_CACHE_TEST_HOOK"
 `fail-once` file (a shard name) makes that shard's task raise once."""
 
 
-class TokenCacheError(RuntimeError):
+class TokenCacheError(UserError, RuntimeError):
     """A token cache that cannot be built or read: incomplete, built otherwise, or a shard failed."""
 
 
