@@ -16,7 +16,8 @@ import loomax
 ROOT = Path(loomax.__file__).parent
 
 LAYERS: list[set[str]] = [
-    {"errors", "config", "storage", "jax_setup", "_xla_flags", "peak_flops", "batch_schedule"},
+    {"errors"},
+    {"config", "storage", "jax_setup", "_xla_flags", "peak_flops", "batch_schedule"},
     {"mesh", "tree_paths"},
     {"distributed", "runtime", "tracking"},
     {"models", "optim", "data", "checkpoint"},

@@ -1,94 +1,226 @@
-"""``loomax train|bench``: the command line."""
+"""``loomax COMMAND``: the command line.
+
+Every command answers ``-h/--help`` with its own usage on stdout (exit 0). Bad input from
+the user (a ``loomax.errors.UserError``, a bad flag) is printed as one line,
+``loomax COMMAND: error: MESSAGE``, with exit code 2; anything else is a bug and keeps
+its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from loomax.config import ConfigError, parse_config
+from loomax.config import parse_config
+from loomax.errors import UserError
 
 COMMANDS = {
-    "train": "train a language model: loomax train --config_path FILE [--section.field VALUE ...]",
-    "cache": "tokenize the data into the token cache with Ray: loomax cache --config_path FILE [--overwrite]",
-    "tokenizer": "train a byte-level BPE on a config's train sources: loomax tokenizer train --config_path FILE --out DIR",
-    "bench": "time the jitted train step on synthetic data: loomax bench --config_path FILE [--steps N] [--save_every K]",
-    "export": "write a checkpoint as a Hugging Face directory (safetensors, config.json): loomax export --checkpoint PATH --out DIR",
-    "generate": "sample text from a checkpoint with a KV cache: loomax generate --checkpoint PATH --prompt TEXT [--temperature T] [--top_k K] [--top_p P]",
-    "eval": "loss, perplexity, bits per byte per validation set: loomax eval --checkpoint PATH [--config_path FILE]",
-    "launch": "run a command on a TPU pod, GPU hosts, SLURM or N local processes: loomax launch --target T [--dry-run] -- train ...",
-    "schedule": "print a config's learning-rate phases and plot them: loomax schedule --config_path FILE [--out lr.png]",
-    "ladder": "a family of model sizes with scaling-law budgets: loomax ladder dry-run|run|results --config_path LADDER.yaml [--size 30M]",
+    "train": "train a language model",
+    "cache": "tokenize the data into the token cache (with Ray)",
+    "tokenizer": "train a byte-level BPE on a config's train sources (tokenizer train)",
+    "bench": "time the jitted train step on synthetic data",
+    "export": "write a checkpoint as a Hugging Face directory (safetensors, config.json)",
+    "generate": "sample text from a checkpoint with a KV cache",
+    "eval": "loss, perplexity and bits per byte per validation set of a checkpoint",
+    "launch": "run a loomax command on a TPU pod, GPU hosts, SLURM or N local processes",
+    "schedule": "print a config's learning-rate phases and plot them",
+    "ladder": "a family of model sizes with scaling-law budgets (dry-run|run|results)",
 }
+
+ACTIONS = {
+    "tokenizer": {"train": "train a byte-level BPE on data.train and write tokenizer.json"},
+    "ladder": {
+        "dry-run": "print each size's model, batch, budget and schedule, and plot its learning rate",
+        "run": "train the sizes one after the other",
+        "results": "tabulate checkpoints and metrics and fit loss against compute",
+    },
+}
+
+CONFIG_EPILOG = (
+    "config: --config_path FILE reads a run YAML; any key can be set or overridden with\n"
+    "--section.field VALUE (e.g. --trainer.num_train_steps 100 --model.type llama).\n"
+    "Every key is listed in docs/reference/config.md."
+)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are ``UserError``s (printed in one line by ``main``).
+
+    With ``overrides`` set, the usage ends with ``[--section.field VALUE ...]``: the flags
+    left over by ``parse_known_args`` go to the config.
+    """
+
+    overrides = False
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UserError(message)
+
+    def format_usage(self) -> str:
+        return self._add_overrides(super().format_usage())
+
+    def format_help(self) -> str:
+        return self._add_overrides(super().format_help())
+
+    def _add_overrides(self, text: str) -> str:
+        if not self.overrides:
+            return text
+        usage, blank, rest = text.partition("\n\n")
+        indent = " " * len(f"usage: {self.prog} ")
+        usage = f"{usage.rstrip()}\n{indent}[--section.field VALUE ...]"
+        return f"{usage}{blank}{rest}" if blank else usage + "\n"
+
+
+def command_parser(prog: str, description: str, *, config: bool = False) -> CommandParser:
+    """The parser of ``loomax <prog>``; ``config`` adds ``--config_path`` and the overrides help."""
+    parser = CommandParser(
+        prog=f"loomax {prog}",
+        description=description,
+        epilog=CONFIG_EPILOG if config else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    if config:
+        parser.overrides = True
+        parser.add_argument("--config_path", metavar="FILE", help="the run's YAML config")
+    return parser
+
+
+@contextlib.contextmanager
+def config_errors() -> Iterator[None]:
+    """Turn draccus' usage exit (an unknown flag) and config errors into one-line ``UserError``s."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    except SystemExit as e:  # draccus' argparse printed its usage and an error line
+        if e.code in (0, None):
+            raise
+        lines = [line for line in captured.getvalue().splitlines() if line.strip()]
+        message = lines[-1].split(": error: ", 1)[-1] if lines else "bad command line"
+        raise UserError(message) from None
+    except (ValueError, FileNotFoundError) as e:
+        if isinstance(e, UserError):  # ConfigError, DataSourceError
+            raise
+        raise UserError(str(e)) from e
+    else:
+        sys.stderr.write(captured.getvalue())
+
+
+def load_config(cls: type, config_path: str | None, overrides: list[str]):
+    """``parse_config`` whose errors (draccus' unknown flags included) are one-line ``UserError``s."""
+    with config_errors():
+        return parse_config(cls, config_path, overrides)
+
+
+def version() -> str:
+    """The installed loomax version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("loomax")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def usage() -> str:
+    """``loomax --help``: the commands."""
+    lines = ["usage: loomax [-h] [--version] COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<10} {text}" for name, text in COMMANDS.items()]
+    lines += [
+        "",
+        "`loomax COMMAND --help` shows a command's options; config keys are in docs/reference/config.md.",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``loomax`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        usage = "usage: loomax COMMAND [options]\n\ncommands:\n" + "\n".join(
-            f"  {name:<7} {text}" for name, text in COMMANDS.items()
-        )
-        print(usage, file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
-        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    if not argv:
+        print(usage(), file=sys.stderr)
+        raise SystemExit(2)
+    if argv[0] in ("-h", "--help"):
+        print(usage())
+        raise SystemExit(0)
+    if argv[0] in ("-V", "--version"):
+        print(f"loomax {version()}")
+        raise SystemExit(0)
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        what = "option" if command.startswith("-") else "command"
+        fail("loomax", f"unknown {what} {command!r} (commands: {', '.join(COMMANDS)})")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    command, rest = argv[0], argv[1:]
-    if command == "train":
-        _train(rest)
-    elif command == "bench":
-        _bench(rest)
-    elif command == "tokenizer":
-        _tokenizer(rest)
-    elif command == "cache":
-        _cache(rest)
-    elif command in ("export", "generate", "eval"):
-        from loomax import model_cli
-
-        getattr(model_cli, f"{command}_command")(rest, main_error)
-    elif command == "launch":
-        _launch(rest)
-    elif command == "schedule":
-        _schedule(rest)
-    elif command == "ladder":
-        from loomax.ladder.command import ladder_command
-
-        ladder_command(rest, load=_load, error=main_error)
+    prog = f"loomax {command}"
+    if command in ACTIONS and rest and rest[0] in ACTIONS[command]:
+        prog += f" {rest[0]}"
+    try:
+        _run(command, rest)
+    except UserError as e:
+        fail(prog, str(e))
 
 
-def main_error(message: str) -> None:
-    """Print a usage error and exit with code 2 (before any work was done)."""
-    print(f"loomax: error: {message}", file=sys.stderr)
+def fail(prog: str, message: str) -> None:
+    """Print ``PROG: error: MESSAGE`` as one line on stderr and exit with code 2."""
+    one_line = " ".join(message.split()) or "error"
+    print(f"{prog}: error: {one_line}", file=sys.stderr)
     raise SystemExit(2)
 
 
-def _split_config_path(args: list[str]) -> tuple[str | None, list[str]]:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--config_path", default=None)
-    known, rest = parser.parse_known_args(args)
-    return known.config_path, rest
+def _run(command: str, args: list[str]) -> None:
+    if command in ACTIONS:
+        args = _action(command, args)
+    if command in ("export", "generate", "eval"):
+        from loomax import model_cli
+
+        run = getattr(model_cli, f"{command}_command")
+        run(args, command_parser(command, COMMANDS[command]), config_errors)
+    elif command == "ladder":
+        from loomax.ladder.command import ladder_command
+
+        action, rest = args[0], args[1:]
+        parser = command_parser(f"ladder {action}", ACTIONS["ladder"][action], config=True)
+        ladder_command(action, rest, parser=parser, load=load_config)
+    else:
+        globals()[f"_{command}"](args)
 
 
-def _load(cls, args: list[str]):
-    config_path, rest = _split_config_path(args)
-    try:
-        return parse_config(cls, config_path, rest)
-    except ConfigError as e:
-        main_error(str(e))
+def _action(command: str, args: list[str]) -> list[str]:
+    """Check the action of ``loomax tokenizer|ladder ACTION``; answer ``--help`` without one."""
+    actions = ACTIONS[command]
+    if args and args[0] in ("-h", "--help"):
+        lines = [
+            f"usage: loomax {command} {{{','.join(actions)}}} [options]",
+            "",
+            COMMANDS[command],
+        ]
+        lines += ["", "actions:"] + [f"  {name:<8} {text}" for name, text in actions.items()]
+        lines += ["", f"`loomax {command} ACTION --help` shows an action's options."]
+        print("\n".join(lines))
+        raise SystemExit(0)
+    if not args or args[0] not in actions:
+        got = f"unknown action {args[0]!r}" if args else "missing action"
+        raise UserError(f"{got}: usage: loomax {command} {'|'.join(actions)} [options]")
+    return args
 
 
 def _train(args: list[str]) -> None:
-    from loomax.checkpoint import CheckpointError
     from loomax.train_lm import TrainLmConfig, train_lm
 
-    config = _load(TrainLmConfig, args)
+    parser = command_parser("train", COMMANDS["train"], config=True)
+    known, overrides = parser.parse_known_args(args)
+    config = load_config(TrainLmConfig, known.config_path, overrides)
     try:
         result = train_lm(config)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
-        main_error(str(e))
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(str(e)) from e
     evals = result.evals
     if evals:
         first, last = evals[0], evals[-1]
@@ -102,18 +234,21 @@ def _train(args: list[str]) -> None:
 
 def _cache(args: list[str]) -> None:
     from loomax.data.dataset import build_caches, prepare_tokenizer
-    from loomax.data.token_cache import TokenCacheError
     from loomax.train_lm import TrainLmConfig
 
-    overwrite = "--overwrite" in args
-    config = _load(TrainLmConfig, [a for a in args if a != "--overwrite"])
+    parser = command_parser("cache", COMMANDS["cache"], config=True)
+    parser.add_argument(
+        "--overwrite", action="store_true", help="rebuild caches that exist already"
+    )
+    known, overrides = parser.parse_known_args(args)
+    config = load_config(TrainLmConfig, known.config_path, overrides)
     try:
         tokenizer = prepare_tokenizer(config.data)
         train, validation = build_caches(
-            config.data, tokenizer, ray=config.trainer.ray, overwrite=overwrite
+            config.data, tokenizer, ray=config.trainer.ray, overwrite=known.overwrite
         )
-    except (ValueError, FileNotFoundError, TokenCacheError) as e:
-        main_error(str(e))
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(str(e)) from e
     print(f"tokenizer: {tokenizer}")
     for kind, infos in (("train", train), ("validation", validation)):
         for i, info in enumerate(infos):
@@ -135,18 +270,15 @@ def _tokenizer(args: list[str]) -> None:
     from loomax.data.tokenizer import train_bpe_tokenizer
     from loomax.train_lm import TrainLmConfig
 
-    if not args or args[0] != "train":
-        main_error("usage: loomax tokenizer train --config_path FILE --out DIR [--vocab_size N]")
-    parser = argparse.ArgumentParser(prog="loomax tokenizer train", add_help=False)
-    parser.add_argument("--out", required=True, help="directory (or .json path) to write")
+    parser = command_parser("tokenizer train", ACTIONS["tokenizer"]["train"], config=True)
     parser.add_argument(
-        "--vocab_size", type=int, default=None, help="default: data.tokenizer_vocab_size"
+        "--out", required=True, metavar="DIR", help="directory (or .json path) to write"
     )
-    try:
-        known, rest = parser.parse_known_args(args[1:])
-    except SystemExit:
-        main_error("loomax tokenizer train needs --out DIR")
-    config = _load(TrainLmConfig, rest)
+    parser.add_argument(
+        "--vocab_size", type=int, metavar="N", help="default: data.tokenizer_vocab_size"
+    )
+    known, overrides = parser.parse_known_args(args[1:])
+    config = load_config(TrainLmConfig, known.config_path, overrides)
     out = Path(known.out)
     out = out if out.suffix == ".json" else out / "tokenizer.json"
     vocab = known.vocab_size or config.data.tokenizer_vocab_size
@@ -154,7 +286,7 @@ def _tokenizer(args: list[str]) -> None:
         documents = (doc for source in config.data.train for doc in iter_documents(source))
         tokenizer = train_bpe_tokenizer(documents, vocab, out)
     except (ValueError, FileNotFoundError) as e:
-        main_error(str(e))
+        raise UserError(str(e)) from e
     print(f"trained a byte-level BPE of {tokenizer.get_vocab_size()} tokens: {out}")
 
 
@@ -162,43 +294,71 @@ def _bench(args: list[str]) -> None:
     from loomax.benchmark import run_benchmark
     from loomax.train_lm import TrainLmConfig
 
-    parser = argparse.ArgumentParser(prog="loomax bench", add_help=False)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps after warmup")
+    parser = command_parser("bench", COMMANDS["bench"], config=True)
     parser.add_argument(
-        "--warmup", type=int, default=2, help="untimed steps after the compile step"
+        "--steps", type=int, default=10, metavar="N", help="timed steps after warmup"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=2, metavar="N", help="untimed steps after the compile step"
     )
     parser.add_argument(
         "--save_every",
         type=int,
         default=None,
+        metavar="K",
         help="also time the steps with an async checkpoint every K steps",
     )
-    known, rest = parser.parse_known_args(args)
-    config = _load(TrainLmConfig, rest)
+    known, overrides = parser.parse_known_args(args)
+    config = load_config(TrainLmConfig, known.config_path, overrides)
     try:
         run_benchmark(config, steps=known.steps, warmup=known.warmup, save_every=known.save_every)
     except ValueError as e:
-        main_error(str(e))
+        raise UserError(str(e)) from e
+
+
+def _launch_help() -> str:
+    from loomax.config_reference import field_docs
+    from loomax.launch import LaunchConfig
+
+    parser = command_parser("launch", COMMANDS["launch"])
+    parser.usage = (
+        "loomax launch [--target T] [--option VALUE ...] [--dry-run] -- COMMAND [ARGS ...]"
+    )
+    parser.epilog = (
+        "Defaults come from .loomax.yaml here (or --launch_config FILE); flags override them.\n"
+        "Everything after `--` is the loomax command to run, e.g. `-- train --config_path FILE`.\n"
+        "See docs/launching.md."
+    )
+    parser.add_argument("--launch_config", metavar="FILE", help="launch defaults (YAML)")
+    defaults = LaunchConfig()
+    for name, doc in field_docs(LaunchConfig).items():
+        flag, text = f"--{name}", doc.replace("%", "%%")
+        if isinstance(getattr(defaults, name), bool):
+            parser.add_argument(flag, action="store_true", help=text)
+        else:
+            parser.add_argument(flag, metavar="VALUE", help=text)
+    return parser.format_help()
 
 
 def _launch(args: list[str]) -> None:
     from loomax.launch import LaunchConfig, defaults_file, launch, split_launch_args
 
+    options_part = args[: args.index("--")] if "--" in args else args
+    if "-h" in options_part or "--help" in options_part:
+        print(_launch_help(), end="")
+        raise SystemExit(0)
     try:
         options, command = split_launch_args(args)
         path, options = defaults_file(options)
     except ValueError as e:
-        main_error(str(e))
+        raise UserError(str(e).removeprefix("loomax launch: ")) from e
     if command[0] not in COMMANDS or command[0] == "launch":
-        main_error(f"loomax launch: {command[0]!r} is not a loomax command ({', '.join(COMMANDS)})")
-    try:
-        config = parse_config(LaunchConfig, path, options)
-    except (ConfigError, ValueError) as e:
-        main_error(str(e))
+        raise UserError(f"{command[0]!r} is not a loomax command ({', '.join(COMMANDS)})")
+    config = load_config(LaunchConfig, path, options)
     try:
         code = launch(config, command)
     except (ValueError, FileNotFoundError) as e:
-        main_error(str(e))
+        raise UserError(str(e)) from e
     raise SystemExit(code)
 
 
@@ -207,23 +367,22 @@ def _schedule(args: list[str]) -> None:
     from loomax.optim.plot import plot_schedule
     from loomax.train_lm import TrainLmConfig
 
-    parser = argparse.ArgumentParser(prog="loomax schedule", add_help=False)
-    parser.add_argument("--out", default="lr.png", help="PNG to write (matplotlib)")
-    known, rest = parser.parse_known_args(args)
-    config = _load(TrainLmConfig, rest)
+    parser = command_parser("schedule", COMMANDS["schedule"], config=True)
+    parser.add_argument(
+        "--out", default="lr.png", metavar="PNG", help="PNG to write (matplotlib; default lr.png)"
+    )
+    known, overrides = parser.parse_known_args(args)
+    config = load_config(TrainLmConfig, known.config_path, overrides)
     steps = config.trainer.num_train_steps
     try:
         batches = BatchSchedule(config.trainer.train_batch_size)
         schedule = config.optimizer.lr_scheduler(steps, batches)
     except ValueError as e:
-        main_error(str(e))
+        raise UserError(str(e)) from e
     print(f"optimizer.type {type(config.optimizer).__name__}, {steps} steps:")
     for phase in schedule.phases():
         print(f"  {phase}")
-    try:
-        out = plot_schedule(schedule, steps, known.out)
-    except ImportError as e:
-        main_error(str(e))
+    out = plot_schedule(schedule, steps, known.out)
     print(f"plot: {out}")
 
 

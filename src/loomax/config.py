@@ -19,12 +19,14 @@ import draccus
 import yaml
 from draccus.utils import DecodingError, ParsingError
 
+from loomax.errors import UserError
+
 T = TypeVar("T")
 
 __all__ = ["ConfigError", "format_duration", "parse_config", "parse_duration", "to_yaml"]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A run configuration that cannot be used; the message names key, file and line."""
 
 

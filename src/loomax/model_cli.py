@@ -1,55 +1,61 @@
-"""``loomax export|generate|eval --checkpoint PATH``: the commands that use a trained model."""
+"""``loomax export|generate|eval --checkpoint PATH``: the commands that use a trained model.
+
+Each command gets its ``argparse`` parser from ``loomax.cli`` (errors are one-line
+``UserError``s there) and adds its own options.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
-from loomax.checkpoint import CheckpointError
+from loomax.errors import UserError
 
-Error = Callable[[str], None]
+Guard = Callable[[], AbstractContextManager]
+"""``loomax.cli.config_errors``: makes config and flag errors one-line ``UserError``s."""
 
 
-def _parse(parser: argparse.ArgumentParser, args: list[str], error: Error):
+def _parse(parser: argparse.ArgumentParser, args: list[str]):
     parser.add_argument(
-        "--checkpoint", required=True, help="saved model, HF directory or trainer checkpoint"
+        "--checkpoint",
+        required=True,
+        metavar="PATH",
+        help="saved model, HF directory or trainer checkpoint",
     )
     parser.add_argument(
         "--config_path",
         default=None,
+        metavar="FILE",
         help="the run's config (default: config.yaml above a trainer checkpoint)",
     )
-    try:
-        known, overrides = parser.parse_known_args(args)  # the rest: --section.key VALUE overrides
-    except SystemExit:
-        error(f"usage: {parser.format_usage().strip()}")
-    return known, overrides
+    parser.epilog = (
+        "Other --section.field VALUE flags override the run's config (docs/reference/config.md)."
+    )
+    parser.overrides = True  # type: ignore[attr-defined]  # usage ends with the overrides
+    return parser.parse_known_args(args)  # the rest: --section.key VALUE overrides
 
 
-def _load(known, overrides: list[str], error: Error):
-    from loomax.config import ConfigError
+def _load(known, overrides: list[str], guard: Guard):
     from loomax.inference import load_for_inference
 
-    try:
+    with guard():
         return load_for_inference(
             known.checkpoint, config_path=known.config_path, overrides=overrides
         )
-    except (ValueError, FileNotFoundError, CheckpointError, ConfigError) as e:
-        error(str(e))
 
 
-def export_command(args: list[str], error: Error) -> None:
+def export_command(args: list[str], parser: argparse.ArgumentParser, guard: Guard) -> None:
     """Write a checkpoint as a Hugging Face directory (safetensors + config.json + tokenizer)."""
     from loomax.hf import export_hf, special_token_ids
 
-    parser = argparse.ArgumentParser(prog="loomax export", add_help=False)
     parser.add_argument("--out", required=True, help="directory to write")
     parser.add_argument(
         "--max_shard_gb", type=float, default=5.0, help="safetensors shard size limit"
     )
-    known, overrides = _parse(parser, args, error)
-    loaded = _load(known, overrides, error)
+    known, overrides = _parse(parser, args)
+    loaded = _load(known, overrides, guard)
     special = {}
     if loaded.tokenizer is not None:
         from loomax.data.tokenizer import load_tokenizer
@@ -64,17 +70,16 @@ def export_command(args: list[str], error: Error) -> None:
             max_shard_bytes=int(known.max_shard_gb * 1024**3),
         )
     except ValueError as e:
-        error(str(e))
+        raise UserError(str(e)) from e
     print(f"exported {loaded.description} -> {out}")
 
 
-def generate_command(args: list[str], error: Error) -> None:
+def generate_command(args: list[str], parser: argparse.ArgumentParser, guard: Guard) -> None:
     """Sample a continuation of ``--prompt`` with the KV cache."""
     import jax
 
     from loomax.models.generate import sample_tokens
 
-    parser = argparse.ArgumentParser(prog="loomax generate", add_help=False)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -85,17 +90,17 @@ def generate_command(args: list[str], error: Error) -> None:
         "--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's)"
     )
     parser.add_argument("--no_stop", action="store_true", help="do not stop at EOS")
-    known, overrides = _parse(parser, args, error)
-    loaded = _load(known, overrides, error)
+    known, overrides = _parse(parser, args)
+    loaded = _load(known, overrides, guard)
     path = known.tokenizer or loaded.tokenizer
     if path is None:
-        error(f"{loaded.description} has no tokenizer: pass --tokenizer tokenizer.json")
+        raise UserError(f"{loaded.description} has no tokenizer: pass --tokenizer tokenizer.json")
     from loomax.data.tokenizer import eos_id, load_tokenizer
 
     tokenizer = load_tokenizer(path)
     prompt = tokenizer.encode(known.prompt).ids
     if not prompt:
-        error("--prompt encodes to no tokens")
+        raise UserError("--prompt encodes to no tokens")
     try:
         tokens = sample_tokens(
             loaded.model,
@@ -109,15 +114,14 @@ def generate_command(args: list[str], error: Error) -> None:
             stop_token=None if known.no_stop else eos_id(tokenizer),
         )
     except ValueError as e:
-        error(str(e))
+        raise UserError(str(e)) from e
     print(tokenizer.decode(tokens))
 
 
-def eval_command(args: list[str], error: Error) -> None:
+def eval_command(args: list[str], parser: argparse.ArgumentParser, guard: Guard) -> None:
     """Loss, perplexity and bits per byte per validation set, and their macro average."""
     from loomax.inference import evaluate
 
-    parser = argparse.ArgumentParser(prog="loomax eval", add_help=False)
     parser.add_argument(
         "--batch_size", type=int, default=None, help="default: trainer.eval_batch_size"
     )
@@ -127,12 +131,12 @@ def eval_command(args: list[str], error: Error) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object instead of a table"
     )
-    known, overrides = _parse(parser, args, error)
-    loaded = _load(known, overrides, error)
+    known, overrides = _parse(parser, args)
+    loaded = _load(known, overrides, guard)
     try:
         results = evaluate(loaded, batch_size=known.batch_size, max_batches=known.max_batches)
     except (ValueError, FileNotFoundError) as e:
-        error(str(e))
+        raise UserError(str(e)) from e
     if known.json:
         print(json.dumps(results, sort_keys=True))
         return

@@ -26,6 +26,7 @@ import numpy as np
 import tensorstore as ts
 
 from loomax import tree_paths
+from loomax.errors import UserError
 from loomax.storage import CONTEXT, join
 from loomax.tree_paths import is_named_array
 
@@ -36,7 +37,7 @@ _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "c
 _JSON_SCALARS = (bool, int, float, str, type(None))
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be read: missing, truncated or of the wrong shape."""
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from loomax.data.readers import Reject, describe_error
+from loomax.errors import MissingPackageError
 
 HF_ROWS_PER_SHARD = 100_000
 """Rows per shard of a non-streaming Hugging Face dataset when `num_shards` is null."""
@@ -219,7 +220,7 @@ def _import_datasets() -> Any:
     try:
         import datasets
     except ImportError as error:
-        raise ImportError(
+        raise MissingPackageError(
             "data source: `hf` sources need the `datasets` package (pip install datasets)"
         ) from error
     return datasets

@@ -21,6 +21,8 @@ from typing import IO, Any
 
 import fsspec
 
+from loomax.errors import DataSourceError
+
 SUPPORTED_EXTENSIONS = (
     ".txt",
     ".txt.gz",
@@ -52,7 +54,7 @@ class ReadStats:
 
 
 Reject = Callable[..., None]
-"""`reject(where, why, count=1)`: raise ValueError for a bad record, or count it as skipped."""
+"""`reject(where, why, count=1)`: raise DataSourceError for a bad record, or count it as skipped."""
 
 
 def rejecter(skip_bad_records: bool, stats: ReadStats) -> Reject:
@@ -60,7 +62,7 @@ def rejecter(skip_bad_records: bool, stats: ReadStats) -> Reject:
 
     def reject(where: str, why: str, count: int = 1) -> None:
         if not skip_bad_records:
-            raise ValueError(f"data source: {where}: {why}")
+            raise DataSourceError(f"data source: {where}: {why}")
         stats.skip(where, why, count)
 
     return reject
@@ -172,7 +174,7 @@ def _numbered_lines(file: IO[bytes], url: str) -> Iterator[tuple[int, bytes]]:
         try:
             line = file.readline()
         except Exception as error:
-            raise ValueError(
+            raise DataSourceError(
                 f"data source: {url}: cannot read after line {number} ({describe_error(error)})"
             ) from error
         if not line:

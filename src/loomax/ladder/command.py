@@ -8,11 +8,8 @@ from pathlib import Path
 
 import jax
 
+from loomax.errors import UserError
 from loomax.ladder.config import LadderConfig, Rung, base_run, rung
-
-USAGE = (
-    "usage: loomax ladder dry-run|run|results --config_path LADDER.yaml [--size SIZE] [--out PNG]"
-)
 
 
 def rungs_of(
@@ -49,39 +46,34 @@ def describe(r: Rung) -> str:
     return "\n".join(lines)
 
 
-def ladder_command(args: list[str], *, load: Callable, error: Callable[[str], None]) -> None:
-    """Entry point of ``loomax ladder``; ``load`` parses a config class, ``error`` exits with a message."""
-    if not args or args[0] not in ("dry-run", "run", "results"):
-        error(USAGE)
-    action = args[0]
-    parser = argparse.ArgumentParser(prog=f"loomax ladder {action}", add_help=False)
-    parser.add_argument("--size", default=None)
-    parser.add_argument("--out", default=None)
-    known, rest = parser.parse_known_args(args[1:])
-    ladder: LadderConfig = load(LadderConfig, rest)
-    path = _config_path(rest)
+def ladder_command(
+    action: str, args: list[str], *, parser: argparse.ArgumentParser, load: Callable
+) -> None:
+    """``loomax ladder ACTION``; ``parser`` comes from the CLI (with ``--config_path``), ``load``
+    parses a config class; bad input raises ``UserError``."""
+    parser.add_argument("--size", default=None, help="only this size (one of ladder.sizes)")
+    parser.add_argument(
+        "--out", default=None, metavar="PNG", help="plot to write (dry-run, results)"
+    )
+    known, rest = parser.parse_known_args(args)
+    ladder: LadderConfig = load(LadderConfig, known.config_path, rest)
+    path = known.config_path
     if known.size is not None and known.size not in ladder.sizes:
-        error(f"--size {known.size} is not one of ladder.sizes {ladder.sizes}")
+        raise UserError(f"--size {known.size} is not one of ladder.sizes {ladder.sizes}")
     sizes = [known.size] if known.size else None
     try:
         rungs = rungs_of(ladder, path, sizes)
     except (ValueError, FileNotFoundError) as e:
-        error(str(e))
+        raise UserError(str(e)) from e
     if action == "dry-run":
-        _dry_run(rungs, known.out, error)
+        _dry_run(rungs, known.out)
     elif action == "run":
-        _run(rungs, error)
+        _run(rungs)
     else:
-        _results(ladder, rungs_of(ladder, path), known.out, error)
+        _results(ladder, rungs_of(ladder, path), known.out)
 
 
-def _config_path(rest: list[str]) -> str | None:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--config_path", default=None)
-    return parser.parse_known_args(rest)[0].config_path
-
-
-def _dry_run(rungs: list[Rung], out: str | None, error) -> None:
+def _dry_run(rungs: list[Rung], out: str | None) -> None:
     from loomax.optim.plot import plot_schedule
 
     for r in rungs:
@@ -89,33 +81,29 @@ def _dry_run(rungs: list[Rung], out: str | None, error) -> None:
         png = (
             Path(out) if out and len(rungs) == 1 else r.run_dir.parent / f"{r.run_dir.name}-lr.png"
         )
-        try:
-            plot_schedule(
-                r.config.optimizer.lr_scheduler(r.plan.num_train_steps),
-                r.plan.num_train_steps,
-                png,
-                title=f"{r.run_dir.name}: learning rate",
-            )
-        except ImportError as e:
-            error(str(e))
+        plot_schedule(
+            r.config.optimizer.lr_scheduler(r.plan.num_train_steps),
+            r.plan.num_train_steps,
+            png,
+            title=f"{r.run_dir.name}: learning rate",
+        )
         print(f"  lr plot         {png}")
 
 
-def _run(rungs: list[Rung], error) -> None:
-    from loomax.checkpoint import CheckpointError
+def _run(rungs: list[Rung]) -> None:
     from loomax.train_lm import train_lm
 
     for r in rungs:
         print(describe(r))
         try:
             result = train_lm(r.config)
-        except (ValueError, FileNotFoundError, CheckpointError) as e:
-            error(str(e))
+        except (ValueError, FileNotFoundError) as e:
+            raise UserError(str(e)) from e
         if result.evals:
             print(f"size {r.size}: eval loss {result.evals[-1][1]['eval/loss']:.4f}")
 
 
-def _results(ladder: LadderConfig, rungs: list[Rung], out: str | None, error) -> None:
+def _results(ladder: LadderConfig, rungs: list[Rung], out: str | None) -> None:
     import pandas as pd
 
     from loomax.ladder.results import checkpoints_table, metrics_table, plot_loss_vs_compute
@@ -130,10 +118,7 @@ def _results(ladder: LadderConfig, rungs: list[Rung], out: str | None, error) ->
         print("metrics:")
         print(metrics.to_string(index=False))
     png = Path(out) if out else Path(ladder.run_root) / f"{ladder.name}-loss-vs-compute.png"
-    try:
-        png, fit = plot_loss_vs_compute(metrics, png)
-    except ImportError as e:
-        error(str(e))
+    png, fit = plot_loss_vs_compute(metrics, png)
     if fit is not None:
         print(f"power law: loss = {fit[0]:.4g} * C^-{fit[1]:.4f}")
     print(f"plot: {png}")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from loomax.errors import MissingPackageError
+
 
 def require_pyplot():
     """``matplotlib.pyplot`` with a headless backend, or a clear error naming the extra."""
@@ -16,7 +18,7 @@ def require_pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError(
+        raise MissingPackageError(
             "plotting needs matplotlib: pip install 'loomax[plot]' (or pip install matplotlib)"
         ) from e
     return plt

@@ -5,9 +5,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-
-class MissingPackageError(ImportError):
-    """A tracker needs a package that is not installed."""
+from loomax.errors import MissingPackageError
 
 
 def require(module: str, *, extra: str, tracker: str) -> ModuleType:

@@ -24,6 +24,7 @@ from typing import Any
 
 import tensorstore as ts
 
+from loomax.errors import UserError
 from loomax.storage import CONTEXT, Directory
 
 FORMAT_VERSION = 1
@@ -42,7 +43,7 @@ READ_CHUNK = 1 << 16
 """Tokens per separately readable chunk inside a stored file (256 KiB)."""
 
 
-class TokenCacheError(RuntimeError):
+class TokenCacheError(UserError, RuntimeError):
     """A token cache that cannot be built or read: incomplete, built otherwise, or a shard failed."""
 
 
