@@ -9,6 +9,7 @@ batches by step (a weighted mixture, shuffled by a Feistel permutation), and
 from loomax.data.config import DataConfig, WeightStage
 from loomax.data.dataset import LmDatasets, build_lm_datasets
 from loomax.data.loader import BatchLoader, eval_batches
+from loomax.data.report import SkippedRecords, report_skipped
 from loomax.data.sources import HfSourceConfig, SourceConfig
 from loomax.data.token_cache import TokenCache, build_token_cache
 from loomax.data.tokenizer import load_tokenizer, train_bpe_tokenizer
@@ -19,6 +20,7 @@ __all__ = [
     "DataConfig",
     "HfSourceConfig",
     "LmDatasets",
+    "SkippedRecords",
     "SourceConfig",
     "SplitWindows",
     "TokenCache",
@@ -28,5 +30,6 @@ __all__ = [
     "build_token_cache",
     "eval_batches",
     "load_tokenizer",
+    "report_skipped",
     "train_bpe_tokenizer",
 ]
