@@ -115,6 +115,18 @@ def test_a_source_with_too_few_tokens_names_its_empty_files(tmp_path):
 
 
 @pytest.mark.usefixtures("ray_cluster")
+def test_an_empty_validation_source_is_named_with_its_files(tmp_path):
+    good = write(tmp_path, "good.jsonl", "\n".join(GOOD) + "\n")
+    empty = write(tmp_path, "empty.jsonl", "")
+    data = config(tmp_path, good, validation=[SourceConfig(urls=[str(empty)])])
+    with pytest.raises(ValueError) as error:
+        build_lm_datasets(data, seq_len=8)
+    message = str(error.value)
+    assert message.startswith("the validation data has 0 tokens")
+    assert f"data.validation[0]: its only file: {empty} (empty: no documents)" in message
+
+
+@pytest.mark.usefixtures("ray_cluster")
 def test_skipped_records_are_counted_shown_and_recorded(tmp_path, capsys):
     broken = write(tmp_path, "broken.jsonl", MALFORMED["broken.jsonl"])
     no_key = write(tmp_path, "no_key.jsonl", MALFORMED["no_key.jsonl"])
@@ -159,3 +171,48 @@ def test_skipped_records_are_counted_shown_and_recorded(tmp_path, capsys):
     out = capsys.readouterr().out  # the same caches, found complete: still shown
     assert "0 of 1 shards tokenized now" in out
     assert all(line in out for line in shown), out
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
+def test_train_prints_and_records_the_skipped_records(tmp_path, capsys):
+    broken = write(tmp_path, "broken.jsonl", MALFORMED["broken.jsonl"])
+    main(
+        [
+            "train",
+            "--data.train",
+            json.dumps([{"urls": [str(broken)]}]),
+            "--data.skip_bad_records",
+            "true",
+            "--data.tokenizer_vocab_size",
+            "300",
+            "--data.validation_fraction",
+            "0.2",
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+            "--model.seq_len",
+            "16",
+            "--model.hidden_dim",
+            "16",
+            "--model.num_layers",
+            "1",
+            "--model.num_heads",
+            "2",
+            "--trainer.train_batch_size",
+            "4",
+            "--trainer.num_train_steps",
+            "2",
+            "--trainer.run_dir",
+            str(tmp_path / "run"),
+            "--trainer.progress_bar",
+            "false",
+            "--sample.enabled",
+            "false",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert (
+        f"data.train[0]: 1 bad record(s) skipped, first:\n  {broken}, line 4: invalid JSON" in out
+    )
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["data/skipped_records/train[0]"] == 1 and summary["final_step"] == 2

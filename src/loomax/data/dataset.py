@@ -225,7 +225,11 @@ def build_lm_datasets(
             )
     if len(validation) == 0:
         more = (
-            "add documents to `data.validation`"
+            "; ".join(
+                f"data.validation[{i}]: {describe_shards(info.shard_documents)}"
+                for i, info in enumerate(validation_infos)
+            )
+            + "; add documents to `data.validation`"
             if config.validation
             else "raise `data.validation_fraction` or give `data.validation` sources"
         )
