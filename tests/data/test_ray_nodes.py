@@ -28,6 +28,7 @@ from loomax.data.tokenizer import encode_documents, load_tokenizer, train_bpe_to
 pytestmark = pytest.mark.slow
 
 NUM_SHARDS = 8
+MANY_SHARDS = 64
 DRIVER = Path(__file__).with_name("token_cache_driver.py")
 RAY = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
 
@@ -56,6 +57,23 @@ def start_node(args: list[str], temp_dir: Path, env: dict[str, str]) -> subproce
             pytest.fail(f"ray start {args}: {(temp_dir / 'ray_start.log').read_text()[-2000:]}")
         time.sleep(0.2)
     return proc
+
+
+WAIT_FOR_CPUS = """
+import sys, time, ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+deadline = time.monotonic() + 60
+while ray.available_resources().get("CPU", 0) < int(sys.argv[2]):
+    assert time.monotonic() < deadline, ray.available_resources()
+    time.sleep(0.1)
+"""
+
+
+def wait_for_cpus(address: str, env: dict[str, str], cpus: int) -> None:
+    """Waits until the cluster reports `cpus` CPUs free: a node that has just started is
+    not yet in the head's view, and a build started then would run on the head alone."""
+    command = [sys.executable, "-c", WAIT_FOR_CPUS, address, str(cpus)]
+    subprocess.run(command, env=env, check=True, timeout=90, capture_output=True)
 
 
 def stop_node(proc: subprocess.Popen) -> None:
@@ -91,6 +109,7 @@ def two_nodes():
         nodes.append(
             start_node(worker + common, root / "worker", env | {"LOOMAX_TEST_NODE": "worker"})
         )
+        wait_for_cpus(f"127.0.0.1:{port}", env, 2)
         yield SimpleNamespace(address=f"127.0.0.1:{port}", env=env, worker=nodes[1])
     finally:
         for proc in reversed(nodes):
@@ -98,23 +117,34 @@ def two_nodes():
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """Eight small .jsonl shards, their tokenizer, and their tokens made in this process."""
-    root = tmp_path_factory.mktemp("corpus")
+def make_corpus(root: Path, shards: int) -> SimpleNamespace:
+    """`shards` small .jsonl files, their tokenizer, and their tokens made in this process."""
     documents = []
-    for k in range(NUM_SHARDS):
-        shard = [f"shard {k} doc {i}: " + "spread the work, " * (i % 5) for i in range(10 + k)]
-        (root / f"part_{k}.jsonl").write_text(
-            "".join(json.dumps({"text": t}) + "\n" for t in shard)
-        )
+    for k in range(shards):
+        shard = [f"shard {k} doc {i}: " + "spread the work, " * (i % 5) for i in range(10 + k % 8)]
+        lines = "".join(json.dumps({"text": t}) + "\n" for t in shard)
+        (root / f"part_{k:02d}.jsonl").write_text(lines)
         documents += shard
     tokenizer = root / "tokenizer.json"
     train_bpe_tokenizer(documents, 300, tokenizer)
     tokens = np.concatenate(encode_documents(load_tokenizer(tokenizer), documents))
     return SimpleNamespace(
-        urls=[str(root / "part_*.jsonl")], tokenizer=str(tokenizer), tokens=tokens, root=root
+        urls=[str(root / "part_*.jsonl")], tokenizer=str(tokenizer), tokens=tokens, shards=shards
     )
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Eight small shards: with 1 s per shard, a node killed mid-build leaves some to do."""
+    return make_corpus(tmp_path_factory.mktemp("corpus"), NUM_SHARDS)
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory):
+    """Shards of ~40 ms each (mostly a task's fixed cost), enough of them to outlast the
+    cold start of the worker node's first worker process: the head starts one for a new
+    driver ahead of time, and its worker would otherwise take 8 quick shards alone."""
+    return make_corpus(tmp_path_factory.mktemp("many"), MANY_SHARDS)
 
 
 def ledger_nodes(cache: Path) -> list[str]:
@@ -122,7 +152,7 @@ def ledger_nodes(cache: Path) -> list[str]:
     return [json.loads(p.read_text())["node"] for p in sorted((cache / "ledger").glob("*.json"))]
 
 
-def test_cache_command_spreads_the_shards_over_both_nodes(two_nodes, corpus, tmp_path):
+def test_cache_command_spreads_the_shards_over_both_nodes(two_nodes, many_shards, tmp_path):
     cache_dir = tmp_path / "cache"
     command = [
         sys.executable,
@@ -130,11 +160,11 @@ def test_cache_command_spreads_the_shards_over_both_nodes(two_nodes, corpus, tmp
         "loomax.cli",
         "cache",
         "--data.train",
-        json.dumps([{"urls": corpus.urls}]),
+        json.dumps([{"urls": many_shards.urls}]),
         "--data.tokenizer",
-        corpus.tokenizer,
+        many_shards.tokenizer,
         "--data.validation",
-        json.dumps([{"urls": [corpus.urls[0].replace("*", "0")]}]),
+        json.dumps([{"urls": [many_shards.urls[0].replace("*", "00")]}]),
         "--data.cache_dir",
         str(cache_dir),
         "--trainer.ray.address",
@@ -142,11 +172,11 @@ def test_cache_command_spreads_the_shards_over_both_nodes(two_nodes, corpus, tmp
     ]
     done = subprocess.run(command, env=two_nodes.env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"{NUM_SHARDS} of {NUM_SHARDS} shards tokenized now" in done.stdout
+    assert f"{MANY_SHARDS} of {MANY_SHARDS} shards tokenized now" in done.stdout
     [cache] = cache_dir.glob("tokens/train0-*")
     nodes = ledger_nodes(cache)
-    assert len(nodes) == NUM_SHARDS and len(set(nodes)) == 2, nodes  # both nodes did work
-    np.testing.assert_array_equal(TokenCache.open(cache)["train"].as_numpy(), corpus.tokens)
+    assert len(nodes) == MANY_SHARDS and len(set(nodes)) == 2, nodes  # both nodes did work
+    np.testing.assert_array_equal(TokenCache.open(cache)["train"].as_numpy(), many_shards.tokens)
 
 
 def test_killed_worker_node_still_gives_the_whole_cache(two_nodes, corpus, tmp_path):
