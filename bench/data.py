@@ -92,8 +92,15 @@ def stream_digest(tokens: Any, lengths: Any) -> str:
 
 
 # ---------------------------------------------------------------------- one build (child process)
-def build_ray(corpus: Path, tokenizer: Path, cache: Path, workers: int) -> dict[str, Any]:
-    """Builds the token cache on a fresh local Ray cluster of `workers` CPUs."""
+def build_ray(
+    corpus: Path, tokenizer: Path, cache: Path, workers: int, nodes: int = 0
+) -> dict[str, Any]:
+    """Builds the token cache on a fresh local Ray cluster of `workers` CPUs, or (`nodes`
+    > 0) on a cluster of that many `ray start` nodes of 1 CPU each on this machine."""
+    import secrets
+
+    if nodes:  # before Ray is imported: it reads the auth mode once
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     import numpy as np
     import ray
 
@@ -103,17 +110,28 @@ def build_ray(corpus: Path, tokenizer: Path, cache: Path, workers: int) -> dict[
     from loomax.distributed import RayConfig, init_ray
 
     phases = _time_phases(token_cache, ("_tokenize_missing", "_finish"))
-    config = RayConfig(num_cpus=workers)
-    start = time.perf_counter()
-    init_ray(config)
-    startup_s = time.perf_counter() - start
-    shards = source_shards(SourceConfig(urls=[str(corpus / "*.jsonl")]))
-    start = time.perf_counter()
-    info = build_token_cache(
-        shards, tokenizer, cache, ray_config=config, progress=False, overwrite=True
-    )
-    build_s = time.perf_counter() - start
-    ray.shutdown()
+    started: list[subprocess.Popen] = []
+    temp = Path(tempfile.mkdtemp(prefix="lxb-"))  # short: Ray's socket paths live under it
+    try:
+        start = time.perf_counter()
+        if nodes:
+            address = start_nodes(nodes, temp, started)
+            config = RayConfig(address=address)
+        else:
+            config = RayConfig(num_cpus=workers)
+        init_ray(config)
+        startup_s = time.perf_counter() - start
+        shards = source_shards(SourceConfig(urls=[str(corpus / "*.jsonl")]))
+        start = time.perf_counter()
+        info = build_token_cache(
+            shards, tokenizer, cache, ray_config=config, progress=False, overwrite=True
+        )
+        build_s = time.perf_counter() - start
+        ray.shutdown()
+    finally:
+        for proc in reversed(started):
+            stop_node(proc)
+        shutil.rmtree(temp, ignore_errors=True)
     split = TokenCache.open(cache)["train"]
     return {
         "startup_s": startup_s,
@@ -124,7 +142,49 @@ def build_ray(corpus: Path, tokenizer: Path, cache: Path, workers: int) -> dict[
         "documents": info.splits["train"].documents,
         "digest": stream_digest(split.as_numpy(), np.diff(split.offsets())),
         "cache_url": info.url,
+        "nodes_used": len(info.nodes),
     }
+
+
+def start_nodes(count: int, temp: Path, started: list[subprocess.Popen]) -> str:
+    """Starts a head and `count - 1` worker nodes (`ray start`, 1 CPU each) on 127.0.0.1,
+    appending each to `started`; returns the head's address. The nodes inherit this
+    process's environment (its `RAY_AUTH_*`)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for node in range(count):
+        role = ["--head", f"--port={port}", "--include-dashboard=false"] if node == 0 else []
+        role = role or [f"--address=127.0.0.1:{port}"]
+        argv = [str(PYTHON.with_name("ray")), "start", "--block", "--disable-usage-stats"]
+        argv += ["--num-cpus=1", "--node-ip-address=127.0.0.1", f"--temp-dir={temp}/{node}", *role]
+        log = temp / f"node{node}.log"
+        with log.open("w") as out:
+            started.append(
+                subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            )
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text():
+            if started[-1].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start {role} failed:\n{log.read_text()[-2000:]}")
+            time.sleep(0.1)
+    return f"127.0.0.1:{port}"
+
+
+def stop_node(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, to a `ray start` node's process group."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=10)
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _time_phases(module: Any, names: tuple[str, ...]) -> dict[str, float]:
@@ -195,6 +255,8 @@ def child_main(args: argparse.Namespace) -> None:
     corpus, tokenizer, out = Path(args.corpus), Path(args.tokenizer), Path(args.out)
     if args.child.startswith("hf"):
         result = build_hf(corpus, tokenizer, out, fast=args.child == "hf_fast")
+    elif args.child.startswith("node"):
+        result = build_ray(corpus, tokenizer, out, 0, nodes=int(args.child.removeprefix("node")))
     else:
         result = build_ray(corpus, tokenizer, out, int(args.child.removeprefix("ray")))
     print(json.dumps(result))
@@ -228,7 +290,7 @@ def thread_env(threads: str) -> dict[str, str]:
 
 
 def spawn_build(kind: str, corpus: Path, tokenizer: Path, out: Path, threads: str) -> dict:
-    """Runs `kind` (`hf`, `hf_fast` or `ray<N>`) in a child process: its figures, and the
+    """Runs `kind` (`hf`, `hf_fast`, `ray<N>` or `node<N>`) in a child process: its figures, and the
     CPUs busy just before it."""
     command = [str(PYTHON), __file__, "--child", kind, "--corpus", str(corpus)]
     command += ["--tokenizer", str(tokenizer), "--out", str(out)]
@@ -252,7 +314,7 @@ def build_benchmark(
     """Alternating rounds of every kind of build; medians, ratios, and the cache of the
     first run of the last Ray kind (kept for the loader benchmark)."""
     runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
-    keep = [k for k in kinds if k.startswith("ray")][-1:]
+    keep = [k for k in kinds if not k.startswith("hf")][-1:]
     keep_url = ""
     for r in range(rounds):
         shift = r % len(kinds)
@@ -274,7 +336,7 @@ def _describe(result: dict) -> str:
     else:
         extra = (
             f"tokenize {result['tokenize_s']:.1f}s + assemble {result['assemble_s']:.1f}s; "
-            f"cluster start {result['startup_s']:.1f}s"
+            f"cluster start {result['startup_s']:.1f}s; {result['nodes_used']} node(s) worked"
         )
     return (
         f"{result['tokens'] / result['build_s'] / 1e6:5.2f} M tok/s: {result['tokens']:,} "
@@ -307,18 +369,23 @@ def _summarise(runs: dict[str, list[dict]]) -> dict[str, Any]:
         out[kind] = entry
     baselines = [k for k in out if k.startswith("hf")]
     for kind, entry in out.items():
-        if kind.startswith("ray"):
+        if not kind.startswith("hf"):
             for base in baselines:
                 rate = out[base]["tokens_per_s"]
                 entry[f"vs_{base}"] = round(entry["tokens_per_s"] / rate, 2)
                 entry[f"vs_{base}_with_startup"] = round(
                     entry["tokens_per_s_with_startup"] / rate, 2
                 )
-    rays = sorted((k for k in out if k.startswith("ray")), key=lambda k: int(k[3:]))
-    for kind in rays[1:]:
-        out[kind][f"vs_{rays[0]}"] = round(
-            out[kind]["tokens_per_s"] / out[rays[0]]["tokens_per_s"], 2
+    for prefix in ("ray", "node"):  # each against the smallest of its kind
+        group = sorted(
+            (k for k in out if k.startswith(prefix)), key=lambda k: int(k[len(prefix) :])
         )
+        for kind in group[1:]:
+            out[kind][f"vs_{group[0]}"] = round(
+                out[kind]["tokens_per_s"] / out[group[0]]["tokens_per_s"], 2
+            )
+    for kind in (k for k in out if k.startswith("node")):  # nodes that tokenized a shard
+        out[kind]["nodes_used"] = min(r["nodes_used"] for r in runs[kind])
     every = [r for results in runs.values() for r in results]
     out["same_tokens"] = len({(r["digest"], r["tokens"], r["documents"]) for r in every}) == 1
     busy = [r["busy_before"] for r in every if r["busy_before"] is not None]
@@ -346,7 +413,7 @@ def print_build_table(threads: str, summary: dict[str, Any]) -> None:
                 f"   tokenize {entry['tokenize_s']:.2f}s + assemble {entry['assemble_s']:.2f}s;"
                 f" +{entry['startup_s']:.1f}s cluster start: {with_start}"
             )
-            scaling = [k for k in entry if k.startswith("vs_ray")]
+            scaling = [k for k in entry if k.startswith(("vs_ray", "vs_node"))]
             line += "".join(f"; {entry[k]:.2f}x {k.removeprefix('vs_')}" for k in scaling)
         print(line)
     print(f"  same tokens (whole stream and document lengths): {summary['same_tokens']}")
@@ -440,6 +507,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every build")
     parser.add_argument("--workers", default="1,2", help="Ray worker counts (num_cpus)")
     parser.add_argument(
+        "--nodes", default="1,2", help="`ray start` node counts (1 CPU each); empty: none"
+    )
+    parser.add_argument(
         "--baselines", default="hf,hf_fast", help="hf (encode_batch), hf_fast (encode_batch_fast)"
     )
     parser.add_argument(
@@ -483,7 +553,9 @@ def main() -> None:
             "TOKENIZERS_PARALLELISM unset, RAYON_NUM_THREADS per --threads",
             flush=True,
         )
-        kinds = [f"ray{int(w)}" for w in args.workers.split(",")] + args.baselines.split(",")
+        kinds = [f"ray{int(w)}" for w in args.workers.split(",") if w]
+        kinds += [f"node{int(n)}" for n in args.nodes.split(",") if n]
+        kinds += args.baselines.split(",")
         cache_url = ""
         if not args.skip_build:
             figures["build"] = {}

@@ -234,6 +234,7 @@ def _train(args: list[str]) -> None:
 
 def _cache(args: list[str]) -> None:
     from loomax.data.dataset import build_caches, prepare_tokenizer
+    from loomax.data.report import skipped_lines, skipped_records
     from loomax.train_lm import TrainLmConfig
 
     parser = command_parser("cache", COMMANDS["cache"], config=True)
@@ -263,6 +264,8 @@ def _cache(args: list[str]) -> None:
                 f"data.{kind}[{i}]: {splits}{skipped}; {info.shards_tokenized} of {info.shards_total} shards "
                 f"tokenized now -> {info.url}"
             )
+        for line in skipped_lines(skipped_records(kind, infos)):
+            print(line)
 
 
 def _tokenizer(args: list[str]) -> None:
@@ -283,7 +286,12 @@ def _tokenizer(args: list[str]) -> None:
     out = out if out.suffix == ".json" else out / "tokenizer.json"
     vocab = known.vocab_size or config.data.tokenizer_vocab_size
     try:
-        documents = (doc for source in config.data.train for doc in iter_documents(source))
+        skip = config.data.skip_bad_records
+        documents = (
+            doc
+            for source in config.data.train
+            for doc in iter_documents(source, skip_bad_records=skip)
+        )
         tokenizer = train_bpe_tokenizer(documents, vocab, out)
     except (ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from e

@@ -16,7 +16,7 @@ from loomax.callbacks import (
     token_byte_lengths,
 )
 from loomax.config import flatten_config, to_json_dict, to_yaml
-from loomax.data import BatchLoader, LmDatasets, build_lm_datasets
+from loomax.data import BatchLoader, LmDatasets, build_lm_datasets, report_skipped
 from loomax.distributed import pod_ray_cluster
 from loomax.lm.config import SampleConfig, TrainLmConfig, resolve_vocab_size
 from loomax.lm.eval_sets import eval_sets
@@ -104,6 +104,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     trainer.run_config = to_json_dict(config)
     run_dir = trainer.run_dir
     trainer.tracker.log_hyperparameters(flatten_config(config))
+    report_skipped(data.skipped, trainer.tracker, echo=primary)  # data/skipped_records/...
     params = model_config.param_count(vocab_size)
     logger.info(
         "model: %s, %.2fM parameters, vocab %d",

@@ -1,22 +1,32 @@
 """Builds a token cache in a process of its own, so a test can kill it (not a test itself).
 
 Usage: python token_cache_driver.py '{"urls": [...], "tokenizer": ..., "cache": ...,
-"address": ..., "sleep": seconds}': every shard's task sleeps that long before it starts.
+"address": ..., "sleep": seconds, "marks": dir}': every shard's task sleeps that long
+before it starts; with `marks`, it first writes a file there naming its Ray node and the
+node's `LOOMAX_TEST_NODE` (which a test sets on each node it starts).
 """
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 from loomax.data.sources import Shard, SourceConfig, source_shards
 from loomax.data.token_cache import build_token_cache
 from loomax.distributed import RayConfig
 
 
-def sleeping(seconds: float):
-    """A `before_piece` that slows every shard's task by `seconds`."""
+def sleeping(seconds: float, marks: str | None = None):
+    """A `before_piece` that slows every shard's task by `seconds` (and marks its node)."""
 
     def before_piece(shard: Shard) -> None:
+        if marks is not None:
+            import ray
+
+            node = ray.get_runtime_context().get_node_id()
+            role = os.environ.get("LOOMAX_TEST_NODE", "?")
+            Path(marks, f"{shard.index}-{time.monotonic_ns()}").write_text(f"{node} {role}")
         time.sleep(seconds)
 
     return before_piece
@@ -30,7 +40,7 @@ def main() -> None:
         args["cache"],
         ray_config=RayConfig(address=args["address"]),
         progress=False,
-        before_piece=sleeping(args.get("sleep", 0.0)),
+        before_piece=sleeping(args.get("sleep", 0.0), args.get("marks")),
     )
 
 

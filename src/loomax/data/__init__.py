@@ -4,21 +4,52 @@
 dataset per source) and validation windows; `BatchLoader` turns the train windows into
 batches by step (a weighted mixture, shuffled by a Feistel permutation), and
 `eval_batches` the validation windows into fixed batches.
+
+The names below are imported on first use, so a process that needs one module (a Ray
+worker tokenizing a shard imports `loomax.data.token_cache.tasks`) does not import them
+all (JAX among them).
 """
 
-from loomax.data.config import DataConfig, WeightStage
-from loomax.data.dataset import LmDatasets, build_lm_datasets
-from loomax.data.loader import BatchLoader, eval_batches
-from loomax.data.sources import HfSourceConfig, SourceConfig
-from loomax.data.token_cache import TokenCache, build_token_cache
-from loomax.data.tokenizer import load_tokenizer, train_bpe_tokenizer
-from loomax.data.windows import SplitWindows, TokenWindows
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loomax.data.config import DataConfig, WeightStage
+    from loomax.data.dataset import LmDatasets, build_lm_datasets
+    from loomax.data.loader import BatchLoader, eval_batches
+    from loomax.data.report import SkippedRecords, report_skipped
+    from loomax.data.sources import HfSourceConfig, SourceConfig
+    from loomax.data.token_cache import TokenCache, build_token_cache
+    from loomax.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+    from loomax.data.windows import SplitWindows, TokenWindows
+
+_EXPORTS = {
+    "BatchLoader": "loomax.data.loader",
+    "DataConfig": "loomax.data.config",
+    "HfSourceConfig": "loomax.data.sources",
+    "LmDatasets": "loomax.data.dataset",
+    "SkippedRecords": "loomax.data.report",
+    "SourceConfig": "loomax.data.sources",
+    "SplitWindows": "loomax.data.windows",
+    "TokenCache": "loomax.data.token_cache",
+    "TokenWindows": "loomax.data.windows",
+    "WeightStage": "loomax.data.config",
+    "build_lm_datasets": "loomax.data.dataset",
+    "build_token_cache": "loomax.data.token_cache",
+    "eval_batches": "loomax.data.loader",
+    "load_tokenizer": "loomax.data.tokenizer",
+    "report_skipped": "loomax.data.report",
+    "train_bpe_tokenizer": "loomax.data.tokenizer",
+}
 
 __all__ = [
     "BatchLoader",
     "DataConfig",
     "HfSourceConfig",
     "LmDatasets",
+    "SkippedRecords",
     "SourceConfig",
     "SplitWindows",
     "TokenCache",
@@ -28,5 +59,18 @@ __all__ = [
     "build_token_cache",
     "eval_batches",
     "load_tokenizer",
+    "report_skipped",
     "train_bpe_tokenizer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'loomax.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -11,8 +11,10 @@ unchanged config reuses the old one (resuming an interrupted build).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,20 @@ from tokenizers import Tokenizer
 
 from loomax.data.cache import fingerprint
 from loomax.data.config import DataConfig
-from loomax.data.sources import SourceConfig, iter_documents, source_fingerprint, source_shards
+from loomax.data.report import (
+    SHOWN_EXAMPLES,
+    SkippedRecords,
+    describe_shards,
+    skipped_records,
+)
+from loomax.data.sources import (
+    ReadStats,
+    Shard,
+    SourceConfig,
+    read_shard,
+    source_fingerprint,
+    source_shards,
+)
 from loomax.data.token_cache import (
     TokenCache,
     TokenCacheInfo,
@@ -71,6 +86,9 @@ class LmDatasets:
     validation_sets: list[TokenWindows] = field(default_factory=list)
     """`validation` per source: each `data.validation` source (or each train source's held-out documents)."""
 
+    skipped: list[SkippedRecords] = field(default_factory=list)
+    """Bad records each source's cache skipped (`data.skip_bad_records`), with examples."""
+
     @property
     def num_train_windows(self) -> int:
         return sum(len(d) for d in self.train)
@@ -89,10 +107,41 @@ def prepare_tokenizer(config: DataConfig) -> Path:
     path = Path(config.cache_dir) / "tokenizers" / f"bpe-{key}" / "tokenizer.json"
     if not path.is_file():
         start = time.perf_counter()
-        documents = (d for source in config.train for d in iter_documents(source))
-        train_bpe_tokenizer(documents, config.tokenizer_vocab_size, path)
+        shards = [source_shards(source) for source in config.train]
+        stats = {shard.name: ReadStats() for group in shards for shard in group}
+        documents = _training_documents(config, shards, stats)
+        first = next(documents, None)
+        skipped = sum(s.skipped for s in stats.values())
+        if first is None:  # every shard was read to its end and held nothing
+            raise ValueError(
+                "data.train holds no documents to train the tokenizer on"
+                + (f" ({skipped:,} bad record(s) skipped)" if skipped else "")
+                + f"; {describe_shards({n: s.documents for n, s in stats.items()})}"
+                + "; add documents or give `data.tokenizer`"
+            )
+        train_bpe_tokenizer(itertools.chain([first], documents), config.tokenizer_vocab_size, path)
         logger.info("trained BPE tokenizer in %.1fs: %s", time.perf_counter() - start, path)
+        skipped = sum(s.skipped for s in stats.values())  # now that all were read
+        if skipped:
+            examples = [e for s in stats.values() for e in s.examples][:SHOWN_EXAMPLES]
+            logger.warning(
+                "tokenizer training skipped %d bad record(s) of data.train, first: %s",
+                skipped,
+                "; ".join(examples),
+            )
     return path
+
+
+def _training_documents(
+    config: DataConfig, shards: list[list[Shard]], stats: dict[str, ReadStats]
+) -> Iterator[str]:
+    """The documents of the train sources for the tokenizer, counted per shard in `stats`."""
+    for source, group in zip(config.train, shards, strict=True):
+        documents = itertools.chain.from_iterable(
+            read_shard(shard, skip_bad_records=config.skip_bad_records, stats=stats[shard.name])
+            for shard in group
+        )
+        yield from itertools.islice(documents, source.max_documents)
 
 
 def build_caches(
@@ -163,15 +212,24 @@ def build_lm_datasets(
         np.concatenate([p.as_numpy() for p in pieces]) if pieces else np.zeros(0, np.int32),
         seq_len,
     )
-    for i, windows in enumerate(train):
+    for i, (windows, info) in enumerate(zip(train, train_infos, strict=True)):
         if len(windows) == 0:
+            skipped = info.documents_skipped
+            noun = "shards" if config.train[i].hf is not None else "files"
             raise ValueError(
                 f"data.train[{i}] has {windows.num_tokens} tokens, fewer than seq_len={seq_len} "
-                "needed for one window; add documents or lower `model.seq_len`"
+                "needed for one window"
+                + (f" ({skipped:,} bad record(s) skipped)" if skipped else "")
+                + f"; {describe_shards(info.shard_documents, noun=noun)}"
+                + "; add documents or lower `model.seq_len`"
             )
     if len(validation) == 0:
         more = (
-            "add documents to `data.validation`"
+            "; ".join(
+                f"data.validation[{i}]: {describe_shards(info.shard_documents)}"
+                for i, info in enumerate(validation_infos)
+            )
+            + "; add documents to `data.validation`"
             if config.validation
             else "raise `data.validation_fraction` or give `data.validation` sources"
         )
@@ -188,6 +246,8 @@ def build_lm_datasets(
         validation=validation,
         caches=[i.url for i in train_infos + validation_infos],
         validation_sets=[TokenWindows(p.as_numpy(), seq_len) for p in pieces],
+        skipped=skipped_records("train", train_infos)
+        + skipped_records("validation", validation_infos),
     )
 
 

@@ -1,9 +1,10 @@
 """Format readers: the documents of one file (Hugging Face datasets: `hf_datasets`).
 
 Files are opened through fsspec, so a local path and any URL it knows (`gs://`, `s3://`,
-`memory://`, ...) read alike. A `.txt` file is one document; a `.jsonl` line is one
-document, the string under `text_key`; a `.parquet` row is one document, its `text_key`
-column, read one row group at a time. `.gz` and `.zst` compression is undone on the fly.
+`memory://`, ...) read alike. A `.txt` file is one document (none if it is empty or
+only whitespace, as a blank `.jsonl` line is none); a `.jsonl` line is one document, the
+string under `text_key`; a `.parquet` row is one document, its `text_key` column, read
+one row group at a time. `.gz` and `.zst` compression is undone on the fly.
 
 A bad record (invalid JSON, a missing or non-string text, bytes that are not UTF-8)
 raises ValueError naming the file and line (row, from 0, for parquet and datasets), or,
@@ -87,7 +88,7 @@ def read_file(
     """Yields the documents of one file (local path or fsspec URL), in order."""
     found = file_format(url)
     if found is None:
-        raise ValueError(
+        raise DataSourceError(
             f"data source: cannot read {url}: unsupported file type; "
             f"supported extensions: {', '.join(SUPPORTED_EXTENSIONS)}"
         )
@@ -118,18 +119,21 @@ def _open_bytes(raw: IO[bytes], compression: str | None) -> IO[bytes]:
 
 
 def _read_txt(url: str, compression: str | None, text_key: str, reject: Reject) -> Iterator[str]:
-    """The whole file as one document."""
+    """The whole file as one document; none if it is empty or only whitespace."""
     with fsspec.open(url, "rb") as raw:
         try:
             data = _open_bytes(raw, compression).read()
         except Exception as error:
-            raise ValueError(
+            raise DataSourceError(
                 f"data source: {url}: cannot read ({describe_error(error)})"
             ) from error
     try:
-        yield data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         reject(url, f"not valid UTF-8 (byte {error.start})")
+        return
+    if text.strip():  # like a blank .jsonl line: nothing to learn from, not a document
+        yield text
 
 
 def _read_jsonl(url: str, compression: str | None, text_key: str, reject: Reject) -> Iterator[str]:
@@ -191,7 +195,7 @@ def _read_parquet(url: str, text_key: str, reject: Reject) -> Iterator[str]:
         try:
             parquet = pq.ParquetFile(raw)
         except Exception as error:
-            raise ValueError(
+            raise DataSourceError(
                 f"data source: {url}: not a readable parquet file ({describe_error(error)})"
             ) from error
         rows = parquet.metadata.num_rows
@@ -208,7 +212,7 @@ def _read_parquet(url: str, text_key: str, reject: Reject) -> Iterator[str]:
             except StopIteration:
                 return
             except Exception as error:
-                raise ValueError(
+                raise DataSourceError(
                     f"data source: {url}, row {row}: cannot read ({describe_error(error)})"
                 ) from error
             for value in batch.column(0).to_pylist():

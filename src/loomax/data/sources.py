@@ -180,10 +180,18 @@ def read_shard(
             )
 
 
-def iter_documents(source: SourceConfig) -> Iterator[str]:
-    """Yields the documents of `source` in shard order, at most `max_documents`."""
+def iter_documents(
+    source: SourceConfig, *, skip_bad_records: bool = False, stats: ReadStats | None = None
+) -> Iterator[str]:
+    """Yields the documents of `source` in shard order, at most `max_documents`.
+
+    Bad records raise, or with `skip_bad_records` are skipped and counted in `stats`
+    (as `read_shard` does).
+    """
     shards = source_shards(source)
-    documents = itertools.chain.from_iterable(read_shard(shard) for shard in shards)
+    documents = itertools.chain.from_iterable(
+        read_shard(shard, skip_bad_records=skip_bad_records, stats=stats) for shard in shards
+    )
     return itertools.islice(documents, source.max_documents)
 
 

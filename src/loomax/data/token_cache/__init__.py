@@ -5,12 +5,29 @@ Modules, one job each: `layout` (what is stored where, the arrays), `settings` (
 cache depends on, its fingerprint), `tasks` (one shard into one piece: what a Ray task
 runs), `ledger` (the build's state at the cache URL), `assemble` (pieces into flat
 splits), `build` (the orchestration), `reader` (reading a finished cache; no Ray).
+The names below are imported on first use, so a Ray worker importing `tasks` does not
+import `build` (and JAX through `loomax.distributed`).
 """
 
-from loomax.data.token_cache.build import build_token_cache
-from loomax.data.token_cache.layout import TokenCacheError, is_held_out
-from loomax.data.token_cache.reader import TokenCache
-from loomax.data.token_cache.settings import TokenCacheInfo, cache_fingerprint
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from loomax.data.token_cache.build import build_token_cache
+    from loomax.data.token_cache.layout import TokenCacheError, is_held_out
+    from loomax.data.token_cache.reader import TokenCache
+    from loomax.data.token_cache.settings import TokenCacheInfo, cache_fingerprint
+
+_EXPORTS = {
+    "TokenCache": "loomax.data.token_cache.reader",
+    "TokenCacheError": "loomax.data.token_cache.layout",
+    "TokenCacheInfo": "loomax.data.token_cache.settings",
+    "build_token_cache": "loomax.data.token_cache.build",
+    "cache_fingerprint": "loomax.data.token_cache.settings",
+    "is_held_out": "loomax.data.token_cache.layout",
+}
 
 __all__ = [
     "TokenCache",
@@ -20,3 +37,15 @@ __all__ = [
     "cache_fingerprint",
     "is_held_out",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'loomax.data.token_cache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -91,16 +91,16 @@ def build_token_cache(
         },
         skip_bad_records=skip_bad_records,
     )
-    meta, tokenized = claim(build, overwrite), 0
+    meta, tokenized = claim(build, overwrite), []
     if meta is None:
         ledger = read_ledger(build)
-        before = len(ledger)
+        before = set(ledger)
         if build.shards_used(ledger) is None:
             jobs = [
                 _job(build, i, before_piece) for i in range(len(build.shards)) if i not in ledger
             ]
             _tokenize_missing(build, jobs, ledger, ray_config, progress)
-        tokenized = len(ledger) - before
+        tokenized = [entry for position, entry in ledger.items() if position not in before]
         meta = _finish(build, ledger)
     delete_pieces(build.root)
     return _info(build.root, meta, tokenized)
@@ -123,6 +123,9 @@ def _job(build: BuildPlan, position: int, before_piece: Callable[[Shard], None] 
 
 
 # ---------------------------------------------------------------------- tokenizing
+NODE_FAILURE_RETRIES = 3
+"""Times the build resubmits a shard whose task Ray lost (worker or node died) and gave up on."""
+
 _Outcome = tuple[PieceJob, "dict[str, Any] | BaseException"]
 
 
@@ -191,10 +194,13 @@ def _run_on_ray(jobs: Sequence[PieceJob], tokenizer_json: str) -> Iterator[_Outc
     """
     import ray  # only here: reading a cache, or building one in memory, needs no Ray
 
-    task = ray.remote(build_piece)
+    # spread over the nodes; a task lost with its worker or node is rerun by Ray, and
+    # again by this loop (up to NODE_FAILURE_RETRIES times) if Ray gives up on it
+    task = ray.remote(build_piece).options(scheduling_strategy="SPREAD", max_retries=3)
     tokenizer_ref = ray.put(tokenizer_json)
     in_flight = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
     queue, running, failed = deque(jobs), {}, False
+    lost: dict[int, int] = {}  # position: times its task was lost to a system failure
     try:
         while running or (queue and not failed):
             while queue and not failed and len(running) < in_flight:
@@ -204,8 +210,14 @@ def _run_on_ray(jobs: Sequence[PieceJob], tokenizer_json: str) -> Iterator[_Outc
             job = running.pop(ref)
             try:
                 outcome: dict[str, Any] | BaseException = ray.get(ref)
-            except ray.exceptions.RayError as error:
+            except ray.exceptions.RayTaskError as error:  # the task itself raised
                 outcome, failed = getattr(error, "cause", None) or error, True
+            except ray.exceptions.RayError as error:  # its worker or node died
+                lost[job.position] = lost.get(job.position, 0) + 1
+                if lost[job.position] <= NODE_FAILURE_RETRIES:
+                    queue.appendleft(job)
+                    continue
+                outcome, failed = error, True
             yield job, outcome
     finally:
         for ref in running:
@@ -235,7 +247,11 @@ def _finish(build: BuildPlan, ledger: dict[int, dict]) -> dict:
         "tokenizer": str(build.tokenizer_file),
         **build.token_ids,
         "splits": assemble_splits(build, entries),
-        "shards": {"total": len(build.shards), "used": used},
+        "shards": {
+            "total": len(build.shards),
+            "used": used,
+            "documents": {entry["name"]: entry["documents"] for entry in entries},
+        },
         "documents_skipped": sum(entry["skipped"] for entry in entries),
         "skipped_examples": [e for entry in entries for e in entry["skipped_examples"]][:10],
     }
@@ -243,7 +259,12 @@ def _finish(build: BuildPlan, ledger: dict[int, dict]) -> dict:
     return meta
 
 
-def _info(root: Directory, meta: dict, tokenized: int) -> TokenCacheInfo:
+def _info(root: Directory, meta: dict, tokenized: list[dict]) -> TokenCacheInfo:
+    """What the cache of `meta` holds, and what this call tokenized (`tokenized` entries)."""
+    nodes: dict[str, int] = {}
+    for entry in tokenized:
+        if entry.get("node") is not None:
+            nodes[entry["node"]] = nodes.get(entry["node"], 0) + 1
     return TokenCacheInfo(
         url=root.url,
         fingerprint=meta["fingerprint"],
@@ -251,5 +272,8 @@ def _info(root: Directory, meta: dict, tokenized: int) -> TokenCacheInfo:
         documents_skipped=meta["documents_skipped"],
         shards_total=meta["shards"]["total"],
         shards_used=meta["shards"]["used"],
-        shards_tokenized=tokenized,
+        shards_tokenized=len(tokenized),
+        skipped_examples=list(meta.get("skipped_examples", [])),
+        shard_documents=dict(meta["shards"].get("documents", {})),
+        nodes=nodes,
     )

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,17 @@ class TokenCacheInfo:
     """Leading shards whose documents are in the cache (fewer when `max_documents` caps it)."""
     shards_tokenized: int
     """Shards tokenized by this call: 0 when the cache was complete, fewer than all on resume."""
+    skipped_examples: list[str] = field(default_factory=list)
+    """The first bad records skipped, each `file, line N: reason`."""
+    shard_documents: dict[str, int] = field(default_factory=dict)
+    """Documents of each shard used, by shard name (a cut last shard counts all of its own)."""
+    nodes: dict[str, int] = field(default_factory=dict)
+    """Shards tokenized by this call per Ray node id (empty when built in this process)."""
+
+    @property
+    def empty_shards(self) -> list[str]:
+        """The shards used that hold no documents (e.g. empty files)."""
+        return [name for name, documents in self.shard_documents.items() if documents == 0]
 
 
 def cache_settings(

@@ -2,13 +2,15 @@
 
 A task reads its shard, tokenizes it in batches, writes the documents of each split to a
 piece of its own (`pieces/<i>/<attempt>/<split>/`), and only then records the shard in
-the ledger (`ledger/<i>.json`), so a ledger entry always names a complete piece.
+the ledger (`ledger/<i>.json`), so a ledger entry always names a complete piece. The
+entry also names the Ray node that did the work (`node`, None outside Ray).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -85,9 +87,18 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         "skipped": stats.skipped,
         "skipped_examples": stats.examples,
         "splits": {split: writer.close() for split, writer in writers.items()},
+        "node": _ray_node_id(),
     }
     root.child("ledger").write_json(f"{job.position}.json", entry)  # after the piece; atomic
     return entry
+
+
+def _ray_node_id() -> str | None:
+    """The id of the Ray node this runs on; None outside a Ray worker (e.g. memory:// builds)."""
+    ray = sys.modules.get("ray")  # a Ray worker has imported it; importing it here costs seconds
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()
 
 
 def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
