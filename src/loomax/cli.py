@@ -20,6 +20,8 @@ COMMANDS = {
     "eval": "loss, perplexity, bits per byte per validation set: loomax eval --checkpoint PATH [--config_path FILE]",
     "launch": "run a command on a TPU pod, GPU hosts, SLURM or N local processes: loomax launch --target T [--dry-run] -- train ...",
     "schedule": "print a config's learning-rate phases and plot them: loomax schedule --config_path FILE [--out lr.png]",
+    "compile": "compile the run's step for a TPU topology on this host: memory per chip, FITS?, est. MFU: loomax compile --config_path FILE --topology v5p:4x4x8",
+    "plan": "rank sharding strategies for a topology by compiling each, write the best as an overlay: loomax plan --config_path FILE --topology v5p:4x4x8",
     "ladder": "a family of model sizes with scaling-law budgets: loomax ladder dry-run|run|results --config_path LADDER.yaml [--size 30M]",
 }
 
@@ -53,6 +55,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         _launch(rest)
     elif command == "schedule":
         _schedule(rest)
+    elif command in ("compile", "plan"):
+        from loomax.plan import command as plan_cli
+
+        getattr(plan_cli, f"{command}_command")(rest, _load, main_error)
     elif command == "ladder":
         from loomax.ladder.command import ladder_command
 
