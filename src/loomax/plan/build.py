@@ -46,14 +46,23 @@ class BuiltStep:
 
 
 def local_tokenizer(config: TrainLmConfig) -> Path | None:
-    """The run's tokenizer.json if it is on this machine (no download, no training); else None."""
+    """The run's tokenizer.json if it is on this machine (a path, or a hub id in the Hugging Face
+    cache; no download, no training); else None."""
     name = config.data.tokenizer
     if name is None:
         return None
     path = Path(name).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
-    return path if path.is_file() else None
+    if path.is_file():
+        return path
+    try:  # a hub id already in the Hugging Face cache (looked up offline)
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "tokenizer.json")
+    except Exception:  # noqa: BLE001 - not a valid hub id, or no huggingface_hub
+        return None
+    return Path(cached) if isinstance(cached, str) else None
 
 
 def vocab_size_of(config: TrainLmConfig) -> tuple[int, str | None]:

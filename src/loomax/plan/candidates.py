@@ -66,33 +66,29 @@ def mesh_strategies(num_devices: int, num_slices: int = 1, max_model: int = 8) -
     return out
 
 
-def refinements(
-    base: Candidate, config: TrainLmConfig, data_parallel: int, remat: bool = True
-) -> list[Candidate]:
-    """Variants of ``base``: other gradient-checkpointing policies, and 2 or 4 microbatches
-    (``per_device_parallelism``) where the batch per device allows."""
+def remat_variants(base: Candidate, config: TrainLmConfig) -> list[Candidate]:
+    """``base`` with each other gradient-checkpointing policy (remat, offload, none)."""
+    own = base.overrides.get("model.gradient_checkpointing", config.model.gradient_checkpointing)
     out = []
-    if remat:
-        own = config.model.gradient_checkpointing
-        for policy in (True, "offload", False):
-            if policy != own:
-                name = {True: "remat", False: "no-remat"}.get(policy, policy)
-                out.append(
-                    Candidate(
-                        f"{base.label} {name}",
-                        {**base.overrides, "model.gradient_checkpointing": policy},
-                    )
-                )
+    for policy in (True, "offload", False):
+        if policy != own:
+            name = {True: "remat", False: "no-remat"}.get(policy, policy)
+            overrides = {**base.overrides, "model.gradient_checkpointing": policy}
+            out.append(Candidate(f"{base.label} {name}", overrides))
+    return out
+
+
+def microbatch_variants(base: Candidate, config: TrainLmConfig) -> list[Candidate]:
+    """``base`` with 2, 4 or 8 microbatches (``per_device_parallelism``) where the batch per
+    device allows."""
     batch = config.trainer.batch_schedule.sizes[0]
+    data_parallel = data_parallel_of(base)
     per_device = batch // data_parallel if batch % data_parallel == 0 else 0
-    for micro in (2, 4):
+    out = []
+    for micro in (2, 4, 8):
         if per_device >= micro and per_device % micro == 0:
-            out.append(
-                Candidate(
-                    f"{base.label} mb{micro}",
-                    {**base.overrides, "trainer.per_device_parallelism": per_device // micro},
-                )
-            )
+            overrides = {**base.overrides, "trainer.per_device_parallelism": per_device // micro}
+            out.append(Candidate(f"{base.label} mb{micro}", overrides))
     return out
 
 

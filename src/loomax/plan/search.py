@@ -1,8 +1,8 @@
 """``loomax plan``'s search: compile every candidate, rank them by estimated step time.
 
-Two rounds, as a researcher would go: first every mesh shape and mapping with the run's own
-remat policy and batch split, then, for the two best of those, other remat policies and
-microbatch counts. Candidates compile in parallel (``jobs``), each in its own child process
+Three rounds, as a researcher would go: every mesh shape and mapping with the run's own
+remat policy and batch split; then, for the two best so far, the other remat policies;
+then, for the two best after that, 2, 4 or 8 microbatches. Candidates compile in parallel (``jobs``), each in its own child process
 when the run's flags are given (a compiler crash then costs one candidate).
 """
 
@@ -19,9 +19,9 @@ from loomax.lm.config import TrainLmConfig
 from loomax.plan.candidates import (
     Candidate,
     as_flags,
-    data_parallel_of,
     mesh_strategies,
-    refinements,
+    microbatch_variants,
+    remat_variants,
     run_default,
 )
 from loomax.plan.compile import CompileResult, compile_run
@@ -126,16 +126,34 @@ def search(
     first = first[:max_candidates]
     common = {"jobs": jobs, "progress": progress, "config_args": config_args}
     ranked = compile_all(config, topology, first, desc="strategies", **common)
-    best = sorted((r for r in ranked if r.result is not None), key=lambda r: r.sort_key)[:refine]
-    second = []
-    for r in best:
-        for c in refinements(r.candidate, config, data_parallel_of(r.candidate)):
-            if _key(c) not in seen and len(first) + len(second) < max_candidates:
-                seen.add(_key(c))
-                second.append(c)
-    if second:
-        ranked += compile_all(config, topology, second, desc="refinements", **common)
+    budget = max_candidates - len(first)
+    for desc, variants in (
+        ("remat policies", remat_variants),
+        ("microbatches", microbatch_variants),
+    ):
+        # the best so far, even failed ones (another remat policy may be what they need);
+        # for microbatches, the best of each remat policy (one may crash or not fit alone)
+        best = sorted(ranked, key=lambda r: r.sort_key)
+        if variants is microbatch_variants:
+            best = list({_policy(r.candidate, config): r for r in reversed(best)}.values())[::-1]
+            best.sort(key=lambda r: r.sort_key)
+        best = best[:refine]
+        more = []
+        for r in best:
+            for c in variants(r.candidate, config):
+                if _key(c) not in seen and len(more) < budget:
+                    seen.add(_key(c))
+                    more.append(c)
+        if more:
+            budget -= len(more)
+            ranked += compile_all(config, topology, more, desc=desc, **common)
     return sorted(ranked, key=lambda r: r.sort_key)
+
+
+def _policy(candidate: Candidate, config: TrainLmConfig) -> str:
+    return repr(
+        candidate.overrides.get("model.gradient_checkpointing", config.model.gradient_checkpointing)
+    )
 
 
 def _key(candidate: Candidate) -> str:
