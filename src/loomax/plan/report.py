@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
 
-from loomax.plan.candidates import as_flags, nested
+from loomax.plan.candidates import Candidate, as_flags, nested
 from loomax.plan.compile import CompileResult
 from loomax.plan.search import Ranked
 
@@ -84,10 +85,12 @@ def plan_table(ranked: list[Ranked]) -> str:
     for i, r in enumerate(ranked, 1):
         res = r.result
         if res is None:
-            rows.append(f"{i:>2}  {r.candidate.label:<34} failed: {r.error}")
+            error = _GLOG.sub("", (r.error or "").removeprefix("CompileCrash: "))
+            rows.append(f"{i:>2}  {r.candidate.label:<34} failed: {error[:100]}")
             continue
+        tight = res.hbm_bytes and res.total_bytes > 0.97 * res.hbm_bytes
         fits = (
-            "yes"
+            ("yes (tight)" if tight else "yes")
             if res.fits
             else "?"
             if res.fits is None
@@ -100,6 +103,9 @@ def plan_table(ranked: list[Ranked]) -> str:
             f"{_g(res.total_bytes):>10}  {fits:<20} {step:>10} {mfu:>8} {res.compile_s:>7.1f}s"
         )
     return "\n".join(rows)
+
+
+_GLOG = re.compile(r"[FEWI]\d{4} [\d:.]+\s+\d+ ")  # glog's line prefix in XLA's messages
 
 
 def _g(n: int) -> str:
@@ -155,4 +161,16 @@ def plan_json(ranked: list[Ranked]) -> list[dict]:
             "error": r.error,
         }
         for r in ranked
+    ]
+
+
+def ranked_from_json(data: list[dict]) -> list[Ranked]:
+    """``plan_json``'s output read back (e.g. to print a saved plan's table again)."""
+    return [
+        Ranked(
+            Candidate(d["label"], d["overrides"]),
+            CompileResult(**d["result"]) if d["result"] else None,
+            d["error"],
+        )
+        for d in data
     ]

@@ -48,6 +48,13 @@ class Ranked:
             return (2, r.over_bytes)
         return (0 if r.fits else 1, r.est_step_s if r.est_step_s is not None else float("inf"))
 
+    @property
+    def refine_key(self) -> tuple:
+        """Which candidates to vary next: those that fit, then those that failed to compile
+        (unknown: another policy may compile and fit), then by how much the rest exceed."""
+        key = self.sort_key
+        return (1, 0.0) if key[0] == 3 else (2, key[1]) if key[0] == 2 else key
+
 
 def default_jobs() -> int:
     """Parallel compiles: half the cores, and no more than one per 8 GiB of free memory."""
@@ -133,10 +140,10 @@ def search(
     ):
         # the best so far, even failed ones (another remat policy may be what they need);
         # for microbatches, the best of each remat policy (one may crash or not fit alone)
-        best = sorted(ranked, key=lambda r: r.sort_key)
+        best = sorted(ranked, key=lambda r: r.refine_key)
         if variants is microbatch_variants:
             best = list({_policy(r.candidate, config): r for r in reversed(best)}.values())[::-1]
-            best.sort(key=lambda r: r.sort_key)
+            best.sort(key=lambda r: r.refine_key)
         best = best[:refine]
         more = []
         for r in best:

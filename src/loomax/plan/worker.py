@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -54,7 +55,8 @@ def _reason(code: int, stderr: str) -> str:
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     checks = [line for line in lines if "Check failed" in line]
     errors = [line for line in lines if "Error" in line and not line.startswith("File ")]
-    detail = (checks or errors or lines or ["no output"])[-1][:300]
+    detail = (checks or errors or lines or ["no output"])[-1]
+    detail = re.sub(r"^[FEWI]\d{4} [\d:.]+\s+\d+ ", "", detail)[:300]  # glog's prefix
     if code < 0:
         return f"the XLA compiler crashed (signal {-code}): {detail}"
     return detail
