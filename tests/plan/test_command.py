@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -10,6 +11,11 @@ import pytest
 from loomax.cli import main
 from loomax.plan import topology as topology_module
 from loomax.plan.topology import TopologyError, check_libtpu, parse_topology_name
+
+requires_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="compiling for TPU topologies needs libtpu: pip install -e '.[test]'",
+)
 
 
 def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -42,6 +48,7 @@ def test_unknown_topology_is_a_clear_error_before_any_compile(capsys):
     assert "unknown topology 'v9x:2x2'" in err and "v5p:AxBxC" in err
 
 
+@requires_libtpu
 def test_a_mesh_that_does_not_divide_the_chips_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["compile", "--topology", "v5e:2x2", "--trainer.mesh.model", "3"])
@@ -57,6 +64,7 @@ def test_missing_libtpu_names_the_extra(monkeypatch):
         topology_module.get_topology("v5e:2x2")
 
 
+@requires_libtpu
 @pytest.mark.slow
 def test_llama_8b_on_one_v5e_chip_does_not_fit(tmp_path, repo_root):
     done = run_cli(

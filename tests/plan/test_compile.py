@@ -7,11 +7,15 @@ import math
 import jax
 import pytest
 
-import loomax.train_lm  # noqa: F401 - hook types
-from loomax.config import parse_config
-from loomax.lm.config import TrainLmConfig
-from loomax.plan.compile import compile_run
-from loomax.plan.topology import get_topology
+pytest.importorskip(
+    "libtpu", reason="compiling for TPU topologies needs libtpu: pip install -e '.[test]'"
+)
+
+import loomax.train_lm  # noqa: F401, E402 - hook types
+from loomax.config import parse_config  # noqa: E402
+from loomax.lm.config import TrainLmConfig  # noqa: E402
+from loomax.plan.compile import compile_run  # noqa: E402
+from loomax.plan.topology import get_topology  # noqa: E402
 
 TINY = {
     "gpt2": ["--model.type", "gpt2", "--model.hidden_dim", "64", "--model.num_heads", "4"],

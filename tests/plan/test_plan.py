@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from loomax.benchmark import run_benchmark
@@ -11,6 +13,11 @@ from loomax.plan.candidates import apply_overrides, as_flags, mesh_strategies, n
 from loomax.plan.report import best, overlay_flags, overlay_yaml, plan_table
 from loomax.plan.search import search
 from loomax.plan.topology import get_topology
+
+requires_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="compiling for TPU topologies needs libtpu: pip install -e '.[test]'",
+)
 
 
 def test_mesh_strategies_cover_fsdp_dp_and_tensor_parallel():
@@ -60,6 +67,7 @@ def test_plan_ranks_candidates_and_its_overlay_trains(tmp_path, repo_root):
     assert result["final_loss"] > 0
 
 
+@requires_libtpu
 @pytest.mark.slow
 def test_plan_on_a_tpu_topology_in_child_processes(repo_root):
     """The CLI path: each candidate compiles in its own process (a compiler crash costs one)."""

@@ -44,7 +44,7 @@ def compile_text(result: CompileResult) -> str:
         f"  state (params + optimizer) {gib(result.state_bytes):>12}",
         f"  batch                      {gib(result.batch_bytes):>12}",
         f"  temporaries                {gib(result.temp_bytes):>12}",
-        f"  total (XLA)                {gib(result.total_bytes):>12}  of {gib(result.hbm_bytes)}",
+        f"  total (XLA)                {gib(result.total_bytes):>12}  of {gib(result.hbm_bytes) if result.hbm_bytes else 'unknown'}",
     ]
     if result.host_bytes:
         lines.append(f"  offloaded to host          {gib(result.host_bytes):>12}")
