@@ -61,6 +61,12 @@ def _prepare(
     from loomax.lm.config import TrainLmConfig
 
     config = load(TrainLmConfig, _config_args(args, rest))
+    from loomax.plan.build import vocab_size_of
+
+    try:
+        vocab_size_of(config)
+    except ValueError as e:
+        error(str(e))
     try:
         topology = get_topology(args.topology)
     except TopologyError as e:
