@@ -29,6 +29,8 @@ COMMANDS = {
     "eval": "loss, perplexity and bits per byte per validation set of a checkpoint",
     "launch": "run a loomax command on a TPU pod, GPU hosts, SLURM or N local processes",
     "schedule": "print a config's learning-rate phases and plot them",
+    "compile": "compile the run's step for a TPU topology here: memory per chip, fits?, est. MFU",
+    "plan": "rank sharding strategies for a topology by compiling each; write the best overlay",
     "ladder": "a family of model sizes with scaling-law budgets (dry-run|run|results)",
 }
 
@@ -182,6 +184,11 @@ def _run(command: str, args: list[str]) -> None:
 
         run = getattr(model_cli, f"{command}_command")
         run(args, command_parser(command, COMMANDS[command]), config_errors)
+    elif command in ("compile", "plan"):
+        from loomax.plan import command as plan_cli
+
+        run = getattr(plan_cli, f"{command}_command")
+        run(args, command_parser(command, COMMANDS[command], config=True), load_config)
     elif command == "ladder":
         from loomax.ladder.command import ladder_command
 

@@ -69,15 +69,7 @@ class StateBuilder:
     ) -> Restored:
         """The state to train from (see the module docstring for the order of sources)."""
         policy = self.config.policy
-
-        def init(key):
-            model_key, train_key = jax.random.split(key)
-            model = policy.cast_to_param(init_model(model_key))
-            params = eqx.filter(model, eqx.is_inexact_array)
-            opt_state = self.optimizer.init(params)
-            extras = {name: extra.init(params) for name, extra in self.extras.items()}
-            return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key, extras)
-
+        init = self._init_fn(init_model)
         key = jax.random.PRNGKey(self.config.seed)
         with self.runtime.mesh_context():
             shapes = jax.eval_shape(init, key)
@@ -92,6 +84,35 @@ class StateBuilder:
                 model = policy.cast_to_param(initial_weights())
                 return Restored(self._start_from(fresh(), model, shardings))
             return Restored(fresh())
+
+    def abstract(self, init_model: Callable[[jax.Array], eqx.Module]) -> TrainerState:
+        """The fresh state as ``jax.ShapeDtypeStruct``s carrying their shardings: the same
+        ``init`` and placement as ``restore``, with nothing allocated (for ahead-of-time compiles)."""
+        key = jax.random.PRNGKey(self.config.seed)
+        with self.runtime.mesh_context():
+            shapes = jax.eval_shape(self._init_fn(init_model), key)
+        shardings = self.runtime.state_shardings(shapes)  # outside: the devices may be compile-only
+
+        def place(sharding, node):  # node: a ShapeDtypeStruct, or a NamedArray holding one
+            return jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), node
+            )
+
+        is_leaf = lambda x: x is None or isinstance(x, jax.sharding.Sharding)  # noqa: E731
+        return jax.tree.map(place, shardings, shapes, is_leaf=is_leaf)
+
+    def _init_fn(self, init_model: Callable[[jax.Array], eqx.Module]) -> Callable:
+        policy = self.config.policy
+
+        def init(key):
+            model_key, train_key = jax.random.split(key)
+            model = policy.cast_to_param(init_model(model_key))
+            params = eqx.filter(model, eqx.is_inexact_array)
+            opt_state = self.optimizer.init(params)
+            extras = {name: extra.init(params) for name, extra in self.extras.items()}
+            return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key, extras)
+
+        return init
 
     def _resume(self, checkpointer: Checkpointer, shapes, shardings, fresh) -> Restored | None:
         config = self.config

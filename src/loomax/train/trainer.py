@@ -159,6 +159,22 @@ class Trainer:
         self._train_seconds = restored.train_seconds
         return restored.state
 
+    def abstract_state(self, init_model: Callable[[jax.Array], eqx.Module]) -> TrainerState:
+        """The fresh state ``initial_state`` would make, as sharded ``jax.ShapeDtypeStruct``s
+        (nothing allocated, no checkpoint read): for compiling ahead of time."""
+        self._state_made = True
+        builder = StateBuilder(self.config, self.runtime, self.optimizer, self.hook_set.extras)
+        return builder.abstract(init_model)
+
+    def trace_step(
+        self, state: TrainerState, batch: Any, *, num_microbatches: int | None = None
+    ) -> jax.stages.Traced:
+        """The jitted step traced for ``state`` and a global ``batch`` (arrays, or
+        ``ShapeDtypeStruct``s with shardings): ``.jaxpr``, ``.lower().compile()``."""
+        step_fn = self._build_step(state, num_microbatches)
+        with self.runtime.mesh_context():
+            return step_fn.jitted.trace(state, batch)
+
     def _build_step(self, state: TrainerState, num_microbatches: int | None = None) -> Callable:
         microbatches = num_microbatches or self.num_microbatches
         if microbatches not in self._step_fns:

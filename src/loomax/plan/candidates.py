@@ -1,0 +1,140 @@
+"""The strategies ``loomax plan`` tries: mesh shape and mappings, microbatches, remat policy.
+
+A candidate is a set of config overrides (``section.key -> value``) on top of the run;
+applied, it is an ordinary ``TrainLmConfig`` that ``loomax train`` would run the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from loomax.lm.config import TrainLmConfig
+from loomax.mesh import MeshConfig
+
+Overrides = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy: a short label and the config keys it sets."""
+
+    label: str
+    overrides: Overrides
+
+    def apply(self, config: TrainLmConfig) -> TrainLmConfig:
+        """``config`` with this candidate's keys set."""
+        return apply_overrides(config, self.overrides)
+
+
+def apply_overrides(config: Any, overrides: Overrides) -> Any:
+    """``config`` (a tree of frozen dataclasses) with each dotted key replaced by its value."""
+    for key, value in overrides.items():
+        config = _replace(config, key.split("."), value)
+    return config
+
+
+def _replace(node: Any, path: list[str], value: Any) -> Any:
+    head, rest = path[0], path[1:]
+    if head == "mesh" and not rest and isinstance(value, dict):
+        value = MeshConfig(**value)
+    new = value if not rest else _replace(getattr(node, head), rest, value)
+    return dataclasses.replace(node, **{head: new})
+
+
+def mesh_strategies(num_devices: int, num_slices: int = 1, max_model: int = 8) -> list[Candidate]:
+    """Mesh shapes and mappings: FSDP or plain data parallel, each with tensor parallelism
+    of 1, 2, 4, 8 where it divides the devices; slices become the ``replica`` axis."""
+    per_slice = num_devices // num_slices
+    out = []
+    model = 1
+    while model <= min(max_model, per_slice):
+        if per_slice % model == 0:
+            data = per_slice // model
+            mesh = {"replica": num_slices, "data": data, "model": model}
+            tp = f" tp{model}" if model > 1 else ""
+            shape = f"{num_slices}x{data}x{model}" if num_slices > 1 else f"{data}x{model}"
+            out.append(
+                Candidate(f"fsdp{tp} {shape}", {"trainer.mesh": mesh, "trainer.fsdp_axis": "embed"})
+            )
+            if data > 1 or model == 1:
+                out.append(
+                    Candidate(f"dp{tp} {shape}", {"trainer.mesh": mesh, "trainer.fsdp_axis": None})
+                )
+        model *= 2
+    return out
+
+
+def remat_variants(base: Candidate, config: TrainLmConfig) -> list[Candidate]:
+    """``base`` with each other gradient-checkpointing policy (remat, offload, none)."""
+    own = base.overrides.get("model.gradient_checkpointing", config.model.gradient_checkpointing)
+    out = []
+    for policy in (True, "offload", False):
+        if policy != own:
+            name = {True: "remat", False: "no-remat"}.get(policy, policy)
+            overrides = {**base.overrides, "model.gradient_checkpointing": policy}
+            out.append(Candidate(f"{base.label} {name}", overrides))
+    return out
+
+
+def microbatch_variants(base: Candidate, config: TrainLmConfig) -> list[Candidate]:
+    """``base`` with 2, 4 or 8 microbatches (``per_device_parallelism``) where the batch per
+    device allows."""
+    batch = config.trainer.batch_schedule.sizes[0]
+    data_parallel = data_parallel_of(base)
+    per_device = batch // data_parallel if batch % data_parallel == 0 else 0
+    out = []
+    for micro in (2, 4, 8):
+        if per_device >= micro and per_device % micro == 0:
+            overrides = {**base.overrides, "trainer.per_device_parallelism": per_device // micro}
+            out.append(Candidate(f"{base.label} mb{micro}", overrides))
+    return out
+
+
+def data_parallel_of(candidate: Candidate) -> int:
+    """replica x data of a candidate's mesh."""
+    mesh = candidate.overrides["trainer.mesh"]
+    return mesh["replica"] * mesh["data"]
+
+
+def run_default(config: TrainLmConfig, num_devices: int) -> Candidate:
+    """The run's own strategy (its ``trainer.mesh`` and mappings, as written)."""
+    sizes = config.trainer.mesh.resolve(num_devices)
+    fsdp = config.trainer.fsdp_axis
+    kind = "fsdp" if fsdp else "dp"
+    tp = f" tp{sizes['model']}" if sizes["model"] > 1 else ""
+    return Candidate(
+        f"{kind}{tp} {sizes['data']}x{sizes['model']} (the run's)",
+        {"trainer.mesh": sizes, "trainer.fsdp_axis": fsdp},
+    )
+
+
+def nested(overrides: Overrides) -> dict[str, Any]:
+    """``{"trainer.mesh": {...}}`` as ``{"trainer": {"mesh": {...}}}`` (for the YAML overlay)."""
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        node = out
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
+def as_flags(overrides: Overrides) -> list[str]:
+    """The overrides as ``loomax train`` command-line flags."""
+    flags = []
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            flags += as_flags({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            text = (
+                "null"
+                if value is None
+                else str(value).lower()
+                if isinstance(value, bool)
+                else str(value)
+            )
+            flags += [f"--{key}", text]
+    return flags

@@ -1,0 +1,168 @@
+"""``loomax compile`` and ``loomax plan``: the command lines.
+
+Bad input (an unknown topology, a mesh that does not divide the chips, libtpu missing, a
+config error) stops with exit code 2 and a clear message before anything compiles;
+``compile`` exits 1 when the step does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from loomax.errors import UserError
+
+TOPOLOGY_HELP = (
+    "TPU topology to compile for, e.g. v5p:4x4x8 (128 chips), v5e:2x2, v4:4x4x4, v6e:8x8, "
+    "2xv5p:4x4x4 (two slices), or local (the devices present; needs no libtpu)"
+)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--topology", required=True, help=TOPOLOGY_HELP)
+    parser.add_argument(
+        "--measure",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --topology local: also time N real steps (of the top candidates, for plan)",
+    )
+    return parser
+
+
+def _prepare(args: argparse.Namespace, rest: list[str], load: Callable):
+    """The run config and the topology, checked before any compile."""
+    from loomax.plan.topology import TopologyError, get_topology, parse_topology_name
+
+    if args.topology != "local":
+        try:
+            parse_topology_name(args.topology)
+        except TopologyError as e:
+            raise UserError(str(e)) from e
+    if args.measure and args.topology != "local":
+        raise UserError("--measure times real steps: it needs --topology local")
+    from loomax.plan.worker import setup_compile_only
+
+    setup_compile_only(args.topology)
+    import loomax.train_lm  # noqa: F401 - registers the hook types a run config may name
+    from loomax.lm.config import TrainLmConfig
+
+    config = load(TrainLmConfig, args.config_path, list(rest))
+    from loomax.plan.build import vocab_size_of
+
+    try:
+        vocab_size_of(config)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    try:
+        topology = get_topology(args.topology)
+    except TopologyError as e:
+        raise UserError(str(e)) from e
+    try:
+        config.trainer.mesh.resolve(topology.num_devices)
+    except ValueError as e:
+        raise UserError(f"{e} (topology {args.topology})") from e
+    return config, topology
+
+
+COMPILE_DESCRIPTION = (
+    "Compile the run's real train step for a TPU topology (or the local devices) with "
+    "abstract arrays, and report memory per chip, FITS / DOES NOT FIT, FLOPs per step and "
+    "an estimated step time and MFU (XLA's cost model, not a measurement). Exits 1 when "
+    "the step does not fit."
+)
+PLAN_DESCRIPTION = (
+    "Compile the strategies a researcher would try (mesh data x model x replica, FSDP or "
+    "data parallel, tensor parallel, microbatches, gradient checkpointing incl. offload) "
+    "for a topology, rank them by estimated step time (XLA's cost model, not a "
+    "measurement) and write the best as a YAML overlay for loomax train."
+)
+
+
+def compile_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: Callable) -> None:
+    """``loomax compile``: compile the run's step for a topology and report memory and speed.
+
+    ``parser`` comes from the CLI (with ``--config_path``); ``load(cls, path, overrides)``
+    parses the config; bad input raises ``UserError``."""
+    parser.description = textwrap.fill(COMPILE_DESCRIPTION, 88)
+    _add_common(parser)
+    parser.add_argument(
+        "--out", default=None, help="JSON report path (default: compile-TOPOLOGY.json)"
+    )
+    args, rest = parser.parse_known_args(list(argv))
+    config, topology = _prepare(args, rest, load)
+    from loomax.plan.compile import compile_run
+    from loomax.plan.report import compile_text
+    from loomax.plan.worker import CompileCrash, compile_isolated
+
+    try:
+        if args.topology == "local":
+            result = compile_run(config, topology, measure_steps=args.measure)
+        else:  # in a child process: libtpu's compiler may abort on a program it cannot lower
+            result = compile_isolated(_config_args(args, rest), args.topology)
+    except (ValueError, CompileCrash) as e:
+        raise UserError(str(e)) from e
+    print(compile_text(result))
+    out = Path(args.out or f"compile-{_slug(args.topology)}.json")
+    out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    print(f"report: {out}")
+    if result.fits is False:
+        raise SystemExit(1)
+
+
+def plan_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: Callable) -> None:
+    """``loomax plan``: compile candidate strategies, rank them, write the best as an overlay."""
+    from loomax.plan.search import default_jobs
+
+    parser.description = textwrap.fill(PLAN_DESCRIPTION, 88)
+    _add_common(parser)
+    parser.add_argument("--out", default=None, help="overlay path (default: plan-TOPOLOGY.yaml)")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="parallel compiles (default: by cores and memory)"
+    )
+    parser.add_argument("--max_candidates", type=int, default=24, help="compile at most this many")
+    args, rest = parser.parse_known_args(list(argv))
+    config, topology = _prepare(args, rest, load)
+    from loomax.plan.compile import compile_run
+    from loomax.plan.report import ESTIMATE_NOTE, best, overlay_yaml, plan_json, plan_table
+    from loomax.plan.search import search
+
+    jobs = args.jobs or (1 if args.topology == "local" else default_jobs())
+    ranked = search(
+        config,
+        topology,
+        jobs=jobs,
+        max_candidates=args.max_candidates,
+        progress=sys.stderr.isatty(),
+        config_args=_config_args(args, rest),
+    )
+    if args.measure:
+        for r in [r for r in ranked if r.result and r.result.fits is not False][:3]:
+            r.result = compile_run(r.candidate.apply(config), topology, measure_steps=args.measure)
+    print(
+        f"{len(ranked)} candidates for {args.topology} ({topology.num_devices} devices), best first:"
+    )
+    print(plan_table(ranked))
+    print(f"note: {ESTIMATE_NOTE}")
+    out = Path(args.out or f"plan-{_slug(args.topology)}.yaml")
+    out.with_suffix(".json").write_text(json.dumps(plan_json(ranked), indent=2) + "\n")
+    choice = best(ranked)
+    if choice is None:
+        print("no candidate fits: a smaller model, a larger topology or a smaller batch is needed")
+        raise SystemExit(1)
+    out.write_text(overlay_yaml(choice, args.config_path or "the run", args.topology, len(ranked)))
+    print(
+        f"best: {choice.candidate.label}; overlay: {out} (all results: {out.with_suffix('.json')})"
+    )
+
+
+def _config_args(args: argparse.Namespace, rest: list[str]) -> list[str]:
+    return (["--config_path", args.config_path] if args.config_path else []) + list(rest)
+
+
+def _slug(name: str) -> str:
+    return name.replace(":", "-")

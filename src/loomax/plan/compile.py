@@ -1,0 +1,230 @@
+"""Compile a run's step for a topology and report memory per chip, FLOPs and an estimated speed.
+
+Memory is XLA's own account of the compiled program (``memory_analysis``) plus the state's
+shard sizes; the step time is an *estimate* from XLA's cost model (``optimal_seconds``,
+scaled by the loop trip counts XLA's cost analysis leaves out, see ``loomax.plan.flops``),
+never a measurement, and the MFU it implies is only as good as that model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+import jax
+
+from loomax.lm.config import TrainLmConfig
+from loomax.lm.weights import initial_model
+from loomax.plan.build import built_step
+from loomax.plan.flops import dot_flops
+from loomax.plan.topology import Topology
+
+
+@dataclass
+class CompileResult:
+    """What compiling one configuration for one topology tells (bytes and FLOPs per device)."""
+
+    topology: str
+    devices: int
+    mesh: dict[str, int]
+    chip: str | None
+    hbm_bytes: int | None
+    """Memory of one device (None: unknown)."""
+    state_bytes: int = 0
+    """Parameters, optimizer state and extras: the sum of this device's shards."""
+    batch_bytes: int = 0
+    temp_bytes: int = 0
+    """XLA's temporaries (activations, gradients, buffers) on one device."""
+    host_bytes: int = 0
+    """Host memory the program uses per device (offloaded activations)."""
+    total_bytes: int = 0
+    """Peak device memory: arguments + outputs - donated + temporaries + code."""
+    fits: bool | None = None
+    params: int = 0
+    tokens_per_step: int = 0
+    microbatches: int = 1
+    model_flops: float = 0.0
+    """Model FLOPs per step, all devices (3 x forward: what MFU counts)."""
+    step_flops: float = 0.0
+    """Matmul FLOPs the step executes, all devices (with rematerialized passes)."""
+    est_step_s: float | None = None
+    """Estimated step time from XLA's cost model (not a measurement)."""
+    est_mfu: float | None = None
+    compile_s: float = 0.0
+    measured_step_s: float | None = None
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def over_bytes(self) -> int:
+        """By how much the program exceeds the device's memory (0 when it fits)."""
+        return max(0, self.total_bytes - (self.hbm_bytes or self.total_bytes))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def compile_run(
+    config: TrainLmConfig, topology: Topology, *, measure_steps: int = 0
+) -> CompileResult:
+    """Build ``config``'s train step over ``topology``'s devices, compile it, and report.
+
+    A program XLA rejects for lack of memory comes back with ``fits=False`` (and its
+    sizes, where XLA's message states them); other build errors raise ``ValueError``.
+    """
+    with built_step(config, topology.devices) as built:
+        trainer = built.trainer
+        mesh = dict(trainer.mesh.shape)
+        result = CompileResult(
+            topology.name,
+            topology.num_devices,
+            mesh,
+            topology.chip.name if topology.chip else str(topology.devices[0].device_kind),
+            topology.hbm_per_device,
+            notes=list(built.notes),
+        )
+        result.params = config.model.param_count(built.vocab_size)
+        result.tokens_per_step = math.prod(built.batch.shape)
+        result.microbatches = trainer.num_microbatches
+        result.model_flops = (
+            3 * config.model.flops_per_token(built.vocab_size) * result.tokens_per_step
+        )
+        result.state_bytes = _shard_bytes(built.state)
+        result.batch_bytes = _shard_bytes(built.batch)
+        start = time.perf_counter()
+        traced = built.trace()
+        result.step_flops = dot_flops(traced.jaxpr)
+        try:
+            with _no_cache_writes(topology):
+                compiled = traced.lower().compile()
+        except Exception as e:  # noqa: BLE001 - XLA reports "does not fit" as a compile error
+            result.compile_s = time.perf_counter() - start
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            _from_oom_message(result, str(e))
+            return result
+        result.compile_s = time.perf_counter() - start
+        _memory(result, compiled)
+        _estimate(result, compiled, topology)
+        if measure_steps:
+            result.measured_step_s = _measure(trainer, config, built, compiled, measure_steps)
+            peak = topology.peak_per_device
+            if peak:
+                result.notes.append(
+                    f"measured MFU {result.model_flops / (result.measured_step_s * peak * topology.num_devices):.1%}"
+                )
+    return result
+
+
+def _no_cache_writes(topology: Topology):
+    """Keep programs for compile-only devices out of the persistent compilation cache (this
+    host could never load them back)."""
+    if topology.chip is None:
+        return contextlib.nullcontext()
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.persistent_cache_min_compile_time_secs(float("inf"))
+    except (ImportError, AttributeError, TypeError):  # a JAX without it: writes stay possible
+        return contextlib.nullcontext()
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes of this device's shard of every array in ``tree`` (ShapeDtypeStructs with shardings)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return total
+
+
+def _memory(result: CompileResult, compiled) -> None:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        result.notes.append("this backend gives no memory analysis")
+        return
+    result.temp_bytes = stats.temp_size_in_bytes
+    result.host_bytes = stats.host_temp_size_in_bytes + stats.host_argument_size_in_bytes
+    result.total_bytes = (
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+        + stats.temp_size_in_bytes
+        + stats.generated_code_size_in_bytes
+    )
+    if result.hbm_bytes:
+        result.fits = result.total_bytes <= result.hbm_bytes
+        if result.fits and result.total_bytes > 0.97 * result.hbm_bytes:
+            result.notes.append(
+                "tight: within 3% of the chip's memory (XLA keeps a little of it for itself)"
+            )
+
+
+def _estimate(result: CompileResult, compiled, topology: Topology) -> None:
+    """Step time from XLA's cost model, and the MFU it implies.
+
+    XLA's cost analysis counts each loop body once; its ``optimal_seconds`` and bytes are
+    scaled by (matmul FLOPs executed) / (FLOPs XLA counted), and the result is at least the
+    roofline of those FLOPs at the chip's peak and those bytes at its HBM bandwidth.
+    """
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older JAX: one dict per program
+        cost = cost[0] if cost else {}
+    per_device = result.step_flops / topology.num_devices
+    counted = float(cost.get("flops", 0.0) or 0.0)
+    scale = max(1.0, per_device / counted) if counted > 0 else 1.0
+    optimal = float(cost.get("optimal_seconds", -1.0) or -1.0)
+    peak = topology.peak_per_device
+    estimates = [optimal * scale] if optimal > 0 else []
+    if peak:
+        estimates.append(per_device / peak)
+    bandwidth = topology.chip.hbm_bandwidth if topology.chip else None
+    if bandwidth and cost.get("bytes accessed"):
+        estimates.append(float(cost["bytes accessed"]) * scale / bandwidth)
+    if estimates:
+        result.est_step_s = max(estimates)
+    if result.est_step_s and peak:
+        result.est_mfu = result.model_flops / (result.est_step_s * peak * topology.num_devices)
+
+
+_UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_USED = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
+_TEMPS = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
+
+
+def _from_oom_message(result: CompileResult, message: str) -> None:
+    """Sizes from XLA's out-of-memory message, where it states them."""
+    result.fits = False
+    used, temps = _USED.search(message), _TEMPS.search(message)
+    result.total_bytes = result.state_bytes + result.batch_bytes
+    if temps:
+        result.temp_bytes = int(float(temps.group(1)) * _UNIT[temps.group(2)])
+        result.total_bytes += result.temp_bytes
+    if used:
+        result.total_bytes = max(
+            result.total_bytes, int(float(used.group(1)) * _UNIT[used.group(2)])
+        )
+    first = message.strip().splitlines()[0] if message.strip() else message
+    result.error = f"XLA: {first[:300]}"
+
+
+def _measure(trainer, config, built, compiled, steps: int) -> float:
+    """Median wall time of ``steps`` real steps on the local devices (random tokens)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    state = trainer.initial_state(initial_model(config, built.vocab_size))
+    tokens = rng.integers(0, built.vocab_size, built.batch.shape, dtype=np.int32)
+    batch = trainer.runtime.shard_batch(tokens)
+    state, metrics = compiled(state, batch)  # warm-up
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,167 @@
+"""``loomax plan``'s search: compile every candidate, rank them by estimated step time.
+
+Three rounds, as a researcher would go: every mesh shape and mapping with the run's own
+remat policy and batch split; then, for the two best so far, the other remat policies;
+then, for the two best after that, 2, 4 or 8 microbatches. Candidates compile in parallel (``jobs``), each in its own child process
+when the run's flags are given (a compiler crash then costs one candidate).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from loomax.lm.config import TrainLmConfig
+from loomax.plan.candidates import (
+    Candidate,
+    as_flags,
+    mesh_strategies,
+    microbatch_variants,
+    remat_variants,
+    run_default,
+)
+from loomax.plan.compile import CompileResult, compile_run
+from loomax.plan.topology import Topology
+from loomax.plan.worker import compile_isolated
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Ranked:
+    """A candidate and what compiling it told (``result`` None: it could not be built)."""
+
+    candidate: Candidate
+    result: CompileResult | None
+    error: str | None = None
+
+    @property
+    def sort_key(self) -> tuple:
+        r = self.result
+        if r is None:
+            return (3, 0.0)
+        if r.fits is False:
+            return (2, r.over_bytes)
+        return (0 if r.fits else 1, r.est_step_s if r.est_step_s is not None else float("inf"))
+
+    @property
+    def refine_key(self) -> tuple:
+        """Which candidates to vary next: those that fit, then those that failed to compile
+        (unknown: another policy may compile and fit), then by how much the rest exceed."""
+        key = self.sort_key
+        return (1, 0.0) if key[0] == 3 else (2, key[1]) if key[0] == 2 else key
+
+
+def default_jobs() -> int:
+    """Parallel compiles: half the cores, and no more than one per 8 GiB of free memory."""
+    cores = max(1, (os.cpu_count() or 1) // 2)
+    try:
+        with open("/proc/meminfo") as f:
+            free = {line.split(":")[0]: int(line.split()[1]) for line in f}["MemAvailable"] * 1024
+        cores = min(cores, max(1, free // (8 * 2**30)))
+    except (OSError, KeyError, ValueError):
+        pass
+    return min(cores, 4)
+
+
+def compile_all(
+    config: TrainLmConfig,
+    topology: Topology,
+    candidates: list[Candidate],
+    *,
+    jobs: int = 1,
+    progress: bool = True,
+    desc: str = "compiling",
+    config_args: list[str] | None = None,
+) -> list[Ranked]:
+    """Compile each candidate on ``topology``; the results in candidate order.
+
+    With ``config_args`` (the run's ``--config_path``/override flags) each compile runs in a
+    child process (``loomax.plan.worker``), so a compiler crash costs only that candidate.
+    """
+
+    def one(candidate: Candidate) -> Ranked:
+        try:
+            if config_args is not None:
+                flags = config_args + as_flags(candidate.overrides)
+                return Ranked(candidate, compile_isolated(flags, topology.name))
+            return Ranked(candidate, compile_run(candidate.apply(config), topology))
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
+            logger.debug("candidate %s failed", candidate.label, exc_info=True)
+            return Ranked(candidate, None, f"{type(e).__name__}: {e}".splitlines()[0][:200])
+
+    bar = tqdm(total=len(candidates), desc=desc, disable=not progress, leave=False)
+    try:
+        if jobs <= 1:
+            out = []
+            for candidate in candidates:
+                bar.set_postfix_str(candidate.label)
+                out.append(one(candidate))
+                bar.update()
+            return out
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            futures = [pool.submit(one, c) for c in candidates]
+            for _ in concurrent.futures.as_completed(futures):
+                bar.update()
+            return [f.result() for f in futures]
+    finally:
+        bar.close()
+
+
+def search(
+    config: TrainLmConfig,
+    topology: Topology,
+    *,
+    jobs: int = 1,
+    refine: int = 2,
+    max_candidates: int = 24,
+    progress: bool = True,
+    config_args: list[str] | None = None,
+) -> list[Ranked]:
+    """Every candidate compiled and ranked: fitting ones by estimated step time, then the
+    ones that do not fit by how much they exceed, then those that failed to build."""
+    first = [run_default(config, topology.num_devices)]
+    seen = {_key(first[0])}
+    for c in mesh_strategies(topology.num_devices, topology.num_slices):
+        if _key(c) not in seen:
+            seen.add(_key(c))
+            first.append(c)
+    first = first[:max_candidates]
+    common = {"jobs": jobs, "progress": progress, "config_args": config_args}
+    ranked = compile_all(config, topology, first, desc="strategies", **common)
+    budget = max_candidates - len(first)
+    for desc, variants in (
+        ("remat policies", remat_variants),
+        ("microbatches", microbatch_variants),
+    ):
+        # the best so far, even failed ones (another remat policy may be what they need);
+        # for microbatches, the best of each remat policy (one may crash or not fit alone)
+        best = sorted(ranked, key=lambda r: r.refine_key)
+        if variants is microbatch_variants:
+            best = list({_policy(r.candidate, config): r for r in reversed(best)}.values())[::-1]
+            best.sort(key=lambda r: r.refine_key)
+        best = best[:refine]
+        more = []
+        for r in best:
+            for c in variants(r.candidate, config):
+                if _key(c) not in seen and len(more) < budget:
+                    seen.add(_key(c))
+                    more.append(c)
+        if more:
+            budget -= len(more)
+            ranked += compile_all(config, topology, more, desc=desc, **common)
+    return sorted(ranked, key=lambda r: r.sort_key)
+
+
+def _policy(candidate: Candidate, config: TrainLmConfig) -> str:
+    return repr(
+        candidate.overrides.get("model.gradient_checkpointing", config.model.gradient_checkpointing)
+    )
+
+
+def _key(candidate: Candidate) -> str:
+    return repr(sorted((k, repr(v)) for k, v in candidate.overrides.items()))

@@ -1,0 +1,83 @@
+"""Compile one configuration in a child process, so a compiler crash costs one candidate.
+
+libtpu's compiler can abort the whole process on programs it cannot lower (a failed
+CHECK, SIGABRT); ``compile_isolated`` runs ``python -m loomax.plan.worker`` and turns such
+a crash into a reported error. The child prints its ``CompileResult`` as JSON, last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from loomax.plan.compile import CompileResult
+
+_MARK = "LOOMAX_COMPILE_RESULT "
+
+
+class CompileCrash(RuntimeError):
+    """The compile child died or failed; the message has the reason XLA or Python gave."""
+
+
+def setup_compile_only(topology: str) -> None:
+    """JAX settings for compiling for a named topology: CPU backend only (the TPU devices
+    are compile-only) and no persistent compilation cache (it cannot hold TPU programs here)."""
+    if topology == "local":
+        return
+    import jax
+
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
+def compile_isolated(
+    config_args: Sequence[str], topology: str, *, measure: int = 0, timeout: float | None = None
+) -> CompileResult:
+    """``compile_run`` of the config ``config_args`` (``--config_path F --key value ...``) in a
+    child process; raises ``CompileCrash`` with the child's last error line if it fails."""
+    command = [sys.executable, "-m", "loomax.plan.worker", topology, str(measure), *config_args]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise CompileCrash(f"compile took longer than {timeout:.0f} s") from e
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(_MARK):
+            return CompileResult(**json.loads(line[len(_MARK) :]))
+    raise CompileCrash(_reason(done.returncode, done.stderr))
+
+
+def _reason(code: int, stderr: str) -> str:
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    checks = [line for line in lines if "Check failed" in line]
+    errors = [line for line in lines if "Error" in line and not line.startswith("File ")]
+    detail = (checks or errors or lines or ["no output"])[-1]
+    detail = re.sub(r"^[FEWI]\d{4} [\d:.]+\s+\d+ ", "", detail)[:300]  # glog's prefix
+    if code < 0:
+        return f"the XLA compiler crashed (signal {-code}): {detail}"
+    return detail
+
+
+def main(argv: Sequence[str]) -> None:
+    topology, measure, *config_args = argv
+    setup_compile_only(topology)
+    import loomax.train_lm  # noqa: F401 - registers the hook types a run config may name
+    from loomax.config import parse_config
+    from loomax.lm.config import TrainLmConfig
+    from loomax.plan.compile import compile_run
+    from loomax.plan.topology import get_topology
+
+    path = None
+    if config_args[:1] == ["--config_path"]:
+        path, config_args = config_args[1], config_args[2:]
+    config = parse_config(TrainLmConfig, path, config_args)
+    result = compile_run(config, get_topology(topology), measure_steps=int(measure))
+    print(_MARK + json.dumps(result.to_json()), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,80 @@
+"""`loomax compile` through the trainer's own code path: tiny GPT-2 and Llama on v5e/v5p."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import pytest
+
+pytest.importorskip(
+    "libtpu", reason="compiling for TPU topologies needs libtpu: pip install -e '.[test]'"
+)
+
+import loomax.train_lm  # noqa: F401, E402 - hook types
+from loomax.config import parse_config  # noqa: E402
+from loomax.lm.config import TrainLmConfig  # noqa: E402
+from loomax.plan.compile import compile_run  # noqa: E402
+from loomax.plan.topology import get_topology  # noqa: E402
+
+TINY = {
+    "gpt2": ["--model.type", "gpt2", "--model.hidden_dim", "64", "--model.num_heads", "4"],
+    "llama": [
+        "--model.type",
+        "llama",
+        "--model.hidden_dim",
+        "64",
+        "--model.intermediate_dim",
+        "128",
+    ],
+}
+COMMON = [
+    "--model.seq_len", "64", "--model.num_layers", "2", "--model.vocab_size", "512",
+    "--trainer.train_batch_size", "8", "--trainer.mp", "p=f32,c=bfloat16",
+]  # fmt: skip
+
+
+def tiny(model: str, *extra: str) -> TrainLmConfig:
+    return parse_config(TrainLmConfig, None, [*TINY[model], *COMMON, *extra])
+
+
+def hand_state_bytes(config: TrainLmConfig, fsdp_ways: int) -> int:
+    """Params + Adam's two moments (f32), each split `fsdp_ways` along `embed`; no scalars."""
+    shapes = jax.eval_shape(lambda: config.model.build(512, key=jax.random.PRNGKey(0)))
+    total = 0
+    for leaf in jax.tree.leaves(shapes, is_leaf=lambda x: hasattr(x, "axes")):
+        if not hasattr(leaf, "axes"):
+            continue
+        sizes = [a.size // fsdp_ways if a.name == "embed" else a.size for a in leaf.axes]
+        total += math.prod(sizes) * 4  # f32 parameters
+    return 3 * total  # parameter, mu, nu
+
+
+@pytest.mark.parametrize(
+    "model,topology",
+    [
+        ("gpt2", "v5e:2x2"),
+        ("llama", "v5p:2x2x1"),
+        pytest.param("gpt2", "v5p:2x2x1", marks=pytest.mark.slow),
+        pytest.param("llama", "v5e:2x2", marks=pytest.mark.slow),
+    ],
+)
+def test_tiny_models_compile_and_state_bytes_match_hand_count(model, topology):
+    config = tiny(model)
+    result = compile_run(config, get_topology(topology))
+    assert result.devices == 4 and result.mesh == {"replica": 1, "data": 4, "model": 1}
+    assert result.fits is True and result.error is None
+    assert 0 < result.total_bytes < result.hbm_bytes
+    assert result.temp_bytes > 0
+    # FSDP: every parameter has an embed axis (64, split 4 ways); scalars (step, count, key) add bytes
+    scalars = result.state_bytes - hand_state_bytes(config, 4)
+    assert 0 <= scalars <= 64, scalars
+    assert result.model_flops > 0 and result.step_flops >= result.model_flops
+    assert result.est_step_s > 0 and 0 < result.est_mfu <= 1
+
+
+def test_fsdp_over_four_chips_holds_a_quarter_of_the_replicated_state():
+    fsdp = compile_run(tiny("llama"), get_topology("v5e:2x2"))
+    replicated = compile_run(tiny("llama", "--trainer.fsdp_axis", "null"), get_topology("v5e:2x2"))
+    assert replicated.state_bytes - hand_state_bytes(tiny("llama"), 1) <= 64
+    assert abs(replicated.state_bytes - 4 * fsdp.state_bytes) <= 4 * 64

@@ -1,0 +1,83 @@
+"""`loomax plan`: ranks candidates; its overlay parses and trains on the local CPU mesh."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from loomax.benchmark import run_benchmark
+from loomax.config import parse_config
+from loomax.lm.config import TrainLmConfig
+from loomax.plan.candidates import apply_overrides, as_flags, mesh_strategies, nested
+from loomax.plan.report import best, overlay_flags, overlay_yaml, plan_table
+from loomax.plan.search import search
+from loomax.plan.topology import get_topology
+
+requires_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="compiling for TPU topologies needs libtpu: pip install -e '.[test]'",
+)
+
+
+def test_mesh_strategies_cover_fsdp_dp_and_tensor_parallel():
+    labels = [c.label for c in mesh_strategies(8)]
+    assert labels[:2] == ["fsdp 8x1", "dp 8x1"]
+    assert "fsdp tp2 4x2" in labels and "dp tp4 2x4" in labels and "fsdp tp8 1x8" in labels
+    two_slices = mesh_strategies(8, num_slices=2)
+    assert two_slices[0].overrides["trainer.mesh"] == {"replica": 2, "data": 4, "model": 1}
+
+
+def test_overrides_round_trip_through_flags_and_yaml():
+    overrides = {
+        "trainer.mesh": {"replica": 1, "data": 2, "model": 2},
+        "trainer.fsdp_axis": None,
+        "trainer.per_device_parallelism": 2,
+        "model.gradient_checkpointing": "offload",
+    }
+    base = parse_config(TrainLmConfig, None, [])
+    parsed = parse_config(TrainLmConfig, None, as_flags(overrides))
+    assert parsed == apply_overrides(base, overrides)
+    assert nested(overrides)["trainer"]["mesh"] == {"replica": 1, "data": 2, "model": 2}
+
+
+@pytest.mark.slow
+def test_plan_ranks_candidates_and_its_overlay_trains(tmp_path, repo_root):
+    run = repo_root / "config" / "llama_tiny.yaml"
+    args = ["--model.vocab_size", "512", "--model.seq_len", "32", "--trainer.train_batch_size", "4"]
+    config = parse_config(TrainLmConfig, str(run), args)
+    ranked = search(config, get_topology("local"), max_candidates=5, progress=False)
+    assert len(ranked) >= 4
+    assert all(r.result is not None for r in ranked), [r.error for r in ranked]
+    times = [r.result.est_step_s for r in ranked if r.result.fits is not False]
+    assert times == sorted(times)
+    table = plan_table(ranked)
+    assert all(r.candidate.label in table for r in ranked)
+    text = overlay_yaml(best(ranked), str(run), "local", len(ranked))
+    flags = overlay_flags(text)
+    trained = parse_config(
+        TrainLmConfig, str(run), args + flags + ["--trainer.num_train_steps", "2"]
+    )
+    expected = apply_overrides(config, best(ranked).candidate.overrides)
+    assert trained.model == expected.model
+    assert trained.trainer.mesh == expected.trainer.mesh
+    assert trained.trainer.fsdp_axis == expected.trainer.fsdp_axis
+    assert trained.trainer.per_device_parallelism == expected.trainer.per_device_parallelism
+    result = run_benchmark(trained, steps=1, warmup=1)  # 2 steps
+    assert result["final_loss"] > 0
+
+
+@requires_libtpu
+@pytest.mark.slow
+def test_plan_on_a_tpu_topology_in_child_processes(repo_root):
+    """The CLI path: each candidate compiles in its own process (a compiler crash costs one)."""
+    from loomax.plan.search import compile_all
+
+    run = repo_root / "config" / "llama_tiny.yaml"
+    args = ["--config_path", str(run), "--model.vocab_size", "512", "--model.seq_len", "32"]
+    config = parse_config(TrainLmConfig, str(run), args[2:])
+    topology = get_topology("v5e:2x2")
+    candidates = mesh_strategies(4)[:2]
+    ranked = compile_all(config, topology, candidates, config_args=args, progress=False)
+    assert [r.result.fits for r in ranked] == [True, True], [r.error for r in ranked]
+    assert ranked[1].result.state_bytes > 3 * ranked[0].result.state_bytes  # dp vs fsdp
