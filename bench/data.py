@@ -471,7 +471,7 @@ def loader_benchmark(cache_url: str, batches: int, lazy_batches: int, steps: int
     from loomax.config import parse_config
     from loomax.data.token_cache import TokenCache
     from loomax.data.windows import TokenWindows
-    from loomax.train_lm import TrainLmConfig
+    from loomax.lm import TrainLmConfig
 
     config = parse_config(TrainLmConfig, QUICKSTART, [])
     batch_size, seq_len = config.trainer.train_batch_size, config.model.seq_len

@@ -50,11 +50,11 @@ def memory_worker(process_id: int, count: int, port: int, fsdp: bool) -> None:
     import numpy as np
 
     from loomax.distributed import DistributedConfig
+    from loomax.lm import lm_loss
     from loomax.models import Gpt2Config
     from loomax.optim import AdamConfig
     from loomax.tracking import NoopTrackerConfig
     from loomax.train import Trainer, TrainerConfig, setup_process
-    from loomax.train_lm import lm_loss
 
     model = Gpt2Config(
         seq_len=64, hidden_dim=1024, num_layers=6, num_heads=8, gradient_checkpointing=True

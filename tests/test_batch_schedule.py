@@ -11,12 +11,12 @@ import pytest
 from loomax.batch_schedule import BatchSchedule, BatchStage
 from loomax.config import parse_config
 from loomax.data import BatchLoader, TokenWindows
+from loomax.lm import TrainLmConfig, lm_loss
 from loomax.mesh import MeshConfig
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig
 from loomax.tracking import NoopTrackerConfig
 from loomax.train import Trainer, TrainerConfig
-from loomax.train_lm import TrainLmConfig, lm_loss
 
 STAGES = [BatchStage(0, 4), BatchStage(3, 8), BatchStage(5, 2)]
 

@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 
 from loomax.config import ConfigError, format_duration, parse_config, parse_duration
+from loomax.lm import TrainLmConfig
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig
 from loomax.tracking import JsonlTrackerConfig, NoopTrackerConfig
-from loomax.train_lm import TrainLmConfig
 
 
 def write(path, text):

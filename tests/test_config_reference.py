@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from loomax.config_reference import field_docs, render, undocumented
+from loomax.lm import TrainLmConfig
 from loomax.models import Gpt2Config
-from loomax.train_lm import TrainLmConfig
 
 
 def test_every_public_field_has_a_doc():

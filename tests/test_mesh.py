@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from loomax.config import ConfigError, parse_config
+from loomax.lm import TrainLmConfig
 from loomax.mesh import MeshConfig, make_axis_mappings
 from loomax.train import TrainerConfig
-from loomax.train_lm import TrainLmConfig
 
 
 def test_minus_one_fills_the_devices():

@@ -12,7 +12,8 @@ from loomax.cli import main
 from loomax.config import parse_config
 from loomax.hf import load_hf
 from loomax.inference import load_for_inference
-from loomax.train_lm import TrainLmConfig, train_lm
+from loomax.lm import TrainLmConfig
+from loomax.train_lm import train_lm
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

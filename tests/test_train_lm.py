@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from loomax.config import parse_config
-from loomax.train_lm import TrainLmConfig, train_lm
+from loomax.lm import TrainLmConfig
+from loomax.train_lm import train_lm
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")  # one local Ray for the cache builds here
 

@@ -12,10 +12,10 @@ import time
 import jax
 import numpy as np
 
+from loomax.lm import TrainLmConfig, lm_loss
 from loomax.peak_flops import measure_matmul_flops, total_peak_flops
 from loomax.tracking import NoopTrackerConfig
 from loomax.train import Trainer, setup_process
-from loomax.train_lm import TrainLmConfig, lm_loss
 
 
 def run_benchmark(

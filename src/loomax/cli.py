@@ -219,7 +219,8 @@ def _action(command: str, args: list[str]) -> list[str]:
 
 
 def _train(args: list[str]) -> None:
-    from loomax.train_lm import TrainLmConfig, train_lm
+    from loomax.lm import TrainLmConfig
+    from loomax.train_lm import train_lm
 
     parser = command_parser("train", COMMANDS["train"], config=True)
     known, overrides = parser.parse_known_args(args)
@@ -242,7 +243,7 @@ def _train(args: list[str]) -> None:
 def _cache(args: list[str]) -> None:
     from loomax.data.dataset import build_caches, prepare_tokenizer
     from loomax.data.report import skipped_lines, skipped_records
-    from loomax.train_lm import TrainLmConfig
+    from loomax.lm import TrainLmConfig
 
     parser = command_parser("cache", COMMANDS["cache"], config=True)
     parser.add_argument(
@@ -278,7 +279,7 @@ def _cache(args: list[str]) -> None:
 def _tokenizer(args: list[str]) -> None:
     from loomax.data.sources import iter_documents
     from loomax.data.tokenizer import train_bpe_tokenizer
-    from loomax.train_lm import TrainLmConfig
+    from loomax.lm import TrainLmConfig
 
     parser = command_parser("tokenizer train", ACTIONS["tokenizer"]["train"], config=True)
     parser.add_argument(
@@ -307,7 +308,7 @@ def _tokenizer(args: list[str]) -> None:
 
 def _bench(args: list[str]) -> None:
     from loomax.benchmark import run_benchmark
-    from loomax.train_lm import TrainLmConfig
+    from loomax.lm import TrainLmConfig
 
     parser = command_parser("bench", COMMANDS["bench"], config=True)
     parser.add_argument(
@@ -379,8 +380,8 @@ def _launch(args: list[str]) -> None:
 
 def _schedule(args: list[str]) -> None:
     from loomax.batch_schedule import BatchSchedule
+    from loomax.lm import TrainLmConfig
     from loomax.optim.plot import plot_schedule
-    from loomax.train_lm import TrainLmConfig
 
     parser = command_parser("schedule", COMMANDS["schedule"], config=True)
     parser.add_argument(

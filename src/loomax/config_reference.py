@@ -183,7 +183,7 @@ def undocumented(root: type) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Write the reference for ``TrainLmConfig`` to the path given (stdout if none)."""
-    from loomax.train_lm import TrainLmConfig
+    from loomax.lm import TrainLmConfig
 
     argv = sys.argv[1:] if argv is None else argv
     text = render(TrainLmConfig)

@@ -18,9 +18,9 @@ from loomax.callbacks import (
 from loomax.config import flatten_config, to_json_dict, to_yaml
 from loomax.data import BatchLoader, LmDatasets, build_lm_datasets, report_skipped
 from loomax.distributed import pod_ray_cluster
-from loomax.lm.config import SampleConfig, TrainLmConfig, resolve_vocab_size
+from loomax.lm.config import TrainLmConfig, resolve_vocab_size
 from loomax.lm.eval_sets import eval_sets
-from loomax.lm.loss import lm_loss, model_lm_loss
+from loomax.lm.loss import model_lm_loss
 from loomax.lm.sample import sample_text
 from loomax.lm.weights import initial_model, initial_weights
 from loomax.peak_flops import total_peak_flops
@@ -153,14 +153,4 @@ def make_loader(config: TrainLmConfig, data: LmDatasets) -> BatchLoader:
     )
 
 
-__all__ = [
-    "SampleConfig",
-    "TrainLmConfig",
-    "TrainLmResult",
-    "initial_model",
-    "initial_weights",
-    "lm_loss",
-    "make_loader",
-    "model_lm_loss",
-    "train_lm",
-]
+__all__ = ["TrainLmResult", "make_loader", "train_lm"]

@@ -20,12 +20,12 @@ import numpy as np  # noqa: E402
 
 from loomax.callbacks import ControlServerHook  # noqa: E402
 from loomax.distributed import DistributedConfig  # noqa: E402
+from loomax.lm import lm_loss  # noqa: E402
 from loomax.mesh import MeshConfig  # noqa: E402
 from loomax.models import Gpt2Config  # noqa: E402
 from loomax.optim import AdamConfig  # noqa: E402
 from loomax.tracking import NoopTrackerConfig  # noqa: E402
 from loomax.train import Trainer, TrainerConfig, setup_process  # noqa: E402
-from loomax.train_lm import lm_loss  # noqa: E402
 
 MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=1, num_heads=2)
 VOCAB, BATCH, STEPS = 48, 4, 100_000

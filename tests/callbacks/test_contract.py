@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from loomax.config import parse_config
+from loomax.lm import TrainLmConfig
 from loomax.train import Hook, HookConfig, HookContext
-from loomax.train_lm import TrainLmConfig, train_lm
+from loomax.train_lm import train_lm
 
 HOOKS = {
     "batch_size_schedule": {"every": 4},

@@ -8,10 +8,10 @@ import pytest
 
 from loomax.callbacks import EmaHook
 from loomax.hf import export_hf
+from loomax.lm import TrainLmConfig, initial_model, initial_weights
 from loomax.models import LlamaConfig
 from loomax.optim import AdamConfig
 from loomax.train import Trainer, TrainerConfig
-from loomax.train_lm import TrainLmConfig, initial_model, initial_weights
 
 MODEL = LlamaConfig(
     seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=2

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from loomax.config import parse_config
+from loomax.lm import TrainLmConfig
 from loomax.models import LlamaConfig
-from loomax.train_lm import TrainLmConfig
 
 
 @pytest.mark.parametrize("name", ["llama_tiny", "llama_150m", "llama_1b", "llama_8b"])

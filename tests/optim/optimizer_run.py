@@ -19,6 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
+from loomax.lm import lm_loss  # noqa: E402
 from loomax.mesh import MeshConfig  # noqa: E402
 from loomax.models import Gpt2Config  # noqa: E402
 from loomax.optim import (  # noqa: E402
@@ -31,7 +32,6 @@ from loomax.optim import (  # noqa: E402
 )
 from loomax.tracking import NoopTrackerConfig  # noqa: E402
 from loomax.train import Trainer, TrainerConfig  # noqa: E402
-from loomax.train_lm import lm_loss  # noqa: E402
 
 MODEL = Gpt2Config(
     seq_len=16,

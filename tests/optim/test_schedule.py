@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from loomax.config import parse_config
+from loomax.lm import TrainLmConfig
 from loomax.optim import AdamConfig, LrSchedule
 from loomax.optim.schedule import cycle_ends, steps_of, warmup_then_decay
-from loomax.train_lm import TrainLmConfig
 
 
 def values(kind, steps=110, warmup=10, ratio=0.1, peak=1.0, at=(0, 4, 9, 10, 60, 110, 200)):

@@ -14,11 +14,11 @@ import pytest
 
 from loomax.batch_schedule import BatchSchedule, BatchStage
 from loomax.config import parse_config
+from loomax.lm import TrainLmConfig
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig, MuonConfig, SkipBadStepsConfig, regex_mask
 from loomax.optim.muon import muon_labels
 from loomax.optim.transforms import clip_update_norm, clip_update_rms, newton_schulz
-from loomax.train_lm import TrainLmConfig
 
 MODEL = Gpt2Config(seq_len=8, hidden_dim=16, num_layers=2, num_heads=2).build(
     30, key=jax.random.PRNGKey(0)

@@ -11,7 +11,6 @@ pytest.importorskip(
     "libtpu", reason="compiling for TPU topologies needs libtpu: pip install -e '.[test]'"
 )
 
-import loomax.train_lm  # noqa: F401, E402 - hook types
 from loomax.config import parse_config  # noqa: E402
 from loomax.lm.config import TrainLmConfig  # noqa: E402
 from loomax.plan.compile import compile_run  # noqa: E402

@@ -117,8 +117,8 @@ def test_missing_package_names_the_extra(monkeypatch, tmp_path):
 
 def test_the_real_run_config_logs_to_wandb_and_jsonl(repo_root):
     from loomax.config import parse_config
+    from loomax.lm import TrainLmConfig
     from loomax.tracking import JsonlTrackerConfig
-    from loomax.train_lm import TrainLmConfig
 
     config = parse_config(TrainLmConfig, repo_root / "config" / "gpt2_small.yaml")
     wandb, jsonl = config.trainer.tracker

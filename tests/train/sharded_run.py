@@ -28,12 +28,12 @@ import numpy as np  # noqa: E402
 
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
 from loomax.distributed import DistributedConfig  # noqa: E402
+from loomax.lm import lm_loss  # noqa: E402
 from loomax.mesh import MeshConfig  # noqa: E402
 from loomax.models import Gpt2Config, LlamaConfig  # noqa: E402
 from loomax.optim import AdamConfig  # noqa: E402
 from loomax.tracking import NoopTrackerConfig  # noqa: E402
 from loomax.train import Trainer, TrainerConfig, setup_process  # noqa: E402
-from loomax.train_lm import lm_loss  # noqa: E402
 
 MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=4)
 VOCAB, STEPS, BATCH = 64, 5, 8

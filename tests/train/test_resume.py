@@ -12,11 +12,11 @@ import pytest
 from loomax.callbacks import EmaHook
 from loomax.checkpoint import CheckpointerConfig, CheckpointError, KeepPolicy, list_checkpoints
 from loomax.data import BatchLoader, TokenWindows
+from loomax.lm import lm_loss
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig
 from loomax.tracking import NoopTrackerConfig
 from loomax.train import Hook, Trainer, TrainerConfig
-from loomax.train_lm import lm_loss
 
 MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=2)
 VOCAB, STEPS, BATCH = 48, 12, 4

@@ -10,11 +10,11 @@ import numpy as np
 import optax
 import pytest
 
+from loomax.lm import lm_loss
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig
 from loomax.train import JitHook, TrainerState, make_train_step
 from loomax.train.step import TRACED
-from loomax.train_lm import lm_loss
 
 CONFIG = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=4)
 VOCAB = 50

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from loomax.callbacks import NanCheckHook, NonFiniteLossError
+from loomax.lm import lm_loss
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig
 from loomax.tracking import JsonlTrackerConfig
 from loomax.train import Hook, JitHook, StepInfo, Trainer, TrainerConfig
-from loomax.train_lm import lm_loss
 
 MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=1, num_heads=2)
 VOCAB = 40

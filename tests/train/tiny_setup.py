@@ -8,11 +8,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from loomax.lm import lm_loss
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig
 from loomax.tracking import JsonlTrackerConfig
 from loomax.train import Trainer, TrainerConfig
-from loomax.train_lm import lm_loss
 
 MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=2)
 VOCAB = 48

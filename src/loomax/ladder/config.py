@@ -10,8 +10,8 @@ from loomax.config import parse_config
 from loomax.ladder.model import Gpt2Configurator, ModelConfigurator
 from loomax.ladder.run import ChinchillaRunConfigurator, RunConfigurator, RunPlan
 from loomax.ladder.sizes import parse_size
+from loomax.lm import TrainLmConfig
 from loomax.mesh import MeshConfig
-from loomax.train_lm import TrainLmConfig
 
 
 @dataclass(frozen=True)

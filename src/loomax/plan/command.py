@@ -48,7 +48,6 @@ def _prepare(args: argparse.Namespace, rest: list[str], load: Callable):
     from loomax.plan.worker import setup_compile_only
 
     setup_compile_only(args.topology)
-    import loomax.train_lm  # noqa: F401 - registers the hook types a run config may name
     from loomax.lm.config import TrainLmConfig
 
     config = load(TrainLmConfig, args.config_path, list(rest))

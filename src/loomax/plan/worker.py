@@ -65,7 +65,6 @@ def _reason(code: int, stderr: str) -> str:
 def main(argv: Sequence[str]) -> None:
     topology, measure, *config_args = argv
     setup_compile_only(topology)
-    import loomax.train_lm  # noqa: F401 - registers the hook types a run config may name
     from loomax.config import parse_config
     from loomax.lm.config import TrainLmConfig
     from loomax.plan.compile import compile_run
