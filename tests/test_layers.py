@@ -18,6 +18,7 @@ ROOT = Path(loomax.__file__).parent
 LAYERS: list[set[str]] = [
     {"errors"},
     {"config", "storage", "jax_setup", "_xla_flags", "peak_flops", "batch_schedule"},
+    {"cli_parser"},
     {"mesh", "tree_paths"},
     {"distributed", "runtime", "tracking"},
     {"models", "optim", "data", "checkpoint"},

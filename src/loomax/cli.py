@@ -8,15 +8,12 @@ its traceback.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from loomax.config import parse_config
+from loomax.cli_parser import command_parser, config_errors, load_config
 from loomax.errors import UserError
 
 COMMANDS = {
@@ -42,81 +39,6 @@ ACTIONS = {
         "results": "tabulate checkpoints and metrics and fit loss against compute",
     },
 }
-
-CONFIG_EPILOG = (
-    "config: --config_path FILE reads a run YAML; any key can be set or overridden with\n"
-    "--section.field VALUE (e.g. --trainer.num_train_steps 100 --model.type llama).\n"
-    "Every key is listed in docs/reference/config.md."
-)
-
-
-class CommandParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are ``UserError``s (printed in one line by ``main``).
-
-    With ``overrides`` set, the usage ends with ``[--section.field VALUE ...]``: the flags
-    left over by ``parse_known_args`` go to the config.
-    """
-
-    overrides = False
-
-    def error(self, message: str):  # type: ignore[override]
-        raise UserError(message)
-
-    def format_usage(self) -> str:
-        return self._add_overrides(super().format_usage())
-
-    def format_help(self) -> str:
-        return self._add_overrides(super().format_help())
-
-    def _add_overrides(self, text: str) -> str:
-        if not self.overrides:
-            return text
-        usage, blank, rest = text.partition("\n\n")
-        indent = " " * len(f"usage: {self.prog} ")
-        usage = f"{usage.rstrip()}\n{indent}[--section.field VALUE ...]"
-        return f"{usage}{blank}{rest}" if blank else usage + "\n"
-
-
-def command_parser(prog: str, description: str, *, config: bool = False) -> CommandParser:
-    """The parser of ``loomax <prog>``; ``config`` adds ``--config_path`` and the overrides help."""
-    parser = CommandParser(
-        prog=f"loomax {prog}",
-        description=description,
-        epilog=CONFIG_EPILOG if config else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
-    if config:
-        parser.overrides = True
-        parser.add_argument("--config_path", metavar="FILE", help="the run's YAML config")
-    return parser
-
-
-@contextlib.contextmanager
-def config_errors() -> Iterator[None]:
-    """Turn draccus' usage exit (an unknown flag) and config errors into one-line ``UserError``s."""
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            yield
-    except SystemExit as e:  # draccus' argparse printed its usage and an error line
-        if e.code in (0, None):
-            raise
-        lines = [line for line in captured.getvalue().splitlines() if line.strip()]
-        message = lines[-1].split(": error: ", 1)[-1] if lines else "bad command line"
-        raise UserError(message) from None
-    except (ValueError, FileNotFoundError) as e:
-        if isinstance(e, UserError):  # ConfigError, DataSourceError
-            raise
-        raise UserError(str(e)) from e
-    else:
-        sys.stderr.write(captured.getvalue())
-
-
-def load_config(cls: type, config_path: str | None, overrides: list[str]):
-    """``parse_config`` whose errors (draccus' unknown flags included) are one-line ``UserError``s."""
-    with config_errors():
-        return parse_config(cls, config_path, overrides)
 
 
 def version() -> str:

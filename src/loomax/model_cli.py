@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 from loomax.errors import UserError
 
 Guard = Callable[[], AbstractContextManager]
-"""``loomax.cli.config_errors``: makes config and flag errors one-line ``UserError``s."""
+"""``loomax.cli_parser.config_errors``: makes config and flag errors one-line ``UserError``s."""
 
 
 def _parse(parser: argparse.ArgumentParser, args: list[str]):
