@@ -19,6 +19,18 @@ jax.config.update(
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+RAY_CLUSTER_MODULES = ("test_ray_cluster.py", "test_pod_ray.py", "test_ray_nodes.py")
+"""Modules that start or look for a machine-wide Ray cluster (`ray start`, "is one running?").
+Under pytest-xdist they share one worker (`--dist loadgroup`), so no two of them overlap;
+other tests start private local clusters (`address="local"`) and may run side by side."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.name in RAY_CLUSTER_MODULES:
+            item.add_marker(pytest.mark.xdist_group("ray-cluster"))
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
