@@ -194,3 +194,43 @@ def test_cli_bad_value_exits_2_with_message(tmp_path):
     assert proc.returncode == 2
     assert "model.num_layers" in proc.stderr and "run.yaml, line 3" in proc.stderr
     assert not (tmp_path / "runs").exists()  # stopped before any work
+
+
+def test_overlay_sets_its_keys_where_it_stands_and_later_flags_win(tmp_path, repo_root):
+    overlay = tmp_path / "plan.yaml"
+    overlay.write_text(
+        "trainer:\n"
+        "  mesh: {replica: 1, data: 1, model: 1}\n"
+        "  tensor_parallel_axes: [heads]\n"  # a list: one JSON flag
+        "  num_train_steps: 7\n"
+        "  axis_resources: {batch: data}\n"  # a mapping-valued field: one flag\n
+        "model:\n"
+        "  gradient_checkpointing: false\n"  # a choice section: keys left to draccus
+    )
+    run = str(repo_root / "config" / "llama_tiny.yaml")
+    before = parse_config(TrainLmConfig, run, ["--trainer.num_train_steps", "3"])
+    config = parse_config(
+        TrainLmConfig,
+        run,
+        ["--trainer.num_train_steps", "3", "--overlay", str(overlay), "--trainer.seed", "5"],
+    )
+    assert config.trainer.num_train_steps == 7  # the overlay came after the flag
+    assert config.trainer.seed == 5
+    assert config.trainer.tensor_parallel_axes == ["heads"] != before.trainer.tensor_parallel_axes
+    assert config.trainer.axis_resources == {"batch": "data"}
+    assert config.model.gradient_checkpointing is False
+    last = parse_config(
+        TrainLmConfig, run, [f"--overlay={overlay}", "--trainer.num_train_steps", "2"]
+    )
+    assert last.trainer.num_train_steps == 2
+
+
+def test_overlay_unknown_key_names_file_and_line(tmp_path):
+    overlay = tmp_path / "bad.yaml"
+    overlay.write_text("trainer:\n  seed: 1\n  mesh:\n    dat: 2\n")
+    with pytest.raises(
+        ConfigError, match=r"bad.yaml, line 4: `trainer.mesh.dat` is not a config key"
+    ):
+        parse_config(TrainLmConfig, None, ["--overlay", str(overlay)])
+    with pytest.raises(ConfigError, match="overlay file not found"):
+        parse_config(TrainLmConfig, None, ["--overlay", str(tmp_path / "missing.yaml")])

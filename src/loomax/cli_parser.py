@@ -19,7 +19,8 @@ from loomax.errors import UserError
 
 CONFIG_EPILOG = (
     "config: --config_path FILE reads a run YAML; any key can be set or overridden with\n"
-    "--section.field VALUE (e.g. --trainer.num_train_steps 100 --model.type llama).\n"
+    "--section.field VALUE (e.g. --trainer.num_train_steps 100 --model.type llama), or by\n"
+    "--overlay FILE, a YAML file of keys (such as `loomax plan` writes); later flags win.\n"
     "Every key is listed in docs/reference/config.md."
 )
 

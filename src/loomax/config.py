@@ -7,9 +7,11 @@ how to parse; it never imports the sections themselves (they sit above it in the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import typing
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +25,14 @@ from loomax.errors import UserError
 
 T = TypeVar("T")
 
-__all__ = ["ConfigError", "format_duration", "parse_config", "parse_duration", "to_yaml"]
+__all__ = [
+    "ConfigError",
+    "format_duration",
+    "overlay_args",
+    "parse_config",
+    "parse_duration",
+    "to_yaml",
+]
 
 
 class ConfigError(UserError, ValueError):
@@ -90,10 +99,11 @@ def parse_config(
 ) -> T:
     """Build ``cls`` from a YAML file plus ``--section.field value`` overrides.
 
-    Raises ``ConfigError`` naming the offending key and where it came from (the file and
+    ``--overlay FILE`` among the overrides sets the keys of that YAML file there, so flags
+    after it win (see ``overlay_args``). Raises ``ConfigError`` naming the offending key and where it came from (the file and
     line, or the command line). Unknown command-line flags make draccus exit with code 2.
     """
-    args = list(args)
+    args = expand_overlays(cls, args)
     if config_path is not None:
         path = Path(config_path)
         if not path.is_file():
@@ -110,6 +120,89 @@ def parse_config(
         raise ConfigError(f"{e}{where}{detail}") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"invalid YAML in {config_path}: {e}") from e
+
+
+def expand_overlays(cls: type, args: Sequence[str]) -> list[str]:
+    """``args`` with each ``--overlay FILE`` replaced by that file's keys as flags, in place."""
+    out: list[str] = []
+    items = iter(args)
+    for arg in items:
+        if arg == "--overlay":
+            path = next(items, None)
+            if path is None:
+                raise ConfigError("--overlay needs a FILE (a YAML file of config keys)")
+            out += overlay_args(cls, path)
+        elif arg.startswith("--overlay="):
+            out += overlay_args(cls, arg.removeprefix("--overlay="))
+        else:
+            out.append(arg)
+    return out
+
+
+def overlay_args(cls: type, path: str | os.PathLike) -> list[str]:
+    """The keys of the YAML overlay at ``path`` as ``--section.field value`` flags of ``cls``.
+
+    An overlay is a partial run config (``trainer: {mesh: {data: 8}}``): nested sections
+    become dotted flags; a scalar, a list or a mapping-valued field becomes one flag (lists
+    and mappings as JSON). Raises ``ConfigError`` naming the file and line of a key ``cls``
+    does not have, before anything is parsed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"overlay file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in overlay {path}: {e}") from e
+    if data is None:
+        return []
+    out: list[str] = []
+
+    def where(keys: list[str]) -> str:
+        located = locate_key(path, keys)
+        return f"overlay {path}, line {located[1]}" if located else f"overlay {path}"
+
+    def walk(node_cls: type | None, node: Any, keys: list[str]) -> None:
+        if not isinstance(node, dict):
+            raise ConfigError(f"{where(keys)}: `{'.'.join(keys)}` must be a mapping of keys")
+        fields = _section_fields(node_cls)
+        for key, value in node.items():
+            key = str(key)
+            if fields is not None and key not in fields:
+                raise ConfigError(
+                    f"{where([*keys, key])}: `{'.'.join([*keys, key])}` is not a config key "
+                    f"(keys of {'.'.join(keys) or 'the run'}: {', '.join(sorted(fields))})"
+                )
+            section = fields[key] if fields is not None else None
+            if isinstance(value, dict) and (section is not None or fields is None):
+                walk(section, value, [*keys, key])
+            else:
+                out.extend([f"--{'.'.join([*keys, key])}", _flag_value(value)])
+
+    walk(cls, data, [])
+    return out
+
+
+def _section_fields(cls: type | None) -> dict[str, type | None] | None:
+    """Field name -> the field's dataclass type (None for other types) of dataclass ``cls``;
+    None when the fields cannot be known here (a choice section picked by its ``type``)."""
+    if cls is None or not dataclasses.is_dataclass(cls) or issubclass(cls, draccus.ChoiceRegistry):
+        return None
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - an unresolvable annotation: let draccus check the keys
+        return None
+    out: dict[str, type | None] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        out[f.name] = hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+    return out
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
 
 
 def to_yaml(config: object) -> str:

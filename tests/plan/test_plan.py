@@ -10,7 +10,7 @@ from loomax.benchmark import run_benchmark
 from loomax.config import parse_config
 from loomax.lm.config import TrainLmConfig
 from loomax.plan.candidates import apply_overrides, as_flags, mesh_strategies, nested
-from loomax.plan.report import best, overlay_flags, overlay_yaml, plan_table
+from loomax.plan.report import best, overlay_yaml, plan_table
 from loomax.plan.search import search
 from loomax.plan.topology import get_topology
 
@@ -53,10 +53,12 @@ def test_plan_ranks_candidates_and_its_overlay_trains(tmp_path, repo_root):
     assert times == sorted(times)
     table = plan_table(ranked)
     assert all(r.candidate.label in table for r in ranked)
-    text = overlay_yaml(best(ranked), str(run), "local", len(ranked))
-    flags = overlay_flags(text)
+    overlay = tmp_path / "plan-local.yaml"
+    overlay.write_text(overlay_yaml(best(ranked), str(run), "local", len(ranked)))
     trained = parse_config(
-        TrainLmConfig, str(run), args + flags + ["--trainer.num_train_steps", "2"]
+        TrainLmConfig,
+        str(run),
+        args + ["--overlay", str(overlay), "--trainer.num_train_steps", "2"],
     )
     expected = apply_overrides(config, best(ranked).candidate.overrides)
     assert trained.model == expected.model

@@ -128,28 +128,12 @@ def overlay_yaml(choice: Ranked, run: str, topology: str, count: int) -> str:
         f"# loomax plan for {topology}: best of {count} candidates for {run}",
         f"# strategy: {choice.candidate.label}; per chip {gib(res.total_bytes)} of {gib(res.hbm_bytes)}"
         + (f"; estimated MFU {res.est_mfu:.1%} ({ESTIMATE_NOTE})" if res.est_mfu else ""),
-        "# use: loomax train --config_path RUN.yaml followed by these flags",
-        f"#   {flags}",
-        "# (loomax.plan.report.overlay_flags(text) makes them from this file),",
+        "# use: loomax train --config_path RUN.yaml --overlay THIS_FILE",
+        f"# (the same as the flags {flags}),",
         "# or copy these keys into the run's trainer and model sections",
     ]
     body = yaml.safe_dump(nested(choice.candidate.overrides), sort_keys=False)
     return "\n".join(head) + "\n" + body
-
-
-def overlay_flags(text: str) -> list[str]:
-    """An overlay's keys (its YAML) as ``loomax train`` command-line flags."""
-    data = yaml.safe_load(text) or {}
-
-    def flat(prefix: str, node: Any) -> dict[str, Any]:
-        if isinstance(node, dict) and not (prefix.endswith("mesh") and prefix):
-            out = {}
-            for k, v in node.items():
-                out.update(flat(f"{prefix}.{k}" if prefix else k, v))
-            return out
-        return {prefix: node}
-
-    return as_flags(flat("", data))
 
 
 def plan_json(ranked: list[Ranked]) -> list[dict]:
