@@ -93,7 +93,8 @@ def test_recursive_globs_and_home_directory(
     (tmp_path / "x" / "top.txt").write_text("top", encoding="utf-8")
     (tmp_path / "x" / "y" / "deep.txt").write_text("deep", encoding="utf-8")
     source = SourceConfig(urls=["~/x/**/*.txt"])
-    assert sorted(iter_documents(source)) == ["deep", "top"]
+    assert source_paths(source) == [tmp_path / "x" / "top.txt", tmp_path / "x" / "y" / "deep.txt"]
+    assert list(iter_documents(source)) == ["top", "deep"]  # sorted by full path
 
 
 def test_memory_urls_with_globs_and_braces() -> None:
@@ -138,9 +139,12 @@ def test_read_shard_skips_and_counts_bad_records(tmp_path: Path) -> None:
 
 
 def test_max_documents_caps_after_sorting(tmp_path: Path) -> None:
-    write_jsonl(tmp_path / "x.jsonl", [{"text": str(i)} for i in range(5)])
-    source = SourceConfig(urls=[str(tmp_path / "x.jsonl")], max_documents=2)
-    assert list(iter_documents(source)) == ["0", "1"]
+    write_jsonl(tmp_path / "b.jsonl", [{"text": f"b{i}"} for i in range(3)])
+    write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(2)])
+    source = SourceConfig(urls=[str(tmp_path / "*.jsonl")], max_documents=3)
+    assert list(iter_documents(source)) == ["a0", "a1", "b0"]  # a.jsonl first, cut inside b
+    whole = SourceConfig(urls=[str(tmp_path / "*.jsonl")], max_documents=100)
+    assert list(iter_documents(whole)) == ["a0", "a1", "b0", "b1", "b2"]
 
 
 def test_missing_text_key_names_file_line_and_key(tmp_path: Path) -> None:
@@ -201,8 +205,9 @@ def test_invalid_hf_configs(kwargs: dict, message: str) -> None:
 
 
 def test_remote_urls_are_accepted() -> None:
-    source = SourceConfig(urls=["gs://bucket/shard_{0..127}.jsonl.gz", "s3://b/*.parquet"])
-    assert len(source.urls) == 2
+    urls = ["gs://bucket/shard_{0..127}.jsonl.gz", "s3://b/*.parquet"]
+    source = SourceConfig(urls=list(urls))  # nothing is listed or fetched when configuring
+    assert source.urls == urls and source.text_key == "text" and source.weight == 1.0
 
 
 def test_python_stdlib_corpus() -> None:
@@ -216,8 +221,8 @@ def test_python_stdlib_corpus() -> None:
     excluded = {"site-packages", "test", "tests", "idlelib", "lib2to3"}
     assert not any(excluded.intersection(p.split("/")) for p in relative)
     documents = list(iter_documents(source))
-    assert len(documents) == 20
-    assert sum(len(d) for d in documents) > 1000
+    expected = [p.read_text(encoding="utf-8", errors="replace") for p in paths[:20]]
+    assert documents == expected and sum(len(d) for d in documents) > 1000
     shards = source_shards(source)
     assert sum(len(s.paths) for s in shards) == len(paths)
     assert shards[0].name == "python_stdlib[0]" and shards[0].count == len(shards)
