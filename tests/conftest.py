@@ -63,3 +63,16 @@ def tiny():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.Tiny
+
+
+@pytest.fixture(scope="session")
+def processes_support():
+    """tests/support/processes.py (children killed together, stderr shown, port retries)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "loomax_tests_processes", REPO / "tests" / "support" / "processes.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
