@@ -7,6 +7,9 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# no test reaches the Hugging Face Hub: models and configs are built locally, in tmp dirs
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
