@@ -18,6 +18,13 @@ import pytest
 
 WORKER = Path(__file__).with_name("sharded_run.py")
 
+MESH_RTOL = 1e-5
+"""Losses on different meshes agree to this, not bit for bit: splitting a batch or a matrix
+over other devices changes the order of the float32 sums (per-device partial sums, then
+an all-reduce), and float addition is not associative. Everything that involves no such
+reduction (the saved bits, a reload on another mesh, the same run on every process) is
+compared exactly."""
+
 
 def worker_env(devices: int) -> dict[str, str]:
     return {
@@ -54,7 +61,7 @@ def test_same_loss_trajectory_on_every_mesh(mesh_runs):
     single = mesh_runs[0]
     assert single["mesh"] == {"replica": 1, "data": 1, "model": 1}
     for run in mesh_runs[1:]:
-        np.testing.assert_allclose(run["losses"], single["losses"], rtol=1e-5)
+        np.testing.assert_allclose(run["losses"], single["losses"], rtol=MESH_RTOL)
         assert run["final_step"] == 5
     assert [r["mesh"] for r in mesh_runs[1:4]] == [
         {"replica": 1, "data": 8, "model": 1},
@@ -88,7 +95,7 @@ def test_grouped_query_llama_splits_kv_heads_when_they_divide_and_keeps_them_who
     ]
     assert gqa_tp["kept_whole"] == [] and mqa_1["kept_whole"] == []
     for one, tp in ((gqa_1, gqa_tp), (mqa_1, mqa_tp)):
-        np.testing.assert_allclose(tp["losses"], one["losses"], rtol=1e-5)
+        np.testing.assert_allclose(tp["losses"], one["losses"], rtol=MESH_RTOL)
 
 
 def run_two_processes(directory, support, *extra: str) -> tuple[Path, list[dict]]:
@@ -126,7 +133,8 @@ def test_two_processes_match_one_process_with_four_devices(mesh_runs, two_proces
     for i, result in enumerate(results):
         assert (result["process_index"], result["process_count"]) == (i, 2)
         assert result["mesh"] == four_devices["mesh"]
-        np.testing.assert_allclose(result["losses"], four_devices["losses"], rtol=1e-5)
+        np.testing.assert_allclose(result["losses"], four_devices["losses"], rtol=MESH_RTOL)
+    assert results[0]["losses"] == results[1]["losses"]  # one replicated value: exact
 
 
 @pytest.mark.slow

@@ -51,6 +51,8 @@ def test_loss_decreases_on_a_fixed_batch():
 @pytest.mark.parametrize("microbatches", [2, 4])
 def test_microbatch_accumulation_equals_full_batch(microbatches):
     # SGD keeps parameters proportional to gradients (Adam would amplify float noise in ~0 grads).
+    # Not bitwise: the accumulated gradient sums microbatch means in another order than the
+    # full batch's single reduction, so float32 results differ in the last bits.
     optimizer = optax.sgd(0.5)
     full = jax.jit(make_train_step(lm_loss(), optimizer, mp=F32))
     accumulated = jax.jit(
