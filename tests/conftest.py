@@ -79,3 +79,14 @@ def processes_support():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def libtpu() -> None:
+    """libtpu is in the `test` extra (compiling for TPU topologies): without it, fail, don't skip."""
+    import importlib.util
+
+    assert importlib.util.find_spec("libtpu") is not None, (
+        "compiling for TPU topologies needs libtpu, which the test extra installs: "
+        "pip install -e '.[test]'"
+    )
