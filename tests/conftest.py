@@ -7,6 +7,9 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# no test reaches the Hugging Face Hub: models and configs are built locally, in tmp dirs
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -75,3 +78,27 @@ def tiny():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.Tiny
+
+
+@pytest.fixture(scope="session")
+def processes_support():
+    """tests/support/processes.py (children killed together, stderr shown, port retries)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "loomax_tests_processes", REPO / "tests" / "support" / "processes.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def libtpu() -> None:
+    """libtpu is in the `test` extra (compiling for TPU topologies): without it, fail, don't skip."""
+    import importlib.util
+
+    assert importlib.util.find_spec("libtpu") is not None, (
+        "compiling for TPU topologies needs libtpu, which the test extra installs: "
+        "pip install -e '.[test]'"
+    )

@@ -44,16 +44,19 @@ def run(tmp_path_factory, tiny_corpus):
     }
     config = parse_config(TrainLmConfig, None, [x for k, v in args.items() for x in (f"--{k}", v)])
     result = train_lm(config)
-    return root, result
+    return root, result, config
 
 
 def test_training_with_document_mask_ran(run):
-    _, result = run
-    assert np.isfinite(result.evals[-1][1]["eval/loss"])
+    _, result, config = run
+    assert result.final.state.model.config.document_mask
+    assert [step for step, _ in result.evals] == [0, 6]
+    (_, before), (_, after) = result.evals
+    assert np.isfinite(after["eval/loss"]) and after["eval/loss"] < before["eval/loss"]
 
 
 def test_export_writes_hf_directory_with_tokenizer(run, tmp_path, capsys):
-    root, result = run
+    root, result, _ = run
     main(
         ["export", "--checkpoint", str(root / "run" / "checkpoints"), "--out", str(tmp_path / "hf")]
     )
@@ -74,7 +77,7 @@ def test_export_writes_hf_directory_with_tokenizer(run, tmp_path, capsys):
 
 
 def test_eval_reports_per_set_and_macro(run, capsys):
-    root, result = run
+    root, result, _ = run
     main(["eval", "--checkpoint", str(root / "run" / "checkpoints"), "--json"])
     metrics = json.loads(capsys.readouterr().out)
     for key in (
@@ -94,4 +97,21 @@ def test_bad_checkpoint_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x"])
     assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
-    assert load_for_inference  # the loader is the CLI's public helper
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_for_inference(tmp_path / "missing")
+
+
+def test_load_for_inference_returns_the_trained_weights_and_config(run):
+    root, result, config = run
+    loaded = load_for_inference(root / "run" / "checkpoints")
+    assert loaded.run_config.model == config.model
+    assert loaded.run_config.data.train == config.data.train
+    assert loaded.model.config == result.final.state.model.config
+    assert f"step-{config.trainer.num_train_steps}" in loaded.description  # the latest one
+    assert loaded.tokenizer is not None and loaded.tokenizer.is_file()
+    trained = jax.tree.leaves(result.final.state.model)
+    got = jax.tree.leaves(loaded.model)
+    assert len(got) == len(trained) > 0
+    for a, b in zip(got, trained, strict=True):
+        assert a.dtype == np.float32 and a.shape == b.shape
+        np.testing.assert_array_equal(a, np.asarray(b, np.float32))

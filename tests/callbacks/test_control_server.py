@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +29,34 @@ def call(url, method="GET", token=None):
         return e.code, json.loads(e.read())
 
 
+class ClientThread(threading.Thread):
+    """Runs `target` in a thread; `result` joins it with a deadline and re-raises its error."""
+
+    def __init__(self, target) -> None:
+        super().__init__(daemon=True)
+        self._target_fn = target
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._target_fn()
+        except BaseException as error:  # re-raised in the test's thread by `result`
+            self.error = error
+
+    def result(self, timeout: float) -> None:
+        self.join(timeout=timeout)
+        assert not self.is_alive(), f"the client thread is still running after {timeout}s"
+        if self.error is not None:
+            raise self.error
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} after {timeout}s"
+        time.sleep(0.05)
+
+
 def test_save_and_stop_over_http(tiny, tmp_path):
     trainer = tiny.trainer(tmp_path, steps=100_000, max_train_time=timedelta(seconds=120))
     hook = ControlServerHook(run_dir=trainer.run_dir, port=0)
@@ -38,26 +65,26 @@ def test_save_and_stop_over_http(tiny, tmp_path):
     replies = {}
 
     def client():
-        while not control_file.exists():
-            time.sleep(0.05)
+        wait_for(control_file.exists, 60, "control.json")
         info = json.loads(control_file.read_text())
         url, token = info["url"], info["token"]
         assert url.startswith("http://127.0.0.1:")
         replies["no token"] = call(url + "/status")
         replies["wrong token"] = call(url + "/stop", "POST", token="nope")
-        while True:
+
+        def at_step_3():
             replies["status"] = call(url + "/status", token=token)
-            if (replies["status"][1].get("step") or 0) >= 3:
-                break
-            time.sleep(0.05)
+            return (replies["status"][1].get("step") or 0) >= 3
+
+        wait_for(at_step_3, 60, "step 3")
         replies["unknown"] = call(url + "/explode", "POST", token=token)
         replies["save_and_stop"] = call(url + "/save_and_stop", "POST", token=token)
 
-    thread = threading.Thread(target=client, daemon=True)
+    thread = ClientThread(client)
     thread.start()
     final = trainer.train(tiny.init(trainer), tiny.batches())
-    thread.join(timeout=30)
     trainer.finish()
+    thread.result(timeout=30)
     assert replies["no token"][0] == 401 and replies["wrong token"][0] == 401
     assert replies["status"][0] == 200 and replies["status"][1]["state"] == "training"
     assert replies["unknown"][0] == 404
@@ -70,42 +97,34 @@ def test_save_and_stop_over_http(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_only_process_0_serves_and_the_stop_reaches_every_process(tmp_path):
+def test_only_process_0_serves_and_the_stop_reaches_every_process(tmp_path, processes_support):
     worker = Path(__file__).with_name("control_worker.py")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(i), "2", str(port), str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        control_file = tmp_path / "control.json"
+
+    def scenario(processes) -> list[dict]:
+        with socket.socket() as s:  # the JAX coordinator's port: retried once if taken meanwhile
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        run_dir = processes.directory / "run"
+        for i in range(2):
+            args = [sys.executable, str(worker), str(i), "2", str(port), str(run_dir)]
+            processes.start(f"worker{i}", args, env=env)
+        control_file = run_dir / "control.json"
         deadline = time.monotonic() + 240
         while not control_file.exists():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            processes.check_running()
+            assert time.monotonic() < deadline, "no control.json after 240s"
             time.sleep(0.1)
         served = json.loads(control_file.read_text())
         while (call(served["url"] + "/status", token=served["token"])[1].get("step") or 0) < 3:
-            assert all(p.poll() is None for p in procs)
+            processes.check_running()
+            assert time.monotonic() < deadline, "not at step 3 after 240s"
             time.sleep(0.05)
         assert call(served["url"] + "/save_and_stop", "POST", token=served["token"])[0] == 202
-        results = []
-        for p in procs:
-            out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, err[-3000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        outputs = processes.wait(timeout=240)
+        return [json.loads(outputs[f"worker{i}"].strip().splitlines()[-1]) for i in range(2)]
+
+    results = processes_support.run_scenario(tmp_path, scenario)
     assert [r["process_index"] for r in results] == [0, 1]
     assert results[0]["final_step"] == results[1]["final_step"] < 100_000
     for r in results:

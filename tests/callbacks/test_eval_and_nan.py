@@ -44,9 +44,14 @@ def test_nan_check_names_step():
 
 
 def test_nan_check_defers_to_a_hook_that_already_asked_to_stop():
-    i = info(8, CompletedStep(7, {"train/loss": float("nan")}, 0.1, 0.0))
+    nan_step = CompletedStep(7, {"train/loss": float("nan")}, 0.1, 0.0)
+    with pytest.raises(NonFiniteLossError, match="nan at step 7"):  # nobody asked: it raises
+        NanCheckHook().on_step(info(8, nan_step))
+    i = info(8, nan_step)
     i.control.stop("diverged", by="DivergenceDetector")
     NanCheckHook().on_step(i)  # no error: the divergence detector checkpoints and stops
+    assert i.control.stop_reason == "diverged (requested by DivergenceDetector)"
+    assert i.control.requested_by == ["stop by DivergenceDetector"]  # nothing added
 
 
 def test_nan_check_catches_the_last_step_at_the_end_and_lets_finite_losses_pass():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -39,6 +40,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class NodeStartFailed(AssertionError):
+    """`ray start` exited or timed out; the message ends with its log."""
+
+
+PORT_TAKEN = re.compile(r"already in use|address in use|EADDRINUSE|failed to add port", re.I)
+"""How `ray start --head` says that its port was taken (picked by binding port 0, then freed)."""
+
+
 def start_node(args: list[str], temp_dir: Path, env: dict[str, str]) -> subprocess.Popen:
     """`ray start --block ARGS` in a process group of its own, once the node is up."""
     temp_dir.mkdir(parents=True)
@@ -54,7 +63,8 @@ def start_node(args: list[str], temp_dir: Path, env: dict[str, str]) -> subproce
     while "Ray runtime started" not in (temp_dir / "ray_start.log").read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_node(proc)
-            pytest.fail(f"ray start {args}: {(temp_dir / 'ray_start.log').read_text()[-2000:]}")
+            log = (temp_dir / "ray_start.log").read_text()
+            raise NodeStartFailed(f"ray start {args}: {log[-2000:]}")
         time.sleep(0.2)
     return proc
 
@@ -93,18 +103,22 @@ def stop_node(proc: subprocess.Popen) -> None:
 def two_nodes():
     """A head and a worker node on 127.0.0.1, stopped at the end whatever happens."""
     root = Path(tempfile.mkdtemp(prefix="lxray-"))  # short: Ray's socket paths live under it
-    port = free_port()
     env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     fast_death = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "2"}
     common = ["--node-ip-address=127.0.0.1"]
     nodes: list[subprocess.Popen] = []
     try:
-        head = ["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={root}/h"]
-        nodes.append(
-            start_node(
-                head + common, root / "head", env | fast_death | {"LOOMAX_TEST_NODE": "head"}
-            )
-        )
+        head_env = env | fast_death | {"LOOMAX_TEST_NODE": "head"}
+        for attempt in range(2):  # once more if the port was taken before the head bound it
+            port = free_port()
+            head = ["--head", f"--port={port}", "--include-dashboard=false"]
+            head.append(f"--temp-dir={root}/h{attempt}")
+            try:
+                nodes.append(start_node(head + common, root / f"head{attempt}", head_env))
+                break
+            except NodeStartFailed as error:
+                if attempt == 1 or not PORT_TAKEN.search(str(error)):
+                    raise
         worker = [f"--address=127.0.0.1:{port}", f"--temp-dir={root}/w"]
         nodes.append(
             start_node(worker + common, root / "worker", env | {"LOOMAX_TEST_NODE": "worker"})

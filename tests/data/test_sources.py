@@ -1,11 +1,9 @@
-"""Sources: listing files and URLs, shards, Hugging Face datasets, fingerprints, presets."""
+"""Sources: listing files and URLs, shards, fingerprints, presets (Hugging Face datasets: test_hf_sources)."""
 
 import gzip
 import json
 import os
 import pickle
-import subprocess
-import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +91,8 @@ def test_recursive_globs_and_home_directory(
     (tmp_path / "x" / "top.txt").write_text("top", encoding="utf-8")
     (tmp_path / "x" / "y" / "deep.txt").write_text("deep", encoding="utf-8")
     source = SourceConfig(urls=["~/x/**/*.txt"])
-    assert sorted(iter_documents(source)) == ["deep", "top"]
+    assert source_paths(source) == [tmp_path / "x" / "top.txt", tmp_path / "x" / "y" / "deep.txt"]
+    assert list(iter_documents(source)) == ["top", "deep"]  # sorted by full path
 
 
 def test_memory_urls_with_globs_and_braces() -> None:
@@ -138,9 +137,12 @@ def test_read_shard_skips_and_counts_bad_records(tmp_path: Path) -> None:
 
 
 def test_max_documents_caps_after_sorting(tmp_path: Path) -> None:
-    write_jsonl(tmp_path / "x.jsonl", [{"text": str(i)} for i in range(5)])
-    source = SourceConfig(urls=[str(tmp_path / "x.jsonl")], max_documents=2)
-    assert list(iter_documents(source)) == ["0", "1"]
+    write_jsonl(tmp_path / "b.jsonl", [{"text": f"b{i}"} for i in range(3)])
+    write_jsonl(tmp_path / "a.jsonl", [{"text": f"a{i}"} for i in range(2)])
+    source = SourceConfig(urls=[str(tmp_path / "*.jsonl")], max_documents=3)
+    assert list(iter_documents(source)) == ["a0", "a1", "b0"]  # a.jsonl first, cut inside b
+    whole = SourceConfig(urls=[str(tmp_path / "*.jsonl")], max_documents=100)
+    assert list(iter_documents(whole)) == ["a0", "a1", "b0", "b1", "b2"]
 
 
 def test_missing_text_key_names_file_line_and_key(tmp_path: Path) -> None:
@@ -201,8 +203,9 @@ def test_invalid_hf_configs(kwargs: dict, message: str) -> None:
 
 
 def test_remote_urls_are_accepted() -> None:
-    source = SourceConfig(urls=["gs://bucket/shard_{0..127}.jsonl.gz", "s3://b/*.parquet"])
-    assert len(source.urls) == 2
+    urls = ["gs://bucket/shard_{0..127}.jsonl.gz", "s3://b/*.parquet"]
+    source = SourceConfig(urls=list(urls))  # nothing is listed or fetched when configuring
+    assert source.urls == urls and source.text_key == "text" and source.weight == 1.0
 
 
 def test_python_stdlib_corpus() -> None:
@@ -216,8 +219,8 @@ def test_python_stdlib_corpus() -> None:
     excluded = {"site-packages", "test", "tests", "idlelib", "lib2to3"}
     assert not any(excluded.intersection(p.split("/")) for p in relative)
     documents = list(iter_documents(source))
-    assert len(documents) == 20
-    assert sum(len(d) for d in documents) > 1000
+    expected = [p.read_text(encoding="utf-8", errors="replace") for p in paths[:20]]
+    assert documents == expected and sum(len(d) for d in documents) > 1000
     shards = source_shards(source)
     assert sum(len(s.paths) for s in shards) == len(paths)
     assert shards[0].name == "python_stdlib[0]" and shards[0].count == len(shards)
@@ -264,117 +267,6 @@ def test_fingerprint_of_a_local_hf_dataset_follows_its_files(tmp_path: Path) -> 
     assert source_fingerprint(source) != first
     hub = source_fingerprint(hf_source(id="org/name"))
     assert hub != source_fingerprint(hf_source(id="org/name", revision="v2"))
-
-
-# --------------------------------------------------------------------------- Hugging Face
-
-
-@pytest.fixture
-def saved_dataset(tmp_path: Path) -> Path:
-    """A `save_to_disk` DatasetDict: train has 10 rows, validation 3."""
-    train = datasets.Dataset.from_dict(
-        {"text": [f"doc {i}" for i in range(10)], "id": list(range(10))}
-    )
-    validation = datasets.Dataset.from_dict({"text": ["v0", "v1", "v2"], "id": [0, 1, 2]})
-    path = tmp_path / "saved"
-    datasets.DatasetDict({"train": train, "validation": validation}).save_to_disk(str(path))
-    return path
-
-
-@pytest.fixture
-def parquet_dataset(tmp_path: Path) -> Path:
-    """A directory of three parquet files of four rows each, loadable by `load_dataset`."""
-    root = tmp_path / "pq_dataset"
-    (root / "data").mkdir(parents=True)
-    for k in range(3):
-        texts = [f"f{k} r{j}" for j in range(4)]
-        pq.write_table(pa.table({"text": texts}), root / "data" / f"train-{k}.parquet")
-    return root
-
-
-def test_hf_saved_dataset_in_row_range_shards(saved_dataset: Path) -> None:
-    source = hf_source(id=str(saved_dataset), num_shards=3)
-    shards = source_shards(source)
-    label = f"hf:{saved_dataset}:train"
-    assert [(s.name, s.rows, s.count, s.paths) for s in shards] == [
-        (f"{label}:rows[0:3]", (0, 3), 3, ()),
-        (f"{label}:rows[3:6]", (3, 6), 3, ()),
-        (f"{label}:rows[6:10]", (6, 10), 3, ()),
-    ]
-    restored = pickle.loads(pickle.dumps(shards[2]))
-    assert list(read_shard(restored)) == ["doc 6", "doc 7", "doc 8", "doc 9"]
-    assert list(iter_documents(source)) == [f"doc {i}" for i in range(10)]
-    validation = hf_source(id=str(saved_dataset), split="validation", num_shards=8)
-    assert [s.rows for s in source_shards(validation)] == [(0, 1), (1, 2), (2, 3)]
-    assert list(iter_documents(validation)) == ["v0", "v1", "v2"]
-
-
-def test_hf_saved_dataset_streaming(saved_dataset: Path) -> None:
-    source = hf_source(id=str(saved_dataset), streaming=True, num_shards=2)
-    shards = source_shards(source)
-    assert [(s.name, s.rows, s.count) for s in shards] == [
-        (f"hf:{saved_dataset}:train:stream[0/2]", None, 2),
-        (f"hf:{saved_dataset}:train:stream[1/2]", None, 2),
-    ]
-    parts = [list(read_shard(pickle.loads(pickle.dumps(shard)))) for shard in shards]
-    assert parts == [[f"doc {i}" for i in range(5)], [f"doc {i}" for i in range(5, 10)]]
-
-
-def test_hf_parquet_directory(parquet_dataset: Path) -> None:
-    everything = [f"f{k} r{j}" for k in range(3) for j in range(4)]
-    source = hf_source(id=str(parquet_dataset))
-    assert [s.rows for s in source_shards(source)] == [(0, 12)]
-    assert list(iter_documents(source)) == everything
-    streaming = hf_source(id=str(parquet_dataset), streaming=True)
-    shards = source_shards(streaming)
-    assert [s.count for s in shards] == [3, 3, 3]
-    assert [list(read_shard(s)) for s in shards] == [everything[i : i + 4] for i in (0, 4, 8)]
-    grouped = source_shards(hf_source(id=str(parquet_dataset), streaming=True, num_shards=2))
-    assert [len(list(read_shard(s))) for s in grouped] == [8, 4]
-
-
-def test_hf_packaged_builder_with_data_files(parquet_dataset: Path) -> None:
-    files = [str(parquet_dataset / "data" / f"train-{k}.parquet") for k in (2, 0)]
-    source = hf_source(id="parquet", data_files=files)
-    assert list(iter_documents(source)) == [f"f{k} r{j}" for k in (2, 0) for j in range(4)]
-
-
-def test_hf_errors_name_the_dataset(saved_dataset: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"no split 'test' in .*saved; splits: train, validation"):
-        source_shards(hf_source(id=str(saved_dataset), split="test"))
-    with pytest.raises(ValueError, match=r"`hf.name` is not used for a dataset saved"):
-        source_shards(hf_source(id=str(saved_dataset), name="sample"))
-    source = hf_source(id=str(saved_dataset), text_key="body")
-    (shard,) = source_shards(source)
-    with pytest.raises(ValueError, match=r"rows 0-9: no column 'body' \(columns: text, id"):
-        list(read_shard(shard))
-    stats = ReadStats()
-    assert list(read_shard(shard, skip_bad_records=True, stats=stats)) == []
-    assert stats.skipped == 10
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    with pytest.raises(ValueError, match=rf"hf:{empty}:train: cannot load"):
-        source_shards(hf_source(id=str(empty)))
-
-
-def test_hf_null_texts_are_bad_records(tmp_path: Path) -> None:
-    path = tmp_path / "nulls"
-    datasets.Dataset.from_dict({"text": ["a", None, "c"]}).save_to_disk(str(path))
-    for streaming in (False, True):
-        (shard,) = source_shards(hf_source(id=str(path), streaming=streaming))
-        with pytest.raises(ValueError, match=r", row 1: 'text' is null"):
-            list(read_shard(shard))
-        stats = ReadStats()
-        assert list(read_shard(shard, skip_bad_records=True, stats=stats)) == ["a", "c"]
-        assert (stats.documents, stats.skipped) == (2, 1)
-
-
-def test_datasets_is_imported_only_for_hf_sources() -> None:
-    code = (
-        "import sys, loomax.data.sources, loomax.data.readers;"
-        "assert 'datasets' not in sys.modules, 'datasets imported eagerly'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # --------------------------------------------------------------------------- presets

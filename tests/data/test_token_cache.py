@@ -30,6 +30,7 @@ from loomax.data.token_cache import (
 )
 from loomax.data.tokenizer import encode_documents, load_tokenizer, train_bpe_tokenizer
 from loomax.distributed import RayConfig, init_ray
+from loomax.storage import Directory
 
 pytestmark = pytest.mark.slow
 
@@ -126,9 +127,9 @@ def test_holdout_and_bos_match_a_reference(cluster, corpus, tmp_path):
         progress=False,
     )
     train, validation = [], []
-    for shard, documents in zip(corpus.shards, corpus.documents, strict=True):
+    for position, documents in enumerate(corpus.documents):
         for index, tokens in enumerate(encode_documents(tokenizer, documents)):
-            held_out = is_held_out(shard.name, index, 0.3, seed=7)
+            held_out = is_held_out(position, index, 0.3, seed=7)
             (validation if held_out else train).append(np.concatenate(([bos], tokens)))
     assert 0.15 < len(validation) / (len(train) + len(validation)) < 0.45
     cache = TokenCache.open(tmp_path / "cache")
@@ -144,13 +145,13 @@ def test_max_documents_keeps_the_first_documents_in_global_order(cluster, corpus
     # shards hold 15, 19, 23, ... documents: 40 ends inside the third shard
     info = build(corpus, tmp_path / "cache", max_documents=40, holdout_fraction=0.25)
     first = [
-        (shard.name, index, tokens)
-        for shard, encoded in zip(corpus.shards, corpus.encoded, strict=True)
+        (position, index, tokens)
+        for position, encoded in enumerate(corpus.encoded)
         for index, tokens in enumerate(encoded)
     ][:40]
     cache = TokenCache.open(tmp_path / "cache")
     for split, held_out in (("train", False), ("validation", True)):
-        expected = [t for name, i, t in first if is_held_out(name, i, 0.25) == held_out]
+        expected = [t for p, i, t in first if is_held_out(p, i, 0.25) == held_out]
         assert_split(cache, split, expected)
     assert info.shards_used == 3
 
@@ -166,9 +167,9 @@ def test_memory_store_is_built_in_process_with_tiny_chunks(corpus, tmp_path, mon
     assert info.url == url and info.shards_tokenized == NUM_SHARDS
     cache = TokenCache.open(url)
     train, validation = [], []
-    for shard, encoded in zip(corpus.shards, corpus.encoded, strict=True):
+    for position, encoded in enumerate(corpus.encoded):
         for index, tokens in enumerate(encoded):
-            (validation if is_held_out(shard.name, index, 0.2) else train).append(tokens)
+            (validation if is_held_out(position, index, 0.2) else train).append(tokens)
     assert_split(cache, "train", train)
     assert_split(cache, "validation", validation)
 
@@ -219,6 +220,26 @@ def test_failed_task_resumes_to_the_same_cache(cluster, corpus, tmp_path):
     assert_same_cache(cache, reference)
 
 
+def test_a_cache_of_the_old_split_rule_is_refused(corpus, tmp_path):
+    """Format 1 held documents out by a hash of the shard's path: such a cache is not reused."""
+    url = f"memory://{tmp_path.name}-old"
+    build(corpus, url, holdout_fraction=0.2)
+    root = Directory(url)
+    meta = root.read_json("meta.json")
+    old = meta | {
+        "format": 1,
+        "fingerprint": "format-1",
+        "settings": meta["settings"] | {"format": 1},
+    }
+    root.write_json("meta.json", old)
+    with pytest.raises(TokenCacheError, match=r"has format 1, this version reads 2; rebuild"):
+        TokenCache.open(url)
+    with pytest.raises(TokenCacheError, match=r"other settings \(format: cache 1, now 2\)"):
+        build(corpus, url, holdout_fraction=0.2)
+    assert build(corpus, url, holdout_fraction=0.2, overwrite=True).shards_tokenized == NUM_SHARDS
+    assert TokenCache.open(url).meta["format"] == 2
+
+
 def test_other_settings_are_refused_or_overwritten(cluster, corpus, tmp_path):
     cache = tmp_path / "cache"
     build(corpus, cache, holdout_fraction=0.1)
@@ -260,11 +281,12 @@ def test_bad_records_fail_the_build_or_are_skipped_and_counted(cluster, corpus, 
 
 
 def test_holdout_hash_is_deterministic_and_near_the_fraction():
-    picks = [is_held_out("shard.jsonl", i, 0.1, seed=3) for i in range(5000)]
-    assert picks == [is_held_out("shard.jsonl", i, 0.1, seed=3) for i in range(5000)]
+    picks = [is_held_out(2, i, 0.1, seed=3) for i in range(5000)]
+    assert picks == [is_held_out(2, i, 0.1, seed=3) for i in range(5000)]
     assert 0.08 < sum(picks) / 5000 < 0.12
-    assert picks != [is_held_out("shard.jsonl", i, 0.1, seed=4) for i in range(5000)]
-    assert not any(is_held_out("shard.jsonl", i, 0.0) for i in range(100))
+    assert picks != [is_held_out(2, i, 0.1, seed=4) for i in range(5000)]
+    assert picks != [is_held_out(3, i, 0.1, seed=3) for i in range(5000)]  # shards differ
+    assert not any(is_held_out(2, i, 0.0) for i in range(100))
 
 
 def test_opening_a_missing_cache_names_it(tmp_path):

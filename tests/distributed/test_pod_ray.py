@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,23 +35,17 @@ def test_ray_address_variable_means_no_pod_cluster(monkeypatch):
 
 
 @pytest.mark.slow
-def test_head_on_process_0_and_the_other_host_joins():
-    port = free_port()
+def test_head_on_process_0_and_the_other_host_joins(tmp_path, processes_support):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("RAY_ADDRESS", None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), str(port)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    result = json.loads(outs[0][0].strip().splitlines()[-1])
+
+    def scenario(processes) -> str:
+        port = free_port()  # the coordinator's: the scenario is rerun once if it was taken
+        for i in range(2):
+            processes.start(f"process{i}", [sys.executable, str(WORKER), str(i), str(port)], env)
+        return processes.wait(timeout=300)["process0"]
+
+    out = processes_support.run_scenario(tmp_path, scenario)
+    result = json.loads(out.strip().splitlines()[-1])
     assert result["nodes"] == 2 and result["cpus"] == 2.0  # the head's CPU and the joined one
     assert result["auth_mode"] == "token"  # the pod's cluster is token-protected

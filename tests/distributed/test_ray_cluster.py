@@ -1,6 +1,7 @@
 """Ray settings: documented fields, checked values, and clear errors before any waiting."""
 
 import dataclasses
+import socket
 import time
 
 import pytest
@@ -8,7 +9,6 @@ import ray
 
 from loomax.config_reference import field_docs
 from loomax.distributed import RayConfig, init_ray, ray_session
-from loomax.distributed.net import free_port
 
 
 def test_every_field_has_a_doc():
@@ -27,16 +27,20 @@ def test_bad_values_are_refused(kwargs, message):
 
 @pytest.fixture
 def no_ray(monkeypatch):
-    if ray.is_initialized():
-        pytest.skip("Ray is already initialized in this process")
+    assert not ray.is_initialized(), (
+        "Ray is already initialized in this test process: an earlier test left it running "
+        "(shut it down there); these tests need to start from no Ray"
+    )
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
 def test_unreachable_address_fails_fast_naming_it(no_ray):
-    port = free_port()  # a port nobody listens at
-    start = time.monotonic()
-    with pytest.raises(ConnectionError, match=rf"Ray cluster at '127\.0\.0\.1:{port}'"):
-        init_ray(RayConfig(address=f"127.0.0.1:{port}", connect_timeout_s=2))
+    with socket.socket() as held:  # bound, never listening: refused, and nobody else gets it
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(ConnectionError, match=rf"Ray cluster at '127\.0\.0\.1:{port}'"):
+            init_ray(RayConfig(address=f"127.0.0.1:{port}", connect_timeout_s=2))
     assert time.monotonic() - start < 10 and not ray.is_initialized()
 
 

@@ -1,8 +1,11 @@
 """Independent numpy forward passes of HF ``GPT2LMHeadModel`` and ``LlamaForCausalLM``.
 
 They read only what transformers reads (config.json fields and safetensors tensor names),
-in float64, following the transformers modelling code's math: the oracle the export is
-checked against, since torch/transformers are not installed in CI.
+in float64, following the transformers modelling code's math. `test_transformers` checks
+the export against transformers itself; this reference is kept because it adds what that
+check cannot: a float64 oracle written out line by line (no torch kernels in between), that
+names the exact tensor layout it expects (e.g. GPT-2's Conv1D transposes) and runs in
+`test_convert` in a fraction of the time, without importing torch.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
@@ -12,10 +11,7 @@ from loomax.cli import main
 from loomax.plan import topology as topology_module
 from loomax.plan.topology import TopologyError, check_libtpu, parse_topology_name
 
-requires_libtpu = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="compiling for TPU topologies needs libtpu: pip install -e '.[test]'",
-)
+requires_libtpu = pytest.mark.usefixtures("libtpu")  # fails, not skips, without it
 
 
 def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:

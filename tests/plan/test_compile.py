@@ -7,9 +7,7 @@ import math
 import jax
 import pytest
 
-pytest.importorskip(
-    "libtpu", reason="compiling for TPU topologies needs libtpu: pip install -e '.[test]'"
-)
+pytestmark = pytest.mark.usefixtures("libtpu")  # in the test extra: fails, not skips, without it
 
 from loomax.config import parse_config  # noqa: E402
 from loomax.lm.config import TrainLmConfig  # noqa: E402

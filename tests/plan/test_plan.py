@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from loomax.benchmark import run_benchmark
@@ -14,10 +12,7 @@ from loomax.plan.report import best, overlay_yaml, plan_table
 from loomax.plan.search import search
 from loomax.plan.topology import get_topology
 
-requires_libtpu = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None,
-    reason="compiling for TPU topologies needs libtpu: pip install -e '.[test]'",
-)
+requires_libtpu = pytest.mark.usefixtures("libtpu")  # fails, not skips, without it
 
 
 def test_mesh_strategies_cover_fsdp_dp_and_tensor_parallel():

@@ -3,7 +3,8 @@
 Every `data.train` source gets a cache of its own (it is one dataset of the mixture);
 validation documents come from the `data.validation` sources' caches, or, without
 them, from the documents each train cache holds out (`data.validation_fraction`, by a
-hash of the document's shard and position). Caches live under
+hash of the shard's position in the source and the document's position in the shard,
+not of any path). Caches live under
 `<data.cache_dir>/tokens/` in folders named by a fingerprint of everything their
 contents depend on, so a changed source, tokenizer or setting gets a new cache and an
 unchanged config reuses the old one (resuming an interrupted build).

@@ -56,7 +56,7 @@ def _kept_counts(build: BuildPlan, entries: list[dict]) -> list[dict[str, dict[s
 def _cut_counts(build: BuildPlan, entry: dict, documents: int) -> dict[str, dict[str, int]]:
     """The per-split counts of the first `documents` documents of a shard."""
     fraction, seed = build.holdout["fraction"], build.holdout["seed"]
-    held_out = sum(is_held_out(entry["name"], i, fraction, seed) for i in range(documents))
+    held_out = sum(is_held_out(entry["position"], i, fraction, seed) for i in range(documents))
     counts = {}
     for split, split_documents in (("train", documents - held_out), ("validation", held_out)):
         if split in entry["splits"]:

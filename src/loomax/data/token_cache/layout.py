@@ -13,8 +13,9 @@ shard's position in the list given to the build):
     meta.json                       written last: the cache is complete when it exists
 
 The splits are `train`, and `validation` when `holdout_fraction > 0`: a document is
-held out when a hash of (shard name, index in the shard, seed) falls below the fraction
-(`is_held_out`), so the split does not depend on how the shards were scheduled.
+held out when a hash of (shard position, index in the shard, seed) falls below the
+fraction (`is_held_out`), so the split does not depend on how the shards were scheduled
+nor on where their files lie (a copy of the files elsewhere splits the same way).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import tensorstore as ts
 from loomax.errors import UserError
 from loomax.storage import CONTEXT, Directory
 
-FORMAT_VERSION = 1
-"""Bump when the layout or meaning of the cache changes, so old caches are refused."""
+FORMAT_VERSION = 2
+"""Bump when the layout or meaning of the cache changes, so old caches are refused.
+
+2: the validation hold-out hashes the shard's position, not its name (a path)."""
 
 META_FILE = "meta.json"
 """Written last; marks the cache as complete and records what it holds."""
@@ -52,15 +55,16 @@ def split_names(holdout_fraction: float) -> tuple[str, ...]:
     return ("train", "validation") if holdout_fraction > 0 else ("train",)
 
 
-def is_held_out(shard_name: str, index: int, fraction: float, seed: int = 0) -> bool:
-    """Whether document `index` of shard `shard_name` goes to validation.
+def is_held_out(position: int, index: int, fraction: float, seed: int = 0) -> bool:
+    """Whether document `index` of the shard at `position` (in the build's list) goes to validation.
 
-    True when a 64-bit hash of (seed, index, shard name) is below `fraction` of its
-    range: deterministic, independent per document, and independent of scheduling.
+    True when a 64-bit hash of (seed, position, index) is below `fraction` of its range:
+    deterministic, independent per document, independent of scheduling, and independent
+    of the shard's name, so the same files under another directory split the same way.
     """
     if fraction <= 0:
         return False
-    digest = hashlib.blake2b(f"{seed}:{index}:{shard_name}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{seed}:{position}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") < fraction * 2**64
 
 

@@ -73,7 +73,7 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
     index = 0
     for batch in _batched(itertools.islice(documents, job.max_documents), _ENCODE_BATCH):
         for tokens in encode_documents(tokenizer, batch):
-            held_out = is_held_out(job.shard.name, index, job.holdout_fraction, job.holdout_seed)
+            held_out = is_held_out(job.position, index, job.holdout_fraction, job.holdout_seed)
             writers["validation" if held_out else "train"].append(
                 np.concatenate((bos, tokens)) if len(bos) else tokens
             )
