@@ -70,11 +70,6 @@ ROPE_PARAMETERS = {
 }  # fmt: skip
 """transformers 5 saves these as `rope_parameters` (no top-level rope_theta/rope_scaling)."""
 
-ROPE_IMPORT_BUG = (
-    "loomax.hf.llama reads only rope_theta/rope_scaling, not transformers 5's rope_parameters: "
-    "a saved non-default rope imports as plain RoPE with theta 10000"
-)
-
 
 def _llama_with_rope(case: str):
     return transformers.LlamaConfig(
@@ -88,18 +83,7 @@ for _case in ROPE_PARAMETERS:
     HF_CONFIGS[_case] = lambda case=_case: _llama_with_rope(case)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(
-            case,
-            marks=pytest.mark.xfail(strict=True, reason=ROPE_IMPORT_BUG)
-            if case in ROPE_PARAMETERS
-            else (),
-        )
-        for case in HF_CONFIGS
-    ],
-)
+@pytest.mark.parametrize("case", HF_CONFIGS)
 def test_a_model_saved_by_transformers_imports_with_the_same_logits(tmp_path, case):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[case]()).eval()

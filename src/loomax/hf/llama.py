@@ -77,8 +77,28 @@ def from_hf_config(hf: dict[str, Any]) -> LlamaConfig:
         num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope=RotaryConfig.from_hf(hf.get("rope_theta", 10000.0), hf.get("rope_scaling")),
+        rope=_rope_from_hf(hf),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         initializer_range=hf.get("initializer_range", 0.02),
     )
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RotaryConfig:
+    """The rotary config of an HF ``config.json``: transformers >= 5 writes one
+    ``rope_parameters`` mapping (with ``rope_theta``), older versions ``rope_theta`` and
+    ``rope_scaling``."""
+    params = hf.get("rope_parameters")
+    if not params:
+        return RotaryConfig.from_hf(hf.get("rope_theta", 10000.0), hf.get("rope_scaling"))
+    if (
+        not isinstance(params, dict)
+        or "rope_theta" not in params
+        and any(isinstance(v, dict) for v in params.values())
+    ):
+        raise ValueError(
+            "config.json: rope_parameters per layer type are not supported (one rope for all layers)"
+        )
+    params = dict(params)
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    return RotaryConfig.from_hf(theta, params)
