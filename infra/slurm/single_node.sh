@@ -28,12 +28,16 @@ for bin in sbatch squeue scontrol slurmctld slurmd munged; do
   command -v "$bin" >/dev/null 2>&1 || missing=1
 done
 if [ "$missing" = 1 ]; then
-  command -v apt-get >/dev/null 2>&1 || { echo "single_node.sh: needs apt-get (Debian/Ubuntu)" >&2; exit 1; }
+  # exit code 3: SLURM cannot be installed here (no apt-get, no package mirror)
+  command -v apt-get >/dev/null 2>&1 || { echo "single_node.sh: needs apt-get (Debian/Ubuntu)" >&2; exit 3; }
   packages=(munge slurmctld slurmd slurm-client)
   export DEBIAN_FRONTEND=noninteractive
   if ! apt-get install -y -q --no-install-recommends "${packages[@]}"; then
-    apt-get update -q
-    apt-get install -y -q --no-install-recommends "${packages[@]}"
+    apt-get update -q || true
+    apt-get install -y -q --no-install-recommends "${packages[@]}" || {
+      echo "single_node.sh: apt-get could not install ${packages[*]}" >&2
+      exit 3
+    }
   fi
 fi
 
