@@ -89,11 +89,51 @@ def test_gpu_hosts_one_process_per_gpu(capsys, tmp_path):
             f"LOOMAX_COORDINATOR_ADDRESS=gpu-a:8476 LOOMAX_NUM_PROCESSES=4 LOOMAX_PROCESS_ID={pid} "
             f"CUDA_VISIBLE_DEVICES={gpu}"
         )
-        stop = stop_earlier(f"/tmp/loomax-launch-{gpu}.pid")
+        stop = stop_earlier(f"/tmp/loomax-launch-{pid}.pid")
         expected.append(
             f"{ssh} {host} 'cd ~/loomax && {stop} {ENV} {dist} .venv/bin/loomax {TRAIN}'"
         )
     assert lines[1:] == expected
+
+
+def test_gpu_hosts_with_ports_and_a_key(capsys, tmp_path):
+    (tmp_path / "key").write_text("a key")
+    lines = dry_run(
+        capsys, "--target", "gpu", "--hosts", "[127.0.0.1:2222, me@127.0.0.1]",
+        "--ssh_port", "2200", "--ssh_identity", "key", "--coordinator_port", "9000",
+        "--ssh_options", "[-o, StrictHostKeyChecking=no]",
+    )  # fmt: skip
+    assert len(lines) == 3
+    for pid, prefix in enumerate(
+        ["ssh -p 2222 -i key -o StrictHostKeyChecking=no 127.0.0.1 ",
+         "ssh -p 2200 -i key -o StrictHostKeyChecking=no me@127.0.0.1 "]
+    ):  # fmt: skip
+        line = lines[1 + pid]
+        assert line.startswith(prefix), line
+        assert f"/tmp/loomax-launch-{pid}.pid" in line  # a host listed twice: a pidfile each
+        assert (
+            f"LOOMAX_COORDINATOR_ADDRESS=127.0.0.1:9000 LOOMAX_NUM_PROCESSES=2 LOOMAX_PROCESS_ID={pid}"
+            in line
+        )
+
+
+def test_tpu_recreate_shows_create_and_run(capsys):
+    lines = dry_run(
+        capsys, "--target", "tpu", "--tpu_name", "t1", "--zone", "us-central2-b",
+        "--accelerator_type", "v4-8", "--runtime_version", "tpu-ubuntu2204-base", "--spot",
+        "--setup_command", "git clone https://example.org/loomax ~/loomax", "--retries", "1",
+    )  # fmt: skip
+    vm = "gcloud compute tpus tpu-vm {} t1 --zone us-central2-b"
+    assert lines[1].startswith("# before each attempt")
+    assert lines[2:6] == [
+        vm.format("describe") + " '--format=value(state)'",
+        vm.format("delete") + " --quiet",
+        vm.format("create") + " --accelerator-type v4-8 --version tpu-ubuntu2204-base --spot",
+        vm.format("ssh")
+        + " --worker=all --command 'git clone https://example.org/loomax ~/loomax'",
+    ]
+    assert lines[6].startswith(vm.format("ssh") + " --worker=all --command 'cd ~/loomax && ")
+    assert lines[7] == "# on failure: all of the above again, up to 1 more time(s)"
 
 
 def test_slurm_script_and_sbatch(capsys):
@@ -145,7 +185,7 @@ def test_a_run_named_by_the_command_is_left_alone(capsys):
     "options, command, message",
     [
         (["--target", "tpu", "--zone", "z"], ["train"], "needs --tpu_name and --zone"),
-        (["--target", "gpu"], ["train"], "needs --hostfile"),
+        (["--target", "gpu"], ["train"], "needs launch.hosts or launch.hostfile"),
         (["--target", "moon"], ["train"], "launch.target must be one of local, tpu, gpu, slurm"),
         (["--target", "local"], [], "nothing to run after `--`"),
         (["--target", "local"], ["fly"], "'fly' is not a loomax command"),
@@ -154,6 +194,22 @@ def test_a_run_named_by_the_command_is_left_alone(capsys):
             ["train"],
             "launch.hostfile: no such file: nope",
         ),
+        (["--target", "gpu", "--hosts", "[h:22x]"], ["train"], "launch.hosts: bad host 'h:22x'"),
+        (
+            ["--target", "gpu", "--hosts", "[h]", "--ssh_port", "70000"],
+            ["train"],
+            "launch.ssh_port must be in 1..65535, got 70000",
+        ),
+        (
+            ["--target", "gpu", "--hosts", "[h]", "--ssh_identity", "no-key"],
+            ["train"],
+            "launch.ssh_identity: no such key file: no-key",
+        ),
+        (
+            ["--target", "tpu", "--tpu_name", "t", "--zone", "z", "--accelerator_type", "v4-8"],
+            ["train"],
+            "launch.accelerator_type and launch.runtime_version go together",
+        ),
     ],
 )
 def test_bad_options_name_what_is_wrong(capsys, options, command, message):
@@ -161,6 +217,21 @@ def test_bad_options_name_what_is_wrong(capsys, options, command, message):
         main(["launch", *options, "--dry-run", "--", *command])
     assert exit.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target, tool", [("slurm", "sbatch"), ("gpu", "ssh"), ("tpu", "gcloud")])
+def test_a_missing_tool_is_named_before_anything_starts(
+    capsys, monkeypatch, tmp_path, target, tool
+):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    options = {"gpu": ["--hosts", "[h1]"], "tpu": ["--tpu_name", "t", "--zone", "z"]}
+    with pytest.raises(SystemExit) as exit:
+        main(["launch", "--target", target, *options.get(target, []), "--", "train"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"launch.target {target} needs `{tool}` on PATH: not found" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / ".loomax").exists()  # nothing written, nothing started
 
 
 def test_missing_separator():

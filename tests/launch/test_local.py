@@ -1,7 +1,8 @@
 """``loomax launch --target local``: real training on 2 processes, and a preempted launch retried.
 
 Both tests start the real CLI in subprocesses (the point is real processes and the same
-jax.distributed path as a pod); they share one data cache so Ray builds it only once.
+jax.distributed path as a pod); they share one data cache
+(``data_args`` in conftest.py) so Ray builds it only once.
 """
 
 from __future__ import annotations
@@ -21,51 +22,13 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def data_args(tiny_corpus, tmp_path_factory) -> list[str]:
-    """Overrides for a tiny, fast model on the tiny corpus, with a data cache shared by the module."""
-    cache = tmp_path_factory.mktemp("launch-cache")
-    return [
-        "--data.train", json.dumps([{"urls": [str(tiny_corpus)]}]),
-        "--data.tokenizer_vocab_size", "300",
-        "--data.validation_fraction", "0.1",
-        "--data.cache_dir", str(cache),
-        "--model.seq_len", "32",
-        "--model.hidden_dim", "32",
-        "--model.num_layers", "2",
-        "--model.num_heads", "2",
-        "--trainer.train_batch_size", "8",
-        "--trainer.max_eval_batches", "2",
-        "--trainer.progress_bar", "false",
-        "--trainer.ray.num_cpus", "1",
-        "--sample.enabled", "false",
-    ]  # fmt: skip
-
-
-def launch_env(tmp_path: Path) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "JAX_COMPILATION_CACHE_DIR": os.environ.get(
-            "JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "jax")
-        ),
-        "WANDB_MODE": "offline",
-        "WANDB_DIR": str(tmp_path / "wandb-dir"),
-        "WANDB_SILENT": "true",
-        "WANDB_CONSOLE": "off",
-    }
-    env.pop("WANDB_API_KEY", None)
-    return env
-
-
-def launch(tmp_path, launch_options, train_args, log) -> subprocess.Popen:
+def launch(tmp_path, env, launch_options, train_args, log) -> subprocess.Popen:
     argv = [sys.executable, "-m", "loomax.cli", "launch", "--target", "local", *launch_options]
     argv += ["--", "train", "--config_path", str(REPO / "config" / "quickstart.yaml"), *train_args]
-    return subprocess.Popen(
-        argv, env=launch_env(tmp_path), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT
-    )
+    return subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
 
 
-def test_two_processes_train_and_process_0_writes_the_metrics(tmp_path, data_args):
+def test_two_processes_train_and_process_0_writes_the_metrics(tmp_path, data_args, launch_env):
     run_dir = tmp_path / "run"
     trackers = json.dumps([{"type": "jsonl"}, {"type": "wandb", "project": "launch-test"}])
     train = [
@@ -77,7 +40,7 @@ def test_two_processes_train_and_process_0_writes_the_metrics(tmp_path, data_arg
         "--trainer.tracker", trackers,
     ]  # fmt: skip
     with open(tmp_path / "launch.log", "w") as log:
-        proc = launch(tmp_path, ["--num_processes", "2"], train, log)
+        proc = launch(tmp_path, launch_env, ["--num_processes", "2"], train, log)
         code = proc.wait(timeout=600)
     output = (tmp_path / "launch.log").read_text()
     assert code == 0, output[-4000:]  # the launcher exits 0 only if both processes did
@@ -97,7 +60,9 @@ def worker_pids(launcher: int) -> list[int]:
     return sorted(int(pid) for pid in children)
 
 
-def test_a_preempted_launch_relaunches_and_resumes_from_the_last_checkpoint(tmp_path, data_args):
+def test_a_preempted_launch_relaunches_and_resumes_from_the_last_checkpoint(
+    tmp_path, data_args, launch_env
+):
     run_dir = tmp_path / "run"
     steps = 40
     train = [
@@ -110,7 +75,7 @@ def test_a_preempted_launch_relaunches_and_resumes_from_the_last_checkpoint(tmp_
         "--trainer.run_dir", str(run_dir),
     ]  # fmt: skip
     with open(tmp_path / "launch.log", "w") as log:
-        proc = launch(tmp_path, ["--num_processes", "2", "--retries", "1"], train, log)
+        proc = launch(tmp_path, launch_env, ["--num_processes", "2", "--retries", "1"], train, log)
         first = run_dir / "checkpoints" / "step-5" / "metadata.json"
         deadline = time.monotonic() + 400
         while not first.exists():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loomax.errors import UserError
+
 TARGETS = ("local", "tpu", "gpu", "slurm")
 
 DEFAULT_FORWARD_ENV = [
@@ -17,6 +19,10 @@ DEFAULT_FORWARD_ENV = [
     "LIBTPU_INIT_ARGS",
     "RAY_ADDRESS",
 ]
+
+
+class LaunchError(UserError, ValueError):
+    """A bad launch option or a missing tool; the message names the option (one line in the CLI)."""
 
 
 @dataclass(frozen=True)
@@ -49,10 +55,20 @@ class LaunchConfig:
     """tpu: its zone, e.g. us-central2-b."""
     project: str | None = None
     """tpu: its Google Cloud project; null = gcloud's default."""
+    accelerator_type: str | None = None
+    """tpu: e.g. v4-32; with runtime_version, the VM is created when missing and recreated when preempted, before each attempt."""
+    runtime_version: str | None = None
+    """tpu: the VM's software version for creating it, e.g. tpu-ubuntu2204-base."""
+    spot: bool = False
+    """tpu: create the VM as a Spot VM (gcloud --spot)."""
+    setup_command: str | None = None
+    """tpu: shell command every worker runs after the VM is (re)created (e.g. clone the repo, make its .venv); null = none."""
 
     # GPU hosts
+    hosts: list[str] | None = None
+    """gpu: the hosts, [user@]host[:port] each; the first is the coordinator (or use hostfile)."""
     hostfile: str | None = None
-    """gpu: file with one host per line ([user@]host); the first is the coordinator."""
+    """gpu: file with one host per line ([user@]host[:port]); the first is the coordinator."""
     processes_per_host: int = 1
     """gpu, slurm: processes per host; 1 = one using all GPUs, N = one per GPU (CUDA_VISIBLE_DEVICES)."""
     coordinator_port: int = 8476
@@ -61,6 +77,10 @@ class LaunchConfig:
         default_factory=lambda: ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new"]
     )
     """gpu: options given to ssh."""
+    ssh_port: int | None = None
+    """gpu: ssh port of every host that names none (host:port); null = ssh's default (22 or ~/.ssh/config)."""
+    ssh_identity: str | None = None
+    """gpu: private key file for ssh -i; null = ssh's default keys or agent."""
 
     # remote code
     remote_dir: str = "~/loomax"
@@ -76,7 +96,7 @@ class LaunchConfig:
     nodes: int = 1
     """slurm: nodes of the job."""
     gpus_per_node: int = 8
-    """slurm: GPUs per node."""
+    """slurm: GPUs per node; 0 = request none (a CPU cluster)."""
     partition: str | None = None
     """slurm: partition; null = the cluster's default."""
     time_limit: str = "24:00:00"
@@ -88,7 +108,7 @@ class LaunchConfig:
 
     def __post_init__(self):
         if self.target not in TARGETS:
-            raise ValueError(
+            raise LaunchError(
                 f"launch.target must be one of {', '.join(TARGETS)}, got {self.target!r}"
             )
         positive = (
@@ -97,18 +117,29 @@ class LaunchConfig:
             "processes_per_host",
             "coordinator_port",
             "nodes",
-            "gpus_per_node",
         )
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ValueError(f"launch.{name} must be > 0, got {getattr(self, name)}")
+                raise LaunchError(f"launch.{name} must be > 0, got {getattr(self, name)}")
+        if self.gpus_per_node < 0:
+            raise LaunchError(f"launch.gpus_per_node must be >= 0, got {self.gpus_per_node}")
+        if self.ssh_port is not None and not 0 < self.ssh_port < 65536:
+            raise LaunchError(f"launch.ssh_port must be in 1..65535, got {self.ssh_port}")
+        if bool(self.accelerator_type) != bool(self.runtime_version):
+            raise LaunchError(
+                "launch.accelerator_type and launch.runtime_version go together (to create the TPU VM)"
+            )
         if self.retries < 0:
-            raise ValueError(f"launch.retries must be >= 0, got {self.retries}")
+            raise LaunchError(f"launch.retries must be >= 0, got {self.retries}")
         if self.target == "tpu" and not (self.tpu_name and self.zone):
-            raise ValueError(
+            raise LaunchError(
                 "launch --target tpu needs --tpu_name and --zone (flags or .loomax.yaml)"
             )
-        if self.target == "gpu" and not self.hostfile:
-            raise ValueError("launch --target gpu needs --hostfile (flags or .loomax.yaml)")
+        if self.target == "gpu" and not (self.hosts or self.hostfile):
+            raise LaunchError(
+                "launch --target gpu needs launch.hosts or launch.hostfile (--hosts '[h1, h2]', --hostfile FILE or .loomax.yaml)"
+            )
+        if self.hosts and self.hostfile:
+            raise LaunchError("launch.hosts and launch.hostfile both name the hosts: give one")
         if self.docker_build and not self.docker_image:
-            raise ValueError("launch.docker_build needs launch.docker_image (the tag to build)")
+            raise LaunchError("launch.docker_build needs launch.docker_image (the tag to build)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -11,19 +12,20 @@ from pathlib import Path
 from typing import TextIO
 
 from loomax.distributed.net import free_port
-from loomax.launch.config import LaunchConfig
+from loomax.launch.config import LaunchConfig, LaunchError
 from loomax.launch.docker import build_and_push
-from loomax.launch.gpu import gpu_commands
+from loomax.launch.gpu import check_ssh_identity, gpu_commands, gpu_hosts
 from loomax.launch.job import Job, mask_secrets, prepare_job
 from loomax.launch.local import local_commands
 from loomax.launch.processes import Command, run_group, with_retries
 from loomax.launch.slurm import render_sbatch, sbatch_path
-from loomax.launch.tpu import tpu_command
+from loomax.launch.tpu import ensure_tpu_vm, recreate_plan, tpu_command
 
 logger = logging.getLogger(__name__)
 
 DEFAULTS_FILE = ".loomax.yaml"
-_BOOL_FLAGS = ("dry_run", "docker_build")
+_BOOL_FLAGS = ("dry_run", "docker_build", "spot")
+_TOOLS = {"gpu": "ssh", "slurm": "sbatch", "tpu": "gcloud"}
 
 
 def split_launch_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -67,6 +69,7 @@ def defaults_file(options: list[str]) -> tuple[str | None, list[str]]:
 def launch(config: LaunchConfig, args: Sequence[str], *, out: TextIO | None = None) -> int:
     """Start ``loomax <args>`` on ``config.target`` (or print it all with ``dry_run``); the exit code."""
     out = out or sys.stdout
+    check_inputs(config)
     job = prepare_job(config, args)
     if config.dry_run:
         lines = plan(config, job)
@@ -82,9 +85,27 @@ def launch(config: LaunchConfig, args: Sequence[str], *, out: TextIO | None = No
             logger.info("running: %s", shlex.join(argv))
             subprocess.run(argv, check=True)
     grace = 3.0 if config.target == "local" else 30.0  # time for a clean exit before SIGKILL
-    return with_retries(
-        lambda attempt: run_group(_commands(config, job), grace=grace), config.retries
-    )
+
+    def attempt(k: int) -> int:
+        if config.target == "tpu":
+            code = ensure_tpu_vm(config, subprocess.run)  # a preempted VM is recreated first
+            if code:
+                return code
+        return run_group(_commands(config, job), grace=grace)
+
+    return with_retries(attempt, config.retries)
+
+
+def check_inputs(config: LaunchConfig) -> None:
+    """Everything a launch needs that can be checked here, before anything starts: the hosts,
+    the ssh key, and (unless ``dry_run``) the target's tool on PATH; raises ``LaunchError``."""
+    if config.target == "gpu":
+        gpu_hosts(config)
+        check_ssh_identity(config)
+    tool = _TOOLS.get(config.target)
+    if tool and not config.dry_run and shutil.which(tool) is None:
+        hint = " (a one-node cluster: infra/slurm/single_node.sh)" if tool == "sbatch" else ""
+        raise LaunchError(f"launch.target {config.target} needs `{tool}` on PATH: not found{hint}")
 
 
 def plan(config: LaunchConfig, job: Job) -> list[str]:
@@ -97,6 +118,8 @@ def plan(config: LaunchConfig, job: Job) -> list[str]:
     if config.docker_build and config.docker_image:
         accelerator = "tpu" if config.target == "tpu" else "gpu"
         lines += [shlex.join(argv) for argv in build_and_push(config.docker_image, accelerator)]
+    if config.target == "tpu":
+        lines += recreate_plan(config)
     for command in _commands(config, job):
         env = command.env or {}
         extra = {

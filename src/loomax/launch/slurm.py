@@ -9,7 +9,7 @@ import re
 import shlex
 from pathlib import Path
 
-from loomax.launch.config import LaunchConfig
+from loomax.launch.config import LaunchConfig, LaunchError
 from loomax.launch.job import Job, quote_path
 
 
@@ -19,16 +19,17 @@ def render_sbatch(config: LaunchConfig, job: Job) -> str:
     if not template.is_file() and not template.is_absolute():
         template = Path(__file__).resolve().parents[3] / template  # the source checkout's infra/
     if not template.is_file():
-        raise FileNotFoundError(f"launch.sbatch_template: no such file: {config.sbatch_template}")
+        raise LaunchError(f"launch.sbatch_template: no such file: {config.sbatch_template}")
     if config.docker_image:
-        raise ValueError(
-            "launch --target slurm runs from remote_dir; docker_image is not supported"
+        raise LaunchError(
+            "launch.docker_image is not supported with --target slurm (it runs from remote_dir)"
         )
     fields = {
         "JOB_NAME": config.job_name,
         "NODES": str(config.nodes),
         "TASKS_PER_NODE": str(config.processes_per_host),
         "GPUS_PER_NODE": str(config.gpus_per_node),
+        "GPUS": f"#SBATCH --gpus-per-node={config.gpus_per_node}" if config.gpus_per_node else "",
         "TIME_LIMIT": config.time_limit,
         "PARTITION": f"#SBATCH --partition={config.partition}" if config.partition else "",
         "REMOTE_DIR": quote_path(config.remote_dir),
@@ -41,7 +42,7 @@ def render_sbatch(config: LaunchConfig, job: Job) -> str:
         text = text.replace(f"@@{name}@@", value)
     unknown = sorted(set(re.findall(r"@@(\w+)@@", text)))
     if unknown:
-        raise ValueError(
+        raise LaunchError(
             f"launch.sbatch_template {template} has fields loomax does not fill: {', '.join(unknown)}"
         )
     return text
