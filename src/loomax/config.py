@@ -116,6 +116,8 @@ def parse_config(
     except ParsingError as e:
         cause = e.__cause__
         where = f" (config {config_path})" if config_path else ""
+        if isinstance(cause, ValueError):  # a section's own check: its message names the key
+            raise ConfigError(f"{cause}{where}") from e
         detail = f": {cause}" if cause else ""
         raise ConfigError(f"{e}{where}{detail}") from e
     except yaml.YAMLError as e:
