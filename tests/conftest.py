@@ -15,11 +15,14 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# one persistent compilation cache for the tests and the processes they start
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update(
-    "jax_compilation_cache_dir",
-    os.environ.get("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "jax")),
+    "jax_persistent_cache_min_compile_time_secs",
+    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
 )
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 RAY_CLUSTER_MODULES = ("test_ray_cluster.py", "test_pod_ray.py", "test_ray_nodes.py")
@@ -29,9 +32,25 @@ other tests start private local clusters (`address="local"`) and may run side by
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (`make test`): tests sharing a module-scoped fixture stay on one
+    worker (it is built once, not once per worker); the Ray-cluster modules share one
+    worker; `slow` tests are handed out first, so no worker is left with a long tail."""
     for item in items:
         if item.path.name in RAY_CLUSTER_MODULES:
             item.add_marker(pytest.mark.xdist_group("ray-cluster"))
+        elif _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def _uses_a_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)  # pytest's resolved fixtures of the test
+    if info is None:
+        return False
+    return any(
+        defs and defs[-1].scope in ("module", "class", "package")
+        for defs in info.name2fixturedefs.values()
+    )
 
 
 @pytest.fixture(scope="session")
