@@ -158,11 +158,21 @@ def test_parquet_without_text_column(tmp_path: Path, table: pa.Table, why: str) 
 @pytest.mark.parametrize(
     ("name", "data", "why"),
     [
-        ("trunc.jsonl.gz", gzip.compress(jsonl_bytes([{"text": "x" * 50}] * 200))[:-30], "line"),
+        (
+            "trunc.jsonl.gz",
+            gzip.compress(jsonl_bytes([{"text": "x" * 50}] * 200), mtime=0)[:-30],
+            "line",
+        ),
         ("junk.jsonl.zst", b"not zstd at all", "line 0"),
         ("junk.parquet", b"not parquet", "not a readable parquet file"),
         ("junk.txt.gz", b"not gzip", "cannot read"),
     ],
+    ids=[
+        "truncated-gzip",
+        "junk-zstd",
+        "junk-parquet",
+        "junk-gzip",
+    ],  # the same on every xdist worker
 )
 def test_corrupt_files_name_the_file(tmp_path: Path, name: str, data: bytes, why: str) -> None:
     (tmp_path / name).write_bytes(data)
