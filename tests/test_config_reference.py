@@ -34,3 +34,33 @@ def test_reference_lists_sections_and_choices():
     ):
         assert heading in text
     assert "| `num_train_steps` | `int` | `1000` |" in text
+
+
+def test_configuration_page_lists_every_choice(repo_root):
+    """docs/configuration.md's table of choices names every built-in type of every registry."""
+    import re
+
+    import loomax.callbacks  # noqa: F401  (registers the hook types)
+    from loomax.config_reference import registry_members
+    from loomax.ladder.model import ModelConfigurator
+    from loomax.ladder.run import RunConfigurator
+    from loomax.models import LmConfig, RotaryConfig
+    from loomax.optim import OptimizerConfig
+    from loomax.tracking import TrackerConfig
+    from loomax.train.hook_config import HookConfig
+
+    page = (repo_root / "docs" / "configuration.md").read_text()
+    rows = {
+        "`model.type`": LmConfig,
+        "`model.rope.type`": RotaryConfig,
+        "`optimizer.type`": OptimizerConfig,
+        "`trainer.tracker.type`": TrackerConfig,
+        "`trainer.hooks[].type`": HookConfig,
+        "ladder `model.type`": ModelConfigurator,
+        "ladder `run.type`": RunConfigurator,
+    }
+    for key, registry in rows.items():
+        row = next((line for line in page.splitlines() if line.startswith(f"| {key}")), None)
+        assert row is not None, f"docs/configuration.md has no row for {key}"
+        listed = set(re.findall(r"`([a-z_0-9]+)`", row.split("|")[2]))
+        assert listed == {name for name, _ in registry_members(registry)}, key

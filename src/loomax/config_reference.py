@@ -102,7 +102,7 @@ def _section_types(tp) -> list[type]:
     return found
 
 
-def _registry_members(cls: type) -> list[tuple[str, type]]:
+def registry_members(cls: type) -> list[tuple[str, type]]:
     """The built-in choices of a registry (types users or tests register elsewhere, and removed ones kept only to say how to migrate, are not documented here)."""
     if issubclass(cls, draccus.ChoiceRegistry):
         known = cls.get_known_choices().items()
@@ -149,7 +149,7 @@ def _render_class(cls: type, prefix: str, out: list[str], seen: set) -> None:
             f"| `{field.name}` | `{_type_name(tp)}` | `{_default(field)}` | {docs.get(field.name, '')} |"
         )
         for sub in _section_types(tp):
-            members = _registry_members(sub) or [(None, sub)]
+            members = registry_members(sub) or [(None, sub)]
             for _, member in members:
                 nested.append((f"{prefix}.{field.name}" if prefix else field.name, member))
     out.append("")
@@ -174,7 +174,7 @@ def undocumented(root: type) -> list[str]:
             if not docs.get(field.name):
                 missing.append(f"{cls.__name__}.{field.name}")
             for sub in _section_types(hints.get(field.name, field.type)):
-                for _, member in _registry_members(sub) or [(None, sub)]:
+                for _, member in registry_members(sub) or [(None, sub)]:
                     walk(member, name, seen)
 
     walk(root, "", set())

@@ -1,4 +1,4 @@
-"""Logical axis names shared by every model (see DESIGN: the sharding table maps these)."""
+"""Logical axis names shared by every model (docs/architecture.md lists them; docs/sharding.md maps them)."""
 
 Batch = "batch"
 Position = "position"
