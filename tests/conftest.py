@@ -11,6 +11,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+"""The tests compile hundreds of small programs and run each a few times: LLVM's -O0 code
+generation compiles them about a third faster, and the HLO they run (what the tests
+check) is the same. Processes the tests start inherit it; tests that set a device count
+append theirs to ``XLA_FLAGS`` rather than replace it."""
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -31,6 +39,7 @@ Under pytest-xdist they share one worker (`--dist loadgroup`), so no two of them
 other tests start private local clusters (`address="local"`) and may run side by side."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the `xdist_group` marks
 def pytest_collection_modifyitems(config, items) -> None:
     """Under pytest-xdist (`make test`): tests sharing a module-scoped fixture stay on one
     worker (it is built once, not once per worker); the Ray-cluster modules share one

@@ -99,7 +99,10 @@ def test_save_and_stop_over_http(tiny, tmp_path):
 @pytest.mark.slow
 def test_only_process_0_serves_and_the_stop_reaches_every_process(tmp_path, processes_support):
     worker = Path(__file__).with_name("control_worker.py")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1",
+    }
 
     def scenario(processes) -> list[dict]:
         with socket.socket() as s:  # the JAX coordinator's port: retried once if taken meanwhile

@@ -56,7 +56,10 @@ def test_a_launched_job_trains_two_tasks_and_slurm_reports_it_done(
     if not LOOMAX_BIN.exists():
         pytest.skip(f"no loomax executable next to {sys.executable}")
     run_dir, steps = tmp_path / "run", 10
-    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
+    }
     argv = [
         sys.executable, "-m", "loomax.cli", "launch", "--target", "slurm",
         "--processes_per_host", "2", "--gpus_per_node", "0", "--time_limit", "00:15:00",

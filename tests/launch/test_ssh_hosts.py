@@ -74,7 +74,10 @@ def test_two_hosts_over_ssh_train_and_a_killed_worker_is_relaunched(
         Path(f"/tmp/loomax-launch-{process_id}.pid").unlink(missing_ok=True)
     run_dir, steps = tmp_path / "run", 40
     ssh_options = "[-o, StrictHostKeyChecking=no, -o, UserKnownHostsFile=/dev/null, -o, BatchMode=yes, -o, LogLevel=ERROR]"  # fmt: skip
-    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
+    }
     argv = [
         sys.executable, "-m", "loomax.cli", "launch", "--target", "gpu",
         "--hosts", "[127.0.0.1, 127.0.0.1]", "--ssh_port", str(port),

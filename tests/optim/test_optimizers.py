@@ -36,7 +36,7 @@ def sharded_process():
     """The same runs on a mesh of 8 fake CPU devices (FSDP: data=8), started early to overlap."""
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
     }
     proc = subprocess.Popen(

@@ -29,7 +29,7 @@ compared exactly."""
 def worker_env(devices: int) -> dict[str, str]:
     return {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
         "JAX_PLATFORMS": "cpu",
     }
 
