@@ -24,11 +24,11 @@ demo: $(STAMP)
 	$(BIN)/loomax tokenizer train --config_path config/quickstart.yaml --out cache/tokenizers/quickstart
 	$(BIN)/loomax train --config_path config/quickstart.yaml --data.tokenizer cache/tokenizers/quickstart/tokenizer.json
 
-# Both cores (pytest-xdist); modules that start a machine-wide Ray cluster share one worker.
+# Both cores (pytest-xdist): whole files to each worker, in the order conftest sorts them.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

@@ -33,33 +33,36 @@ jax.config.update(
 )
 
 
-RAY_CLUSTER_MODULES = ("test_ray_cluster.py", "test_pod_ray.py", "test_ray_nodes.py")
+MACHINE_RAY_MODULES = ("test_ray_cluster.py", "test_pod_ray.py", "test_ray_nodes.py")
 """Modules that start or look for a machine-wide Ray cluster (`ray start`, "is one running?").
-Under pytest-xdist they share one worker (`--dist loadgroup`), so no two of them overlap;
+Each holds `machine_ray_lock` while it runs, so under pytest-xdist no two of them overlap;
 other tests start private local clusters (`address="local"`) and may run side by side."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the `xdist_group` marks
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (`make test`): tests sharing a module-scoped fixture stay on one
-    worker (it is built once, not once per worker); the Ray-cluster modules share one
-    worker; `slow` tests are handed out first, so no worker is left with a long tail."""
-    for item in items:
-        if item.path.name in RAY_CLUSTER_MODULES:
-            item.add_marker(pytest.mark.xdist_group("ray-cluster"))
-        elif _uses_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Modules with `slow` tests go first (`make test` hands out whole files, `--dist
+    loadfile`, in this order), so no worker is left with a long tail. A module's tests stay
+    together: moving to another module and back would build its module fixtures twice."""
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_modules)
 
 
-def _uses_a_module_fixture(item) -> bool:
-    info = getattr(item, "_fixtureinfo", None)  # pytest's resolved fixtures of the test
-    if info is None:
-        return False
-    return any(
-        defs and defs[-1].scope in ("module", "class", "package")
-        for defs in info.name2fixturedefs.values()
-    )
+@pytest.fixture(scope="module")
+def machine_ray_lock(tmp_path_factory, request):
+    """Held for the whole of a module in `MACHINE_RAY_MODULES` (an exclusive `flock` on a
+    file every xdist worker of this run shares), so their machine-wide clusters never meet."""
+    import fcntl
+
+    assert request.path.name in MACHINE_RAY_MODULES, request.path
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's directory, above each worker's own
+    with open(shared / "machine-ray.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

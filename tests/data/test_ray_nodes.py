@@ -26,7 +26,7 @@ import pytest
 from loomax.data.token_cache import TokenCache
 from loomax.data.tokenizer import encode_documents, load_tokenizer, train_bpe_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("machine_ray_lock")]  # machine-wide Ray
 
 NUM_SHARDS = 8
 MANY_SHARDS = 64

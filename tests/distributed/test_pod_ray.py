@@ -12,6 +12,8 @@ import pytest
 from loomax.distributed import RayConfig, pod_ray_role
 from loomax.distributed.net import free_port
 
+pytestmark = pytest.mark.usefixtures("machine_ray_lock")  # a machine-wide Ray cluster
+
 WORKER = Path(__file__).with_name("pod_ray_worker.py")
 
 

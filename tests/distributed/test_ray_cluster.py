@@ -10,6 +10,8 @@ import ray
 from loomax.config_reference import field_docs
 from loomax.distributed import RayConfig, init_ray, ray_session
 
+pytestmark = pytest.mark.usefixtures("machine_ray_lock")  # a machine-wide Ray cluster
+
 
 def test_every_field_has_a_doc():
     docs = field_docs(RayConfig)
