@@ -140,6 +140,24 @@ def test_quickstart_cli_few_steps(tmp_path, repo_root):
     assert records[-1]["step"] == 4 and "eval/loss" in records[-1] and "train/loss" in records[-1]
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--trainer.initialize_from"], "trainer.initialize_from: no complete checkpoint at"),
+        (["--trainer.initialize_from_hf"], "trainer.initialize_from_hf: .*no config.json"),
+        (
+            ["--trainer.load_checkpoint", "true", "--trainer.load_checkpoint_path"],
+            "trainer.load_checkpoint is true but there is no complete checkpoint at",
+        ),
+    ],
+)
+def test_missing_weights_fail_before_the_data_is_built(tmp_path, tiny_corpus, flags, message):
+    config = small_config(tmp_path, tiny_corpus, *flags, str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=message):
+        train_lm(config)
+    assert not (tmp_path / "cache").exists()  # no tokenizer trained, no cache written
+
+
 def test_eval_batch_must_split_over_data_parallel_devices(tmp_path, tiny_corpus):
     from loomax.data import build_lm_datasets
     from loomax.lm import eval_sets

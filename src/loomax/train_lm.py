@@ -22,9 +22,9 @@ from loomax.lm.config import TrainLmConfig, resolve_vocab_size
 from loomax.lm.eval_sets import eval_sets
 from loomax.lm.loss import model_lm_loss
 from loomax.lm.sample import sample_text
-from loomax.lm.weights import initial_model, initial_weights
+from loomax.lm.weights import check_initial_weights, initial_model, initial_weights
 from loomax.peak_flops import total_peak_flops
-from loomax.train import HookContext, StepInfo, Trainer, setup_process
+from loomax.train import HookContext, StepInfo, Trainer, check_restore_sources, setup_process
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps, batch_sizes),
     )
 
+    # missing checkpoints or weights fail now, not after the data build and compile
+    if not check_restore_sources(trainer_config, trainer.checkpointer.directory.url):
+        check_initial_weights(config)
     with pod_ray_cluster(trainer_config.ray) as ray_config:  # on a pod: every host's CPUs
         data = build_lm_datasets(config.data, model_config.seq_len, ray=ray_config)
     vocab_size = resolve_vocab_size(model_config, data.vocab_size)

@@ -8,7 +8,7 @@ import pytest
 
 from loomax.callbacks import EmaHook
 from loomax.hf import export_hf
-from loomax.lm import TrainLmConfig, initial_model, initial_weights
+from loomax.lm import TrainLmConfig, check_initial_weights, initial_model, initial_weights
 from loomax.models import LlamaConfig
 from loomax.optim import AdamConfig
 from loomax.train import Trainer, TrainerConfig
@@ -78,3 +78,23 @@ def test_vocab_mismatch_and_conflicting_keys_are_named(tmp_path):
         initial_weights(config, 64)()
     with pytest.raises(ValueError, match="initialize_from or trainer.initialize_from_hf"):
         TrainerConfig(initialize_from="x", initialize_from_hf="y")
+
+
+def test_a_checkpoint_that_cannot_load_is_named_without_reading_weights(tmp_path):
+    def check(path, model=MODEL):
+        check_initial_weights(
+            TrainLmConfig(model=model, trainer=TrainerConfig(initialize_from_hf=str(path)))
+        )
+
+    with pytest.raises(FileNotFoundError, match="initialize_from_hf: .*nowhere.*no config.json"):
+        check(tmp_path / "nowhere")
+    export_hf(MODEL.build(50, key=jax.random.PRNGKey(7)), tmp_path / "hf")
+    check(tmp_path / "hf")  # loadable: no error
+    wider = LlamaConfig(**{**MODEL.__dict__, "hidden_dim": 64})
+    with pytest.raises(
+        ValueError, match="initialize_from_hf: .*does not match .*hidden_size: 32 there, 64"
+    ):
+        check(tmp_path / "hf", wider)
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="initialize_from_hf: .*no model.safetensors"):
+        check(tmp_path / "hf")

@@ -16,7 +16,7 @@ from loomax.lm import lm_loss
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig
 from loomax.tracking import NoopTrackerConfig
-from loomax.train import Hook, Trainer, TrainerConfig
+from loomax.train import Hook, Trainer, TrainerConfig, check_restore_sources
 
 MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=2)
 VOCAB, STEPS, BATCH = 48, 12, 4
@@ -143,6 +143,25 @@ def test_initialize_from_takes_weights_only(tmp_path):
         np.testing.assert_array_equal(a, b)
     mu = jax.tree.leaves(state.opt_state[1].mu)
     assert all(not np.any(np.asarray(m)) for m in mu)  # a fresh optimizer
+
+
+def test_missing_checkpoints_are_named_before_any_work(tmp_path):
+    own = str(tmp_path / "run" / "checkpoints")
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="load_checkpoint is true but .* at .*nowhere"):
+        check_restore_sources(
+            TrainerConfig(load_checkpoint=True, load_checkpoint_path=missing), own
+        )
+    with pytest.raises(FileNotFoundError, match="trainer.initialize_from: no complete .*nowhere"):
+        check_restore_sources(TrainerConfig(initialize_from=missing), own)
+    assert check_restore_sources(TrainerConfig(), own) is False  # fresh: nothing required
+
+    trainer = make_trainer(tmp_path / "run", num_train_steps=4)
+    trainer.train(*start(trainer))
+    # resuming wins over initialize_from, which is then never read: no error
+    assert check_restore_sources(TrainerConfig(initialize_from=missing), own) is True
+    with pytest.raises(FileNotFoundError, match="trainer.initialize_from"):
+        check_restore_sources(TrainerConfig(initialize_from=missing, load_checkpoint=False), own)
 
 
 def test_partial_checkpoints_need_permission(tmp_path):

@@ -1,6 +1,7 @@
 """Hugging Face interop: safetensors + config.json export and import (GPT-2, Llama)."""
 
 from loomax.hf.convert import (
+    check_hf,
     config_from_hf,
     export_hf,
     hf_state,
@@ -9,4 +10,12 @@ from loomax.hf.convert import (
     special_token_ids,
 )
 
-__all__ = ["config_from_hf", "export_hf", "hf_state", "load_hf", "read_hf", "special_token_ids"]
+__all__ = [
+    "check_hf",
+    "config_from_hf",
+    "export_hf",
+    "hf_state",
+    "load_hf",
+    "read_hf",
+    "special_token_ids",
+]

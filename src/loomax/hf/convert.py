@@ -121,9 +121,8 @@ def _write_shards(out: Path, tensors: dict[str, np.ndarray], max_shard_bytes: in
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def read_hf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``(config.json dict, tensors)`` of a Hugging Face checkpoint directory."""
-    path = Path(path)
+def _hf_files(path: Path) -> tuple[dict[str, Any], list[str]]:
+    """``(config.json dict, safetensors file names)`` of a checkpoint directory, unread weights."""
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint: no config.json")
     config = json.loads((path / "config.json").read_text())
@@ -135,10 +134,28 @@ def read_hf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarr
         raise FileNotFoundError(
             f"{path}: no model.safetensors or {INDEX_FILE} (only safetensors are read)"
         )
+    missing = [name for name in files if not (path / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path}: weight files missing: {', '.join(missing)}")
+    return config, files
+
+
+def read_hf(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(config.json dict, tensors)`` of a Hugging Face checkpoint directory."""
+    path = Path(path)
+    config, files = _hf_files(path)
     tensors: dict[str, np.ndarray] = {}
     for name in files:
         tensors.update(load_file(str(path / name)))
     return config, tensors
+
+
+def check_hf(path: str | os.PathLike, config: LmConfig) -> None:
+    """Raise now, reading no weights, if ``load_hf(path, config)`` cannot work: no
+    config.json, weight files missing, an unsupported model type or another architecture."""
+    hf, _ = _hf_files(Path(path))
+    arch, _ = config_from_hf(hf)
+    _check_same_architecture(config, arch, path)
 
 
 def config_from_hf(hf: dict[str, Any]) -> tuple[LmConfig, int]:

@@ -4,11 +4,12 @@ from loomax.lm.config import SampleConfig, TrainLmConfig, resolve_vocab_size
 from loomax.lm.eval_sets import eval_sets, source_name
 from loomax.lm.loss import lm_loss, model_lm_loss
 from loomax.lm.sample import sample_text
-from loomax.lm.weights import initial_model, initial_weights
+from loomax.lm.weights import check_initial_weights, initial_model, initial_weights
 
 __all__ = [
     "SampleConfig",
     "TrainLmConfig",
+    "check_initial_weights",
     "eval_sets",
     "initial_model",
     "initial_weights",

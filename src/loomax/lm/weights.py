@@ -14,6 +14,20 @@ def initial_model(config: TrainLmConfig, vocab_size: int):
     return lambda key: config.model.build(vocab_size, key=key)
 
 
+def check_initial_weights(config: TrainLmConfig) -> None:
+    """Fail before any expensive work if ``trainer.initialize_from_hf`` cannot be loaded
+    (no such checkpoint, missing weight files, another architecture); reads no weights."""
+    path = config.trainer.initialize_from_hf
+    if path is None:
+        return
+    from loomax.hf import check_hf
+
+    try:
+        check_hf(path, config.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"trainer.initialize_from_hf: {e}") from e
+
+
 def initial_weights(config: TrainLmConfig, vocab_size: int):
     """``load() -> model`` for ``trainer.initialize_from_hf`` (None without it).
 

@@ -5,6 +5,7 @@ from loomax.train.control import Control, Decision
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import CompletedStep, FnHook, Hook, StepInfo
 from loomax.train.process import setup_process
+from loomax.train.restore import check_restore_sources
 from loomax.train.state import TrainerState
 from loomax.train.step import JitHook, StateExtra, StepContext, make_train_step
 from loomax.train.trainer import Trainer
@@ -24,6 +25,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "TrainerState",
+    "check_restore_sources",
     "hook_type",
     "make_train_step",
     "setup_process",

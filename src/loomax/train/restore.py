@@ -52,6 +52,27 @@ class Restored:
     """Training time already spent before that checkpoint."""
 
 
+def check_restore_sources(config: TrainerConfig, own_checkpoints: str) -> bool:
+    """Fail now, before data is built or a step compiled, when a checkpoint the policy
+    above requires is missing; returns whether the run will resume.
+
+    ``own_checkpoints`` is the checkpointer's directory. ``trainer.initialize_from`` is
+    checked only when the run will not resume (resuming wins and never reads it).
+    """
+    resume_path = config.load_checkpoint_path or own_checkpoints
+    resumes = config.load_checkpoint is not False and bool(list_checkpoints(resume_path))
+    if config.load_checkpoint and not resumes:
+        raise FileNotFoundError(
+            f"trainer.load_checkpoint is true but there is no complete checkpoint at {resume_path}"
+        )
+    if not resumes and config.initialize_from is not None:
+        if not list_checkpoints(config.initialize_from):
+            raise FileNotFoundError(
+                f"trainer.initialize_from: no complete checkpoint at {config.initialize_from}"
+            )
+    return resumes
+
+
 @dataclass
 class StateBuilder:
     """Makes a run's ``TrainerState`` on ``runtime``'s mesh, by the policy above."""
