@@ -19,6 +19,7 @@ from loomax.distributed import (  # noqa: E402
     pod_ray_cluster,
     ray_session,
 )
+from loomax.distributed.pod_ray import ray_address_file  # noqa: E402
 
 DistributedConfig(
     coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
@@ -36,6 +37,7 @@ with pod_ray_cluster(RayConfig(num_cpus=1)) as config:
                         "nodes": len(nodes),
                         "cpus": ray.cluster_resources().get("CPU"),
                         "auth_mode": os.environ.get("RAY_AUTH_MODE"),
+                        "address_file": ray_address_file().read_text().strip(),
                     }
                 )
             )

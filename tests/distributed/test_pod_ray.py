@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,9 +39,17 @@ def test_ray_address_variable_means_no_pod_cluster(monkeypatch):
     assert pod_ray_role(RayConfig(), ["a", "b"], 0) == "none"
 
 
+@pytest.fixture
+def ray_tmp() -> Iterator[Path]:
+    """A Ray temp dir of the test's own, short: Ray's socket paths must stay under 108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="lr", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_head_on_process_0_and_the_other_host_joins(tmp_path, processes_support):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def test_head_on_process_0_and_the_other_host_joins(tmp_path, processes_support, ray_tmp):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RAY_TMPDIR": str(ray_tmp)}
     env.pop("RAY_ADDRESS", None)
 
     def scenario(processes) -> str:
@@ -51,3 +62,7 @@ def test_head_on_process_0_and_the_other_host_joins(tmp_path, processes_support)
     result = json.loads(out.strip().splitlines()[-1])
     assert result["nodes"] == 2 and result["cpus"] == 2.0  # the head's CPU and the joined one
     assert result["auth_mode"] == "token"  # the pod's cluster is token-protected
+    # `ray start --head` recorded the head for later ray.init() calls; once the head is
+    # stopped the record is gone, as after `ray stop` (else ray.init() joins a dead cluster)
+    assert result["address_file"] == result["address"]
+    assert not (ray_tmp / "ray" / "ray_current_cluster").exists()

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import jax
 
@@ -77,6 +78,7 @@ def pod_ray_cluster(config: RayConfig) -> Iterator[RayConfig]:
         yield config
         return
     started: subprocess.Popen | None = None
+    address: str | None = None
     saved_env = {k: os.environ.get(k) for k in _RAY_AUTH_ENV}
     try:
         if role == "head":
@@ -104,11 +106,37 @@ def pod_ray_cluster(config: RayConfig) -> Iterator[RayConfig]:
     finally:
         if started is not None:
             stop_groups([started])
+        if role == "head" and address is not None:
+            forget_head_address(address)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def ray_address_file() -> Path:
+    """Where ``ray start --head`` records its address for later plain ``ray.init()`` calls
+    on this host (Ray's temp dir: ``RAY_TMPDIR``, else ``TMPDIR`` on Linux, else /tmp)."""
+    if "RAY_TMPDIR" in os.environ:
+        root = os.environ["RAY_TMPDIR"]
+    elif sys.platform.startswith("linux") and "TMPDIR" in os.environ:
+        root = os.environ["TMPDIR"]
+    else:
+        root = "/tmp"
+    return Path(root) / "ray" / "ray_current_cluster"
+
+
+def forget_head_address(address: str) -> None:
+    """Remove the address file of the head stopped here, as ``ray stop`` would: left
+    behind, it sends this host's next ``ray.init()`` to a cluster that is gone. A file
+    naming another cluster is left alone."""
+    path = ray_address_file()
+    try:
+        if path.read_text().strip() == address:
+            path.unlink()
+    except OSError:
+        pass
 
 
 def _ray_start(args: list[str], config: RayConfig) -> subprocess.Popen:
