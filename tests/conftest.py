@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -39,12 +41,19 @@ Each holds `machine_ray_lock` while it runs, so under pytest-xdist no two of the
 other tests start private local clusters (`address="local"`) and may run side by side."""
 
 
+RAY_MODULES: set[Path] = set()
+"""The collected modules that use `ray_cluster` (filled at collection)."""
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Modules with `slow` tests go first (`make test` hands out whole files, `--dist
-    loadfile`, in this order), so no worker is left with a long tail. A module's tests stay
-    together: moving to another module and back would build its module fixtures twice."""
+    loadfile`, in this order), so no worker is left with a long tail; within each part the
+    modules that use `ray_cluster` come together, so a worker's Ray serves them in a row.
+    A module's tests stay together: moving to another module and back would build its
+    module fixtures twice."""
     slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_modules)
+    RAY_MODULES.update(item.path for item in items if "ray_cluster" in item.fixturenames)
+    items.sort(key=lambda item: (item.path not in slow_modules, item.path not in RAY_MODULES))
 
 
 @pytest.fixture(scope="module")
@@ -85,17 +94,41 @@ def tiny_corpus(tmp_path_factory) -> Path:
     return path
 
 
+def _stop_ray() -> None:
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local 2-CPU Ray cluster for a test module (builds of the token cache join it)."""
+    """A local Ray cluster of 2 CPUs (builds of the token cache join it); its gcs address.
+
+    One cluster serves a worker's consecutive modules that use it (each start costs ~5
+    CPU-seconds, and an idle cluster ~7% of a core): `_ray_only_where_needed` stops it when
+    a module that does not use it comes next."""
     import ray
 
     from loomax.distributed import RayConfig, init_ray
 
-    started = init_ray(RayConfig(num_cpus=2))
+    if not ray.is_initialized():
+        init_ray(RayConfig(num_cpus=2))
+    assert ray.cluster_resources()["CPU"] == 2
+    yield SimpleNamespace(address=ray.get_runtime_context().gcs_address)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_only_where_needed(request):
+    """Stops this process's Ray before a module that does not use `ray_cluster` (tests that
+    look for Ray, start their own or join another expect none), and at the end."""
+    if request.path not in RAY_MODULES:
+        _stop_ray()
     yield
-    if started:
-        ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_stopped_at_the_end():
+    yield
+    _stop_ray()
 
 
 @pytest.fixture(scope="session")

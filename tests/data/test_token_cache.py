@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import ray
 
 from loomax.data.sources import SourceConfig, source_shards
 from loomax.data.token_cache import (
@@ -29,7 +28,6 @@ from loomax.data.token_cache import (
     tasks,
 )
 from loomax.data.tokenizer import encode_documents, load_tokenizer, train_bpe_tokenizer
-from loomax.distributed import RayConfig, init_ray
 from loomax.storage import Directory
 
 pytestmark = pytest.mark.slow
@@ -39,16 +37,9 @@ DRIVER = Path(__file__).with_name("token_cache_driver.py")
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A local Ray cluster of exactly 2 CPUs."""
-    if ray.is_initialized():  # left over from elsewhere, of another size
-        ray.shutdown()
-    try:
-        assert init_ray(RayConfig(num_cpus=2))
-        assert ray.cluster_resources()["CPU"] == 2
-        yield SimpleNamespace(address=ray.get_runtime_context().gcs_address)
-    finally:
-        ray.shutdown()
+def cluster(ray_cluster):
+    """A local Ray cluster of exactly 2 CPUs (the shared one, see conftest.py)."""
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")
