@@ -16,13 +16,19 @@ import pytest
 from loomax.checkpoint import list_checkpoints, load_checkpoint
 
 
-def write_config(tmp_path: Path, corpus: Path, **trainer) -> Path:
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> Path:
+    """The tokenizer and token cache the runs here share: the first run builds them."""
+    return tmp_path_factory.mktemp("faults-cache")
+
+
+def write_config(tmp_path: Path, corpus: Path, cache: Path | None = None, **trainer) -> Path:
     config = {
         "data": {
             "train": [{"urls": [str(corpus)]}],
             "tokenizer_vocab_size": 300,
             "validation_fraction": 0.1,
-            "cache_dir": str(tmp_path / "cache"),
+            "cache_dir": str(cache or tmp_path / "cache"),
         },
         "model": {"seq_len": 32, "hidden_dim": 64, "num_layers": 2, "num_heads": 2},
         "optimizer": {"learning_rate": 0.01, "warmup": 2},
@@ -95,11 +101,14 @@ def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
 
 
 @pytest.mark.slow
-def test_kill_9_during_an_async_save_resumes_from_the_last_complete_one(tmp_path, tiny_corpus):
+def test_kill_9_during_an_async_save_resumes_from_the_last_complete_one(
+    tmp_path, tiny_corpus, data_cache
+):
     # a checkpoint every 3 steps; the run kills itself while the save of step 6 is in flight
     config = write_config(
         tmp_path,
         tiny_corpus,
+        data_cache,
         num_train_steps=9,
         checkpointer={"keep": [{"every": 3}]},
         hooks=[{"type": "test_kill_mid_save", "step": 6}],
@@ -132,8 +141,8 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete_one(tmp_path
 
 
 @pytest.mark.slow
-def test_sigterm_saves_at_the_current_step_and_exits_0(tmp_path, tiny_corpus):
-    config = write_config(tmp_path, tiny_corpus, num_train_steps=100000)
+def test_sigterm_saves_at_the_current_step_and_exits_0(tmp_path, tiny_corpus, data_cache):
+    config = write_config(tmp_path, tiny_corpus, data_cache, num_train_steps=100000)
     run_dir = tmp_path / "run"
     proc = start(config)
     wait_for(lambda: len(logged_steps(run_dir)) >= 3, proc)
