@@ -10,7 +10,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 .PHONY: demo test lint format bench bench-levanter bench-checkpoint docs install clean
 
 # Installs go through uv (from PyPI into the venv): it fetches and unpacks wheels in
-# parallel: ~20 s for what pip takes ~3 minutes over. uv reads no pip.conf, so it is
+# parallel: well under a minute for what pip takes about three. uv reads no pip.conf, so it is
 # handed pip's local wheel folders (PIP_FIND_LINKS, comma-separated for uv), where a
 # machine may keep e.g. a CPU torch build. If uv cannot be installed or fails, pip installs.
 ifneq ($(strip $(PIP_FIND_LINKS)),)

@@ -118,8 +118,8 @@ def ray_cluster():
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray_only_where_needed(request):
-    """Stops this process's Ray before a module that does not use `ray_cluster` (tests that
-    look for Ray, start their own or join another expect none), and at the end."""
+    """Stops this process's Ray before a module that does not use `ray_cluster`: its tests
+    may look for Ray, start their own or join another, and expect none running here."""
     if request.path not in RAY_MODULES:
         _stop_ray()
     yield
