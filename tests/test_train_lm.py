@@ -111,6 +111,8 @@ def test_vocab_smaller_than_tokenizer_is_an_error(tmp_path, tiny_corpus):
 
 @pytest.mark.slow
 def test_quickstart_cli_few_steps(tmp_path, repo_root):
+    # the quickstart config as `make demo` runs it, on its first 400 standard-library files
+    # (the whole library is make demo's: its tokenizer and cache cost a minute of CPU here)
     cmd = [
         sys.executable,
         "-m",
@@ -118,6 +120,8 @@ def test_quickstart_cli_few_steps(tmp_path, repo_root):
         "train",
         "--config_path",
         str(repo_root / "config" / "quickstart.yaml"),
+        "--data.train",
+        '[{"embedded": "python_stdlib", "max_documents": 400}]',
         "--trainer.num_train_steps",
         "4",
         "--trainer.steps_per_eval",
