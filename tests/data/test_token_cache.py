@@ -1,6 +1,6 @@
 """The Ray-built token cache: equal to single-process tokenization, resumable, fingerprinted.
 
-Every build runs on one real local Ray cluster (2 CPUs) shared by the module, and writes
+Every build runs on one real local Ray cluster (2 CPUs, conftest's `ray_cluster`), and writes
 real tensorstore files under tmp_path.
 """
 
@@ -34,12 +34,6 @@ pytestmark = pytest.mark.slow
 
 NUM_SHARDS = 6
 DRIVER = Path(__file__).with_name("token_cache_driver.py")
-
-
-@pytest.fixture(scope="module")
-def cluster(ray_cluster):
-    """A local Ray cluster of exactly 2 CPUs (the shared one, see conftest.py)."""
-    return ray_cluster
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +81,7 @@ def ledger_times(cache: Path) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in (cache / "ledger").glob("*.json")}
 
 
-def test_cache_equals_single_process_tokenization(cluster, corpus, tmp_path):
+def test_cache_equals_single_process_tokenization(ray_cluster, corpus, tmp_path):
     info = build(corpus, tmp_path / "cache")
     everything = [doc for shard in corpus.encoded for doc in shard]
     cache = TokenCache.open(tmp_path / "cache")
@@ -103,7 +97,7 @@ def test_cache_equals_single_process_tokenization(cluster, corpus, tmp_path):
     assert again.shards_tokenized == 0 and again.fingerprint == info.fingerprint
 
 
-def test_holdout_and_bos_match_a_reference(cluster, corpus, tmp_path):
+def test_holdout_and_bos_match_a_reference(ray_cluster, corpus, tmp_path):
     tokenizer = load_tokenizer(corpus.tokenizer)
     tokenizer.add_special_tokens(["<s>"])
     tokenizer.save(str(tmp_path / "tokenizer.json"))
@@ -132,7 +126,7 @@ def test_holdout_and_bos_match_a_reference(cluster, corpus, tmp_path):
         build(corpus, tmp_path / "no-bos", bos=True)  # refused before any work
 
 
-def test_max_documents_keeps_the_first_documents_in_global_order(cluster, corpus, tmp_path):
+def test_max_documents_keeps_the_first_documents_in_global_order(ray_cluster, corpus, tmp_path):
     # shards hold 15, 19, 23, ... documents: 40 ends inside the third shard
     info = build(corpus, tmp_path / "cache", max_documents=40, holdout_fraction=0.25)
     first = [
@@ -165,7 +159,7 @@ def test_memory_store_is_built_in_process_with_tiny_chunks(corpus, tmp_path, mon
     assert_split(cache, "validation", validation)
 
 
-def test_killed_build_resumes_to_the_same_cache(cluster, corpus, tmp_path):
+def test_killed_build_resumes_to_the_same_cache(ray_cluster, corpus, tmp_path):
     reference = tmp_path / "reference"
     build(corpus, reference)
     cache = tmp_path / "cache"
@@ -173,7 +167,7 @@ def test_killed_build_resumes_to_the_same_cache(cluster, corpus, tmp_path):
         "urls": corpus.source.urls,
         "tokenizer": str(corpus.tokenizer),
         "cache": str(cache),
-        "address": cluster.address,
+        "address": ray_cluster.address,
         "sleep": 0.4,  # per shard, so the driver is killed with shards left to do
     }
     driver = subprocess.Popen([sys.executable, str(DRIVER), json.dumps(args)])
@@ -195,7 +189,7 @@ def test_killed_build_resumes_to_the_same_cache(cluster, corpus, tmp_path):
     assert_same_cache(cache, reference)
 
 
-def test_failed_task_resumes_to_the_same_cache(cluster, corpus, tmp_path):
+def test_failed_task_resumes_to_the_same_cache(ray_cluster, corpus, tmp_path):
     reference = tmp_path / "reference"
     build(corpus, reference, holdout_fraction=0.2)
     cache = tmp_path / "cache"
@@ -231,7 +225,7 @@ def test_a_cache_of_the_old_split_rule_is_refused(corpus, tmp_path):
     assert TokenCache.open(url).meta["format"] == 2
 
 
-def test_other_settings_are_refused_or_overwritten(cluster, corpus, tmp_path):
+def test_other_settings_are_refused_or_overwritten(ray_cluster, corpus, tmp_path):
     cache = tmp_path / "cache"
     build(corpus, cache, holdout_fraction=0.1)
     with pytest.raises(
@@ -254,7 +248,7 @@ def test_other_settings_are_refused_or_overwritten(cluster, corpus, tmp_path):
         build(corpus, tmp_path / "other", overwrite=True)
 
 
-def test_bad_records_fail_the_build_or_are_skipped_and_counted(cluster, corpus, tmp_path):
+def test_bad_records_fail_the_build_or_are_skipped_and_counted(ray_cluster, corpus, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{not json\n{"text": "also fine"}\n', encoding="utf-8")
     shards = corpus.shards[:2] + source_shards(SourceConfig(urls=[str(bad)]))
