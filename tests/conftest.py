@@ -13,13 +13,20 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-"""The tests compile hundreds of small programs and run each a few times: LLVM's -O0 code
-generation compiles them about a third faster, and the HLO they run (what the tests
-check) is the same. Processes the tests start inherit it; tests that set a device count
-append theirs to ``XLA_FLAGS`` rather than replace it."""
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+"""The tests compile thousands of small programs and run each a few times, so compiling is
+most of their time. LLVM's -O0 code generation compiles them about a third faster, and
+XLA's older elemental emitters for CPU fusions (instead of the MLIR fusion emitters)
+about 2.5x faster again: a tiny trainer's init, three steps and an eager model build
+compile in 2.5 s instead of 6.7 s, with bitwise the same losses. The HLO they run (what
+the tests check) is the same. Processes the tests start inherit them; tests that set a
+device count append theirs to ``XLA_FLAGS`` rather than replace it. A flag already in
+``XLA_FLAGS`` is left as set."""
+_flags = os.environ.get("XLA_FLAGS", "")
+for _flag in TEST_XLA_FLAGS.split():
+    if _flag.split("=")[0] not in _flags:
+        _flags = f"{_flags} {_flag}".strip()
+os.environ["XLA_FLAGS"] = _flags
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
