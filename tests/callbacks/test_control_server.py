@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from loomax.callbacks import ControlServerHook
+from loomax.distributed.net import free_port
 
 
 def call(url, method="GET", token=None):
@@ -105,9 +105,7 @@ def test_only_process_0_serves_and_the_stop_reaches_every_process(tmp_path, proc
     }
 
     def scenario(processes) -> list[dict]:
-        with socket.socket() as s:  # the JAX coordinator's port: retried once if taken meanwhile
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port("")  # the JAX coordinator's: retried once if taken meanwhile
         run_dir = processes.directory / "run"
         for i in range(2):
             args = [sys.executable, str(worker), str(i), "2", str(port), str(run_dir)]

@@ -12,7 +12,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import pytest
 
 from loomax.data.token_cache import TokenCache
 from loomax.data.tokenizer import encode_documents, load_tokenizer, train_bpe_tokenizer
+from loomax.distributed.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("machine_ray_lock")]  # machine-wide Ray
 
@@ -32,12 +32,6 @@ NUM_SHARDS = 8
 MANY_SHARDS = 64
 DRIVER = Path(__file__).with_name("token_cache_driver.py")
 RAY = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class NodeStartFailed(AssertionError):

@@ -53,7 +53,7 @@ def test_head_on_process_0_and_the_other_host_joins(tmp_path, processes_support,
     env.pop("RAY_ADDRESS", None)
 
     def scenario(processes) -> str:
-        port = free_port()  # the coordinator's: the scenario is rerun once if it was taken
+        port = free_port("")  # the coordinator's: the scenario is rerun once if it was taken
         for i in range(2):
             processes.start(f"process{i}", [sys.executable, str(WORKER), str(i), str(port)], env)
         return processes.wait(timeout=300)["process0"]

@@ -82,7 +82,7 @@ def test_two_hosts_over_ssh_train_and_a_killed_worker_is_relaunched(
         sys.executable, "-m", "loomax.cli", "launch", "--target", "gpu",
         "--hosts", "[127.0.0.1, 127.0.0.1]", "--ssh_port", str(port),
         "--ssh_identity", str(server_dir / "client_key"), "--ssh_options", ssh_options,
-        "--coordinator_port", str(free_port()), "--remote_dir", str(REPO),
+        "--coordinator_port", str(free_port("")), "--remote_dir", str(REPO),
         "--loomax_bin", str(LOOMAX_BIN), "--env", json.dumps(env), "--retries", "1",
         "--", "train", "--config_path", str(REPO / "config" / "quickstart.yaml"), *data_args,
         "--trainer.num_train_steps", str(steps),

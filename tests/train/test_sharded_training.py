@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from loomax.distributed.net import free_port
 
 WORKER = Path(__file__).with_name("sharded_run.py")
 
@@ -101,12 +102,10 @@ def test_grouped_query_llama_splits_kv_heads_when_they_divide_and_keeps_them_who
 def run_two_processes(directory, support, *extra: str) -> tuple[Path, list[dict]]:
     """Two JAX processes of 2 devices each; their run dir and results. Both are killed when
     one fails (its stderr is shown), and the whole run is redone once if the coordinator's
-    port, picked by binding port 0, was taken before process 0 bound it."""
+    port (`free_port`) was taken before process 0 bound it."""
 
     def scenario(processes) -> tuple[Path, list[dict]]:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port("")
         run_dir = processes.directory / "run"
         env = worker_env(devices=2)
         for i in range(2):

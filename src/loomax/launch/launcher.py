@@ -136,7 +136,7 @@ def plan(config: LaunchConfig, job: Job) -> list[str]:
 
 def _commands(config: LaunchConfig, job: Job) -> list[Command]:
     if config.target == "local":
-        return local_commands(config, job, free_port())
+        return local_commands(config, job, free_port(""))  # the coordinator binds [::]
     if config.target == "tpu":
         return [Command(tpu_command(config, job))]
     return gpu_commands(config, job)
