@@ -7,13 +7,15 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from loomax._xla_flags import append_xla_flags
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # no test reaches the Hugging Face Hub: models and configs are built locally, in tmp dirs
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+TEST_XLA_FLAGS = {"--xla_backend_optimization_level": "0", "--xla_cpu_use_fusion_emitters": "false"}
 """The tests compile thousands of small programs and run each a few times, so compiling is
 most of their time. LLVM's -O0 code generation compiles them about a third faster, and
 XLA's older elemental emitters for CPU fusions (instead of the MLIR fusion emitters)
@@ -22,11 +24,7 @@ compile in 2.5 s instead of 6.7 s, with bitwise the same losses. The HLO they ru
 the tests check) is the same. Processes the tests start inherit them; tests that set a
 device count append theirs to ``XLA_FLAGS`` rather than replace it. A flag already in
 ``XLA_FLAGS`` is left as set."""
-_flags = os.environ.get("XLA_FLAGS", "")
-for _flag in TEST_XLA_FLAGS.split():
-    if _flag.split("=")[0] not in _flags:
-        _flags = f"{_flags} {_flag}".strip()
-os.environ["XLA_FLAGS"] = _flags
+append_xla_flags(TEST_XLA_FLAGS)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -9,15 +9,21 @@ A flag already present in ``XLA_FLAGS`` is left as the user set it, and
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 DEFAULT_XLA_FLAGS = {"--xla_cpu_use_onednn": "true"}
+
+
+def append_xla_flags(flags: Mapping[str, str]) -> None:
+    """Append each ``--name: value`` of ``flags`` to ``XLA_FLAGS`` unless ``--name`` is there already."""
+    current = os.environ.get("XLA_FLAGS", "")
+    extra = [f"{name}={value}" for name, value in flags.items() if name not in current]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
 
 
 def apply_default_xla_flags() -> None:
     """Append ``DEFAULT_XLA_FLAGS`` to ``XLA_FLAGS`` unless set already or disabled."""
     if os.environ.get("LOOMAX_XLA_DEFAULTS", "1") == "0":
         return
-    current = os.environ.get("XLA_FLAGS", "")
-    extra = [f"{name}={value}" for name, value in DEFAULT_XLA_FLAGS.items() if name not in current]
-    if extra:
-        os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
+    append_xla_flags(DEFAULT_XLA_FLAGS)
