@@ -167,7 +167,8 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
 
 
 def test_missing_tracker_package_in_a_real_run(tmp_path, tiny_corpus):
-    """`loomax train` as a process: a tracker whose package is absent ends in one line, exit 2."""
+    """`loomax train` as a process: a tracker whose package is absent ends in one line, exit 2,
+    before any work (no tokenizer trained, no token cache written)."""
     import subprocess
     import sys
 
@@ -198,3 +199,4 @@ def test_missing_tracker_package_in_a_real_run(tmp_path, tiny_corpus):
     assert (
         "trainer.tracker type: tensorboard" in line and "pip install 'loomax[tensorboard]'" in line
     )
+    assert not (tmp_path / "cache").exists()

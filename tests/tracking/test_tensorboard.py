@@ -14,6 +14,7 @@ from loomax.tracking import (
     MissingPackageError,
     TensorboardTrackerConfig,
     build_tracker,
+    check_trackers,
 )
 
 from .conftest import read_events, text_of
@@ -54,6 +55,16 @@ def test_missing_package_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
     with pytest.raises(MissingPackageError, match=r"pip install 'loomax\[tensorboard\]'"):
         TensorboardTrackerConfig().init(tmp_path)
+    # checked up front too, in a list, without creating anything
+    with pytest.raises(MissingPackageError, match=r"trainer.tracker type: tensorboard"):
+        check_trackers(
+            [JsonlTrackerConfig(), TensorboardTrackerConfig(logdir=str(tmp_path / "tb"))]
+        )
+    assert not (tmp_path / "tb").exists()
+
+
+def test_installed_package_passes_the_check():
+    check_trackers([JsonlTrackerConfig(), TensorboardTrackerConfig()])
 
 
 def test_bad_flush_secs_names_the_key():

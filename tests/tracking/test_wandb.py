@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from loomax.tracking import MissingPackageError, WandbTrackerConfig, build_tracker
+from loomax.tracking import MissingPackageError, WandbTrackerConfig, build_tracker, check_trackers
 
 from .conftest import offline_runs, read_wandb_run
 
@@ -113,6 +113,8 @@ def test_missing_package_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(MissingPackageError, match=r"pip install 'loomax\[wandb\]'"):
         WandbTrackerConfig().init(tmp_path)
+    with pytest.raises(MissingPackageError, match=r"pip install 'loomax\[wandb\]'"):
+        check_trackers(WandbTrackerConfig())  # up front, before a run builds anything
 
 
 def test_the_real_run_config_logs_to_wandb_and_jsonl(repo_root):

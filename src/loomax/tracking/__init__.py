@@ -4,7 +4,7 @@
 """
 
 from loomax.tracking.base import Tracker, TrackerConfig
-from loomax.tracking.composite import CompositeTracker, build_tracker
+from loomax.tracking.composite import CompositeTracker, build_tracker, check_trackers
 from loomax.tracking.jsonl import JsonlTracker, JsonlTrackerConfig
 from loomax.tracking.noop import NoopTracker, NoopTrackerConfig
 from loomax.tracking.optional import MissingPackageError
@@ -25,4 +25,5 @@ __all__ = [
     "WandbTracker",
     "WandbTrackerConfig",
     "build_tracker",
+    "check_trackers",
 ]

@@ -45,3 +45,7 @@ class TrackerConfig(draccus.ChoiceRegistry, abc.ABC):
     @abc.abstractmethod
     def init(self, run_dir: Path) -> Tracker:
         """Create the tracker for a run whose directory is ``run_dir``."""
+
+    def check_available(self) -> None:
+        """Raise ``MissingPackageError`` now if ``init`` would need a package that is not
+        installed (checked before a run builds its data and compiles)."""

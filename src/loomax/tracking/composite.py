@@ -39,6 +39,15 @@ class CompositeTracker(Tracker):
             t.finish()
 
 
+def check_trackers(config: TrackerConfig | Sequence[TrackerConfig]) -> None:
+    """Raise ``MissingPackageError`` now if a tracker ``build_tracker`` would make on this
+    process needs a package that is not installed (before any expensive work)."""
+    if jax.process_index() != 0:
+        return
+    for c in [config] if isinstance(config, TrackerConfig) else config:
+        c.check_available()
+
+
 def build_tracker(config: TrackerConfig | Sequence[TrackerConfig], run_dir: Path) -> Tracker:
     """The tracker for ``config`` (one or a list); a no-op on every process but 0."""
     if jax.process_index() != 0:

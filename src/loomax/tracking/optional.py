@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
 from loomax.errors import MissingPackageError
+
+
+def _missing(module: str, extra: str, tracker: str) -> MissingPackageError:
+    return MissingPackageError(
+        f"trainer.tracker type: {tracker} needs the `{module.split('.')[0]}` package, which is not "
+        f"installed: pip install 'loomax[{extra}]' (or pick another tracker)"
+    )
 
 
 def require(module: str, *, extra: str, tracker: str) -> ModuleType:
@@ -13,7 +21,16 @@ def require(module: str, *, extra: str, tracker: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise MissingPackageError(
-            f"trainer.tracker type: {tracker} needs the `{module.split('.')[0]}` package, which is not "
-            f"installed: pip install 'loomax[{extra}]' (or pick another tracker)"
-        ) from e
+        raise _missing(module, extra, tracker) from e
+
+
+def check_installed(module: str, *, extra: str, tracker: str) -> None:
+    """Raise ``MissingPackageError`` (as ``require``) unless ``module``'s top-level package is
+    installed; imports nothing, so a run can check its trackers before any expensive work."""
+    top = module.split(".")[0]
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise _missing(module, extra, tracker)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from loomax.tracking.base import Tracker, TrackerConfig
-from loomax.tracking.optional import require
+from loomax.tracking.optional import check_installed, require
 
 
 @TrackerConfig.register_subclass("tensorboard")
@@ -26,6 +26,9 @@ class TensorboardTrackerConfig(TrackerConfig):
     def __post_init__(self):
         if not self.flush_secs > 0:
             raise ValueError(f"trainer.tracker.flush_secs must be > 0, got {self.flush_secs}")
+
+    def check_available(self) -> None:
+        check_installed("tensorboard", extra="tensorboard", tracker="tensorboard")
 
     def init(self, run_dir: Path) -> Tracker:
         return TensorboardTracker(

@@ -16,7 +16,7 @@ from typing import Any
 
 from loomax.tracking.base import Tracker, TrackerConfig
 from loomax.tracking.git import git_info
-from loomax.tracking.optional import require
+from loomax.tracking.optional import check_installed, require
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ class WandbTrackerConfig(TrackerConfig):
             raise ValueError(
                 f"trainer.tracker.mode must be one of {', '.join(_MODES)} or null, got {self.mode!r}"
             )
+
+    def check_available(self) -> None:
+        check_installed("wandb", extra="wandb", tracker="wandb")
 
     def init(self, run_dir: Path) -> Tracker:
         return WandbTracker(self, Path(run_dir))

@@ -21,7 +21,7 @@ import optax
 from loomax.checkpoint import Checkpointer, CheckpointInfo
 from loomax.mesh import replicated
 from loomax.runtime import MeshRuntime
-from loomax.tracking import Tracker, build_tracker
+from loomax.tracking import Tracker, build_tracker, check_trackers
 from loomax.tracking.artifacts import write_file
 from loomax.train.config import TrainerConfig
 from loomax.train.control import Control, Decision, StepAgreement, StopSignals
@@ -79,6 +79,7 @@ class Trainer:
         base_path = config.checkpointer.base_path or str(self.run_dir / "checkpoints")
         self.checkpointer = Checkpointer(config.checkpointer, base_path)
         self.checkpointer.check_writable()  # a clear error now, not at the first save
+        check_trackers(config.tracker)  # likewise a tracker whose package is missing
         self.run_config: dict[str, Any] | None = None
         """The whole run's config (JSON), stored in each checkpoint's metadata."""
         self.restored_from: CheckpointInfo | None = None
