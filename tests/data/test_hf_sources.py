@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -27,13 +26,18 @@ def hf_source(**kwargs) -> SourceConfig:
 
 @pytest.fixture(autouse=True)
 def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keeps what `datasets.load_dataset` prepares out of the user's HF cache."""
+    """Keeps what `datasets.load_dataset` prepares out of the user's HF cache. (`datasets` is
+    imported here, not at collection, where it would cost every xdist worker ~3 s.)"""
+    import datasets
+
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
 
 
 @pytest.fixture
 def saved_dataset(tmp_path: Path) -> Path:
     """A `save_to_disk` DatasetDict: train has 10 rows, validation 3."""
+    import datasets
+
     train = datasets.Dataset.from_dict(
         {"text": [f"doc {i}" for i in range(10)], "id": list(range(10))}
     )
@@ -120,6 +124,8 @@ def test_hf_errors_name_the_dataset(saved_dataset: Path, tmp_path: Path) -> None
 
 
 def test_hf_null_texts_are_bad_records(tmp_path: Path) -> None:
+    import datasets
+
     path = tmp_path / "nulls"
     datasets.Dataset.from_dict({"text": ["a", None, "c"]}).save_to_disk(str(path))
     for streaming in (False, True):

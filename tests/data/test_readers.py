@@ -8,7 +8,6 @@ from pathlib import Path
 
 import fsspec
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import zstandard
 
@@ -19,6 +18,15 @@ COMPRESSORS: dict[str, Callable[[bytes], bytes]] = {
     ".gz": gzip.compress,
     ".zst": lambda data: zstandard.ZstdCompressor().compress(data),
 }
+
+
+@pytest.fixture(scope="module")
+def pq():
+    """pyarrow.parquet, imported by the tests that write parquet: it imports pandas (~3 s),
+    which at collection every xdist worker would pay."""
+    import pyarrow.parquet
+
+    return pyarrow.parquet
 
 
 def jsonl_bytes(records: list[object]) -> bytes:
@@ -53,7 +61,7 @@ def test_zstd_with_several_frames(tmp_path: Path) -> None:
     assert list(read_file(str(path))) == ["a", "b"]
 
 
-def test_parquet_streams_row_groups_of_the_text_column(tmp_path: Path) -> None:
+def test_parquet_streams_row_groups_of_the_text_column(tmp_path: Path, pq) -> None:
     texts = [f"doc {i}" for i in range(2500)]
     table = pa.table({"id": list(range(2500)), "content": pa.array(texts, pa.large_string())})
     path = tmp_path / "part.parquet"
@@ -64,7 +72,7 @@ def test_parquet_streams_row_groups_of_the_text_column(tmp_path: Path) -> None:
     assert stats.documents == 2500
 
 
-def test_memory_urls(tmp_path: Path) -> None:
+def test_memory_urls(tmp_path: Path, pq) -> None:
     with fsspec.open("memory://readers/a.jsonl.gz", "wb") as f:
         f.write(gzip.compress(jsonl_bytes([{"text": "from memory"}])))
     buffer = pa.BufferOutputStream()
@@ -128,7 +136,7 @@ def test_undecodable_txt(tmp_path: Path) -> None:
     assert stats.skipped == 1
 
 
-def test_parquet_null_text_names_row(tmp_path: Path) -> None:
+def test_parquet_null_text_names_row(tmp_path: Path, pq) -> None:
     path = tmp_path / "nulls.parquet"
     pq.write_table(pa.table({"text": ["a", "b", None, "d"]}), path)
     with pytest.raises(ValueError, match=r"nulls\.parquet, row 2: 'text' is null"):
@@ -139,15 +147,15 @@ def test_parquet_null_text_names_row(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("table", "why"),
+    ("columns", "why"),  # the tables are made in the test: pa.table imports pandas
     [
-        (pa.table({"body": ["a", "b"]}), r"no column 'text' \(columns: body; set `text_key`\)"),
-        (pa.table({"text": [1, 2]}), "column 'text' holds int64, not strings"),
+        ({"body": ["a", "b"]}, r"no column 'text' \(columns: body; set `text_key`\)"),
+        ({"text": [1, 2]}, "column 'text' holds int64, not strings"),
     ],
 )
-def test_parquet_without_text_column(tmp_path: Path, table: pa.Table, why: str) -> None:
+def test_parquet_without_text_column(tmp_path: Path, columns: dict, why: str, pq) -> None:
     path = tmp_path / "other.parquet"
-    pq.write_table(table, path)
+    pq.write_table(pa.table(columns), path)
     with pytest.raises(ValueError, match=rf"other\.parquet: {why}"):
         list(read_file(str(path)))
     stats = ReadStats()

@@ -8,7 +8,6 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -38,7 +37,10 @@ def hf_source(**kwargs) -> SourceConfig:
 
 @pytest.fixture(autouse=True)
 def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keeps what `datasets.load_dataset` prepares out of the user's HF cache."""
+    """Keeps what `datasets.load_dataset` prepares out of the user's HF cache. (`datasets` is
+    imported here, not at collection, where it would cost every xdist worker ~3 s.)"""
+    import datasets
+
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
 
 

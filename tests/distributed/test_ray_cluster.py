@@ -5,7 +5,6 @@ import socket
 import time
 
 import pytest
-import ray
 
 from loomax.config_reference import field_docs
 from loomax.distributed import RayConfig, init_ray, ray_session
@@ -28,7 +27,15 @@ def test_bad_values_are_refused(kwargs, message):
 
 
 @pytest.fixture
-def no_ray(monkeypatch):
+def ray():
+    """ray, imported by the tests that use it (at collection every xdist worker would pay ~2 s)."""
+    import ray
+
+    return ray
+
+
+@pytest.fixture
+def no_ray(monkeypatch, ray):
     assert not ray.is_initialized(), (
         "Ray is already initialized in this test process: an earlier test left it running "
         "(shut it down there); these tests need to start from no Ray"
@@ -36,7 +43,7 @@ def no_ray(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
-def test_unreachable_address_fails_fast_naming_it(no_ray):
+def test_unreachable_address_fails_fast_naming_it(no_ray, ray):
     with socket.socket() as held:  # bound, never listening: refused, and nobody else gets it
         held.bind(("127.0.0.1", 0))
         port = held.getsockname()[1]

@@ -9,8 +9,6 @@ import haliax as hax
 import jax
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from loomax.hf import export_hf, load_hf
 from loomax.models import LlamaConfig
@@ -31,8 +29,23 @@ ALL = {
 }  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def torch():
+    """torch, imported where it is used: at collection it would cost every xdist worker ~7 s."""
+    import torch
+
+    return torch
+
+
+@pytest.fixture(scope="module")
+def transformers(torch):
+    import transformers
+
+    return transformers
+
+
 @pytest.mark.parametrize("case", ALL)
-def test_transformers_loads_the_export_with_the_same_logits(tmp_path, case):
+def test_transformers_loads_the_export_with_the_same_logits(tmp_path, case, torch, transformers):
     model = randomized(ALL[case])
     export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -47,10 +60,10 @@ def test_transformers_loads_the_export_with_the_same_logits(tmp_path, case):
 
 
 HF_CONFIGS = {
-    "gpt2": lambda: transformers.GPT2Config(
+    "gpt2": lambda transformers: transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4
     ),
-    "llama-gqa": lambda: transformers.LlamaConfig(
+    "llama-gqa": lambda transformers: transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
     ),
@@ -71,7 +84,7 @@ ROPE_PARAMETERS = {
 """transformers 5 saves these as `rope_parameters` (no top-level rope_theta/rope_scaling)."""
 
 
-def _llama_with_rope(case: str):
+def _llama_with_rope(transformers, case: str):
     return transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
@@ -80,13 +93,15 @@ def _llama_with_rope(case: str):
 
 
 for _case in ROPE_PARAMETERS:
-    HF_CONFIGS[_case] = lambda case=_case: _llama_with_rope(case)
+    HF_CONFIGS[_case] = lambda transformers, case=_case: _llama_with_rope(transformers, case)
 
 
 @pytest.mark.parametrize("case", HF_CONFIGS)
-def test_a_model_saved_by_transformers_imports_with_the_same_logits(tmp_path, case):
+def test_a_model_saved_by_transformers_imports_with_the_same_logits(
+    tmp_path, case, torch, transformers
+):
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[case]()).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[case](transformers)).eval()
     with torch.no_grad():  # move every weight off its initial value (norm scales too)
         for p in hf.parameters():
             p.add_(0.1 * torch.randn_like(p))
