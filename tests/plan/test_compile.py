@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -35,6 +36,13 @@ def tiny(model: str, *extra: str) -> TrainLmConfig:
     return parse_config(TrainLmConfig, None, [*TINY[model], *COMMON, *extra])
 
 
+@functools.cache
+def compiled(model: str, topology: str, *extra: str):
+    """``compile_run`` of ``tiny(model, *extra)`` on ``topology``, once per module: the
+    fsdp test and a parametrized case compile the same program (~20 s for libtpu)."""
+    return compile_run(tiny(model, *extra), get_topology(topology))
+
+
 def hand_state_bytes(config: TrainLmConfig, fsdp_ways: int) -> int:
     """Params + Adam's two moments (f32), each split `fsdp_ways` along `embed`; no scalars."""
     shapes = jax.eval_shape(lambda: config.model.build(512, key=jax.random.PRNGKey(0)))
@@ -58,7 +66,7 @@ def hand_state_bytes(config: TrainLmConfig, fsdp_ways: int) -> int:
 )
 def test_tiny_models_compile_and_state_bytes_match_hand_count(model, topology):
     config = tiny(model)
-    result = compile_run(config, get_topology(topology))
+    result = compiled(model, topology)
     assert result.devices == 4 and result.mesh == {"replica": 1, "data": 4, "model": 1}
     assert result.fits is True and result.error is None
     assert 0 < result.total_bytes < result.hbm_bytes
@@ -71,7 +79,7 @@ def test_tiny_models_compile_and_state_bytes_match_hand_count(model, topology):
 
 
 def test_fsdp_over_four_chips_holds_a_quarter_of_the_replicated_state():
-    fsdp = compile_run(tiny("llama"), get_topology("v5e:2x2"))
-    replicated = compile_run(tiny("llama", "--trainer.fsdp_axis", "null"), get_topology("v5e:2x2"))
+    fsdp = compiled("llama", "v5e:2x2")
+    replicated = compiled("llama", "v5e:2x2", "--trainer.fsdp_axis", "null")
     assert replicated.state_bytes - hand_state_bytes(tiny("llama"), 1) <= 64
     assert abs(replicated.state_bytes - 4 * fsdp.state_bytes) <= 4 * 64
