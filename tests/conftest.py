@@ -40,10 +40,50 @@ jax.config.update(
 )
 
 
+RUN_DIR_ENV = "LOOMAX_TEST_RUN_DIR"
+"""A directory of this test run that the controller and every xdist worker share (locks, the
+shared Ray head's record); made by the controller, removed when the run ends."""
+
+
+def _support(name: str):
+    """tests/support/<name>.py as a module (the tests are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        f"loomax_tests_{name}", REPO / "tests" / "support" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pytest_configure(config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        import tempfile
+
+        os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="loomax-test-run-")
+
+
+def pytest_unconfigure(config) -> None:
+    """The controller, after every worker is done: stop the shared Ray head, if one started."""
+    if not hasattr(config, "workerinput") and RUN_DIR_ENV in os.environ:
+        import shutil
+
+        run_dir = Path(os.environ.pop(RUN_DIR_ENV))
+        _support("ray_nodes").stop_shared_head(run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def run_dir() -> Path:
+    return Path(os.environ[RUN_DIR_ENV])
+
+
 MACHINE_RAY_MODULES = ("test_ray_cluster.py", "test_pod_ray.py", "test_ray_nodes.py")
 """Modules that start or look for a machine-wide Ray cluster (`ray start`, "is one running?").
-Each holds `machine_ray_lock` while it runs, so under pytest-xdist no two of them overlap;
-other tests start private local clusters (`address="local"`) and may run side by side."""
+`make test` hands them to one worker as a single unit (`pytest_xdist_make_scheduler`), in a
+row; each also holds `machine_ray_lock` while it runs, so that no two of them overlap under
+any other distribution either. Other tests start private local clusters (`address="local"`)
+and may run side by side."""
 
 
 RAY_MODULES: set[Path] = set()
@@ -51,27 +91,46 @@ RAY_MODULES: set[Path] = set()
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Modules with `slow` tests go first (`make test` hands out whole files, `--dist
-    loadfile`, in this order), so no worker is left with a long tail; within each part the
+    """The machine-wide Ray modules go first (mostly waiting on Ray's daemons, they overlap
+    best with work that needs the CPU), then modules with `slow` tests (`make test` hands out
+    whole files in this order), so no worker is left with a long tail; within each part the
     modules that use `ray_cluster` come together, so a worker's Ray serves them in a row.
     A module's tests stay together: moving to another module and back would build its
     module fixtures twice."""
     slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
     RAY_MODULES.update(item.path for item in items if "ray_cluster" in item.fixturenames)
-    items.sort(key=lambda item: (item.path not in slow_modules, item.path not in RAY_MODULES))
+    items.sort(
+        key=lambda item: (
+            item.path.name not in MACHINE_RAY_MODULES,
+            item.path not in slow_modules,
+            item.path not in RAY_MODULES,
+        )
+    )
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole files to each worker (as `--dist loadfile`), except that the machine-wide Ray
+    modules are one unit: a second worker would only wait on `machine_ray_lock` for them."""
+    if config.getoption("dist") != "loadfile":
+        return None  # xdist's own scheduler for the other modes
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesWithMachineRayTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "machine-ray" if Path(path).name in MACHINE_RAY_MODULES else path
+
+    return FilesWithMachineRayTogether(config, log)
 
 
 @pytest.fixture(scope="module")
-def machine_ray_lock(tmp_path_factory, request):
+def machine_ray_lock(request):
     """Held for the whole of a module in `MACHINE_RAY_MODULES` (an exclusive `flock` on a
     file every xdist worker of this run shares), so their machine-wide clusters never meet."""
     import fcntl
 
     assert request.path.name in MACHINE_RAY_MODULES, request.path
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # the run's directory, above each worker's own
-    with open(shared / "machine-ray.lock", "w") as lock:
+    with open(run_dir() / "machine-ray.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -106,25 +165,48 @@ def _stop_ray() -> None:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster of 2 CPUs (builds of the token cache join it); its gcs address.
+    """The run's shared Ray cluster (one head of 2 CPUs on 127.0.0.1, which builds of the
+    token cache join), this process connected to it; its gcs address.
 
-    One cluster serves a worker's consecutive modules that use it (each start costs ~5
-    CPU-seconds, and an idle cluster ~7% of a core): `_ray_only_where_needed` stops it when
-    a module that does not use it comes next."""
+    One head serves every worker of the run (`tests/support/ray_nodes.py`: a start costs
+    ~10-25 CPU-seconds and ~15 s); this process stays connected over its consecutive
+    modules that use it, and `_ray_only_where_needed` disconnects it before a module that
+    does not."""
     import ray
 
     from loomax.distributed import RayConfig, init_ray
+    from loomax.distributed.net import free_port
 
     if not ray.is_initialized():
-        init_ray(RayConfig(num_cpus=2))
+        init_ray(RayConfig(address=_support("ray_nodes").shared_head(run_dir(), free_port)))
     assert ray.cluster_resources()["CPU"] == 2
     yield SimpleNamespace(address=ray.get_runtime_context().gcs_address)
 
 
+@pytest.fixture(scope="session")
+def build_data():
+    """``build_data(config_path, *overrides)``: the tokenizer and token caches of that run
+    config, built here on the run's shared Ray cluster. A training subprocess with the same
+    data settings then finds them ready and starts no Ray of its own (~17 CPU-seconds and
+    ~20 s each): for scenarios about something else (launchers, faults)."""
+    from loomax.config import parse_config
+    from loomax.data import build_lm_datasets
+    from loomax.distributed import RayConfig
+    from loomax.distributed.net import free_port
+    from loomax.lm.config import TrainLmConfig
+
+    def build(config_path: Path | str, *overrides: str) -> None:
+        config = parse_config(TrainLmConfig, str(config_path), list(overrides))
+        address = _support("ray_nodes").shared_head(run_dir(), free_port)
+        build_lm_datasets(config.data, config.model.seq_len, ray=RayConfig(address=address))
+
+    return build
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _ray_only_where_needed(request):
-    """Stops this process's Ray before a module that does not use `ray_cluster`: its tests
-    may look for Ray, start their own or join another, and expect none running here."""
+    """Disconnects this process from Ray before a module that does not use `ray_cluster`:
+    its tests may look for Ray, start their own or join another, and expect none here."""
     if request.path not in RAY_MODULES:
         _stop_ray()
     yield
@@ -152,14 +234,7 @@ def tiny():
 @pytest.fixture(scope="session")
 def processes_support():
     """tests/support/processes.py (children killed together, stderr shown, port retries)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "loomax_tests_processes", REPO / "tests" / "support" / "processes.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _support("processes")
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,11 @@ from loomax.checkpoint import list_checkpoints, load_checkpoint
 
 
 @pytest.fixture(scope="module")
-def data_cache(tmp_path_factory) -> Path:
-    """The tokenizer and token cache the runs here share: the first run builds them."""
-    return tmp_path_factory.mktemp("faults-cache")
+def data_cache(tmp_path_factory, tiny_corpus, build_data) -> Path:
+    """The tokenizer and token cache the runs here share, built before the first run."""
+    cache = tmp_path_factory.mktemp("faults-cache")
+    build_data(write_config(tmp_path_factory.mktemp("faults-data"), tiny_corpus, cache))
+    return cache
 
 
 def write_config(tmp_path: Path, corpus: Path, cache: Path | None = None, **trainer) -> Path:

@@ -6,9 +6,9 @@ the whole cache, token for token.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -31,36 +31,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("machine_ray_lock")]  # 
 NUM_SHARDS = 8
 MANY_SHARDS = 64
 DRIVER = Path(__file__).with_name("token_cache_driver.py")
-RAY = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
-
-
-class NodeStartFailed(AssertionError):
-    """`ray start` exited or timed out; the message ends with its log."""
-
-
-PORT_TAKEN = re.compile(r"already in use|address in use|EADDRINUSE|failed to add port", re.I)
-"""How `ray start --head` says that its port was taken (picked by binding port 0, then freed)."""
-
-
-def start_node(args: list[str], temp_dir: Path, env: dict[str, str]) -> subprocess.Popen:
-    """`ray start --block ARGS` in a process group of its own, once the node is up."""
-    temp_dir.mkdir(parents=True)
-    log = open(temp_dir / "ray_start.log", "w+")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(
-        [RAY, "start", "--block", "--disable-usage-stats", "--num-cpus=1", *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 60
-    while "Ray runtime started" not in (temp_dir / "ray_start.log").read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_node(proc)
-            log = (temp_dir / "ray_start.log").read_text()
-            raise NodeStartFailed(f"ray start {args}: {log[-2000:]}")
-        time.sleep(0.2)
-    return proc
+_spec = importlib.util.spec_from_file_location(
+    "ray_nodes", Path(__file__).parents[1] / "support" / "ray_nodes.py"
+)
+nodes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(nodes)
 
 
 WAIT_FOR_CPUS = """
@@ -80,48 +55,28 @@ def wait_for_cpus(address: str, env: dict[str, str], cpus: int) -> None:
     subprocess.run(command, env=env, check=True, timeout=90, capture_output=True)
 
 
-def stop_node(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL, to the node's whole process group."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_nodes():
-    """A head and a worker node on 127.0.0.1, stopped at the end whatever happens."""
+    """A head and a worker node on 127.0.0.1, stopped at the end whatever happens. One
+    cluster serves the module (a start is ~25 s of Ray's daemons coming up): the kill test,
+    which leaves the head alone, comes last."""
     root = Path(tempfile.mkdtemp(prefix="lxray-"))  # short: Ray's socket paths live under it
     env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     fast_death = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "2"}
-    common = ["--node-ip-address=127.0.0.1"]
-    nodes: list[subprocess.Popen] = []
+    started: list[subprocess.Popen] = []
     try:
         head_env = env | fast_death | {"LOOMAX_TEST_NODE": "head"}
-        for attempt in range(2):  # once more if the port was taken before the head bound it
-            port = free_port()
-            head = ["--head", f"--port={port}", "--include-dashboard=false"]
-            head.append(f"--temp-dir={root}/h{attempt}")
-            try:
-                nodes.append(start_node(head + common, root / f"head{attempt}", head_env))
-                break
-            except NodeStartFailed as error:
-                if attempt == 1 or not PORT_TAKEN.search(str(error)):
-                    raise
-        worker = [f"--address=127.0.0.1:{port}", f"--temp-dir={root}/w"]
-        nodes.append(
-            start_node(worker + common, root / "worker", env | {"LOOMAX_TEST_NODE": "worker"})
-        )
+        head, port = nodes.start_head(root, head_env, free_port, cpus=1)
+        started.append(head)
+        worker = [f"--address=127.0.0.1:{port}", f"--temp-dir={root}/w", "--num-cpus=1"]
+        worker.append("--node-ip-address=127.0.0.1")
+        worker_env = env | {"LOOMAX_TEST_NODE": "worker"}
+        started.append(nodes.start_node(worker, root / "worker", worker_env))
         wait_for_cpus(f"127.0.0.1:{port}", env, 2)
-        yield SimpleNamespace(address=f"127.0.0.1:{port}", env=env, worker=nodes[1])
+        yield SimpleNamespace(address=f"127.0.0.1:{port}", env=env, worker=started[1])
     finally:
-        for proc in reversed(nodes):
-            stop_node(proc)
+        for proc in reversed(started):
+            nodes.stop_node(proc)
         shutil.rmtree(root, ignore_errors=True)
 
 

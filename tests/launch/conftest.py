@@ -12,10 +12,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def data_args(tiny_corpus, tmp_path_factory) -> list[str]:
-    """Overrides for a tiny, fast model on the tiny corpus, with a data cache shared by the session."""
+def data_args(tiny_corpus, tmp_path_factory, build_data) -> list[str]:
+    """Overrides for a tiny, fast model on the tiny corpus, with a data cache shared by the
+    session, built before the first launch (`build_data`)."""
     cache = tmp_path_factory.mktemp("launch-cache")
-    return [
+    args = [
         "--data.train", json.dumps([{"urls": [str(tiny_corpus)]}]),
         "--data.tokenizer_vocab_size", "300",
         "--data.validation_fraction", "0.1",
@@ -30,6 +31,8 @@ def data_args(tiny_corpus, tmp_path_factory) -> list[str]:
         "--trainer.ray.num_cpus", "1",
         "--sample.enabled", "false",
     ]  # fmt: skip
+    build_data(REPO / "config" / "quickstart.yaml", *args)
+    return args
 
 
 @pytest.fixture
