@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -45,16 +46,21 @@ RUN_DIR_ENV = "LOOMAX_TEST_RUN_DIR"
 shared Ray head's record); made by the controller, removed when the run ends."""
 
 
-def _support(name: str):
-    """tests/support/<name>.py as a module (the tests are not a package)."""
+@functools.cache
+def load_test_module(relative: str):
+    """The file ``tests/<relative>`` as a module, loaded once (the tests are not a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        f"loomax_tests_{name}", REPO / "tests" / "support" / f"{name}.py"
-    )
+    name = "loomax_tests_" + relative.removesuffix(".py").replace("/", "_")
+    spec = importlib.util.spec_from_file_location(name, REPO / "tests" / relative)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _support(name: str):
+    """tests/support/<name>.py as a module."""
+    return load_test_module(f"support/{name}.py")
 
 
 def pytest_configure(config) -> None:
@@ -108,6 +114,7 @@ def pytest_collection_modifyitems(config, items) -> None:
     )
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown when xdist is off
 def pytest_xdist_make_scheduler(config, log):
     """Whole files to each worker (as `--dist loadfile`), except that the machine-wide Ray
     modules are one unit: a second worker would only wait on `machine_ray_lock` for them."""
@@ -221,20 +228,19 @@ def _ray_stopped_at_the_end():
 @pytest.fixture(scope="session")
 def tiny():
     """One tiny trainer setup (tests/train/tiny_setup.py), shared by the hook and trainer tests."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "loomax_tests_tiny_setup", REPO / "tests" / "train" / "tiny_setup.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.Tiny
+    return load_test_module("train/tiny_setup.py").Tiny
 
 
 @pytest.fixture(scope="session")
 def processes_support():
     """tests/support/processes.py (children killed together, stderr shown, port retries)."""
     return _support("processes")
+
+
+@pytest.fixture(scope="session")
+def ray_nodes_support():
+    """tests/support/ray_nodes.py (Ray nodes started with `ray start`, stopped with their group)."""
+    return _support("ray_nodes")
 
 
 @pytest.fixture(scope="session")

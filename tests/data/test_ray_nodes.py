@@ -6,7 +6,6 @@ the whole cache, token for token.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
@@ -31,11 +30,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("machine_ray_lock")]  # 
 NUM_SHARDS = 8
 MANY_SHARDS = 64
 DRIVER = Path(__file__).with_name("token_cache_driver.py")
-_spec = importlib.util.spec_from_file_location(
-    "ray_nodes", Path(__file__).parents[1] / "support" / "ray_nodes.py"
-)
-nodes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(nodes)
 
 
 WAIT_FOR_CPUS = """
@@ -56,13 +50,14 @@ def wait_for_cpus(address: str, env: dict[str, str], cpus: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def two_nodes(ray_nodes_support):
     """A head and a worker node on 127.0.0.1, stopped at the end whatever happens. One
     cluster serves the module (a start is ~25 s of Ray's daemons coming up): the kill test,
     which leaves the head alone, comes last."""
     root = Path(tempfile.mkdtemp(prefix="lxray-"))  # short: Ray's socket paths live under it
     env = os.environ | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     fast_death = {"RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "2"}
+    nodes = ray_nodes_support
     started: list[subprocess.Popen] = []
     try:
         head_env = env | fast_death | {"LOOMAX_TEST_NODE": "head"}
