@@ -35,11 +35,11 @@ demo: $(STAMP)
 	$(BIN)/loomax tokenizer train --config_path config/quickstart.yaml --out cache/tokenizers/quickstart
 	$(BIN)/loomax train --config_path config/quickstart.yaml --data.tokenizer cache/tokenizers/quickstart/tokenizer.json
 
-# pytest-xdist: whole files to each worker, in the order conftest sorts them (the
-# machine-wide Ray files as one unit). Three workers on two cores: most scenario tests
-# spend their time waiting on child processes, Ray's daemons and sockets, and a third
-# worker uses the core time they leave idle.
-TEST_WORKERS ?= 3
+# Both cores (pytest-xdist): whole files to each worker, in the order conftest sorts them
+# (the machine-wide Ray files as one unit). A third worker was measured slower: back to
+# back, the suite took 844 s and 1,375 CPU-s on 3 workers, 723 s and 1,112 CPU-s on 2
+# (each worker compiles, collects and builds its session fixtures on its own).
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
