@@ -88,8 +88,8 @@ MACHINE_RAY_MODULES = ("test_ray_cluster.py", "test_pod_ray.py", "test_ray_nodes
 """Modules that start or look for a machine-wide Ray cluster (`ray start`, "is one running?").
 `make test` hands them to one worker as a single unit (`pytest_xdist_make_scheduler`), in a
 row; each also holds `machine_ray_lock` while it runs, so that no two of them overlap under
-any other distribution either. Other tests start private local clusters (`address="local"`)
-and may run side by side."""
+any other distribution either. The other Ray tests join the run's shared head
+(`ray_cluster`), which is invisible to these (its own temp dir), and may run side by side."""
 
 
 RAY_MODULES: set[Path] = set()
