@@ -121,7 +121,13 @@ def shared_head(run_dir: Path, free_port: Callable[[], int]) -> str:
         env |= {"RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(root)}
         # no log monitor: drivers here read no worker logs (log_to_driver=False), and over a
         # whole run it would cost ~25 CPU-seconds polling the workers' log files
-        proc, port = start_head(root, env, free_port, cpus=2, extra=["--include-log-monitor=false"])
+        try:
+            proc, port = start_head(
+                root, env, free_port, cpus=2, extra=["--include-log-monitor=false"]
+            )
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)  # no record: nobody else would remove it
+            raise
         address = f"127.0.0.1:{port}"
         record.write_text(json.dumps({"address": address, "pid": proc.pid, "root": str(root)}))
         return address
