@@ -31,9 +31,12 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-# one persistent compilation cache for the tests and the processes they start
+# One persistent compilation cache for the tests and the processes they start. Programs that
+# take 0.1 s or more to compile go in it: on a cold run ~60 of the tiny trainers' train steps
+# and inits repeat a program another test or process compiled before (~20 CPU-s of compiling),
+# while the ~2,000 eager ops under it would cost more to write than they save.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO / ".cache" / "jax"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update(
     "jax_persistent_cache_min_compile_time_secs",
