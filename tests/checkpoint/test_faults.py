@@ -41,6 +41,7 @@ def write_config(tmp_path: Path, corpus: Path, cache: Path | None = None, **trai
             "eval_at_start": False,
             "max_eval_batches": 1,
             "progress_bar": False,
+            "device_peak_flops": 1e11,  # MFU from this peak: no matmul probe per process
             "run_dir": str(tmp_path / "run"),
             **trainer,
         },
