@@ -41,7 +41,7 @@ def test_two_processes_train_a_preempted_attempt_relaunches_and_process_0_alone_
     launcher relaunches both, the run resumes and finishes; process 0 alone writes the
     metrics and the wandb run. (One scenario: each launch costs two JAX processes.)"""
     run_dir = tmp_path / "run"
-    steps = 40
+    steps = 20
     trackers = json.dumps([{"type": "jsonl"}, {"type": "wandb", "project": "launch-test"}])
     train = [
         *data_args,

@@ -72,7 +72,7 @@ def test_two_hosts_over_ssh_train_and_a_killed_worker_is_relaunched(
     port, server_dir = ssh_server
     for process_id in (0, 1):
         Path(f"/tmp/loomax-launch-{process_id}.pid").unlink(missing_ok=True)
-    run_dir, steps = tmp_path / "run", 40
+    run_dir, steps = tmp_path / "run", 20
     ssh_options = "[-o, StrictHostKeyChecking=no, -o, UserKnownHostsFile=/dev/null, -o, BatchMode=yes, -o, LogLevel=ERROR]"  # fmt: skip
     env = {
         "JAX_PLATFORMS": "cpu",
