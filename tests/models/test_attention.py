@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,12 @@ def reference(q, k, v, segments):
     return weights @ va  # [batch, heads, position, head_size]
 
 
+def attend(q, k, v, **kwargs):
+    """causal_attention as models call it: inside one jit (traced anew per call, so the
+    block sizes a test patches in are the ones it runs)."""
+    return eqx.filter_jit(causal_attention)(q, k, v, **kwargs)
+
+
 def test_segment_ids_from_eos():
     seg = np.asarray(packed_segments().array)
     assert seg[0, :6].tolist() == [0] * 6  # the EOS at 5 closes document 0
@@ -78,7 +85,7 @@ def test_backends_agree(small_blocks, backend, masked, kv_heads):
     segments = packed_segments() if masked else None
     if backend == "cudnn":  # cuDNN flash attention takes half precision only
         q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    out = causal_attention(q, k, v, backend=backend, segment_ids=segments)
+    out = attend(q, k, v, backend=backend, segment_ids=segments)
     assert out.axes == q.axes
     got = np.asarray(out.rearrange(("batch", "heads", "position", "head_size")).array, np.float64)
     tol = 2e-2 if backend == "cudnn" else 1e-5
@@ -88,9 +95,9 @@ def test_backends_agree(small_blocks, backend, masked, kv_heads):
 def test_documents_do_not_see_each_other():
     q, k, v = qkv()
     segments = packed_segments()
-    base = causal_attention(q, k, v, backend="blockwise", segment_ids=segments)
+    base = attend(q, k, v, backend="blockwise", segment_ids=segments)
     k2 = hax.named(k.array.at[0, :6].multiply(3.0), k.axes)  # change document 0 of row 0 only
-    moved = causal_attention(q, k2, v, backend="blockwise", segment_ids=segments)
+    moved = attend(q, k2, v, backend="blockwise", segment_ids=segments)
     np.testing.assert_allclose(base.array[0, 6:], moved.array[0, 6:], atol=1e-6)
     assert not np.allclose(base.array[0, :6], moved.array[0, :6])
 
@@ -112,7 +119,7 @@ def test_blockwise_gradient_matches_vanilla(small_blocks, masked):
             )
             return jnp.sum(out.rearrange(q.axes).array * cot)
 
-        return jax.grad(f, argnums=(0, 1, 2))(q.array, k.array, v.array)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q.array, k.array, v.array)
 
     for got, want in zip(loss("blockwise"), loss("vanilla"), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -143,9 +150,10 @@ def test_models_give_the_same_logits_with_every_cpu_backend(family):
         jax.random.randint(jax.random.PRNGKey(1), (2, 32), 0, 50), ("batch", "position")
     )
     segments = segment_ids_from_eos(ids, 7)
-    want = build("vanilla").logits(ids, segment_ids=segments).array
+    logits = eqx.filter_jit(lambda model: model.logits(ids, segment_ids=segments).array)
+    want = logits(build("vanilla"))
     for backend in ("blockwise", "xla"):
-        got = build(backend).logits(ids, segment_ids=segments).array
+        got = logits(build(backend))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=backend)
 
 

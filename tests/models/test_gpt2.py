@@ -16,6 +16,22 @@ TINY = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=4)
 VOCAB = 61
 
 
+@eqx.filter_jit
+def build(config: Gpt2Config, vocab: int = VOCAB, seed: int = 0):
+    """The model as training initializes it: in one jit."""
+    return config.build(vocab, key=jax.random.PRNGKey(seed))
+
+
+@eqx.filter_jit
+def logits_of(model, ids):
+    return model.logits(ids)
+
+
+@eqx.filter_jit
+def loss_grads(model, batch):
+    return jax.grad(lambda m: next_token_loss(m, batch)[0])(model)
+
+
 def tokens(batch=2, seq=16, seed=0):
     ids = jax.random.randint(jax.random.PRNGKey(seed), (batch, seq), 0, VOCAB)
     return hax.named(ids, ("batch", "position"))
@@ -23,7 +39,7 @@ def tokens(batch=2, seq=16, seed=0):
 
 @pytest.fixture(scope="module")
 def model():
-    return TINY.build(VOCAB, key=jax.random.PRNGKey(0))
+    return build(TINY)
 
 
 def test_named_axes_and_shapes(model):
@@ -32,9 +48,9 @@ def test_named_axes_and_shapes(model):
     qkv = model.blocks.stacked.attn.qkv.weight
     assert {a.name for a in qkv.axes} == {"layers", "embed", "qkv", "heads", "head_size"}
     assert model.blocks.stacked.mlp.up.weight.resolve_axis("mlp").size == 128
-    h = model.hidden_states(tokens())
+    h = eqx.filter_jit(lambda m: m.hidden_states(tokens()))(model)
     assert h.axes == (hax.Axis("batch", 2), hax.Axis("position", 16), hax.Axis("embed", 32))
-    logits = model.logits(tokens())
+    logits = logits_of(model, tokens())
     assert logits.axes == (hax.Axis("batch", 2), hax.Axis("position", 16), hax.Axis("vocab", VOCAB))
 
 
@@ -51,7 +67,7 @@ def test_untied_head_adds_vocab_by_embed():
         seq_len=16, hidden_dim=32, num_layers=2, num_heads=4, tie_word_embeddings=False
     )
     assert untied.param_count(VOCAB) - TINY.param_count(VOCAB) == VOCAB * 32
-    model = untied.build(VOCAB, key=jax.random.PRNGKey(0))
+    model = build(untied)
     assert model.lm_head_weight().axes == (hax.Axis("vocab", VOCAB), hax.Axis("embed", 32))
 
 
@@ -65,7 +81,7 @@ def test_flops_per_token_by_hand():
 def test_causal(model):
     a = tokens()
     b = hax.named(a.array.at[:, 10:].set((a.array[:, 10:] + 1) % VOCAB), a.axes)
-    la, lb = model.logits(a).array, model.logits(b).array
+    la, lb = logits_of(model, a).array, logits_of(model, b).array
     np.testing.assert_allclose(la[:, :10], lb[:, :10], rtol=1e-5, atol=1e-5)
     assert not np.allclose(la[:, 10:], lb[:, 10:])
 
@@ -75,10 +91,8 @@ def test_remat_does_not_change_values():
     plain = Gpt2Config(
         seq_len=16, hidden_dim=32, num_layers=2, num_heads=4, gradient_checkpointing=False
     )
-    m1 = TINY.build(VOCAB, key=jax.random.PRNGKey(0))
-    m2 = plain.build(VOCAB, key=jax.random.PRNGKey(0))
-    g1 = jax.grad(lambda m: next_token_loss(m, batch)[0])(m1)
-    g2 = jax.grad(lambda m: next_token_loss(m, batch)[0])(m2)
+    g1 = loss_grads(build(TINY), batch)
+    g2 = loss_grads(build(plain), batch)
     for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
@@ -86,10 +100,12 @@ def test_remat_does_not_change_values():
 def test_gradient_matches_finite_differences():
     with jax.enable_x64(True):
         config = Gpt2Config(seq_len=8, hidden_dim=16, num_layers=2, num_heads=2)
-        model = config.build(23, key=jax.random.PRNGKey(1))
-        model = jax.tree.map(
-            lambda x: x.astype(jnp.float64) if eqx.is_inexact_array(x) else x, model
-        )
+        model = eqx.filter_jit(
+            lambda: jax.tree.map(
+                lambda x: x.astype(jnp.float64) if eqx.is_inexact_array(x) else x,
+                config.build(23, key=jax.random.PRNGKey(1)),
+            )
+        )()
         batch = hax.named(
             jax.random.randint(jax.random.PRNGKey(2), (2, 8), 0, 23), ("batch", "position")
         )
@@ -98,16 +114,18 @@ def test_gradient_matches_finite_differences():
             total, weight = next_token_loss(m, batch)
             return total / weight
 
-        loss = jax.jit(loss)
-        grads = jax.grad(loss)(model)
+        grads = eqx.filter_jit(jax.grad(loss))(model)
         params, unflatten = ravel_pytree(eqx.filter(model, eqx.is_inexact_array))
         flat_grads, _ = ravel_pytree(eqx.filter(grads, eqx.is_inexact_array))
         static = eqx.filter(model, eqx.is_inexact_array, inverse=True)
+
+        @jax.jit
+        def bumped_loss(index, eps):  # the loss with one parameter moved by eps
+            return loss(eqx.combine(unflatten(params.at[index].add(eps)), static))
+
         rng = np.random.default_rng(0)
         eps = 1e-6
         for index in rng.choice(params.size, size=12, replace=False):
-            bump = jnp.zeros_like(params).at[index].set(eps)
-            plus = loss(eqx.combine(unflatten(params + bump), static))
-            minus = loss(eqx.combine(unflatten(params - bump), static))
+            plus, minus = bumped_loss(index, eps), bumped_loss(index, -eps)
             numeric = (plus - minus) / (2 * eps)
             np.testing.assert_allclose(flat_grads[index], numeric, rtol=1e-4, atol=1e-8)

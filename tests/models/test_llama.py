@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import equinox as eqx
 import haliax as hax
 import jax
 import numpy as np
@@ -27,6 +28,22 @@ TINY = LlamaConfig(
 )
 
 
+@eqx.filter_jit
+def build(config: LlamaConfig, seed: int):
+    return config.build(VOCAB, key=jax.random.PRNGKey(seed))
+
+
+@eqx.filter_jit
+def logits_of(model, ids, segment_ids=None):
+    """The model's logits as training computes them: in one jit."""
+    return model.logits(ids, segment_ids=segment_ids).array
+
+
+@eqx.filter_jit
+def loss_grads(model, batch):
+    return jax.grad(lambda m: next_token_loss(m, batch)[0])(model)
+
+
 def tokens(batch=2, seq=32, seed=0):
     ids = jax.random.randint(jax.random.PRNGKey(seed), (batch, seq), 1, VOCAB)
     return hax.named(ids, ("batch", "position"))
@@ -34,7 +51,7 @@ def tokens(batch=2, seq=32, seed=0):
 
 @pytest.fixture(scope="module")
 def model():
-    return TINY.build(VOCAB, key=jax.random.PRNGKey(0))
+    return build(TINY, 0)
 
 
 def test_gqa_axes_and_param_count(model):
@@ -44,7 +61,7 @@ def test_gqa_axes_and_param_count(model):
     d, m, L, V, hs = 32, 64, 2, VOCAB, 8
     per_layer = d * 4 * hs + 2 * d * 2 * hs + 4 * hs * d + 3 * d * m + 2 * d
     assert TINY.param_count(VOCAB) == V * d + L * per_layer + d + V * d  # untied head
-    logits = model.logits(tokens())
+    logits = eqx.filter_jit(lambda m: m.logits(tokens()))(model)
     assert logits.axes == (hax.Axis("batch", 2), hax.Axis("position", 32), hax.Axis("vocab", VOCAB))
 
 
@@ -59,17 +76,17 @@ def test_head_dim_override_tied_and_qk_norm():
         tie_word_embeddings=True,
         qk_norm=True,
     )
-    model = config.build(VOCAB, key=jax.random.PRNGKey(1))
+    model = build(config, 1)
     assert model.lm_head is None
     assert model.blocks.stacked.attn.q_norm.weight.resolve_axis("head_size").size == 24
     assert model.blocks.stacked.attn.q_proj.weight.resolve_axis("head_size").size == 24
-    assert np.isfinite(model.logits(tokens(seq=16)).array).all()
+    assert np.isfinite(logits_of(model, tokens(seq=16))).all()
 
 
 def test_causal(model):
     a = tokens()
     b = hax.named(a.array.at[:, 20:].set((a.array[:, 20:] + 1) % VOCAB), a.axes)
-    la, lb = model.logits(a).array, model.logits(b).array
+    la, lb = logits_of(model, a), logits_of(model, b)
     np.testing.assert_allclose(la[:, :20], lb[:, :20], rtol=1e-5, atol=1e-5)
     assert not np.allclose(la[:, 20:], lb[:, 20:])
 
@@ -81,25 +98,23 @@ def test_document_mask_isolates_packed_documents(model):
     b = a.copy()
     b[:, :11] = (b[:, :11] + 3) % (VOCAB - 1) + 1  # change document 0 only (never into EOS)
     ta, tb = hax.named(a, ("batch", "position")), hax.named(b, ("batch", "position"))
-    la = model.logits(ta, segment_ids=segment_ids_from_eos(ta, eos)).array
-    lb = model.logits(tb, segment_ids=segment_ids_from_eos(tb, eos)).array
+    la = logits_of(model, ta, segment_ids_from_eos(ta, eos))
+    lb = logits_of(model, tb, segment_ids_from_eos(tb, eos))
     np.testing.assert_allclose(la[:, 12:], lb[:, 12:], rtol=1e-5, atol=1e-5)
-    unmasked = model.logits(tb).array
+    unmasked = logits_of(model, tb)
     assert not np.allclose(unmasked[:, 12:], lb[:, 12:], atol=1e-4)
 
 
 @pytest.fixture(scope="module")
 def default_grads(model):
-    batch = tokens()
-    return jax.grad(lambda m: next_token_loss(m, batch)[0])(model)
+    return loss_grads(model, tokens())
 
 
 @pytest.mark.parametrize("policy", [False, "offload", "nested"])
 def test_remat_policies_do_not_change_gradients(default_grads, policy):
     other = dataclasses.replace(TINY, gradient_checkpointing=policy)
-    other = other.build(VOCAB, key=jax.random.PRNGKey(0))
-    batch = tokens()
-    grads = jax.grad(lambda m: next_token_loss(m, batch)[0])(other)
+    other = build(other, 0)
+    grads = loss_grads(other, tokens())
     for x, y in zip(jax.tree.leaves(grads), jax.tree.leaves(default_grads), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
 
@@ -139,11 +154,12 @@ def test_rotary_variants():
 
 def test_z_loss_adds_squared_log_partition(model):
     batch = tokens()
-    plain, n = next_token_loss(model, batch, block_size=None)
+    loss = eqx.filter_jit(next_token_loss)
+    plain, n = loss(model, batch, block_size=None)
     for block, vocab_block in ((None, None), (16, None), (16, 10)):
-        with_z, _ = next_token_loss(
+        with_z, _ = loss(
             model, batch, block_size=block, z_loss_weight=1e-2, vocab_block_size=vocab_block
         )
-        logits = model.logits(batch).array[:, :-1]
+        logits = logits_of(model, batch)[:, :-1]
         lse = jax.nn.logsumexp(logits, axis=-1)
         np.testing.assert_allclose(with_z, plain + 1e-2 * np.sum(lse**2), rtol=1e-5)
