@@ -17,7 +17,15 @@ ROOT = Path(loomax.__file__).parent
 
 LAYERS: list[set[str]] = [
     {"errors"},
-    {"config", "storage", "jax_setup", "_xla_flags", "peak_flops", "batch_schedule"},
+    {
+        "config",
+        "storage",
+        "atomic_files",
+        "jax_setup",
+        "_xla_flags",
+        "peak_flops",
+        "batch_schedule",
+    },
     {"cli_parser"},
     {"mesh", "tree_paths"},
     {"distributed", "runtime", "tracking"},

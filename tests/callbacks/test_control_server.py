@@ -11,11 +11,13 @@ import urllib.error
 import urllib.request
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from loomax.callbacks import ControlServerHook
+from loomax.callbacks import ControlServerHook, control_server
 from loomax.distributed.net import free_port
+from loomax.train.hooks import StepInfo
 
 
 def call(url, method="GET", token=None):
@@ -57,6 +59,30 @@ def wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def test_control_file_appears_only_whole_and_private(tmp_path, monkeypatch):
+    # A client polls for control.json and reads it at once: the name must not exist before
+    # the URL and token are in it (CI once read it empty, between create and write).
+    hook = ControlServerHook(run_dir=tmp_path / "run")
+    existed_while_writing = []
+
+    def dump(obj, f):
+        existed_while_writing.append(hook.control_file.exists())
+        json.dump(obj, f)
+
+    fake_json = SimpleNamespace(dump=dump, dumps=json.dumps)
+    monkeypatch.setattr(control_server, "json", fake_json)
+    hook.on_train_begin(StepInfo(step=0, state=None, metrics={}))
+    try:
+        assert existed_while_writing == [False]
+        assert hook.control_file.stat().st_mode & 0o777 == 0o600
+        assert sorted(p.name for p in hook.run_dir.iterdir()) == ["control.json"]  # no temp left
+        info = json.loads(hook.control_file.read_text())
+        assert call(info["url"] + "/status", token=info["token"])[0] == 200
+    finally:
+        hook.on_train_end(StepInfo(step=0, state=None, metrics={}))
+    assert not hook.control_file.exists()
+
+
 def test_save_and_stop_over_http(tiny, tmp_path):
     trainer = tiny.trainer(tmp_path, steps=100_000, max_train_time=timedelta(seconds=120))
     hook = ControlServerHook(run_dir=trainer.run_dir, port=0)
@@ -81,6 +107,12 @@ def test_save_and_stop_over_http(tiny, tmp_path):
         replies["save_and_stop"] = call(url + "/save_and_stop", "POST", token=token)
 
     thread = ClientThread(client)
+
+    def stop_if_the_client_failed(info):  # fail in seconds, not at max_train_time
+        if thread.error is not None:
+            info.control.stop("the test's client failed", by="test")
+
+    trainer.add_hook(stop_if_the_client_failed, every=1)
     thread.start()
     final = trainer.train(tiny.init(trainer), tiny.batches())
     trainer.finish()

@@ -74,7 +74,9 @@ def logged_steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+    # read while the run appends: a last line without its newline may still be half written
+    whole_lines = path.read_text().split("\n")[:-1]
+    return [json.loads(line)["step"] for line in whole_lines if line.strip()]
 
 
 def wait_for(condition, proc: subprocess.Popen, timeout: float = 240):

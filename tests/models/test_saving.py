@@ -42,7 +42,7 @@ def test_save_updates_in_place(tmp_path):
     np.testing.assert_array_equal(
         loaded.token_embeddings.weight.array, second.token_embeddings.weight.array
     )
-    assert not list(tmp_path.glob("*.tmp"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "model.yaml"]
 
 
 def test_load_model_names_what_is_missing(tmp_path):

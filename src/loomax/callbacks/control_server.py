@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from loomax.atomic_files import replace_file
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
@@ -88,9 +89,8 @@ class ControlServerHook(Hook):
             target=self._server.serve_forever, name="control-server", daemon=True
         ).start()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.control_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"url": self.url, "token": self.token, "pid": os.getpid()}, f)
+        served = {"url": self.url, "token": self.token, "pid": os.getpid()}
+        replace_file(self.control_file, lambda f: json.dump(served, f), mode=0o600)
         self._update(info, "training")
         logger.info("control server at %s (token in %s)", self.url, self.control_file)
 

@@ -1,8 +1,9 @@
 """Metric saver: the latest logged metrics as JSON files in the run directory.
 
 Every ``every`` steps ``<run_dir>/metrics_step{step}.json``; after every logged record
-``<run_dir>/metrics.json`` (so at the end it holds the final values). Only metrics
-matching one of the ``include`` globs are kept.
+``<run_dir>/metrics.json`` (so at the end it holds the final values), each replaced whole
+so a reader never sees a half-written file. Only metrics matching one of the ``include``
+globs are kept.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loomax.atomic_files import replace_text
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
@@ -72,10 +74,11 @@ class MetricSaverHook(Hook):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_every = self.config.every
         if save_every and info.step % save_every == 0:
-            (self.run_dir / f"metrics_step{info.step}.json").write_text(
-                json.dumps({"step": info.step, **kept}, indent=1)
+            replace_text(
+                self.run_dir / f"metrics_step{info.step}.json",
+                json.dumps({"step": info.step, **kept}, indent=1),
             )
-        (self.run_dir / "metrics.json").write_text(json.dumps(self.latest, indent=1))
+        replace_text(self.run_dir / "metrics.json", json.dumps(self.latest, indent=1))
 
 
 def _plain(value: Any) -> Any:

@@ -4,13 +4,14 @@ Byte-level BPE can encode any text without an unknown token, so a small model tr
 one corpus can still be sampled and evaluated on any other.
 """
 
-import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from loomax.atomic_files import replace_path
 
 EOS_TOKEN = "<|endoftext|>"
 """End-of-document token of the tokenizers trained here (id 0)."""
@@ -50,9 +51,7 @@ def train_bpe_tokenizer(
     tokenizer.train_from_iterator(documents, trainer=trainer)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
-    tokenizer.save(str(tmp_path))
-    os.replace(tmp_path, out_path)
+    replace_path(out_path, lambda tmp: tokenizer.save(str(tmp)))
     return tokenizer
 
 

@@ -9,7 +9,6 @@ so saving into an existing directory replaces both in place.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import equinox as eqx
@@ -17,6 +16,7 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from loomax.atomic_files import replace_path
 from loomax.tree_paths import named_leaves
 
 CONFIG_FILE = "model.yaml"
@@ -33,21 +33,15 @@ def weight_leaves(tree) -> list[tuple[str, object]]:
     return named_leaves(eqx.filter(tree, is_weight), sep=None, whole_named_arrays=False)
 
 
-def _replace(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def write_files(path: str | os.PathLike, config_text: str, tree) -> None:
     """Write ``config_text`` and the weights of ``tree`` into directory ``path`` (created if needed)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     arrays = {name: np.asarray(jax.device_get(leaf)) for name, leaf in weight_leaves(tree)}
-    _replace(
+    replace_path(
         path / WEIGHTS_FILE, lambda p: save_file(arrays, str(p), metadata={"format": "loomax"})
     )
-    _replace(path / CONFIG_FILE, lambda p: p.write_text(config_text))
+    replace_path(path / CONFIG_FILE, lambda p: p.write_text(config_text))
 
 
 def read_files(path: str | os.PathLike) -> tuple[str, dict[str, np.ndarray]]:
