@@ -15,6 +15,8 @@ def wandb_records(path: Path):
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
+    if len(data) < 7:  # its header is still being written
+        return
     assert data[:4] == b":W&B", path
     block, pos, pending = 32768, 7, b""
     while pos + 7 <= len(data):
