@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from loomax.atomic_files import replace_text
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
@@ -34,7 +35,7 @@ class ConfigSaverHook(Hook):
         self.write = write
         if write:  # before training, so a run that fails early still has it
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(config_yaml)
+            replace_text(self.run_dir / "config.yaml", config_yaml)
 
     @classmethod
     def from_config(cls, config: Config, context: HookContext) -> Hook | list[Hook]:
@@ -46,7 +47,7 @@ class ConfigSaverHook(Hook):
 
     def on_train_begin(self, info: StepInfo) -> None:
         if self.write and not (self.run_dir / "config.yaml").exists():
-            (self.run_dir / "config.yaml").write_text(self.config_yaml)
+            replace_text(self.run_dir / "config.yaml", self.config_yaml)
 
     def checkpoint_files(self) -> dict[str, bytes]:
         return {"config.yaml": self.config_yaml.encode()}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loomax.atomic_files import replace_text
 from loomax.tracking.base import Tracker, TrackerConfig
 from loomax.tracking.git import git_info
 from loomax.tracking.optional import check_installed, require
@@ -70,7 +71,7 @@ def resolve_run_id(config: WandbTrackerConfig, run_dir: Path) -> str:
     run_id = config.id or stored or secrets.token_hex(4)
     if run_id != stored:
         run_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(run_id + "\n")
+        replace_text(path, run_id + "\n")  # a crash mid-write must not lose the id
     return run_id
 
 
