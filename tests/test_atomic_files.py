@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 
 import pytest
 
@@ -39,6 +40,15 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
         replace_path(path, write_to)
     assert path.read_text() == "old"
     assert os.listdir(tmp_path) == ["model.yaml"]
+
+
+def test_a_temp_left_by_a_killed_writer_with_the_same_pid_does_not_block(tmp_path):
+    # in a container a restarted job often has the same pid and main-thread id as before
+    path = tmp_path / "metrics.json"
+    stale = tmp_path / f".metrics.json.tmp-{os.getpid()}-{threading.get_ident()}"
+    stale.write_text("half")
+    replace_text(path, "{}")
+    assert path.read_text() == "{}"
 
 
 def test_a_new_file_appears_only_whole_and_with_the_mode_asked_for(tmp_path):

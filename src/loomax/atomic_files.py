@@ -7,7 +7,7 @@ either the old file or the complete new one, never an empty or half-written file
 from __future__ import annotations
 
 import os
-import threading
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
@@ -20,7 +20,9 @@ def replace_path(path: str | os.PathLike, write_to: Callable[[Path], None]) -> N
     is removed if ``write_to`` fails, leaving ``path`` as it was.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    # random, not pid-based: a restarted job often gets its killed predecessor's pid (and
+    # main-thread id), and the temp that one left behind must not block the next write
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
     try:
         write_to(tmp)
         os.replace(tmp, path)
