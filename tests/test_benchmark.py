@@ -11,6 +11,7 @@ def test_bench_prints_json_line(tmp_path):
     config = tmp_path / "bench.yaml"
     config.write_text(
         "model:\n  type: gpt2\n  seq_len: 32\n  hidden_dim: 32\n  num_layers: 1\n  num_heads: 2\n  vocab_size: 100\n"
+        "  document_mask: true\n"  # timed with documents masked at a synthetic EOS
         "trainer:\n  train_batch_size: 4\n"
     )
     proc = subprocess.run(
@@ -27,6 +28,8 @@ def test_bench_prints_json_line(tmp_path):
             "1",
             "--save_every",
             "2",
+            "--profile",
+            str(tmp_path / "profile"),
         ],
         capture_output=True,
         text=True,
@@ -39,6 +42,10 @@ def test_bench_prints_json_line(tmp_path):
     assert result["tokens_per_second"] > 0 and 0 < result["mfu"] < 1
     assert result["save_every"] == 2 and result["checkpoint_mb"] > 0  # timed with saves too
     assert result["step_ms_mean_saving"] > 0 and "checkpoint_overhead" in result
+    # a few steps traced after the timing (the donated state survives the saves), for Perfetto too
+    assert result["profile_dir"] == str(tmp_path / "profile") and "profile_error" not in result
+    assert list((tmp_path / "profile").rglob("*.trace.json.gz"))
+    assert "device_peak_gb" not in result  # CPUs report no device memory
     assert result["flops_per_token"] == 3 * (
         2 * 32 * 96 + 2 * 32 * 32 + 4 * 32 * 128 + 4 * 32 * 32 + 2 * 32 * 100
     )

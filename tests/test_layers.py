@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
         "atomic_files",
         "jax_setup",
         "_xla_flags",
+        "_jax_compat",
         "peak_flops",
         "batch_schedule",
     },

@@ -1,8 +1,10 @@
 """Loomax: a named-axis training stack for language models in JAX."""
 
+from loomax._jax_compat import apply_jax_compat
 from loomax._xla_flags import apply_default_xla_flags
 
 apply_default_xla_flags()
+apply_jax_compat()
 
 
 def __getattr__(name: str):

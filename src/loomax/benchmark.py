@@ -17,16 +17,28 @@ from loomax.peak_flops import measure_matmul_flops, total_peak_flops
 from loomax.tracking import NoopTrackerConfig
 from loomax.train import Trainer, setup_process
 
+PROFILE_STEPS = 3
+"""Steps traced by ``run_benchmark(profile_dir=...)``, after the timed ones."""
+
 
 def run_benchmark(
-    config: TrainLmConfig, *, steps: int = 10, warmup: int = 2, save_every: int | None = None
+    config: TrainLmConfig,
+    *,
+    steps: int = 10,
+    warmup: int = 2,
+    save_every: int | None = None,
+    profile_dir: str | None = None,
 ) -> dict[str, float]:
     """Compile the step, run ``warmup`` untimed steps, then time ``steps`` steps.
 
     Prints a human-readable report and, last, one JSON line with ``compile_s``,
-    ``step_ms_median``, ``tokens_per_second``, ``flops_per_token`` and ``mfu``. With
-    ``save_every`` K, the steps are timed again while an async checkpoint is saved
-    every K steps (to a temporary directory), and the two mean step times are compared.
+    ``step_ms_median``, ``tokens_per_second``, ``flops_per_token`` and ``mfu`` (and the
+    device's peak memory where it reports one). With ``save_every`` K, the steps are timed
+    again while an async checkpoint is saved every K steps (to a temporary directory), and
+    the two mean step times are compared. With ``profile_dir``, ``PROFILE_STEPS`` more
+    steps are traced there by ``jax.profiler`` (TensorBoard's xplane and a Perfetto
+    ``*.trace.json.gz``). A model with ``document_mask`` masks documents at a synthetic
+    EOS id (the last of the vocabulary), so the masked attention path is what is timed.
     """
     model_config = config.model
     vocab_size = model_config.vocab_size
@@ -45,7 +57,12 @@ def run_benchmark(
     trainer = Trainer(
         trainer_config,
         config.optimizer.build(trainer_config.num_train_steps),
-        lm_loss(model_config.cross_entropy_block_size),
+        lm_loss(
+            model_config.cross_entropy_block_size,
+            z_loss_weight=model_config.z_loss_weight,
+            eos_id=vocab_size - 1 if model_config.document_mask else None,
+            vocab_block_size=model_config.cross_entropy_vocab_block_size,
+        ),
         run_id=setup_process(trainer_config),
         lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps),
     )
@@ -94,11 +111,25 @@ def run_benchmark(
         "platform": jax.devices()[0].platform,
         "final_loss": float(metrics["train/loss"]),
     }
+    peak_bytes = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    if peak_bytes is not None:
+        result["device_peak_gb"] = round(peak_bytes / 2**30, 2)
     if save_every:
         try:
-            result.update(_with_saves(trainer, timed, state, steps, save_every, times))
+            saves, state = _with_saves(trainer, timed, state, steps, save_every, times)
+            result.update(saves)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+    if profile_dir:  # a trace that cannot be taken leaves the timings standing
+        try:
+            jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
+            try:
+                timed(state, PROFILE_STEPS)
+            finally:
+                jax.profiler.stop_trace()
+            result["profile_dir"] = profile_dir
+        except Exception as e:  # noqa: BLE001 - reported in the result instead
+            result["profile_error"] = f"{type(e).__name__}: {e}"
     if jax.devices()[0].platform == "cpu" and trainer_config.device_peak_flops is None:
         result["matmul_probe_gflops"] = round(measure_matmul_flops("float32") / 1e9, 2)
     print(
@@ -122,11 +153,11 @@ def run_benchmark(
     return result
 
 
-def _with_saves(trainer, timed, state, steps: int, save_every: int, plain: list[float]) -> dict:
+def _with_saves(trainer, timed, state, steps: int, save_every: int, plain: list[float]):
     """Alternate blocks of ``steps`` steps with and without an async checkpoint every ``save_every``.
 
     Two blocks of each (the first plain block is ``plain``), so drift on a noisy machine
-    hits both sides; the mean step times are compared.
+    hits both sides; the mean step times are compared. Returns the figures and the state.
     """
     plain, saving, drain = list(plain), [], 0.0
     for block in range(2):
@@ -139,7 +170,7 @@ def _with_saves(trainer, timed, state, steps: int, save_every: int, plain: list[
             state, _, times = timed(state, steps)
             plain += times
     mean, mean_saving = statistics.mean(plain), statistics.mean(saving)
-    return {
+    figures = {
         "save_every": save_every,
         "checkpoint_mb": round(trainer.checkpointer.last_save_bytes / 1e6, 2),
         "step_ms_mean": round(mean * 1e3, 2),
@@ -147,3 +178,4 @@ def _with_saves(trainer, timed, state, steps: int, save_every: int, plain: list[
         "checkpoint_overhead": round(mean_saving / mean - 1, 4),
         "checkpoint_drain_s": round(drain, 3),
     }
+    return figures, state

@@ -246,10 +246,22 @@ def _bench(args: list[str]) -> None:
         metavar="K",
         help="also time the steps with an async checkpoint every K steps",
     )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="after timing, trace a few steps into DIR (xplane and Perfetto trace.json.gz)",
+    )
     known, overrides = parser.parse_known_args(args)
     config = load_config(TrainLmConfig, known.config_path, overrides)
     try:
-        run_benchmark(config, steps=known.steps, warmup=known.warmup, save_every=known.save_every)
+        run_benchmark(
+            config,
+            steps=known.steps,
+            warmup=known.warmup,
+            save_every=known.save_every,
+            profile_dir=known.profile,
+        )
     except ValueError as e:
         raise UserError(str(e)) from e
 

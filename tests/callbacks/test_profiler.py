@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loomax.callbacks import ProfilerHook
+from loomax.callbacks.profiler import kernel_category, summarize_trace
 
 
 def test_trace_of_steps_is_written(tiny, tmp_path):
@@ -14,3 +17,29 @@ def test_trace_of_steps_is_written(tiny, tmp_path):
     trainer.train(tiny.init(trainer), tiny.batches())
     assert active == {1: True, 2: True, 3: False, 4: False, 5: False}
     assert hook.done and list((tmp_path / "run" / "profile").rglob("*.xplane.pb"))
+    # a Perfetto trace too, which summarize_trace reads: XLA's ops of the traced steps
+    summary = summarize_trace(tmp_path / "run" / "profile", top=5)
+    assert summary["busy_ms"] > 0 and summary["events"] > 0
+    assert 0 < len(summary["top"]) <= 5
+    assert summary["top"][0]["ms"] >= summary["top"][-1]["ms"]
+    assert sum(summary["by_category"].values()) == pytest.approx(summary["busy_ms"], rel=1e-3)
+
+
+def test_summary_needs_a_trace(tmp_path):
+    with pytest.raises(FileNotFoundError, match="trace.json.gz"):
+        summarize_trace(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "category"),
+    [
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "attention"),
+        ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "matmul"),
+        ("gemm_fusion_dot_general_12", "matmul"),
+        ("memcpy128", "copy"),
+        ("ncclDevKernel_AllReduce_Sum_bf16", "collective"),
+        ("input_add_reduce_fusion", "other"),
+    ],
+)
+def test_kernel_categories(name, category):  # names seen in an H200 trace of GPT-2
+    assert kernel_category(name) == category

@@ -1,6 +1,7 @@
 """Building train and validation windows from a config, through the Ray-built token cache."""
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -213,3 +214,20 @@ def test_changing_the_split_is_not_served_from_the_cache(tmp_path: Path) -> None
     large = build_lm_datasets(small_config(tmp_path, validation_fraction=0.5), seq_len=8)
     assert large.validation.num_tokens > small.validation.num_tokens
     assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 2
+
+
+def test_in_memory_cache_builds_without_ray_or_a_local_cache_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``memory://`` cache (how bench/gpu.py trains on a host without Ray) is built in this
+    process, and the tokenizer trained for it goes to the temp directory, not to a folder
+    named ``memory:`` wherever the run was started."""
+    write_corpus(tmp_path / "corpus", 20)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setitem(sys.modules, "ray", None)  # importing Ray now fails
+    config = small_config(tmp_path, cache_dir="memory://in-memory-test")
+    data = build_lm_datasets(config, seq_len=8)
+    assert data.num_train_windows > 0
+    assert not (tmp_path / "memory:").exists()
+    assert Path(data.tokenizer_path).is_relative_to(tmp_path / "tmp" / "loomax-tokenizers")

@@ -158,10 +158,53 @@ def test_models_give_the_same_logits_with_every_cpu_backend(family):
 
 
 def test_auto_backend_choice():
-    from loomax.models.attention import resolve_backend
+    from loomax.models.attention import gpu_compute_capability, resolve_backend
 
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = gpu_compute_capability() is not None
     assert resolve_backend("auto", jnp.float32, 256) == "vanilla"
     assert resolve_backend("auto", jnp.float32, 8192) == "blockwise"
     assert resolve_backend("auto", jnp.bfloat16, 256) == ("cudnn" if on_gpu else "vanilla")
     assert resolve_backend("xla", jnp.float32, 8192) == "xla"
+
+
+HOPPER, AMPERE, VOLTA = (9, 0), (8, 0), (7, 0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head", "seq", "segments", "capability", "want"),
+    [
+        (jnp.bfloat16, 64, 1024, False, HOPPER, "cudnn"),
+        (jnp.float16, 128, 4096, True, AMPERE, "cudnn"),
+        (jnp.bfloat16, 256, 1024, False, HOPPER, "cudnn"),  # Hopper takes heads up to 256
+        (jnp.bfloat16, 256, 1024, False, AMPERE, "vanilla"),  # ... earlier GPUs up to 128
+        (jnp.bfloat16, 256, 4096, False, AMPERE, "blockwise"),
+        (jnp.bfloat16, 12, 1024, False, HOPPER, "vanilla"),  # not a multiple of 8
+        (jnp.bfloat16, 320, 1024, False, HOPPER, "vanilla"),
+        (jnp.float32, 64, 1024, False, HOPPER, "vanilla"),  # cuDNN takes half precision only
+        (jnp.bfloat16, 64, 1023, True, HOPPER, "vanilla"),  # a mask (bias) needs an even length
+        (jnp.bfloat16, 64, 1023, False, HOPPER, "cudnn"),
+        (jnp.bfloat16, 64, 1024, False, VOLTA, "vanilla"),
+        (jnp.bfloat16, 64, 1024, False, None, "vanilla"),  # no NVIDIA GPU
+    ],
+)
+def test_auto_uses_cudnn_only_where_it_can_serve(dtype, head, seq, segments, capability, want):
+    from loomax.models.attention import cudnn_unsupported_reason, resolve_backend
+
+    got = resolve_backend(
+        "auto", dtype, seq, head, segments=segments, compute_capability=capability
+    )
+    assert got == want
+    reason = cudnn_unsupported_reason(
+        dtype, head, seq, segments=segments, compute_capability=capability
+    )
+    assert (reason is None) == (want == "cudnn")
+
+
+def test_cudnn_asked_for_where_it_cannot_serve_says_why():
+    from loomax.models.attention import resolve_backend
+
+    with pytest.raises(ValueError, match=r"model.attn_backend cudnn .*head size 12"):
+        resolve_backend("cudnn", jnp.bfloat16, 256, 12, compute_capability=HOPPER)
+    with pytest.raises(ValueError, match="no NVIDIA GPU"):
+        resolve_backend("cudnn", jnp.bfloat16, 256, 64, compute_capability=None)
+    assert resolve_backend("cudnn", jnp.bfloat16, 256, 64, compute_capability=HOPPER) == "cudnn"

@@ -18,3 +18,40 @@ def test_llama_configs_parse(repo_root, name):
 def test_llama_8b_parameter_count(repo_root):
     model = parse_config(TrainLmConfig, repo_root / "config" / "llama_8b.yaml").model
     assert model.param_count(model.vocab_size) == 8_030_261_248
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_unrolled_layer_loop_computes_the_same(family):
+    """``scan_unroll`` changes the program, not the model: same parameters, same logits."""
+    import equinox as eqx
+    import haliax as hax
+    import jax
+    import numpy as np
+
+    from loomax.models import Gpt2Config, LlamaConfig
+
+    def build(unroll):
+        shape = dict(seq_len=16, hidden_dim=32, num_layers=4, num_heads=4, scan_unroll=unroll)
+        if family == "gpt2":
+            return Gpt2Config(**shape).build(50, key=jax.random.PRNGKey(0))
+        return LlamaConfig(intermediate_dim=64, num_kv_heads=2, **shape).build(
+            50, key=jax.random.PRNGKey(0)
+        )
+
+    ids = hax.named(
+        jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 50), ("batch", "position")
+    )
+    logits = eqx.filter_jit(lambda m: m.logits(ids).array)
+    want = logits(build(1))
+    for unroll in (True, 2):
+        model = build(unroll)
+        shapes = [x.shape for x in jax.tree.leaves(model)]  # the same arrays: checkpoints fit both
+        assert shapes == [x.shape for x in jax.tree.leaves(build(1))]
+        np.testing.assert_allclose(logits(model), want, rtol=1e-5, atol=1e-5, err_msg=str(unroll))
+
+
+def test_scan_unroll_must_be_positive():
+    from loomax.models import Gpt2Config
+
+    with pytest.raises(ValueError, match="model.scan_unroll"):
+        Gpt2Config(scan_unroll=0)

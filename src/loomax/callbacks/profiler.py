@@ -84,7 +84,7 @@ class ProfilerHook(Hook):
 
     def _begin(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        jax.profiler.start_trace(str(self.directory))
+        jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
         self.active = True
         logger.info(
             "profiling steps %d to %d into %s",
@@ -97,3 +97,76 @@ class ProfilerHook(Hook):
         if self.active:
             jax.profiler.stop_trace()
             self.active, self.done = False, True
+
+
+KERNEL_CATEGORIES = (
+    ("attention", ("fmha", "sdpa", "flash", "attention")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "dot", "matmul", "wgmma")),
+    ("copy", ("memcpy", "memset", "copy", "transpose")),
+    ("collective", ("nccl", "all-reduce", "all-gather", "reduce-scatter", "all_reduce")),
+)
+"""Kernel categories of ``summarize_trace``, by a substring of the (lower-cased) name."""
+
+
+def kernel_category(name: str) -> str:
+    """The ``KERNEL_CATEGORIES`` entry a kernel or op name falls in; ``other`` (fusions) if none."""
+    lowered = name.lower()
+    for category, needles in KERNEL_CATEGORIES:
+        if any(n in lowered for n in needles):
+            return category
+    return "other"
+
+
+def summarize_trace(directory: str | Path, top: int = 12) -> dict[str, Any]:
+    """Where the device time of the newest Perfetto trace under ``directory`` went.
+
+    Sums the complete events of the accelerator's kernel streams (``/device:*`` processes,
+    threads other than XLA's op and module lines); on CPU, of XLA's worker threads. Returns
+    ``{"busy_ms", "events", "by_category": {category: ms}, "top": [{name, ms, count,
+    category}]}``: ``busy_ms`` adds up kernel time (streams running side by side count twice).
+    """
+    import gzip
+    import json
+    from collections import Counter
+
+    traces = sorted(Path(directory).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not traces:
+        raise FileNotFoundError(f"no *.trace.json.gz under {directory}")
+    with gzip.open(traces[-1], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    processes, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            processes[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e["tid"])] = e["args"]["name"]
+    on_device = any(name.startswith("/device:") for name in processes.values())
+
+    def counted(e) -> bool:
+        process, thread = processes.get(e["pid"], ""), threads.get((e["pid"], e["tid"]), "")
+        if on_device:
+            return process.startswith("/device:") and not thread.startswith("XLA ")
+        return thread.startswith("tf_XLA") and not e["name"].startswith("end: ")
+
+    time_us, count = Counter(), Counter()
+    for e in events:
+        if e.get("ph") == "X" and counted(e):
+            time_us[e["name"]] += e.get("dur", 0)
+            count[e["name"]] += 1
+    by_category: Counter = Counter()
+    for name, us in time_us.items():
+        by_category[kernel_category(name)] += us / 1e3
+    return {
+        "busy_ms": round(sum(time_us.values()) / 1e3, 3),
+        "events": sum(count.values()),
+        "by_category": {k: round(v, 3) for k, v in by_category.most_common()},
+        "top": [
+            {
+                "name": name,
+                "ms": round(us / 1e3, 3),
+                "count": count[name],
+                "category": kernel_category(name),
+            }
+            for name, us in time_us.most_common(top)
+        ],
+    }

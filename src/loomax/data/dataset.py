@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from loomax.data.tokenizer import (
 )
 from loomax.data.windows import SplitWindows, TokenWindows
 from loomax.distributed import RayConfig, barrier, coordination_client
+from loomax.storage import local_path, to_url
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,20 @@ class LmDatasets:
         return sum(len(d) for d in self.train)
 
 
+def tokenizer_cache_dir(cache_dir: str) -> Path:
+    """The local folder where BPE tokenizers trained for ``data.cache_dir`` are kept.
+
+    ``<cache_dir>/tokenizers`` for a local cache; for a URL (``memory://``, ``gs://``...),
+    which the tokenizers library cannot open, a folder of this machine's temp directory
+    named after the URL (each host trains its own, from the same documents).
+    """
+    url = to_url(cache_dir)
+    local = local_path(url)
+    if local is not None:
+        return Path(local) / "tokenizers"
+    return Path(tempfile.gettempdir()) / "loomax-tokenizers" / fingerprint({"cache_dir": url})
+
+
 def prepare_tokenizer(config: DataConfig) -> Path:
     """The tokenizer.json to use: the configured one, or a BPE trained on the train sources (cached)."""
     if config.tokenizer is not None:
@@ -105,7 +121,7 @@ def prepare_tokenizer(config: DataConfig) -> Path:
             "vocab_size": config.tokenizer_vocab_size,
         }
     )
-    path = Path(config.cache_dir) / "tokenizers" / f"bpe-{key}" / "tokenizer.json"
+    path = tokenizer_cache_dir(config.cache_dir) / f"bpe-{key}" / "tokenizer.json"
     if not path.is_file():
         start = time.perf_counter()
         shards = [source_shards(source) for source in config.train]

@@ -9,8 +9,11 @@ Backends (``attn_backend``):
   backward pass that recomputes scores, so memory is O(seq), never O(seq^2).
 - ``xla`` / ``cudnn``: ``jax.nn.dot_product_attention`` with that implementation (``xla``
   runs everywhere; ``cudnn`` needs an NVIDIA GPU and float16/bfloat16 inputs).
-- ``auto``: ``cudnn`` on GPU in half precision, else ``blockwise`` for sequences longer
-  than ``BLOCKWISE_FROM`` and ``vanilla`` below.
+- ``auto``: ``cudnn`` where cuDNN's fused attention can serve (an NVIDIA GPU of compute
+  capability 8.0 or later, bfloat16/float16, a head size that is a multiple of 8 and at
+  most 128, or 256 from Hopper on; with document masks, an even sequence length), else
+  ``blockwise`` for sequences longer than ``BLOCKWISE_FROM`` and ``vanilla`` below.
+  ``cudnn_unsupported_reason`` says why cuDNN cannot serve a case.
 
 Every backend takes optional ``segment_ids`` (axes ``(..., position)``): a query only sees
 keys of its own segment, which keeps packed documents apart (see ``segment_ids_from_eos``).
@@ -44,11 +47,68 @@ def segment_ids_from_eos(tokens: NamedArray, eos_id: int) -> NamedArray:
     return hax.cumsum(is_eos, Position) - is_eos
 
 
-def resolve_backend(backend: str, dtype, seq_len: int) -> str:
-    """The backend ``auto`` stands for here (others are returned as they are)."""
-    if backend != "auto":
+def gpu_compute_capability() -> tuple[int, int] | None:
+    """The CUDA compute capability of the default device, or None off NVIDIA GPUs."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+    if not capability:
+        return None
+    major, minor = (int(p) for p in str(capability).split(".")[:2])
+    return major, minor
+
+
+def cudnn_unsupported_reason(
+    dtype,
+    head_size: int,
+    seq_len: int,
+    *,
+    segments: bool = False,
+    compute_capability: tuple[int, int] | None = None,
+) -> str | None:
+    """Why cuDNN's fused attention cannot run this case, or None if it can.
+
+    ``compute_capability`` is the GPU's (``gpu_compute_capability()``); None means no
+    NVIDIA GPU. The limits are those of the cuDNN flash-attention kernels JAX calls.
+    """
+    if compute_capability is None:
+        return "no NVIDIA GPU (cuDNN attention runs on CUDA devices only)"
+    if compute_capability < (8, 0):
+        return f"compute capability {compute_capability[0]}.{compute_capability[1]} < 8.0"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"dtype {jnp.dtype(dtype).name} (cuDNN takes bfloat16 or float16)"
+    max_head = 256 if compute_capability >= (9, 0) else 128
+    if head_size % 8 or head_size > max_head:
+        return f"head size {head_size} (must be a multiple of 8 and at most {max_head})"
+    if segments and seq_len % 2:
+        return f"document masks with an odd sequence length ({seq_len})"
+    return None
+
+
+def resolve_backend(
+    backend: str,
+    dtype,
+    seq_len: int,
+    head_size: int = 64,
+    *,
+    segments: bool = False,
+    compute_capability: tuple[int, int] | None | str = "detect",
+) -> str:
+    """The backend ``auto`` stands for here (others are returned as they are).
+
+    ``cudnn`` asked for where it cannot serve raises ``ValueError`` saying why.
+    """
+    if backend not in ("auto", "cudnn"):
         return backend
-    if jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+    if compute_capability == "detect":
+        compute_capability = gpu_compute_capability()
+    reason = cudnn_unsupported_reason(
+        dtype, head_size, seq_len, segments=segments, compute_capability=compute_capability
+    )
+    if backend == "cudnn":
+        if reason:
+            raise ValueError(f"model.attn_backend cudnn cannot serve this attention: {reason}")
+        return backend
+    if reason is None:
         return "cudnn"
     return "blockwise" if seq_len > BLOCKWISE_FROM else "vanilla"
 
@@ -74,7 +134,7 @@ def causal_attention(
     seg = None
     if segment_ids is not None:
         seg = segment_ids.rearrange((*batch_axes, Position)).array.reshape(B, T)
-    backend = resolve_backend(backend, qa.dtype, T)
+    backend = resolve_backend(backend, qa.dtype, T, qa.shape[-1], segments=seg is not None)
     scale = 1 / math.sqrt(qa.shape[-1])
     if backend == "vanilla":
         out = _blocked_causal(qa * jnp.asarray(scale, qa.dtype), ka, va, seg)

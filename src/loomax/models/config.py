@@ -44,6 +44,8 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Attention: auto, vanilla, blockwise (flash-style, O(seq) memory), xla or cudnn (jax.nn)."""
     document_mask: bool = False
     """Attention stays within each packed document (documents end at the tokenizer's EOS)."""
+    scan_unroll: int | bool = 1
+    """Layers per iteration of the layer loop; true = all (no loop). Parameters stay stacked either way."""
 
     def __post_init__(self):
         if self.attn_backend not in BACKENDS:
@@ -59,6 +61,10 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
             raise ValueError(
                 "model.cross_entropy_vocab_block_size must be positive and needs model.cross_entropy_block_size, "
                 f"got {vocab_block} with cross_entropy_block_size {self.cross_entropy_block_size}"
+            )
+        if not isinstance(self.scan_unroll, bool) and self.scan_unroll < 1:
+            raise ValueError(
+                f"model.scan_unroll must be >= 1 or true/false, got {self.scan_unroll}"
             )
         if self.z_loss_weight < 0:
             raise ValueError(f"model.z_loss_weight must be >= 0, got {self.z_loss_weight}")

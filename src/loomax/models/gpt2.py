@@ -225,7 +225,7 @@ class Gpt2LmModel(LmModel):
         Pos = tokens.resolve_axis(Position)
         x = self.token_embeddings.embed(tokens)
         x = x + self.position_embeddings.weight[Position, hax.dslice(0, Pos.size)]
-        x = self.blocks.fold(hax.auto_sharded(x), segment_ids)
+        x = self.blocks.fold(hax.auto_sharded(x), segment_ids, unroll=self.config.scan_unroll)
         return self.ln_final(x)
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:

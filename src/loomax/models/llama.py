@@ -271,7 +271,7 @@ class LlamaLmModel(LmModel):
         key: PRNGKeyArray | None = None,
     ) -> NamedArray:
         x = hax.auto_sharded(self.embed_tokens.embed(tokens))
-        return self.norm(self.blocks.fold(x, segment_ids))
+        return self.norm(self.blocks.fold(x, segment_ids, unroll=self.config.scan_unroll))
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
         c = self.config
