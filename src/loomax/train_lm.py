@@ -55,7 +55,9 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
     )
 
     # missing checkpoints or weights fail now, not after the data build and compile
-    if not check_restore_sources(trainer_config, trainer.checkpointer.directory.url):
+    if not check_restore_sources(
+        trainer_config, trainer.checkpointer.directory.url, trainer.run_id
+    ):
         check_initial_weights(config)
     with pod_ray_cluster(trainer_config.ray) as ray_config:  # on a pod: every host's CPUs
         data = build_lm_datasets(config.data, model_config.seq_len, ray=ray_config)

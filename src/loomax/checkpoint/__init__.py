@@ -4,6 +4,7 @@ from loomax.checkpoint.checkpointer import (
     Checkpointer,
     CheckpointerConfig,
     CheckpointInfo,
+    CheckpointSaveError,
     KeepPolicy,
     list_checkpoints,
     load_checkpoint,
@@ -14,6 +15,7 @@ from loomax.checkpoint.serialize import CheckpointError, read_tree, snapshot, wr
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointSaveError",
     "Checkpointer",
     "CheckpointerConfig",
     "KeepPolicy",

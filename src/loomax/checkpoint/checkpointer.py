@@ -2,9 +2,11 @@
 
 A checkpoint is ``<base_path>/step-<N>/``: the arrays (see ``serialize``) are written
 first and ``metadata.json`` last, so a directory without it is incomplete and ignored.
-Temporary checkpoints (every ``save_interval`` of wall time) are deleted once a newer
-checkpoint commits; permanent ones (the ``keep`` step policies and the end of training)
-stay.
+Temporary checkpoints (every ``save_interval`` of wall time or ``save_interval_steps``
+steps) are deleted once a newer checkpoint commits; permanent ones (the ``keep`` step
+policies, ``fixed_steps``, the start and the end of training) stay, as ``removal`` and
+``keep_last`` say. A save that fails stops the run with ``CheckpointSaveError`` on every
+process; the checkpoints already complete are untouched.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from loomax.checkpoint.serialize import (
     snapshot,
     write_snapshot,
 )
-from loomax.distributed import barrier
+from loomax.distributed import barrier, coordination_client
+from loomax.errors import UserError
 from loomax.storage import Directory, to_url
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,15 @@ METADATA = "metadata.json"
 FORMAT = "loomax-checkpoint/1"
 _STEP_DIR = re.compile(r"step-(\d+)")
 _VERSIONED = ("loomax", "jax", "jaxlib", "haliax", "equinox", "optax", "tensorstore", "numpy")
+REMOVAL_STRATEGIES = ("ephemeral_only", "all_non_permanent", "never")
+
+
+class CheckpointSaveError(UserError, OSError):
+    """A checkpoint could not be written (full disk, no permission, a store refusing it).
+
+    The run stops; the checkpoints already complete stay loadable and the next start
+    resumes from the newest of them.
+    """
 
 
 @dataclass(frozen=True)
@@ -63,8 +75,46 @@ class CheckpointerConfig:
     """Also delete temporary checkpoints left by an earlier attempt of this run once a newer one commits."""
     save_at_end: bool = True
     """Save a permanent checkpoint when training ends (and a temporary one when it is stopped early)."""
+    save_interval_steps: int | None = None
+    """Also a temporary checkpoint every this many steps; null = none."""
+    temporary_cooldown: timedelta | None = None
+    """Least wall time between a save and the next temporary one (a temporary save due sooner is skipped); null = none."""
+    fixed_steps: list[int] = field(default_factory=list)
+    """Steps that get a permanent checkpoint whatever the other policies say; never deleted."""
+    save_at_start: bool = False
+    """Save a permanent checkpoint of the initial state (step 0) before the first step of a fresh run; never deleted."""
+    keep_last: int | None = None
+    """Keep only the newest N checkpoints of those `removal` may delete; null = temporary ones go once superseded."""
+    removal: str = "ephemeral_only"
+    """What may be deleted: ephemeral_only (temporary checkpoints), all_non_permanent (also keep-policy and end-of-training ones beyond keep_last), never."""
+    async_save: bool = True
+    """Write checkpoints on a background thread while training goes on; false = each save blocks until committed."""
+    append_run_id_to_base_path: bool = False
+    """Save under <base_path>/<run_id>, so runs that share a base_path never see each other's checkpoints."""
 
     def __post_init__(self):
+        where = "trainer.checkpointer"
+        if self.save_interval_steps is not None and self.save_interval_steps <= 0:
+            raise ValueError(
+                f"{where}.save_interval_steps must be > 0 or null, got {self.save_interval_steps}"
+            )
+        if self.temporary_cooldown is not None and self.temporary_cooldown.total_seconds() <= 0:
+            raise ValueError(
+                f"{where}.temporary_cooldown must be positive or null, got {self.temporary_cooldown}"
+            )
+        bad = [s for s in self.fixed_steps if s < 0]
+        if bad:
+            raise ValueError(f"{where}.fixed_steps must be steps >= 0, got {bad}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"{where}.keep_last must be >= 1 or null, got {self.keep_last}")
+        if self.removal not in REMOVAL_STRATEGIES:
+            raise ValueError(
+                f"{where}.removal must be one of {list(REMOVAL_STRATEGIES)}, got {self.removal!r}"
+            )
+        if self.removal == "all_non_permanent" and self.keep_last is None:
+            raise ValueError(
+                f"{where}.removal all_non_permanent needs keep_last (how many checkpoints to keep)"
+            )
         previous: int | None = -1
         for i, policy in enumerate(self.keep):
             where = f"trainer.checkpointer.keep[{i}]"
@@ -82,8 +132,14 @@ class CheckpointerConfig:
                 f"trainer.checkpointer.save_interval must be positive or null, got {self.save_interval}"
             )
 
+    def is_pinned(self, step: int) -> bool:
+        """Whether ``step`` is one of ``fixed_steps``: its checkpoint is never deleted."""
+        return step in self.fixed_steps
+
     def is_permanent(self, step: int) -> bool:
-        """Whether the keep policies ask for a permanent checkpoint at ``step``."""
+        """Whether ``fixed_steps`` or the keep policies ask for a permanent checkpoint at ``step``."""
+        if self.is_pinned(step):
+            return True
         for policy in self.keep:
             if policy.until is None or step <= policy.until:
                 return step % policy.every == 0
@@ -101,6 +157,16 @@ class CheckpointInfo:
     @property
     def permanent(self) -> bool:
         return bool(self.metadata.get("permanent", True))
+
+    @property
+    def pinned(self) -> bool:
+        """Saved at one of ``fixed_steps`` or before the first step: never deleted."""
+        return bool(self.metadata.get("pinned", False))
+
+    @property
+    def run_id(self) -> str | None:
+        """The run that saved it (None for checkpoints older than the record)."""
+        return self.metadata.get("run_id")
 
     def __str__(self) -> str:
         return str(self.directory)
@@ -208,15 +274,22 @@ class Checkpointer:
         config: CheckpointerConfig,
         base_path: str,
         *,
+        run_id: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
+        self.run_id = run_id
+        if config.append_run_id_to_base_path:
+            if run_id is None:
+                raise ValueError("trainer.checkpointer.append_run_id_to_base_path needs a run id")
+            base_path = base_path.rstrip("/") + "/" + run_id
         self.directory = Directory(to_url(base_path))
         self._clock = clock
         self._last_save_time = clock()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._temporary: list[CheckpointInfo] = []
+        self._regular: list[CheckpointInfo] = []  # permanent but not pinned: all_non_permanent prunes them
         self._saves = 0
         self.last_saved_step: int | None = None
         self.last_save_bytes = 0
@@ -236,6 +309,7 @@ class Checkpointer:
             self.last_saved_step = resumed_step
         if self.config.delete_old_temp_checkpoints:
             self._temporary.extend(c for c in checkpoints if not c.permanent)
+        self._regular.extend(c for c in checkpoints if c.permanent and not c.pinned)
 
     def due(self, step: int) -> str | None:
         """``"permanent"``, ``"temporary"`` or None: whether to save at ``step`` now."""
@@ -243,13 +317,22 @@ class Checkpointer:
             return None
         if self.config.is_permanent(step):
             return "permanent"
-        interval = self.config.save_interval
-        if (
-            interval is not None
-            and self._clock() - self._last_save_time >= interval.total_seconds()
-        ):
-            return "temporary"
-        return None
+        since_last = self._clock() - self._last_save_time
+        interval, every = self.config.save_interval, self.config.save_interval_steps
+        by_time = interval is not None and since_last >= interval.total_seconds()
+        by_steps = every is not None and step % every == 0
+        if not (by_time or by_steps):
+            return None
+        cooldown = self.config.temporary_cooldown
+        if cooldown is not None and since_last < cooldown.total_seconds():
+            logger.debug("temporary checkpoint at step %d skipped: within the cooldown", step)
+            return None
+        return "temporary"
+
+    def raise_if_failed(self) -> None:
+        """Raise the error of a save that already failed in the background (never blocks)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
 
     def save(
         self,
@@ -258,6 +341,7 @@ class Checkpointer:
         metadata: dict[str, Any],
         *,
         permanent: bool,
+        pinned: bool = False,
         block: bool = False,
         files: dict[str, bytes] | None = None,
     ) -> bool:
@@ -265,7 +349,9 @@ class Checkpointer:
 
         Every process must call this with the same step. ``metadata`` (JSON) is merged
         into ``metadata.json``; ``files`` (name -> bytes) are written by process 0 into the
-        checkpoint directory before the commit.
+        checkpoint directory before the commit. ``pinned`` (or a step of ``fixed_steps``)
+        marks a checkpoint no removal strategy deletes. ``block`` (or ``async_save: false``)
+        returns once it has committed.
         """
         self.wait()
         if step == self.last_saved_step:
@@ -283,6 +369,8 @@ class Checkpointer:
             "format": FORMAT,
             "step": step,
             "permanent": permanent,
+            "pinned": pinned or self.config.is_pinned(step),
+            "run_id": self.run_id,
             "saved_at": datetime.now(UTC).isoformat(),
             "timestamp": time.time(),
             "process_count": jax.process_count(),
@@ -309,7 +397,7 @@ class Checkpointer:
 
         self._thread = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
-        if block:
+        if block or not self.config.async_save:
             self.wait()
         return True
 
@@ -318,34 +406,70 @@ class Checkpointer:
     ) -> None:
         started = time.perf_counter()
         primary = jax.process_index() == 0
-        if primary and target.keys():  # an incomplete attempt at this step (a crash mid-save)
-            target.delete(first=METADATA)
+        error: BaseException | None = None
+        try:
+            if primary and target.keys():  # an incomplete attempt at this step (a crash mid-save)
+                target.delete(first=METADATA)
+        except Exception as e:  # noqa: BLE001 - reported with the others below
+            error = e
         barrier(tag + "_start")
-        write_snapshot(snap, target.url, create_metadata=primary)
-        barrier(tag + "_written")
+        if error is None:
+            try:
+                write_snapshot(snap, target.url, create_metadata=primary)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        # every process reaches the barrier, failed or not, so none waits out its timeout
+        failed = _agree_on_failure(tag, error)
+        if error is None and primary and not failed:
+            try:
+                for name, data in files.items():
+                    target.write_bytes(name, data)
+                target.write_json(METADATA, meta)  # the commit
+            except Exception as e:  # noqa: BLE001
+                error = e
+        if error is not None or failed:
+            cause = f"{type(error).__name__}: {error}" if error else f"process(es) {failed} failed"
+            raise CheckpointSaveError(
+                f"checkpoint step {meta['step']} could not be written to {target} ({cause}); "
+                f"the run stops here. Complete checkpoints are untouched: "
+                f"{_newest_complete(self.directory)}"
+            ) from error
         if primary:
-            for name, data in files.items():
-                target.write_bytes(name, data)
-            target.write_json(METADATA, meta)  # the commit
             logger.info(
                 "checkpoint step %d committed (%s) in %.2fs",
                 meta["step"],
                 "permanent" if meta["permanent"] else "temporary",
                 time.perf_counter() - started,
             )
-            self._delete_superseded(meta["step"])
+            info = CheckpointInfo(meta["step"], target, meta)
             if not meta["permanent"]:
-                self._temporary.append(CheckpointInfo(meta["step"], target, meta))
+                self._temporary.append(info)
+            elif not meta["pinned"]:
+                self._regular.append(info)
+            self._remove_old(meta["step"])
 
-    def _delete_superseded(self, step: int) -> None:
-        keep = []
-        for old in self._temporary:
-            if old.step < step:
-                logger.info("deleting temporary checkpoint %s", old)
-                old.directory.delete(first=METADATA)
-            else:
-                keep.append(old)
-        self._temporary = keep
+    def _remove_old(self, step: int) -> None:
+        """Delete what ``removal`` and ``keep_last`` let go, now that ``step`` has committed."""
+        config = self.config
+        if config.removal == "never":
+            return
+        temporary = sorted(self._temporary, key=lambda c: c.step, reverse=True)
+        if config.keep_last is None:  # superseded ones go
+            kept = [c for c in temporary if c.step >= step]
+        else:
+            kept = temporary[: config.keep_last]
+        self._delete([c for c in temporary if all(c is not k for k in kept)], "temporary")
+        self._temporary = kept
+        if config.removal == "all_non_permanent":
+            regular = sorted(self._regular, key=lambda c: c.step, reverse=True)
+            self._delete(regular[config.keep_last :], "permanent (removal all_non_permanent)")
+            self._regular = regular[: config.keep_last]
+
+    @staticmethod
+    def _delete(checkpoints: list[CheckpointInfo], kind: str) -> None:
+        for old in checkpoints:
+            logger.info("deleting %s checkpoint %s", kind, old)
+            old.directory.delete(first=METADATA)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) has committed; re-raise its error."""
@@ -355,3 +479,29 @@ class Checkpointer:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+
+def _agree_on_failure(tag: str, error: BaseException | None) -> list[int]:
+    """Tell the other processes whether this one's write failed; returns the processes that did.
+
+    Every process calls it (after its write, failed or not) and waits for the others, so a
+    failure on one host stops the save everywhere instead of leaving the others at a barrier.
+    """
+    client = coordination_client()
+    if client is None:
+        return [0] if error is not None else []
+    if error is not None:
+        client.key_value_set(f"{tag}/failed/{jax.process_index()}", f"{type(error).__name__}")
+    barrier(tag + "_written")
+    return sorted(int(key.rsplit("/", 1)[-1]) for key, _ in client.key_value_dir_get(f"{tag}/failed/"))
+
+
+def _newest_complete(directory: Directory) -> str:
+    """Where the next start resumes from: the newest complete checkpoint under ``directory``."""
+    try:
+        found = list_checkpoints(directory.url)
+    except Exception as e:  # noqa: BLE001 - the store may be what failed
+        return f"(could not list them: {e})"
+    if not found:
+        return "there are none yet, so the next start begins afresh"
+    return f"the next start resumes from the newest, step {found[-1].step} ({found[-1].directory})"

@@ -106,6 +106,13 @@ class HookSet:
             except Exception:  # noqa: BLE001 - the original error matters more
                 logger.exception("hook %s failed in on_error", hook.name)
 
+    def temporary_save_blocker(self, step: int) -> str | None:
+        """The name of a hook holding back a temporary checkpoint at ``step``, if any."""
+        for hook in self.hooks:
+            if hook.blocks_temporary_saves(step):
+                return hook.name
+        return None
+
     def checkpoint_files(self) -> dict[str, bytes]:
         """Files the hooks write into each checkpoint directory."""
         return {k: v for hook in self.hooks for k, v in hook.checkpoint_files().items()}

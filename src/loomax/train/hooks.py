@@ -191,6 +191,12 @@ class Hook:
     def on_eval(self, info: StepInfo, results: dict[str, float]) -> None:
         """Called after an evaluation with its results (e.g. ``eval/loss``)."""
 
+    def blocks_temporary_saves(self, step: int) -> bool:
+        """Whether the temporary checkpoint due at the end of ``step`` must wait (e.g. while the
+        hook's own state is mid-way through something a resume could not repeat). Permanent
+        saves, and the save when the run stops, are never held back."""
+        return False
+
     def checkpoint_files(self) -> dict[str, bytes]:
         """Files (name -> bytes) to write into each checkpoint directory (e.g. the config)."""
         return {}

@@ -30,6 +30,7 @@ from loomax.checkpoint import (
     list_checkpoints,
     load_latest,
 )
+from loomax.errors import UserError
 from loomax.runtime import MeshRuntime
 from loomax.storage import to_url
 from loomax.train.config import TrainerConfig
@@ -52,15 +53,51 @@ class Restored:
     """Training time already spent before that checkpoint."""
 
 
-def check_restore_sources(config: TrainerConfig, own_checkpoints: str) -> bool:
+class CheckpointOwnerError(UserError, ValueError):
+    """The checkpoints in a shared ``base_path`` belong to another run."""
+
+
+def check_checkpoint_owner(
+    config: TrainerConfig, checkpoints: list[CheckpointInfo], run_id: str | None
+) -> None:
+    """Refuse to resume, without being told to, a run whose checkpoints are another run's.
+
+    Applies to the run's own ``checkpointer.base_path`` when it is set (a location runs may
+    share) and not made per-run by ``append_run_id_to_base_path``; a checkpoint from
+    ``load_checkpoint_path`` is the user's explicit choice and always allowed.
+    """
+    ckpt = config.checkpointer
+    if config.load_checkpoint_path or not ckpt.base_path or ckpt.append_run_id_to_base_path:
+        return
+    if not checkpoints or run_id is None:
+        return
+    newest = checkpoints[-1]
+    if newest.run_id is None or newest.run_id == run_id:
+        return
+    raise CheckpointOwnerError(
+        f"trainer.checkpointer.base_path {ckpt.base_path} holds checkpoints of another run "
+        f"({newest.run_id}, newest step {newest.step}); this run is {run_id}. To continue that "
+        f"run set trainer.run_id {newest.run_id}; to start from its state set "
+        f"trainer.load_checkpoint_path {newest.directory}; for its weights only, "
+        f"trainer.initialize_from; or keep runs apart with "
+        f"trainer.checkpointer.append_run_id_to_base_path true (or another base_path)"
+    )
+
+
+def check_restore_sources(
+    config: TrainerConfig, own_checkpoints: str, run_id: str | None = None
+) -> bool:
     """Fail now, before data is built or a step compiled, when a checkpoint the policy
-    above requires is missing; returns whether the run will resume.
+    above requires is missing, or belongs to another run (``check_checkpoint_owner``);
+    returns whether the run will resume.
 
     ``own_checkpoints`` is the checkpointer's directory. ``trainer.initialize_from`` is
     checked only when the run will not resume (resuming wins and never reads it).
     """
     resume_path = config.load_checkpoint_path or own_checkpoints
-    resumes = config.load_checkpoint is not False and bool(list_checkpoints(resume_path))
+    found = list_checkpoints(resume_path) if config.load_checkpoint is not False else []
+    check_checkpoint_owner(config, found, run_id)
+    resumes = bool(found)
     if config.load_checkpoint and not resumes:
         raise FileNotFoundError(
             f"trainer.load_checkpoint is true but there is no complete checkpoint at {resume_path}"
@@ -142,6 +179,7 @@ class StateBuilder:
         if config.load_checkpoint is False:
             return None
         path = config.load_checkpoint_path or own
+        check_checkpoint_owner(config, list_checkpoints(path), checkpointer.run_id)
         found = load_latest(path, shapes, shardings, fall_back=config.load_checkpoint is None)
         if found is None:
             if config.load_checkpoint:

@@ -77,7 +77,7 @@ class Trainer:
         self._step_fns: dict[int, Callable] = {}
         """The jitted step per number of microbatches (each batch size may need its own)."""
         base_path = config.checkpointer.base_path or str(self.run_dir / "checkpoints")
-        self.checkpointer = Checkpointer(config.checkpointer, base_path)
+        self.checkpointer = Checkpointer(config.checkpointer, base_path, run_id=self.run_id)
         self.checkpointer.check_writable()  # a clear error now, not at the first save
         check_trackers(config.tracker)  # likewise a tracker whose package is missing
         self.run_config: dict[str, Any] | None = None
@@ -241,7 +241,8 @@ class Trainer:
         try:
             with signals.installed():
                 self.hook_set.call("on_train_begin", info)
-                self._act(info, Decision(eval=control.eval_requested))
+                start_save = "permanent" if self._saves_at_start(info.step) else None
+                self._act(info, Decision(eval=control.eval_requested, save=start_save))
                 control.clear()
                 for step in range(info.step + 1, self.config.num_train_steps + 1):
                     batch = self.hook_set.transform_batch(step, next(batches))
@@ -256,6 +257,7 @@ class Trainer:
                     decision = agreement.agree(step, self._propose(step, control, signals))
                     control.clear()
                     self._act(info, decision)
+                    self.checkpointer.raise_if_failed()  # a failed save stops the run at once
                     if decision.stop:
                         self.stop_reason = decision.stop
                         logger.warning("stopping at step %d: %s", step, self.stop_reason)
@@ -285,7 +287,20 @@ class Trainer:
             or (f"signal {signals.received}" if signals.received else None)
             or self._over_time()
         )
-        return Decision(asked.eval, asked.save or self.checkpointer.due(step), stop)
+        due = self.checkpointer.due(step)
+        if due == "temporary" and (blocker := self.hook_set.temporary_save_blocker(step)):
+            logger.info("temporary checkpoint at step %d held back by hook %s", step, blocker)
+            due = None
+        return Decision(asked.eval, asked.save or due, stop)
+
+    def _saves_at_start(self, step: int) -> bool:
+        """``checkpointer.save_at_start`` on a fresh run: a pinned checkpoint of step 0."""
+        return (
+            self.config.checkpointer.save_at_start
+            and step == 0
+            and self.restored_from is None
+            and self.checkpointer.last_saved_step != 0
+        )
 
     def _final_decision(self, step: int, control: Control) -> Decision:
         """After the last step: the eval asked for, and the closing checkpoint."""
@@ -350,7 +365,12 @@ class Trainer:
             metadata["data"]["sequences_consumed"] = self.batch_schedule.offset(info.step)
         files = self.hook_set.checkpoint_files()
         if self.checkpointer.save(
-            info.step, info.state, metadata, permanent=permanent, files=files
+            info.step,
+            info.state,
+            metadata,
+            permanent=permanent,
+            pinned=info.step == 0 and self.config.checkpointer.save_at_start,
+            files=files,
         ):
             self.hook_set.call(
                 "on_save", info, self.checkpointer.directory.child(f"step-{info.step}").url

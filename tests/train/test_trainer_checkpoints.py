@@ -1,0 +1,137 @@
+"""The trainer and its checkpoints: the start checkpoint, hooks holding temporary saves back,
+a failed save stopping the run at once, and runs sharing a base_path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from loomax.checkpoint import CheckpointerConfig, CheckpointSaveError, KeepPolicy, list_checkpoints
+from loomax.data import BatchLoader, TokenWindows
+from loomax.errors import UserError
+from loomax.lm import lm_loss
+from loomax.models import Gpt2Config
+from loomax.optim import AdamConfig
+from loomax.tracking import NoopTrackerConfig
+from loomax.train import Hook, Trainer, TrainerConfig, check_restore_sources
+from loomax.train.restore import CheckpointOwnerError
+
+MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=1, num_heads=2)
+VOCAB, BATCH = 48, 4
+
+
+def make_trainer(run_dir, steps=8, run_id=None, **checkpointer):
+    config = TrainerConfig(
+        num_train_steps=steps,
+        train_batch_size=BATCH,
+        run_dir=str(run_dir),
+        run_id=run_id,
+        tracker=NoopTrackerConfig(),
+        progress_bar=False,
+        checkpointer=CheckpointerConfig(**{"keep": [KeepPolicy(every=2)], **checkpointer}),
+    )
+    opt = AdamConfig(learning_rate=3e-3, warmup=0)
+    return Trainer(config, opt.build(steps), lm_loss(), lr_schedule=opt.lr_scheduler(steps))
+
+
+def train(trainer):
+    state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+    tokens = np.random.default_rng(1).integers(0, VOCAB, 30 * MODEL.seq_len, dtype=np.int32)
+    batches = BatchLoader(TokenWindows(tokens, MODEL.seq_len), BATCH, seed=3)
+    return trainer.train(state, batches.iter_from(int(state.step)))
+
+
+def steps(path):
+    return [c.step for c in list_checkpoints(str(path))]
+
+
+def test_checkpoint_before_the_first_step(tmp_path):
+    train(make_trainer(tmp_path, steps=2, save_at_start=True))
+    first = list_checkpoints(str(tmp_path / "checkpoints"))[0]
+    assert first.step == 0 and first.pinned and first.permanent
+    assert steps(tmp_path / "checkpoints") == [0, 2]
+
+
+class MergeWindow(Hook):
+    """Holds temporary saves back during steps 3-5, as a merge window might."""
+
+    def blocks_temporary_saves(self, step):
+        return 3 <= step <= 5
+
+
+def test_hooks_hold_temporary_saves_back(tmp_path):
+    trainer = make_trainer(
+        tmp_path,
+        steps=7,
+        keep=[KeepPolicy(every=10**6)],
+        save_interval=None,
+        save_interval_steps=1,
+        removal="never",
+        save_at_end=False,
+    )
+    trainer.add_hook(MergeWindow())
+    train(trainer)
+    assert steps(tmp_path / "checkpoints") == [1, 2, 6, 7]
+
+
+class Fill(Hook):
+    """Puts a file where the checkpoint of ``step`` goes: its directory cannot be made."""
+
+    def __init__(self, base, step):
+        self.base, self.step, self.seen = base, step, []
+
+    def on_step(self, info):
+        self.seen.append(info.step)
+        if info.step == self.step - 1:
+            self.base.mkdir(parents=True, exist_ok=True)
+            (self.base / f"step-{self.step}").write_text("in the way")
+
+
+def test_a_failed_save_stops_the_run_at_once_and_the_next_start_resumes(tmp_path):
+    base = tmp_path / "checkpoints"
+    trainer = make_trainer(tmp_path, steps=12, run_id="r1")
+    blocker = trainer.add_hook(Fill(base, 4))
+    with pytest.raises(CheckpointSaveError, match=r"checkpoint step 4 could not be written") as e:
+        train(trainer)
+    assert isinstance(e.value, UserError)  # one line on the command line, exit 2
+    assert "resumes from the newest, step 2" in str(e.value)
+    assert max(blocker.seen) <= 5  # stopped right after the failed save, not at step 12
+    assert steps(base) == [2]  # the complete checkpoint is untouched
+    (base / "step-4").unlink()
+    resumed = make_trainer(tmp_path, steps=12, run_id="r1")
+    final = train(resumed)
+    assert resumed.restored_from.step == 2 and final.step == 12
+
+
+def test_runs_sharing_a_base_path_do_not_resume_each_other(tmp_path):
+    shared = str(tmp_path / "shared")
+    train(make_trainer(tmp_path / "a", steps=2, run_id="a", base_path=shared))
+    other = make_trainer(tmp_path / "b", steps=4, run_id="b", base_path=shared)
+    with pytest.raises(
+        CheckpointOwnerError, match=r"another run \(a, newest step 2\); this run is b"
+    ):
+        check_restore_sources(other.config, other.checkpointer.directory.url, other.run_id)
+    with pytest.raises(CheckpointOwnerError, match="trainer.load_checkpoint_path"):
+        train(other)
+    # the same run resumes; another run resumes it only when told to
+    assert train(make_trainer(tmp_path / "a", steps=4, run_id="a", base_path=shared)).step == 4
+    told = make_trainer(tmp_path / "c", steps=6, run_id="c")
+    told.config = dataclasses.replace(told.config, load_checkpoint_path=shared)
+    assert train(told).step == 6 and told.restored_from.run_id == "a"
+
+
+def test_append_run_id_keeps_runs_apart(tmp_path):
+    shared = str(tmp_path / "shared")
+    for run_id in ("a", "b"):
+        trainer = make_trainer(
+            tmp_path / run_id,
+            steps=2,
+            run_id=run_id,
+            base_path=shared,
+            append_run_id_to_base_path=True,
+        )
+        train(trainer)
+        assert trainer.restored_from is None
+    assert steps(tmp_path / "shared" / "a") == [2] and steps(tmp_path / "shared" / "b") == [2]
