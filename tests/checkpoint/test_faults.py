@@ -174,3 +174,30 @@ def test_unwritable_base_path_fails_before_any_work(tmp_path, tiny_corpus):
     assert proc.returncode == 2
     assert "trainer.checkpointer.base_path: cannot write to" in out and "a-file/ckpt" in out
     assert not (tmp_path / "cache").exists()  # stopped before the data was even tokenized
+
+
+def test_a_save_failing_on_one_process_fails_on_every_process_at_once(tmp_path, processes_support):
+    """The failing process tells the others before the commit barrier: nobody waits out the
+    barrier's timeout, nothing is committed for that step, the earlier checkpoint stays."""
+    from loomax.checkpoint import list_checkpoints
+    from loomax.distributed.net import free_port
+
+    worker = Path(__file__).with_name("two_process_save.py")
+    base = tmp_path / "checkpoints"
+
+    def scenario(processes):
+        port = free_port("")
+        for i in range(2):
+            processes.start(f"p{i}", [sys.executable, str(worker), str(i), str(port), str(base)])
+        outputs = processes.wait(timeout=240)
+        return [json.loads(outputs[f"p{i}"].strip().splitlines()[-1]) for i in range(2)]
+
+    results = processes_support.run_scenario(tmp_path, scenario)
+    for result in results:
+        assert result["1"] == "ok"
+        assert "checkpoint step 2 could not be written" in result["2"]
+        assert "resumes from the newest, step 1" in result["2"]
+        assert result["2_seconds"] < 60  # not the barrier's 600 s timeout
+    assert "No space left on device" in results[1]["2"]
+    assert "process(es) [1] failed" in results[0]["2"]
+    assert [c.step for c in list_checkpoints(str(base))] == [1]

@@ -121,7 +121,8 @@ def summarize_trace(directory: str | Path, top: int = 12) -> dict[str, Any]:
     """Where the device time of the newest Perfetto trace under ``directory`` went.
 
     Sums the complete events of the accelerator's kernel streams (``/device:*`` processes,
-    threads other than XLA's op and module lines); on CPU, of XLA's worker threads. Returns
+    threads other than XLA's op and module lines); on CPU, of XLA's worker threads (or, where
+    XLA ran the program inline, every event but Python's own frames). Returns
     ``{"busy_ms", "events", "by_category": {category: ms}, "top": [{name, ms, count,
     category}]}``: ``busy_ms`` adds up kernel time (streams running side by side count twice).
     """
@@ -148,11 +149,15 @@ def summarize_trace(directory: str | Path, top: int = 12) -> dict[str, Any]:
             return process.startswith("/device:") and not thread.startswith("XLA ")
         return thread.startswith("tf_XLA") and not e["name"].startswith("end: ")
 
+    def host_work(e) -> bool:  # fallback: XLA ran inline on the calling thread
+        return not e["name"].startswith(("$", "end: "))
+
     time_us, count = Counter(), Counter()
-    for e in events:
-        if e.get("ph") == "X" and counted(e):
-            time_us[e["name"]] += e.get("dur", 0)
-            count[e["name"]] += 1
+    complete = [e for e in events if e.get("ph") == "X"]
+    chosen = [e for e in complete if counted(e)] or [e for e in complete if host_work(e)]
+    for e in chosen:
+        time_us[e["name"]] += e.get("dur", 0)
+        count[e["name"]] += 1
     by_category: Counter = Counter()
     for name, us in time_us.items():
         by_category[kernel_category(name)] += us / 1e3
