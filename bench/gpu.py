@@ -285,64 +285,45 @@ def _bench(args, config_path: str, overrides: list[str], profile: bool) -> dict:
     return result
 
 
+def flags(settings: dict[str, object]) -> list[str]:
+    """``{"model.seq_len": 128}`` as command-line overrides."""
+    return [x for key, value in settings.items() for x in (f"--{key}", str(value))]
+
+
+SMOKE_GPT2 = {
+    "model.hidden_dim": 64,
+    "model.num_layers": 2,
+    "model.num_heads": 4,
+    "model.seq_len": 128,
+}
+SMOKE_LLAMA = {
+    **SMOKE_GPT2,
+    "model.intermediate_dim": 128,
+    "model.num_kv_heads": 2,
+    "model.head_dim": 16,
+    "model.seq_len": 256,
+}
+
+
+def bench_overrides(args, vocab: int, batch: int, smoke: dict, extra: tuple[str, ...]) -> list[str]:
+    """The bench settings every variant shares (bf16 compute, no timed checkpoints), toy-sized
+    with ``--smoke``, then the variant's own ``extra``."""
+    settings = {
+        "model.vocab_size": 1000 if args.smoke else vocab,
+        "trainer.train_batch_size": 2 if args.smoke else batch,
+        "trainer.mp": "p=f32,c=bfloat16",
+        "trainer.checkpointer.save_interval": "null",
+        **(smoke if args.smoke else {}),
+    }
+    return flags(settings) + list(extra)
+
+
 def gpt2_overrides(args, *extra: str) -> list[str]:
-    batch = 4 if args.smoke else GPT2_BATCH
-    out = [
-        "--model.vocab_size",
-        "50257",
-        "--trainer.train_batch_size",
-        str(batch),
-        "--trainer.mp",
-        "p=f32,c=bfloat16",
-        "--trainer.checkpointer.save_interval",
-        "null",
-    ]
-    if args.smoke:
-        out += [
-            "--model.hidden_dim",
-            "64",
-            "--model.num_layers",
-            "2",
-            "--model.num_heads",
-            "4",
-            "--model.seq_len",
-            "128",
-        ]
-    return out + list(extra)
+    return bench_overrides(args, 50257, GPT2_BATCH, SMOKE_GPT2, extra)
 
 
 def llama_overrides(args, *extra: str) -> list[str]:
-    batch = 2 if args.smoke else LLAMA_BATCH
-    out = [
-        "--model.vocab_size",
-        "128256",
-        "--trainer.train_batch_size",
-        str(batch),
-        "--trainer.mp",
-        "p=f32,c=bfloat16",
-        "--trainer.checkpointer.save_interval",
-        "null",
-    ]
-    if args.smoke:
-        out += [
-            "--model.hidden_dim",
-            "64",
-            "--model.intermediate_dim",
-            "128",
-            "--model.num_layers",
-            "2",
-            "--model.num_heads",
-            "4",
-            "--model.num_kv_heads",
-            "2",
-            "--model.head_dim",
-            "16",
-            "--model.seq_len",
-            "256",
-            "--model.vocab_size",
-            "1000",
-        ]
-    return out + list(extra)
+    return bench_overrides(args, 128256, LLAMA_BATCH, SMOKE_LLAMA, extra)
 
 
 NO_TRITON_GEMM = "--xla_gpu_enable_triton_gemm=false"
