@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loomax.data import DataConfig, SourceConfig, build_lm_datasets
+from loomax.data import DataConfig, SourceConfig, build_lm_datasets, load_tokenizer
 from loomax.data import dataset as dataset_module
 from loomax.data.sources import iter_documents
 
@@ -92,6 +92,7 @@ def test_held_out_documents_are_disjoint_and_deterministic(tmp_path: Path) -> No
         decode(d.tolist()) for d in split_documents(first.validation.tokens, first.eos_id)
     ]
     assert 3 <= len(validation) <= 20
+    assert len(first.train[0]) == first.train[0].num_tokens // 8  # no window held out
     assert not set(train) & set(validation)
     assert sorted(train + validation) == sorted(texts)
 
@@ -231,3 +232,100 @@ def test_in_memory_cache_builds_without_ray_or_a_local_cache_folder(
     assert data.num_train_windows > 0
     assert not (tmp_path / "memory:").exists()
     assert Path(data.tokenizer_path).is_relative_to(tmp_path / "tmp" / "loomax-tokenizers")
+
+
+def one_file_corpus(directory: Path, kind: str) -> Path:
+    """One file: 60 short documents as .jsonl, or a single document as .txt."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if kind == "jsonl":
+        lines = [json.dumps({"text": f"def f{i}(a, b):\n    return a + {i}\n"}) for i in range(60)]
+        path, text = directory / "one.jsonl", "\n".join(lines) + "\n"
+    else:
+        path = directory / "one.txt"
+        text = "".join(f"line {i} of the only document: {WORDS[i % 9]}\n" for i in range(300))
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "txt"])
+def test_one_file_corpus_trains_and_evaluates_with_the_defaults(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The documents held out of one small file make no window: the last windows of its
+    token stream are held out instead, the same on every build, and the log says so."""
+    path = one_file_corpus(tmp_path / "corpus", kind)
+    builds = []
+    for name in ("a", "b"):
+        config = DataConfig(train=[SourceConfig(urls=[str(path)])], cache_dir=str(tmp_path / name))
+        with caplog.at_level("INFO", logger="loomax.data.dataset"):
+            builds.append(build_lm_datasets(config, seq_len=128))
+    first, second = builds
+    (train,) = first.train
+    assert len(train) >= 1 and len(first.validation) >= 1
+    stream = train.split.as_numpy()
+    used = (len(train) + len(first.validation)) * 128
+    assert used <= len(stream) < used + 128  # every whole window is in exactly one split
+    assert np.array_equal(
+        train.get_batch(np.arange(len(train))).ravel(), stream[: len(train) * 128]
+    )
+    assert np.array_equal(first.validation.tokens, stream[len(train) * 128 : used])
+    assert np.array_equal(
+        second.train[0].get_batch(np.arange(len(train))), train.get_batch(np.arange(len(train)))
+    )
+    assert np.array_equal(second.validation.tokens, first.validation.tokens)
+    assert "held out" in caplog.text and f"last {len(first.validation)} of" in caplog.text
+
+
+def test_tokenizer_is_trained_on_the_train_split_only(tmp_path: Path) -> None:
+    """A rare word in a held-out document does not become a vocabulary entry; in a
+    training document it does."""
+    from loomax.data.token_cache import is_held_out
+
+    fraction, rare = 0.3, "qqzzxxjj"
+    held = next(i for i in range(40) if is_held_out(0, i, fraction, dataset_module.HOLDOUT_SEED))
+    kept = next(
+        i for i in range(40) if not is_held_out(0, i, fraction, dataset_module.HOLDOUT_SEED)
+    )
+    vocabularies = {}
+    for name, position in (("held", held), ("kept", kept)):
+        root = tmp_path / name
+        texts = write_corpus(root / "corpus", 40, files=1)
+        texts[position] = f"{rare} " * 200 + "\n"
+        lines = [json.dumps({"text": t}) for t in texts]
+        (root / "corpus" / "part_0.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        config = small_config(root, validation_fraction=fraction, tokenizer_vocab_size=400)
+        path = dataset_module.prepare_tokenizer(config)
+        vocabularies[name] = load_tokenizer(path).get_vocab()
+    assert any(rare in token for token in vocabularies["kept"])
+    assert not any(rare in token for token in vocabularies["held"])
+    # the cache holds that document out too: the tokenizer saw exactly the train split
+    data = build_lm_datasets(
+        small_config(tmp_path / "held", validation_fraction=fraction, tokenizer_vocab_size=400),
+        seq_len=8,
+    )
+    validation = split_documents(data.validation.tokens, data.eos_id)
+    assert f"{rare} " * 200 + "\n" in [data.tokenizer.decode(d.tolist()) for d in validation]
+
+
+def test_tokenizer_cache_key_depends_on_the_held_out_documents(tmp_path: Path) -> None:
+    write_corpus(tmp_path / "corpus", 20)
+    paths = {
+        dataset_module.prepare_tokenizer(small_config(tmp_path, validation_fraction=f))
+        for f in (0.2, 0.5)
+    }
+    given = small_config(
+        tmp_path, validation=[SourceConfig(urls=[str(tmp_path / "corpus" / "part_0.jsonl")])]
+    )
+    paths.add(dataset_module.prepare_tokenizer(given))
+    assert len(paths) == 3
+
+
+def test_tokenizer_documents_are_the_train_split(tmp_path: Path) -> None:
+    """With shards, `max_documents` cutting one short and a hold-out: the documents the BPE
+    reads are exactly those of the cache's train split."""
+    write_corpus(tmp_path / "corpus", 40, files=4)
+    source = SourceConfig(urls=[str(tmp_path / "corpus" / "*.jsonl")], max_documents=25)
+    config = small_config(tmp_path, train=[source])
+    data = build_lm_datasets(config, seq_len=8)
+    train = [data.tokenizer.decode(d.tolist()) for d in split_documents(train_tokens(data), 0)]
+    assert list(dataset_module.tokenizer_documents(config)) == train

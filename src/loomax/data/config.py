@@ -42,7 +42,7 @@ class DataConfig:
     """Sources of the validation documents; empty = hold out `validation_fraction` of the train documents."""
 
     validation_fraction: float = 0.02
-    """Share of train documents held out for validation when `validation` is empty; whole documents, so no overlap."""
+    """Share of train documents held out for validation when `validation` is empty (whole documents; if they fill no window, the last windows of each source)."""
 
     shuffle: bool = True
     """Shuffle the order of training windows, with a new permutation each epoch."""

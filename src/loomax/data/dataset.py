@@ -4,7 +4,9 @@ Every `data.train` source gets a cache of its own (it is one dataset of the mixt
 validation documents come from the `data.validation` sources' caches, or, without
 them, from the documents each train cache holds out (`data.validation_fraction`, by a
 hash of the shard's position in the source and the document's position in the shard,
-not of any path). Caches live under
+not of any path). When the held-out documents make no whole window (a small corpus, a
+single file or document), the last windows of each train source's stream are held out
+instead. A BPE trained here sees only the documents the train split keeps. Caches live under
 `<data.cache_dir>/tokens/` in folders named by a fingerprint of everything their
 contents depend on, so a changed source, tokenizer or setting gets a new cache and an
 unchanged config reuses the old one (resuming an interrupted build).
@@ -44,7 +46,9 @@ from loomax.data.token_cache import (
     TokenCacheInfo,
     build_token_cache,
     cache_fingerprint,
+    is_held_out,
 )
+from loomax.data.token_cache.reader import TokenSplit
 from loomax.data.tokenizer import (
     eos_id,
     load_tokenizer,
@@ -111,33 +115,48 @@ def tokenizer_cache_dir(cache_dir: str) -> Path:
     return Path(tempfile.gettempdir()) / "loomax-tokenizers" / fingerprint({"cache_dir": url})
 
 
+def holdout_fraction(config: DataConfig) -> float:
+    """Share of the train documents held out for validation: 0 when `data.validation` is given."""
+    return 0.0 if config.validation else config.validation_fraction
+
+
 def prepare_tokenizer(config: DataConfig) -> Path:
-    """The tokenizer.json to use: the configured one, or a BPE trained on the train sources (cached)."""
+    """The tokenizer.json to use: the configured one, or a BPE trained on the documents the
+    train split keeps (those held out for validation are not read into it), cached by a
+    key of the sources, the vocabulary size and the hold-out."""
     if config.tokenizer is not None:
         return resolve_tokenizer_path(config.tokenizer)
-    key = fingerprint(
-        {
-            "sources": [source_fingerprint(s) for s in config.train],
-            "vocab_size": config.tokenizer_vocab_size,
-        }
-    )
-    path = tokenizer_cache_dir(config.cache_dir) / f"bpe-{key}" / "tokenizer.json"
+    record: dict = {
+        "sources": [source_fingerprint(s) for s in config.train],
+        "vocab_size": config.tokenizer_vocab_size,
+    }
+    if holdout_fraction(config) > 0:  # trained without the held-out documents
+        record["holdout"] = {"fraction": holdout_fraction(config), "seed": HOLDOUT_SEED}
+    path = tokenizer_cache_dir(config.cache_dir) / f"bpe-{fingerprint(record)}" / "tokenizer.json"
     if not path.is_file():
         start = time.perf_counter()
         shards = [source_shards(source) for source in config.train]
         stats = {shard.name: ReadStats() for group in shards for shard in group}
-        documents = _training_documents(config, shards, stats)
+        held_out = [0]
+        documents = _training_documents(config, shards, stats, held_out)
         first = next(documents, None)
         skipped = sum(s.skipped for s in stats.values())
-        if first is None:  # every shard was read to its end and held nothing
+        if first is None:  # every shard was read to its end and held nothing to train on
             raise ValueError(
                 "data.train holds no documents to train the tokenizer on"
                 + (f" ({skipped:,} bad record(s) skipped)" if skipped else "")
+                + (f" ({held_out[0]:,} held out for validation)" if held_out[0] else "")
                 + f"; {describe_shards({n: s.documents for n, s in stats.items()})}"
                 + "; add documents or give `data.tokenizer`"
             )
         train_bpe_tokenizer(itertools.chain([first], documents), config.tokenizer_vocab_size, path)
-        logger.info("trained BPE tokenizer in %.1fs: %s", time.perf_counter() - start, path)
+        logger.info(
+            "trained BPE tokenizer in %.1fs on data.train without its %d document(s) held out "
+            "for validation: %s",
+            time.perf_counter() - start,
+            held_out[0],
+            path,
+        )
         skipped = sum(s.skipped for s in stats.values())  # now that all were read
         if skipped:
             examples = [e for s in stats.values() for e in s.examples][:SHOWN_EXAMPLES]
@@ -149,16 +168,37 @@ def prepare_tokenizer(config: DataConfig) -> Path:
     return path
 
 
+def tokenizer_documents(config: DataConfig) -> Iterator[str]:
+    """The documents a BPE for `config` is trained on: those the train split keeps."""
+    shards = [source_shards(source) for source in config.train]
+    stats = {shard.name: ReadStats() for group in shards for shard in group}
+    return _training_documents(config, shards, stats, [0])
+
+
 def _training_documents(
-    config: DataConfig, shards: list[list[Shard]], stats: dict[str, ReadStats]
+    config: DataConfig, shards: list[list[Shard]], stats: dict[str, ReadStats], held_out: list[int]
 ) -> Iterator[str]:
-    """The documents of the train sources for the tokenizer, counted per shard in `stats`."""
+    """The documents of the train sources that their caches' train splits keep, for the
+    tokenizer: the first `max_documents` of each source, less those `is_held_out` picks
+    exactly as the cache build does. Read documents are counted per shard in `stats`,
+    held-out ones in `held_out[0]`."""
+    fraction = holdout_fraction(config)
     for source, group in zip(config.train, shards, strict=True):
-        documents = itertools.chain.from_iterable(
-            read_shard(shard, skip_bad_records=config.skip_bad_records, stats=stats[shard.name])
-            for shard in group
-        )
-        yield from itertools.islice(documents, source.max_documents)
+        left = source.max_documents
+        for position, shard in enumerate(group):
+            if left == 0:
+                break
+            documents = read_shard(
+                shard, skip_bad_records=config.skip_bad_records, stats=stats[shard.name]
+            )
+            index = -1
+            for index, text in enumerate(itertools.islice(documents, left)):
+                if is_held_out(position, index, fraction, HOLDOUT_SEED):
+                    held_out[0] += 1
+                else:
+                    yield text
+            if left is not None:
+                left -= index + 1
 
 
 def build_caches(
@@ -170,7 +210,7 @@ def build_caches(
     progress: bool = True,
 ) -> tuple[list[TokenCacheInfo], list[TokenCacheInfo]]:
     """Build (or reuse, or resume) the token caches of the train and validation sources."""
-    holdout = 0.0 if config.validation else config.validation_fraction
+    holdout = holdout_fraction(config)
 
     def build(kind: str, index: int, source: SourceConfig, fraction: float) -> TokenCacheInfo:
         shards = source_shards(source)
@@ -220,13 +260,14 @@ def build_lm_datasets(
         )
     tokenizer = load_tokenizer(tokenizer_path)
 
-    train = [SplitWindows(TokenCache.open(info.url)["train"], seq_len) for info in train_infos]
+    splits = [TokenCache.open(info.url)["train"] for info in train_infos]
     if config.validation:
-        pieces = [TokenCache.open(info.url)["train"] for info in validation_infos]
+        train = [SplitWindows(split, seq_len) for split in splits]
+        pieces = [TokenCache.open(info.url)["train"].as_numpy() for info in validation_infos]
     else:
-        pieces = [TokenCache.open(info.url)["validation"] for info in train_infos]
+        train, pieces = _hold_out(config, train_infos, splits, seq_len)
     validation = TokenWindows(
-        np.concatenate([p.as_numpy() for p in pieces]) if pieces else np.zeros(0, np.int32),
+        np.concatenate(pieces) if pieces else np.zeros(0, np.int32),
         seq_len,
     )
     for i, (windows, info) in enumerate(zip(train, train_infos, strict=True)):
@@ -248,7 +289,10 @@ def build_lm_datasets(
             )
             + "; add documents to `data.validation`"
             if config.validation
-            else "raise `data.validation_fraction` or give `data.validation` sources"
+            else f"the documents `data.validation_fraction`={config.validation_fraction:g} holds "
+            "out make no window, and no data.train source has windows enough to hold one out "
+            "and train on another; add documents, lower `model.seq_len` or give "
+            "`data.validation` sources"
         )
         raise ValueError(
             f"the validation data has {validation.num_tokens} tokens, fewer than "
@@ -262,10 +306,63 @@ def build_lm_datasets(
         train=train,
         validation=validation,
         caches=[i.url for i in train_infos + validation_infos],
-        validation_sets=[TokenWindows(p.as_numpy(), seq_len) for p in pieces],
+        validation_sets=[TokenWindows(p, seq_len) for p in pieces],
         skipped=skipped_records("train", train_infos)
         + skipped_records("validation", validation_infos),
     )
+
+
+def _hold_out(
+    config: DataConfig, infos: list[TokenCacheInfo], splits: list[TokenSplit], seq_len: int
+) -> tuple[list[SplitWindows], list[np.ndarray]]:
+    """The train windows and validation tokens of each train source, without `data.validation`.
+
+    The documents each cache holds out are the validation data when together they make a
+    whole window. Otherwise (too few documents: one small file, a single document) each
+    source's last `validation_fraction` of windows (at least one, if one is left to train
+    on) is held out instead: a pure function of the cache and `seq_len`, so every build
+    and every resumed run splits the same way. The log says which was done, and why.
+    """
+    fraction = config.validation_fraction
+    held = [info.splits["validation"] for info in infos]
+    if sum(h.tokens for h in held) >= seq_len:
+        for i, info in enumerate(infos):
+            logger.info(
+                "data.train[%d]: %d of %d documents (in %d %s) held out for validation "
+                "(data.validation_fraction=%g): %d tokens",
+                i,
+                held[i].documents,
+                sum(s.documents for s in info.splits.values()),
+                info.shards_used,
+                "shards" if config.train[i].hf is not None else "files",
+                fraction,
+                held[i].tokens,
+            )
+        validation = [TokenCache.open(info.url)["validation"].as_numpy() for info in infos]
+        return [SplitWindows(split, seq_len) for split in splits], validation
+    train, validation, said = [], [], []
+    for i, split in enumerate(splits):
+        windows = split.num_tokens // seq_len
+        held_windows = 0 if windows < 2 else min(max(1, round(fraction * windows)), windows - 1)
+        kept = windows - held_windows
+        train.append(SplitWindows(split, seq_len, num_windows=kept))
+        validation.append(split.read(kept * seq_len, windows * seq_len))
+        said.append(f"the last {held_windows} of {windows} windows of data.train[{i}]")
+    logger.warning(
+        "the %d document(s) held out of data.train for validation (data.validation_fraction=%g "
+        "of %d document(s) in %d %s) make %d tokens, fewer than one window of seq_len=%d: "
+        "holding out %s for validation instead%s",
+        sum(h.documents for h in held),
+        fraction,
+        sum(s.documents for info in infos for s in info.splits.values()),
+        sum(info.shards_used for info in infos),
+        "shard(s)" if any(source.hf is not None for source in config.train) else "file(s)",
+        sum(h.tokens for h in held),
+        seq_len,
+        ", ".join(said),
+        " (the BPE tokenizer was trained on their text too)" if config.tokenizer is None else "",
+    )
+    return train, validation
 
 
 def _process_index() -> int:

@@ -88,24 +88,36 @@ class SplitWindows:
     """Windows of `seq_len` tokens over one split of a token cache (``TokenSplit``).
 
     Window `i` is tokens `[i * seq_len, (i + 1) * seq_len)` of the split's flat stream,
-    as in `TokenWindows`. A split up to `IN_MEMORY_BYTES` is read into memory at once;
-    a larger one is read window by window from tensorstore when a batch asks for it.
+    as in `TokenWindows`. With `num_windows` only the first that many are used (the
+    windows after them are held out for validation). A split up to `IN_MEMORY_BYTES` is
+    read into memory at once; a larger one is read window by window from tensorstore
+    when a batch asks for it.
     """
 
-    def __init__(self, split, seq_len: int, in_memory_bytes: int = IN_MEMORY_BYTES) -> None:
+    def __init__(
+        self,
+        split,
+        seq_len: int,
+        in_memory_bytes: int = IN_MEMORY_BYTES,
+        num_windows: int | None = None,
+    ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.split = split
         self.seq_len = seq_len
         self.num_tokens = int(split.num_tokens)
+        """Tokens in the split's whole stream, including windows not used."""
+        available = self.num_tokens // seq_len
+        if num_windows is not None and not 0 <= num_windows <= available:
+            raise ValueError(f"num_windows must be in [0, {available}], got {num_windows}")
+        self._num_windows = available if num_windows is None else num_windows
+        used = self._num_windows * seq_len
         self._memory = (
-            TokenWindows(split.as_numpy(), seq_len)
-            if self.num_tokens * 4 <= in_memory_bytes
-            else None
+            TokenWindows(split.read(0, used), seq_len) if used * 4 <= in_memory_bytes else None
         )
 
     def __len__(self) -> int:
-        return self.num_tokens // self.seq_len
+        return self._num_windows
 
     def get_batch(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
         """The windows at `indices`, stacked into an int32 array of shape `(n, seq_len)`."""
