@@ -7,12 +7,16 @@ A wall-clock save interval, a time limit or a SIGTERM reaching one host would ma
 processes disagree, and a save or stop on some processes only deadlocks the others.
 ``StepAgreement`` makes process 0's decision everyone's, through the JAX coordination
 service (one small key-value exchange per step, only with more than one process); a
-stop requested by any process reaches process 0 and from there everyone.
+stop requested by any process reaches process 0 and from there everyone. Each
+``Trainer.train`` call makes one ``StepAgreement``, numbered alike on every process, and
+its keys live under that number: a second ``train`` in the same processes (``loomax
+ladder run``) never reads the first one's decisions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import signal
@@ -30,6 +34,11 @@ logger = logging.getLogger(__name__)
 
 _PREFIX = "loomax/control"
 _KEEP_STEPS = 100  # processes never drift this many steps apart: each step has collectives
+_agreements = itertools.count()
+"""Numbers this process's ``StepAgreement``s (one per ``train`` call, in the same order on
+every process): agreement N keeps its keys under ``loomax/control/N/``."""
+_cleared_below = 0
+"""Process 0: the keys of agreements below this number are deleted."""
 
 
 SaveKind = Literal["permanent", "temporary"]
@@ -105,12 +114,20 @@ class Control:
 
 
 class StepAgreement:
-    """``agree(step, proposal)`` returns the ``Decision`` every process takes at ``step``."""
+    """``agree(step, proposal)`` returns the ``Decision`` every process takes at ``step``.
+
+    Make one per ``train`` call, on every process: the keys of each live under its own
+    number, so no call sees another's decisions or stop requests.
+    """
 
     def __init__(self, timeout: float = 3600.0):
         self._timeout_ms = int(timeout * 1000)
         self._client = coordination_client()
         self._requested_stop = False
+        self.number = next(_agreements)
+        """This agreement's number: the same on every process for the same ``train`` call."""
+        self._prefix = f"{_PREFIX}/{self.number}"
+        self._agreed = 0
 
     def agree(self, step: int, proposal: Decision) -> Decision:
         """Process 0's ``proposal``, with ``stop`` set if any process proposed one."""
@@ -119,22 +136,32 @@ class StepAgreement:
         pid = jax.process_index()
         if pid != 0:
             if proposal.stop and not self._requested_stop:
-                self._client.key_value_set(f"{_PREFIX}/stop/{pid}", proposal.stop)
+                self._client.key_value_set(f"{self._prefix}/stop/{pid}", proposal.stop)
                 self._requested_stop = True
             return Decision.from_json(
-                self._client.blocking_key_value_get(f"{_PREFIX}/step/{step}", self._timeout_ms)
+                self._client.blocking_key_value_get(f"{self._prefix}/step/{step}", self._timeout_ms)
             )
         decision = proposal
         if not decision.stop:
-            requests = self._client.key_value_dir_get(f"{_PREFIX}/stop/")
+            requests = self._client.key_value_dir_get(f"{self._prefix}/stop/")
             if requests:
                 key, reason = requests[0]
                 stop = f"{reason} (process {key.rsplit('/', 1)[-1]})"
                 decision = dataclasses.replace(decision, stop=stop)
-        self._client.key_value_set(f"{_PREFIX}/step/{step}", decision.to_json())
+        self._client.key_value_set(f"{self._prefix}/step/{step}", decision.to_json())
+        self._agreed += 1
         if step > _KEEP_STEPS:
-            self._client.key_value_delete(f"{_PREFIX}/step/{step - _KEEP_STEPS}")
+            self._client.key_value_delete(f"{self._prefix}/step/{step - _KEEP_STEPS}")
+        if self._agreed == _KEEP_STEPS:  # every process is in this call by now
+            self._clear_earlier()
         return decision
+
+    def _clear_earlier(self) -> None:
+        """Delete what the earlier agreements left (their last steps, their stop requests)."""
+        global _cleared_below
+        for number in range(_cleared_below, self.number):
+            self._client.key_value_delete(f"{_PREFIX}/{number}/")
+        _cleared_below = max(_cleared_below, self.number)
 
 
 class StopSignals:
