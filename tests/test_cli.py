@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from loomax.cli import main
+from loomax.cli import INTERNAL_ERROR, main
 from loomax.data.tokenizer import load_tokenizer
 
 
@@ -155,15 +156,69 @@ def test_a_bad_record_is_one_line(tmp_path, capsys):
     assert f"{bad}, line 2: invalid JSON" in _one_error_line(err, "loomax train")
 
 
-def test_a_bug_keeps_its_traceback(monkeypatch):
+@pytest.mark.parametrize("error", [ValueError, FileNotFoundError, RuntimeError])
+def test_a_bug_keeps_its_traceback_and_says_it_is_a_bug(monkeypatch, capsys, error):
+    # A plain ValueError is a bug like any other: not a one-line usage error with exit 2.
     import loomax.train_lm
 
     def broken(config):
-        raise RuntimeError("a bug")
+        raise error("a bug deep inside")
 
     monkeypatch.setattr(loomax.train_lm, "train_lm", broken)
-    with pytest.raises(RuntimeError, match="a bug"):
-        main(["train"])
+    code, _, err = _exit(["train"], capsys)
+    assert code == 1
+    assert "Traceback (most recent call last)" in err and "in broken" in err
+    assert f"{error.__name__}: a bug deep inside" in err
+    assert err.strip().splitlines()[-1] == f"loomax train: {INTERNAL_ERROR}"
+    assert ": error: " not in err
+
+
+def test_a_failed_run_is_one_line_with_exit_code_1(monkeypatch, capsys):
+    import loomax.train_lm
+    from loomax.callbacks import NonFiniteLossError
+
+    def diverged(config):
+        raise NonFiniteLossError("training loss is nan at step 7; stopping")
+
+    monkeypatch.setattr(loomax.train_lm, "train_lm", diverged)
+    code, _, err = _exit(["train"], capsys)
+    assert code == 1 and "Traceback" not in err
+    assert _one_error_line(err, "loomax train").endswith("training loss is nan at step 7; stopping")
+
+
+def _hf_directory(path, config: dict):
+    from safetensors.numpy import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({"x": np.zeros(1, np.float32)}, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (  # found when the schedule is built, not when the config is parsed
+            ["schedule", "--trainer.num_train_steps", "10", "--optimizer.cycles", "[5, 3]"],
+            "optimizer.cycles must be increasing steps in (0, 10]",
+        ),
+        (["generate", "--checkpoint", "{tmp}/missing", "--prompt", "x"], "does not exist"),
+        (
+            ["export", "--checkpoint", "{bert}", "--out", "{tmp}/out"],
+            "config.json: model_type 'bert' is not supported",
+        ),
+        (["generate", "--checkpoint", "{bert}", "--prompt", "x", "--top_p", "2"], "--top_p"),
+        (["launch", "--target", "local", "train"], "missing `-- <loomax command>`"),
+        (["ladder", "dry-run", "--size", "7M"], "--size 7M is not one of ladder.sizes"),
+    ],
+    ids=["schedule", "missing checkpoint", "bad HF directory", "sampling flag", "launch", "ladder"],
+)
+def test_bad_input_found_after_parsing_is_one_line(tmp_path, capsys, args, message):
+    bert = _hf_directory(tmp_path / "bert", {"model_type": "bert", "vocab_size": 10})
+    args = [a.format(tmp=tmp_path, bert=bert) for a in args]
+    code, _, err = _exit(args, capsys)
+    prog = " ".join(["loomax", *args[:2]] if args[0] == "ladder" else ["loomax", args[0]])
+    assert code == 2 and message in _one_error_line(err, prog)
 
 
 def test_missing_tracker_package_in_a_real_run(tmp_path, tiny_corpus):
@@ -200,3 +255,24 @@ def test_missing_tracker_package_in_a_real_run(tmp_path, tiny_corpus):
         "trainer.tracker type: tensorboard" in line and "pip install 'loomax[tensorboard]'" in line
     )
     assert not (tmp_path / "cache").exists()
+
+
+def test_tokenizer_train_leaves_the_validation_documents_out(tmp_path):
+    """`loomax tokenizer train` (the demo's first command) sees only the documents the
+    train split keeps: a word only in a held-out document gets no vocabulary entry."""
+    from loomax.data import dataset as dataset_module
+    from loomax.data.token_cache import is_held_out
+
+    fraction, rare = 0.3, "qqzzxxjj"
+    held = next(i for i in range(40) if is_held_out(0, i, fraction, dataset_module.HOLDOUT_SEED))
+    texts = [f"document {i} about the weather and some words\n" for i in range(40)]
+    texts[held] = f"{rare} " * 200 + "\n"
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    args = ["tokenizer", "train", "--data.train", json.dumps([{"urls": [str(corpus)]}])]
+    args += ["--data.validation_fraction", str(fraction), "--vocab_size", "400"]
+    main([*args, "--out", str(tmp_path / "tok")])
+    assert not any(rare in t for t in load_tokenizer(tmp_path / "tok").get_vocab())
+    main([*args, "--data.validation_fraction", "0.01", "--out", str(tmp_path / "all")])
+    if not is_held_out(0, held, 0.01, dataset_module.HOLDOUT_SEED):  # now in the train split
+        assert any(rare in t for t in load_tokenizer(tmp_path / "all").get_vocab())

@@ -152,6 +152,40 @@ def test_invalid_value_names_key(tmp_path):
         parse_config(TrainLmConfig, None, ["--trainer.mp", "p=f99"])
 
 
+def test_a_sections_own_check_names_the_file_and_line_of_its_key(tmp_path):
+    path = write(tmp_path / "run.yaml", "trainer:\n  seed: 1\nmodel:\n  hidden_dim: 100\n")
+    with pytest.raises(ConfigError) as e:  # num_heads keeps its default (12)
+        parse_config(TrainLmConfig, path)
+    assert str(e.value) == (
+        f"model.hidden_dim (100) must be divisible by model.num_heads (12) ({path}, line 4)"
+    )
+    with pytest.raises(ConfigError, match=r"model\.num_heads \(3\) \(.*run\.yaml, line 4; "):
+        parse_config(
+            TrainLmConfig, path, ["--model.num_heads", "3"]
+        )  # both keys named, each located
+
+
+def test_a_sections_own_check_follows_includes_and_names_flags_and_overlays(tmp_path):
+    write(tmp_path / "model.yaml", "type: gpt2\nnum_heads: 3\nhidden_dim: 100\n")
+    path = write(tmp_path / "run.yaml", "trainer:\n  seed: 1\nmodel: !include model.yaml\n")
+    with pytest.raises(ConfigError) as e:
+        parse_config(TrainLmConfig, path)
+    message = str(e.value)
+    assert f"model.hidden_dim: {tmp_path / 'model.yaml'}, line 3" in message
+    assert f"model.num_heads: {tmp_path / 'model.yaml'}, line 2" in message
+
+    with pytest.raises(ConfigError) as e:
+        parse_config(TrainLmConfig, path, ["--model.hidden_dim", "96", "--trainer.log_every=0"])
+    assert str(e.value) == (
+        "trainer.log_every must be > 0, got 0 (from the command line flag --trainer.log_every)"
+    )
+
+    overlay = write(tmp_path / "plan.yaml", "trainer:\n  mesh:\n    data: 0\n")
+    with pytest.raises(ConfigError) as e:
+        parse_config(TrainLmConfig, None, ["--overlay", str(overlay)])
+    assert str(e.value).endswith(f"got 0 (overlay {overlay}, line 3)")
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
         parse_config(TrainLmConfig, tmp_path / "nope.yaml")

@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 
+from loomax.config import ConfigError
 from loomax.lm import TrainLmConfig, lm_loss
 from loomax.peak_flops import measure_matmul_flops, total_peak_flops
 from loomax.tracking import NoopTrackerConfig
@@ -43,7 +44,7 @@ def run_benchmark(
     model_config = config.model
     vocab_size = model_config.vocab_size
     if vocab_size is None:
-        raise ValueError(
+        raise ConfigError(
             "loomax bench needs model.vocab_size (it uses random token ids, no tokenizer)"
         )
     scratch = tempfile.mkdtemp(prefix="loomax-bench-")

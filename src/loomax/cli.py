@@ -2,19 +2,21 @@
 
 Every command answers ``-h/--help`` with its own usage on stdout (exit 0). Bad input from
 the user (a ``loomax.errors.UserError``, a bad flag) is printed as one line,
-``loomax COMMAND: error: MESSAGE``, with exit code 2; anything else is a bug and keeps
-its traceback.
+``loomax COMMAND: error: MESSAGE``, with exit code 2; a failed run (``TrainingFailure``:
+a NaN loss, divergence) is one line too, with exit code 1. Anything else is a bug: its
+traceback is printed, then ``loomax COMMAND: internal error (...)``, and the exit code is 1.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
 from loomax.cli_parser import command_parser, config_errors, load_config
-from loomax.errors import UserError
+from loomax.errors import TrainingFailure, UserError
 
 COMMANDS = {
     "train": "train a language model",
@@ -89,13 +91,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         _run(command, rest)
     except UserError as e:
         fail(prog, str(e))
+    except TrainingFailure as e:
+        fail(prog, str(e), code=1)
+    except Exception as e:
+        traceback.print_exc()
+        print(f"{prog}: {INTERNAL_ERROR}", file=sys.stderr)
+        raise SystemExit(1) from e
 
 
-def fail(prog: str, message: str) -> None:
-    """Print ``PROG: error: MESSAGE`` as one line on stderr and exit with code 2."""
+INTERNAL_ERROR = "internal error (a bug; please report it with the traceback above)"
+"""The last line of a command that failed with an exception other than bad input."""
+
+
+def fail(prog: str, message: str, code: int = 2) -> None:
+    """Print ``PROG: error: MESSAGE`` as one line on stderr and exit with ``code``."""
     one_line = " ".join(message.split()) or "error"
     print(f"{prog}: error: {one_line}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(code)
 
 
 def _run(command: str, args: list[str]) -> None:
@@ -147,10 +159,7 @@ def _train(args: list[str]) -> None:
     parser = command_parser("train", COMMANDS["train"], config=True)
     known, overrides = parser.parse_known_args(args)
     config = load_config(TrainLmConfig, known.config_path, overrides)
-    try:
-        result = train_lm(config)
-    except (ValueError, FileNotFoundError) as e:
-        raise UserError(str(e)) from e
+    result = train_lm(config)
     evals = result.evals
     if evals:
         first, last = evals[0], evals[-1]
@@ -173,13 +182,10 @@ def _cache(args: list[str]) -> None:
     )
     known, overrides = parser.parse_known_args(args)
     config = load_config(TrainLmConfig, known.config_path, overrides)
-    try:
-        tokenizer = prepare_tokenizer(config.data)
-        train, validation = build_caches(
-            config.data, tokenizer, ray=config.trainer.ray, overwrite=known.overwrite
-        )
-    except (ValueError, FileNotFoundError) as e:
-        raise UserError(str(e)) from e
+    tokenizer = prepare_tokenizer(config.data)
+    train, validation = build_caches(
+        config.data, tokenizer, ray=config.trainer.ray, overwrite=known.overwrite
+    )
     print(f"tokenizer: {tokenizer}")
     for kind, infos in (("train", train), ("validation", validation)):
         for i, info in enumerate(infos):
@@ -199,8 +205,8 @@ def _cache(args: list[str]) -> None:
 
 
 def _tokenizer(args: list[str]) -> None:
-    from loomax.data.sources import iter_documents
-    from loomax.data.tokenizer import train_bpe_tokenizer
+    from loomax.data.dataset import tokenizer_documents
+    from loomax.data.tokenizer import MIN_VOCAB_SIZE, train_bpe_tokenizer
     from loomax.lm import TrainLmConfig
 
     parser = command_parser("tokenizer train", ACTIONS["tokenizer"]["train"], config=True)
@@ -215,16 +221,10 @@ def _tokenizer(args: list[str]) -> None:
     out = Path(known.out)
     out = out if out.suffix == ".json" else out / "tokenizer.json"
     vocab = known.vocab_size or config.data.tokenizer_vocab_size
-    try:
-        skip = config.data.skip_bad_records
-        documents = (
-            doc
-            for source in config.data.train
-            for doc in iter_documents(source, skip_bad_records=skip)
-        )
-        tokenizer = train_bpe_tokenizer(documents, vocab, out)
-    except (ValueError, FileNotFoundError) as e:
-        raise UserError(str(e)) from e
+    if vocab < MIN_VOCAB_SIZE:
+        raise UserError(f"--vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab}")
+    # the documents the train split keeps: validation text must not shape the vocabulary
+    tokenizer = train_bpe_tokenizer(tokenizer_documents(config.data), vocab, out)
     print(f"trained a byte-level BPE of {tokenizer.get_vocab_size()} tokens: {out}")
 
 
@@ -254,16 +254,13 @@ def _bench(args: list[str]) -> None:
     )
     known, overrides = parser.parse_known_args(args)
     config = load_config(TrainLmConfig, known.config_path, overrides)
-    try:
-        run_benchmark(
-            config,
-            steps=known.steps,
-            warmup=known.warmup,
-            save_every=known.save_every,
-            profile_dir=known.profile,
-        )
-    except ValueError as e:
-        raise UserError(str(e)) from e
+    run_benchmark(
+        config,
+        steps=known.steps,
+        warmup=known.warmup,
+        save_every=known.save_every,
+        profile_dir=known.profile,
+    )
 
 
 def _launch_help() -> str:
@@ -297,23 +294,15 @@ def _launch(args: list[str]) -> None:
     if "-h" in options_part or "--help" in options_part:
         print(_launch_help(), end="")
         raise SystemExit(0)
-    try:
-        options, command = split_launch_args(args)
-        path, options = defaults_file(options)
-    except ValueError as e:
-        raise UserError(str(e).removeprefix("loomax launch: ")) from e
+    options, command = split_launch_args(args)
+    path, options = defaults_file(options)
     if command[0] not in COMMANDS or command[0] == "launch":
         raise UserError(f"{command[0]!r} is not a loomax command ({', '.join(COMMANDS)})")
     config = load_config(LaunchConfig, path, options)
-    try:
-        code = launch(config, command)
-    except (ValueError, FileNotFoundError) as e:
-        raise UserError(str(e)) from e
-    raise SystemExit(code)
+    raise SystemExit(launch(config, command))
 
 
 def _schedule(args: list[str]) -> None:
-    from loomax.batch_schedule import BatchSchedule
     from loomax.lm import TrainLmConfig
     from loomax.optim.plot import plot_schedule
 
@@ -324,11 +313,7 @@ def _schedule(args: list[str]) -> None:
     known, overrides = parser.parse_known_args(args)
     config = load_config(TrainLmConfig, known.config_path, overrides)
     steps = config.trainer.num_train_steps
-    try:
-        batches = BatchSchedule(config.trainer.train_batch_size)
-        schedule = config.optimizer.lr_scheduler(steps, batches)
-    except ValueError as e:
-        raise UserError(str(e)) from e
+    schedule = config.optimizer.lr_scheduler(steps, config.trainer.batch_schedule)
     print(f"optimizer.type {type(config.optimizer).__name__}, {steps} steps:")
     for phase in schedule.phases():
         print(f"  {phase}")

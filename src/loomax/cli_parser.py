@@ -2,8 +2,8 @@
 
 ``command_parser`` makes a command's ``argparse`` parser whose errors are ``UserError``s
 and whose usage ends with ``[--section.field VALUE ...]``; ``load_config`` parses a run
-config from ``--config_path`` and the leftover flags, turning draccus' exits and config
-errors into ``UserError``s too.
+config from ``--config_path`` and the leftover flags, turning draccus' exits into
+``UserError``s too (config errors are ``ConfigError``s, ``UserError``s already).
 """
 
 from __future__ import annotations
@@ -69,7 +69,11 @@ def command_parser(prog: str, description: str, *, config: bool = False) -> Comm
 
 @contextlib.contextmanager
 def config_errors() -> Iterator[None]:
-    """Turn draccus' usage exit (an unknown flag) and config errors into one-line ``UserError``s."""
+    """Turn draccus' usage exit (an unknown flag) into a one-line ``UserError``.
+
+    Config errors are ``ConfigError``s (``UserError``s) already; any other exception
+    passes through unchanged, as the bug it is.
+    """
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
@@ -80,10 +84,11 @@ def config_errors() -> Iterator[None]:
         lines = [line for line in captured.getvalue().splitlines() if line.strip()]
         message = lines[-1].split(": error: ", 1)[-1] if lines else "bad command line"
         raise UserError(message) from None
-    except (ValueError, FileNotFoundError) as e:
-        if isinstance(e, UserError):  # ConfigError, DataSourceError
-            raise
-        raise UserError(str(e)) from e
+    except UserError:
+        raise
+    except BaseException:
+        sys.stderr.write(captured.getvalue())  # what came before a bug may help find it
+        raise
     else:
         sys.stderr.write(captured.getvalue())
 

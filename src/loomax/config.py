@@ -103,7 +103,7 @@ def parse_config(
     after it win (see ``overlay_args``). Raises ``ConfigError`` naming the offending key and where it came from (the file and
     line, or the command line). Unknown command-line flags make draccus exit with code 2.
     """
-    args = expand_overlays(cls, args)
+    given, args = list(args), expand_overlays(cls, args)
     if config_path is not None:
         path = Path(config_path)
         if not path.is_file():
@@ -117,7 +117,7 @@ def parse_config(
         cause = e.__cause__
         where = f" (config {config_path})" if config_path else ""
         if isinstance(cause, ValueError):  # a section's own check: its message names the key
-            raise ConfigError(f"{cause}{where}") from e
+            raise ConfigError(_describe_check_error(str(cause), cls, config_path, given)) from e
         detail = f": {cause}" if cause else ""
         raise ConfigError(f"{e}{where}{detail}") from e
     except yaml.YAMLError as e:
@@ -252,6 +252,64 @@ def _describe_decoding_error(e: DecodingError, config_path, args: Sequence[str])
     return message
 
 
+_DOTTED_KEY = re.compile(r"(?<![\w./\\-])[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+"""A dotted name such as ``model.hidden_dim`` (not part of a path such as ``conf/run.yaml``)."""
+
+
+def _describe_check_error(message: str, cls: type, config_path, args: Sequence[str]) -> str:
+    """``message`` of a section's own check, with where the keys it names were set: the file
+    and line (``!include``s followed), an ``--overlay`` file and line, or the command line."""
+    sources: list[tuple[str, str]] = []
+    for keys in _named_keys(message, cls):
+        where = _key_source(keys, config_path, args)
+        if where is not None:
+            sources.append((".".join(keys), where))
+    if not sources:
+        return f"{message} (config {config_path})" if config_path else message
+    if len(sources) == 1:
+        return f"{message} ({sources[0][1]})"
+    return f"{message} ({'; '.join(f'{key}: {where}' for key, where in sources)})"
+
+
+def _named_keys(message: str, cls: type) -> list[list[str]]:
+    """The config keys of ``cls`` that ``message`` names (``model.hidden_dim``), in order; a
+    leading name that is not a section (``ladder.sizes``) is dropped."""
+    top = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    out: list[list[str]] = []
+    for match in _DOTTED_KEY.finditer(message):
+        keys = match.group().split(".")
+        if keys[0] not in top and keys[1] in top:
+            keys = keys[1:]
+        if keys[0] in top and keys not in out:
+            out.append(keys)
+    return out
+
+
+def _key_source(keys: list[str], config_path, args: Sequence[str]) -> str | None:
+    """Where the value of ``keys`` was set last: a flag or an ``--overlay`` in ``args``, else
+    the config file; None when it keeps its default."""
+    where = None
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg[2:].partition("=")
+        if name == "overlay":
+            path = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+            located = locate_key(Path(path), keys, exact=True) if path else None
+            if located is not None:
+                where = f"overlay {located[0]}, line {located[1]}"
+        else:
+            flag = name.split(".")
+            n = min(len(flag), len(keys))
+            if flag[:n] == keys[:n]:  # the key itself, a part of it, or its section
+                where = f"from the command line flag --{name}"
+    if where is None and config_path is not None:
+        located = locate_key(Path(config_path), keys, exact=True)
+        if located is not None:
+            where = f"{located[0]}, line {located[1]}"
+    return where
+
+
 # --------------------------------------------------------------------------- YAML locations
 
 
@@ -292,23 +350,34 @@ def _check_includes(path: Path, seen: tuple[Path, ...] = ()) -> None:
             stack.extend(node.value)
 
 
-def locate_key(path: Path, key_path: Sequence[str]) -> tuple[Path, int] | None:
-    """The file and 1-based line where ``key_path`` is set, following ``!include``."""
+def locate_key(
+    path: Path, key_path: Sequence[str], *, exact: bool = False
+) -> tuple[Path, int] | None:
+    """The file and 1-based line where ``key_path`` is set, following ``!include``.
+
+    A key that is not there gives the line of its deepest section that is, or None with
+    ``exact``.
+    """
     try:
         node = _compose(path)
     except (OSError, yaml.YAMLError):
         return None
-    file, line = path, None
+    file, line, found = path, None, 0
     for key in key_path:
         if isinstance(node, yaml.ScalarNode) and node.tag == "!include":
             file = (file.parent / node.value).resolve()
-            node = _compose(file)
+            try:
+                node = _compose(file)
+            except (OSError, yaml.YAMLError):
+                return None
         if not isinstance(node, yaml.MappingNode):
             break
         for key_node, value_node in node.value:
             if key_node.value == key:
-                line, node = key_node.start_mark.line + 1, value_node
+                line, node, found = key_node.start_mark.line + 1, value_node, found + 1
                 break
         else:
             break
-    return (file, line) if line is not None else None
+    if line is None or (exact and found < len(key_path)):
+        return None
+    return file, line

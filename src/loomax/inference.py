@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from loomax.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from loomax.config import parse_config
+from loomax.config import ConfigError, parse_config
+from loomax.errors import MissingFileError
 from loomax.lm import TrainLmConfig, resolve_vocab_size
 from loomax.models.config import LmModel
 from loomax.tree_paths import is_named_array
@@ -63,17 +64,17 @@ def load_for_inference(
             tokenizer = _run_tokenizer(run_config)
         return LoadedModel(load_hf(path), run_config, tokenizer, f"Hugging Face checkpoint {path}")
     if not path.exists():
-        raise FileNotFoundError(f"--checkpoint {path} does not exist")
+        raise MissingFileError(f"--checkpoint {path} does not exist")
     if run_config is None:
         found = find_run_config(path)
         if found is None:
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"--checkpoint {path}: no model.yaml, config.json, or run config.yaml above it; pass --config_path"
             )
         run_config = parse_config(TrainLmConfig, str(found), [])
     checkpoints = list_checkpoints(str(path))
     if not checkpoints:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"--checkpoint {path}: no complete checkpoint (step-N with metadata.json)"
         )
     tokenizer = _run_tokenizer(run_config)
@@ -134,7 +135,7 @@ def evaluate(
 
     config = loaded.run_config
     if config is None:
-        raise ValueError(
+        raise ConfigError(
             "evaluation needs the run config (its data.validation): pass --config_path"
         )
     if loaded.model.config.seq_len != config.model.seq_len:

@@ -18,6 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from loomax.config import ConfigError
+
 MESH_AXES = ("replica", "data", "model")
 DATA_AXES = ("replica", "data")
 
@@ -52,13 +54,13 @@ class MeshConfig:
         known = int(np.prod([s for s in sizes.values() if s != -1]))
         if -1 in sizes.values():
             if num_devices % known:
-                raise ValueError(
+                raise ConfigError(
                     f"trainer.mesh {self.as_dict()}: the fixed axes ({known} devices) do not divide "
                     f"the {num_devices} devices"
                 )
             sizes = {k: (num_devices // known if v == -1 else v) for k, v in sizes.items()}
         if int(np.prod(list(sizes.values()))) != num_devices:
-            raise ValueError(
+            raise ConfigError(
                 f"trainer.mesh {self.as_dict()} needs {int(np.prod(list(sizes.values())))} devices, "
                 f"but there are {num_devices}"
             )

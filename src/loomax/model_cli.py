@@ -61,16 +61,13 @@ def export_command(args: list[str], parser: argparse.ArgumentParser, guard: Guar
         from loomax.data.tokenizer import load_tokenizer
 
         special = special_token_ids(load_tokenizer(loaded.tokenizer))
-    try:
-        out = export_hf(
-            loaded.model,
-            known.out,
-            tokenizer=loaded.tokenizer,
-            special_tokens=special,
-            max_shard_bytes=int(known.max_shard_gb * 1024**3),
-        )
-    except ValueError as e:
-        raise UserError(str(e)) from e
+    out = export_hf(
+        loaded.model,
+        known.out,
+        tokenizer=loaded.tokenizer,
+        special_tokens=special,
+        max_shard_bytes=int(known.max_shard_gb * 1024**3),
+    )
     print(f"exported {loaded.description} -> {out}")
 
 
@@ -91,6 +88,7 @@ def generate_command(args: list[str], parser: argparse.ArgumentParser, guard: Gu
     )
     parser.add_argument("--no_stop", action="store_true", help="do not stop at EOS")
     known, overrides = _parse(parser, args)
+    _check_sampling(known)
     loaded = _load(known, overrides, guard)
     path = known.tokenizer or loaded.tokenizer
     if path is None:
@@ -101,21 +99,28 @@ def generate_command(args: list[str], parser: argparse.ArgumentParser, guard: Gu
     prompt = tokenizer.encode(known.prompt).ids
     if not prompt:
         raise UserError("--prompt encodes to no tokens")
-    try:
-        tokens = sample_tokens(
-            loaded.model,
-            prompt,
-            seq_len=loaded.model.config.seq_len,
-            max_new_tokens=known.max_new_tokens,
-            temperature=known.temperature,
-            top_k=known.top_k,
-            top_p=known.top_p,
-            key=jax.random.PRNGKey(known.seed),
-            stop_token=None if known.no_stop else eos_id(tokenizer),
-        )
-    except ValueError as e:
-        raise UserError(str(e)) from e
+    tokens = sample_tokens(
+        loaded.model,
+        prompt,
+        seq_len=loaded.model.config.seq_len,
+        max_new_tokens=known.max_new_tokens,
+        temperature=known.temperature,
+        top_k=known.top_k,
+        top_p=known.top_p,
+        key=jax.random.PRNGKey(known.seed),
+        stop_token=None if known.no_stop else eos_id(tokenizer),
+    )
     print(tokenizer.decode(tokens))
+
+
+def _check_sampling(known) -> None:
+    """The sampling flags ``sample_tokens`` would refuse, as one-line ``UserError``s."""
+    if known.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {known.temperature}")
+    if known.top_k is not None and known.top_k <= 0:
+        raise UserError(f"--top_k must be positive, got {known.top_k}")
+    if known.top_p is not None and not 0 < known.top_p <= 1:
+        raise UserError(f"--top_p must be in (0, 1], got {known.top_p}")
 
 
 def eval_command(args: list[str], parser: argparse.ArgumentParser, guard: Guard) -> None:
@@ -132,11 +137,11 @@ def eval_command(args: list[str], parser: argparse.ArgumentParser, guard: Guard)
         "--json", action="store_true", help="print one JSON object instead of a table"
     )
     known, overrides = _parse(parser, args)
+    for flag in ("batch_size", "max_batches"):
+        if getattr(known, flag) is not None and getattr(known, flag) < 1:
+            raise UserError(f"--{flag} must be >= 1, got {getattr(known, flag)}")
     loaded = _load(known, overrides, guard)
-    try:
-        results = evaluate(loaded, batch_size=known.batch_size, max_batches=known.max_batches)
-    except (ValueError, FileNotFoundError) as e:
-        raise UserError(str(e)) from e
+    results = evaluate(loaded, batch_size=known.batch_size, max_batches=known.max_batches)
     if known.json:
         print(json.dumps(results, sort_keys=True))
         return

@@ -136,11 +136,12 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete_one(
     assert [c.step for c in checkpoints] == [3, 6, 9]
     for checkpoint in checkpoints:
         read_every_array(checkpoint)  # nothing left corrupt
-    # the steps run twice (after the last complete checkpoint, before the kill) give the
-    # same loss both times: resuming is exact
+    # metrics.jsonl holds each step once (the resumed attempt's records replace what the
+    # killed one logged after step 3), and the steps run twice (after the last complete
+    # checkpoint, before the kill) gave the same loss both times: resuming is exact
     records = logged_losses(tmp_path / "run")
-    again = records[records.index((max(first), first[max(first)])) + 1 :]
-    redone = [(step, loss) for step, loss in again if step in first]
+    assert [step for step, _ in records] == sorted({step for step, _ in records})
+    redone = [(step, loss) for step, loss in records if complete[-1] < step <= max(first)]
     assert [step for step, _ in redone] == list(range(4, max(first) + 1))
     assert all(loss == first[step] for step, loss in redone)
 

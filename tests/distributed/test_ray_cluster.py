@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from loomax.config import ConfigError
 from loomax.config_reference import field_docs
 from loomax.distributed import RayConfig, init_ray, ray_session
 
@@ -59,6 +60,6 @@ def test_malformed_address_is_refused(no_ray):
 
 
 def test_no_address_and_no_auto_start_is_an_error(no_ray):
-    with pytest.raises(RuntimeError, match="auto_start_cluster"):
+    with pytest.raises(ConfigError, match="auto_start_cluster"):
         with ray_session(RayConfig(auto_start_cluster=False)):
             pass

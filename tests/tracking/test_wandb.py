@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from loomax.tracking import MissingPackageError, WandbTrackerConfig, build_tracker, check_trackers
+from loomax.errors import UserError
+from loomax.tracking import (
+    JsonlTrackerConfig,
+    MissingPackageError,
+    WandbCredentialsError,
+    WandbTrackerConfig,
+    build_tracker,
+    check_trackers,
+)
 
 from .conftest import offline_runs, read_wandb_run
 
@@ -138,3 +149,94 @@ def test_online_without_an_api_key_says_what_to_set(monkeypatch, tmp_path):
         ValueError, match="set WANDB_API_KEY or run `wandb login`, or use mode: offline"
     ):
         WandbTrackerConfig(mode="online").init(tmp_path / "run")
+
+
+@pytest.fixture
+def no_credentials(monkeypatch, tmp_path):
+    """No WANDB_API_KEY, no netrc, no wandb settings, fresh wandb settings; no network."""
+    from wandb.sdk import wandb_setup
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setattr(wandb_setup, "_singleton", None)  # settings read from this env
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the credentials check contacted a server")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+
+
+def test_online_without_credentials_stops_before_any_work(no_credentials, tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(WandbCredentialsError) as error:
+        check_trackers([JsonlTrackerConfig(), WandbTrackerConfig(dir=str(run_dir))])
+    message = str(error.value)
+    assert message.startswith("trainer.tracker type: wandb logs online (mode online)")
+    for fix in ("set WANDB_API_KEY", "run `wandb login`", "use mode: offline"):
+        assert fix in message
+    assert isinstance(error.value, UserError)  # one line from the CLI, exit code 2
+    assert not run_dir.exists()
+    with pytest.raises(WandbCredentialsError, match="finds no API key"):
+        check_trackers(WandbTrackerConfig(mode="online"))
+
+
+def test_credentials_wandb_finds_pass_the_check(no_credentials, monkeypatch, tmp_path):
+    key = "k" * 40
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    check_trackers(WandbTrackerConfig())
+    monkeypatch.delenv("WANDB_API_KEY")
+    (tmp_path / "netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {key}\n")
+    check_trackers(WandbTrackerConfig())  # as `wandb login` leaves it
+
+
+def test_a_malformed_key_is_named(no_credentials, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "short")
+    with pytest.raises(WandbCredentialsError, match="WANDB_API_KEY invalid"):
+        check_trackers(WandbTrackerConfig())
+
+
+def test_offline_and_disabled_need_no_credentials(no_credentials, monkeypatch):
+    check_trackers(WandbTrackerConfig(mode="offline"))
+    check_trackers(WandbTrackerConfig(mode="disabled"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    check_trackers(WandbTrackerConfig())
+
+
+def test_loomax_train_stops_before_the_data_without_credentials(tmp_path, tiny_corpus):
+    """``loomax train`` ends with one line and exit code 2, before the data is tokenized."""
+    config = {
+        "data": {"train": [{"urls": [str(tiny_corpus)]}], "cache_dir": str(tmp_path / "cache")},
+        "model": {"seq_len": 32, "hidden_dim": 64, "num_layers": 2, "num_heads": 2},
+        "trainer": {
+            "num_train_steps": 2,
+            "train_batch_size": 8,
+            "run_dir": str(tmp_path / "run"),
+            "tracker": {"type": "wandb", "mode": "online"},
+        },
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(
+        HOME=str(tmp_path),
+        NETRC=str(tmp_path / "netrc"),
+        WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+        JAX_PLATFORMS="cpu",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "loomax.cli", "train", "--config_path", str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("loomax train: error: trainer.tracker type: wandb logs online"), last
+    assert "set WANDB_API_KEY or run `wandb login`, or use mode: offline" in last
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "cache").exists()  # stopped before the data was even tokenized

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -15,7 +16,7 @@ from loomax.data import BatchLoader, TokenWindows
 from loomax.lm import lm_loss
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig
-from loomax.tracking import NoopTrackerConfig
+from loomax.tracking import JsonlTrackerConfig, NoopTrackerConfig
 from loomax.train import Hook, Trainer, TrainerConfig, check_restore_sources
 
 MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=2)
@@ -182,3 +183,46 @@ def test_partial_checkpoints_need_permission(tmp_path):
     np.testing.assert_array_equal(
         state.model.token_embeddings.weight.array, trained.model.token_embeddings.weight.array
     )
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    """The interrupted attempt logged steps 5-7 after its last checkpoint (4) before it died;
+    once resumed, metrics.jsonl holds every step once, 5-7 from the resumed attempt. What
+    the resumed run logs at its first step (4, like an eval at start) joins that step's record."""
+
+    def records():
+        return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+    class Logging(Hook):
+        def __init__(self, attempt):
+            self.attempt = attempt
+
+        def on_train_begin(self, info):
+            info.log({"begin": self.attempt})
+
+        def on_step(self, info):
+            info.log({"train/loss": info.loss, "attempt": self.attempt})
+
+    def crash_at(step):
+        def hook(info):
+            if info.step == step:
+                raise RuntimeError("killed")
+
+        return hook
+
+    first = make_trainer(tmp_path, tracker=JsonlTrackerConfig())
+    first.add_hook(Logging(1))
+    first.add_hook(crash_at(7))
+    with pytest.raises(RuntimeError, match="killed"):
+        first.train(*start(first))
+    assert [c.step for c in list_checkpoints(str(tmp_path / "checkpoints"))] == [4]
+    assert [r["step"] for r in records()] == list(range(8))
+
+    second = make_trainer(tmp_path, tracker=JsonlTrackerConfig())
+    second.add_hook(Logging(2))
+    second.train(*start(second))
+    second.finish()
+    logged = [(r["step"], r.get("attempt"), r.get("begin")) for r in records()]
+    assert logged == [(0, None, 1)] + [
+        (s, 1 if s <= 4 else 2, 2 if s == 4 else None) for s in range(1, STEPS + 1)
+    ]

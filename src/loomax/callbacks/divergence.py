@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from loomax.errors import TrainingFailure
 from loomax.train.hook_config import HookConfig, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
@@ -21,8 +22,8 @@ logger = logging.getLogger(__name__)
 ACTIONS = ("stop", "abort")
 
 
-class DivergenceError(RuntimeError):
-    """Training diverged and the divergence detector's action is ``abort``."""
+class DivergenceError(TrainingFailure, RuntimeError):
+    """Training diverged and the divergence detector's action is ``abort`` (one line in the CLI, exit code 1)."""
 
 
 @hook_type("divergence")

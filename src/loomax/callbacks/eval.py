@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from loomax.errors import DataSourceError
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
@@ -54,7 +55,7 @@ def make_loss_evaluator(
     sets = named if named is not None else {"": batches}
     for name, set_batches in sets.items():
         if len(set_batches) == 0:
-            raise ValueError(f"validation set {name or 'validation'!r} has no batches")
+            raise DataSourceError(f"validation set {name or 'validation'!r} has no batches")
 
     def batch_sums(model, batch):
         total, weight = loss_fn(mp.cast_to_compute(model), batch, key=None)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from loomax.errors import TrainingFailure
 from loomax.train.hook_config import HookConfig, hook_type
 from loomax.train.hooks import CompletedStep, Hook, StepInfo
 
 
-class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or infinite."""
+class NonFiniteLossError(TrainingFailure, FloatingPointError):
+    """The training loss became NaN or infinite (the CLI says so in one line, exit code 1)."""
 
 
 @hook_type("nan_check")

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from loomax.config import ConfigError
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
@@ -42,7 +43,7 @@ class SeqLenWarmupHook(Hook):
         super().__init__(config, **settings)
         min_seq_len = self.config.min_seq_len
         if not 0 < min_seq_len <= seq_len or seq_len % min_seq_len:
-            raise ValueError(
+            raise ConfigError(
                 f"seq_len warm-up: min_seq_len ({min_seq_len}) must divide the model's seq_len ({seq_len})"
             )
         self.seq_len = seq_len

@@ -30,6 +30,7 @@ from loomax.checkpoint.serialize import (
     snapshot,
     write_snapshot,
 )
+from loomax.config import ConfigError
 from loomax.distributed import barrier, coordination_client
 from loomax.errors import UserError
 from loomax.storage import Directory, to_url
@@ -281,7 +282,7 @@ class Checkpointer:
         self.run_id = run_id
         if config.append_run_id_to_base_path:
             if run_id is None:
-                raise ValueError("trainer.checkpointer.append_run_id_to_base_path needs a run id")
+                raise ConfigError("trainer.checkpointer.append_run_id_to_base_path needs a run id")
             base_path = base_path.rstrip("/") + "/" + run_id
         self.directory = Directory(to_url(base_path))
         self._clock = clock
@@ -289,19 +290,21 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._temporary: list[CheckpointInfo] = []
-        self._regular: list[CheckpointInfo] = []  # permanent but not pinned: all_non_permanent prunes them
+        self._regular: list[
+            CheckpointInfo
+        ] = []  # permanent but not pinned: all_non_permanent prunes them
         self._saves = 0
         self.last_saved_step: int | None = None
         self.last_save_bytes = 0
         """Bytes this process wrote in the latest save."""
 
     def check_writable(self) -> None:
-        """Raise ``ValueError`` naming ``base_path`` if it cannot be written (process 0 checks)."""
+        """Raise ``ConfigError`` naming ``base_path`` if it cannot be written (process 0 checks)."""
         if jax.process_index() == 0:
             try:
                 self.directory.check_writable()
             except OSError as e:
-                raise ValueError(f"trainer.checkpointer.base_path: {e}") from e
+                raise ConfigError(f"trainer.checkpointer.base_path: {e}") from e
 
     def adopt(self, checkpoints: list[CheckpointInfo], resumed_step: int | None) -> None:
         """Take note of existing checkpoints: old temporary ones are deleted on the next commit."""
@@ -493,7 +496,9 @@ def _agree_on_failure(tag: str, error: BaseException | None) -> list[int]:
     if error is not None:
         client.key_value_set(f"{tag}/failed/{jax.process_index()}", f"{type(error).__name__}")
     barrier(tag + "_written")
-    return sorted(int(key.rsplit("/", 1)[-1]) for key, _ in client.key_value_dir_get(f"{tag}/failed/"))
+    return sorted(
+        int(key.rsplit("/", 1)[-1]) for key, _ in client.key_value_dir_get(f"{tag}/failed/")
+    )
 
 
 def _newest_complete(directory: Directory) -> str:

@@ -57,6 +57,7 @@ from loomax.data.tokenizer import (
 )
 from loomax.data.windows import SplitWindows, TokenWindows
 from loomax.distributed import RayConfig, barrier, coordination_client
+from loomax.errors import DataSourceError
 from loomax.storage import local_path, to_url
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ def prepare_tokenizer(config: DataConfig) -> Path:
         first = next(documents, None)
         skipped = sum(s.skipped for s in stats.values())
         if first is None:  # every shard was read to its end and held nothing to train on
-            raise ValueError(
+            raise DataSourceError(
                 "data.train holds no documents to train the tokenizer on"
                 + (f" ({skipped:,} bad record(s) skipped)" if skipped else "")
                 + (f" ({held_out[0]:,} held out for validation)" if held_out[0] else "")
@@ -274,7 +275,7 @@ def build_lm_datasets(
         if len(windows) == 0:
             skipped = info.documents_skipped
             noun = "shards" if config.train[i].hf is not None else "files"
-            raise ValueError(
+            raise DataSourceError(
                 f"data.train[{i}] has {windows.num_tokens} tokens, fewer than seq_len={seq_len} "
                 "needed for one window"
                 + (f" ({skipped:,} bad record(s) skipped)" if skipped else "")
@@ -294,7 +295,7 @@ def build_lm_datasets(
             "and train on another; add documents, lower `model.seq_len` or give "
             "`data.validation` sources"
         )
-        raise ValueError(
+        raise DataSourceError(
             f"the validation data has {validation.num_tokens} tokens, fewer than "
             f"seq_len={seq_len} needed for one window; {more}"
         )

@@ -10,6 +10,8 @@ import os
 import sysconfig
 from pathlib import Path
 
+from loomax.errors import DataSourceError
+
 PYTHON_STDLIB = "python_stdlib"
 """Name of the corpus of the running interpreter's standard library sources."""
 
@@ -24,7 +26,7 @@ _EXCLUDED_DIRECTORIES = frozenset(
 def embedded_paths(name: str) -> list[Path]:
     """The files of the embedded corpus `name`, one document each, in a stable order."""
     if name != PYTHON_STDLIB:
-        raise ValueError(
+        raise DataSourceError(
             f"data source: unknown embedded corpus {name!r}; known: {', '.join(EMBEDDED_CORPORA)}"
         )
     return python_stdlib_paths()

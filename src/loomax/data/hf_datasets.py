@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from loomax.data.readers import Reject, describe_error
-from loomax.errors import MissingPackageError
+from loomax.errors import DataSourceError, MissingPackageError
 
 HF_ROWS_PER_SHARD = 100_000
 """Rows per shard of a non-streaming Hugging Face dataset when `num_shards` is null."""
@@ -179,7 +179,7 @@ def _load_hf(hf: HfSourceConfig) -> Any:
             if getattr(datasets.config, "HF_HUB_OFFLINE", False)
             else ""
         )
-        raise ValueError(
+        raise DataSourceError(
             f"data source {hf_label(hf)}: cannot load{offline}: {describe_error(error)}"
         ) from error
 
@@ -196,7 +196,7 @@ def _load_saved(datasets: Any, path: str, hf: HfSourceConfig) -> Any:
     label = hf_label(hf)
     unused = [key for key in ("name", "revision", "data_dir", "data_files") if getattr(hf, key)]
     if unused:
-        raise ValueError(
+        raise DataSourceError(
             f"data source {label}: `hf.{unused[0]}` is not used for a dataset saved with "
             "save_to_disk; leave it unset"
         )
@@ -204,12 +204,12 @@ def _load_saved(datasets: Any, path: str, hf: HfSourceConfig) -> Any:
     split = hf.split
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
-            raise ValueError(
+            raise DataSourceError(
                 f"data source {label}: no split {split!r} in {path}; splits: {', '.join(dataset)}"
             )
         dataset = dataset[split]
     elif dataset.split is not None and str(dataset.split) != split:
-        raise ValueError(f"data source {label}: {path} holds split {dataset.split!r}")
+        raise DataSourceError(f"data source {label}: {path} holds split {dataset.split!r}")
     if not hf.streaming:
         return dataset
     shards = hf.num_shards or hf_default_shards(len(dataset))

@@ -11,6 +11,7 @@ from loomax.batch_schedule import BatchSchedule
 from loomax.data.mixture import Mixture
 from loomax.data.permutation import FeistelPermutation
 from loomax.data.windows import TokenWindows
+from loomax.errors import DataSourceError
 
 
 def process_rows(num_rows: int, process_index: int, process_count: int) -> slice:
@@ -61,7 +62,7 @@ class BatchLoader:
         datasets = list(windows) if isinstance(windows, list | tuple) else [windows]
         for i, dataset in enumerate(datasets):
             if len(dataset) == 0:
-                raise ValueError(f"cannot load batches from dataset {i}: it has zero windows")
+                raise DataSourceError(f"cannot load batches from dataset {i}: it has zero windows")
         if isinstance(batch_size, int) and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         schedule = (
@@ -228,7 +229,7 @@ def eval_batches(
     `max_batches` batches are returned (all if None).
     """
     if len(windows) == 0:
-        raise ValueError(
+        raise DataSourceError(
             f"no validation windows ({windows.num_tokens} tokens, seq_len {windows.seq_len})"
         )
     if batch_size < 1:

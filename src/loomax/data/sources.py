@@ -24,6 +24,7 @@ from loomax.data.braces import expand_braces
 from loomax.data.embedded import EMBEDDED_CORPORA, embedded_paths
 from loomax.data.hf_datasets import HfSourceConfig
 from loomax.data.readers import SUPPORTED_EXTENSIONS, ReadStats
+from loomax.errors import DataSourceError, MissingFileError
 
 __all__ = [
     "SUPPORTED_EXTENSIONS",
@@ -270,12 +271,12 @@ def _list_files(source: SourceConfig) -> list[tuple[str, dict[str, Any]]]:
             matches = _glob_files(pattern)
             if not matches:
                 named = pattern if pattern == url else f"{pattern} (from {url})"
-                raise FileNotFoundError(f"data source: no files match {named}")
+                raise MissingFileError(f"data source: no files match {named}")
             for match, info in matches:
                 files.setdefault(match, info)
     for path in files:
         if readers.file_format(path) is None:
-            raise ValueError(
+            raise DataSourceError(
                 f"data source: cannot read {path}: unsupported file type; "
                 f"supported extensions: {', '.join(SUPPORTED_EXTENSIONS)}"
             )

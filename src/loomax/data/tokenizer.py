@@ -12,6 +12,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from loomax.atomic_files import replace_path
+from loomax.errors import DataSourceError, MissingFileError
 
 EOS_TOKEN = "<|endoftext|>"
 """End-of-document token of the tokenizers trained here (id 0)."""
@@ -77,7 +78,7 @@ def resolve_tokenizer_path(path: str | Path) -> Path:
     if file.is_file():
         return file
     if given.exists() or _looks_like_path(path_str):
-        raise FileNotFoundError(f"tokenizer file not found: {file}")
+        raise MissingFileError(f"tokenizer file not found: {file}")
     return _from_hub(path_str)
 
 
@@ -87,7 +88,7 @@ def _from_hub(repo_id: str) -> Path:
     try:
         return Path(hf_hub_download(repo_id, "tokenizer.json"))
     except Exception as error:  # noqa: BLE001 - many network and hub error types
-        raise ValueError(
+        raise DataSourceError(
             f"tokenizer {repo_id!r} is not a local path, and fetching it from the Hugging Face hub "
             f"failed (hub ids need network, or the file in the HF cache): {error}"
         ) from error
@@ -111,7 +112,7 @@ def bos_id(tokenizer: Tokenizer) -> int:
     """Id of the tokenizer's beginning-of-document token (one of `BOS_CANDIDATES`)."""
     found = _first_id(tokenizer, BOS_CANDIDATES)
     if found is None:
-        raise ValueError(
+        raise DataSourceError(
             "data.bos is true but the tokenizer has no beginning-of-document token; looked for "
             f"{', '.join(BOS_CANDIDATES)}"
         )
@@ -122,7 +123,7 @@ def eos_id(tokenizer: Tokenizer) -> int:
     """Id of the tokenizer's end-of-document token (one of `EOS_CANDIDATES`)."""
     found = _first_id(tokenizer, EOS_CANDIDATES)
     if found is None:
-        raise ValueError(
+        raise DataSourceError(
             f"tokenizer has no end-of-document token; looked for {', '.join(EOS_CANDIDATES)}"
         )
     return found

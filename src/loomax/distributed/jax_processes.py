@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import jax
 
+from loomax.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 COORDINATOR_ENV = "LOOMAX_COORDINATOR_ADDRESS"
@@ -80,7 +82,7 @@ class DistributedConfig:
             try:
                 return parse(value)
             except ValueError as e:
-                raise ValueError(f"environment variable {name}={value!r} is malformed: {e}") from e
+                raise ConfigError(f"environment variable {name}={value!r} is malformed: {e}") from e
 
         ids = from_env(LOCAL_DEVICE_IDS_ENV, lambda v: [int(x) for x in v.split(",")])
         return dataclasses.replace(

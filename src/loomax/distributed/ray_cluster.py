@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from loomax.config import ConfigError
 from loomax.distributed.net import check_tcp
 
 _RAY_CLIENT_PORT = 10001  # the Ray client port of a ray://host address that names none
@@ -43,7 +44,7 @@ def init_ray(config: RayConfig) -> bool:
 
     Returns whether this call initialized Ray (so the caller should shut it down). Raises
     ``ConnectionError`` naming the address if the cluster there does not answer, and
-    ``RuntimeError`` if there is nothing to join and ``auto_start_cluster`` is false.
+    ``ConfigError`` if there is nothing to join and ``auto_start_cluster`` is false.
     """
     import ray
 
@@ -52,7 +53,7 @@ def init_ray(config: RayConfig) -> bool:
     address = config.address or os.environ.get("RAY_ADDRESS") or None
     if address is None:
         if not config.auto_start_cluster:
-            raise RuntimeError(
+            raise ConfigError(
                 "no Ray cluster to join: set ray.address (or RAY_ADDRESS), or set "
                 "ray.auto_start_cluster: true to start a local one"
             )
@@ -87,7 +88,7 @@ def ray_session(config: RayConfig) -> Iterator[None]:
 def check_reachable(address: str, timeout: float) -> None:
     """Raise ``ConnectionError`` unless the head at Ray ``address`` accepts a TCP connection.
 
-    ``address`` is ``host:port`` or ``ray://host[:port]`` (``ValueError`` otherwise);
+    ``address`` is ``host:port`` or ``ray://host[:port]`` (``ConfigError`` otherwise);
     ``auto`` (any cluster running on this machine) is left to Ray.
     """
     if address == "auto":
@@ -98,7 +99,7 @@ def check_reachable(address: str, timeout: float) -> None:
         if address.startswith("ray://"):
             host, port = host_port, str(_RAY_CLIENT_PORT)
         else:
-            raise ValueError(
+            raise ConfigError(
                 f"ray.address must be host:port, ray://host[:port] or auto, got {address!r}"
             )
     try:

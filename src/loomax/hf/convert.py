@@ -17,7 +17,9 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from loomax.config import ConfigError
 from loomax.data.tokenizer import bos_id, eos_id
+from loomax.errors import BadFileError, MissingFileError
 from loomax.hf import gpt2 as hf_gpt2
 from loomax.hf import llama as hf_llama
 from loomax.hf.layout import export_tensors, load_tensors
@@ -35,7 +37,7 @@ _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"
 def _family(config: LmConfig):
     family = FAMILIES.get(type(config))
     if family is None:
-        raise ValueError(f"no Hugging Face export for model type {type(config).__name__}")
+        raise ConfigError(f"no Hugging Face export for model type {type(config).__name__}")
     return family
 
 
@@ -124,19 +126,22 @@ def _write_shards(out: Path, tensors: dict[str, np.ndarray], max_shard_bytes: in
 def _hf_files(path: Path) -> tuple[dict[str, Any], list[str]]:
     """``(config.json dict, safetensors file names)`` of a checkpoint directory, unread weights."""
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint: no config.json")
-    config = json.loads((path / "config.json").read_text())
+        raise MissingFileError(f"{path} is not a Hugging Face checkpoint: no config.json")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise BadFileError(f"{path / 'config.json'} is not valid JSON: {e}") from e
     if (path / INDEX_FILE).is_file():
         files = sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{path}: no model.safetensors or {INDEX_FILE} (only safetensors are read)"
         )
     missing = [name for name in files if not (path / name).is_file()]
     if missing:
-        raise FileNotFoundError(f"{path}: weight files missing: {', '.join(missing)}")
+        raise MissingFileError(f"{path}: weight files missing: {', '.join(missing)}")
     return config, files
 
 
@@ -162,7 +167,7 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[LmConfig, int]:
     """``(model config, vocab size)`` for a config.json dict."""
     kind = hf.get("model_type")
     if kind not in BY_MODEL_TYPE:
-        raise ValueError(
+        raise BadFileError(
             f"config.json: model_type {kind!r} is not supported (have {sorted(BY_MODEL_TYPE)})"
         )
     return BY_MODEL_TYPE[kind].from_hf_config(hf), hf["vocab_size"]
@@ -185,7 +190,7 @@ def load_hf(path: str | os.PathLike, config: LmConfig | None = None) -> LmModel:
 
 def _check_same_architecture(config: LmConfig, arch: LmConfig, path) -> None:
     if type(config) is not type(arch):
-        raise ValueError(
+        raise BadFileError(
             f"{path} holds a {type(arch).__name__}, the configured model is a {type(config).__name__}"
         )
     family = _family(config)
@@ -195,4 +200,4 @@ def _check_same_architecture(config: LmConfig, arch: LmConfig, path) -> None:
     diff = {k: (have[k], want.get(k)) for k in have if have[k] != want.get(k)}
     if diff:
         shown = ", ".join(f"{k}: {h!r} there, {w!r} configured" for k, (h, w) in diff.items())
-        raise ValueError(f"{path} does not match the configured model ({shown})")
+        raise BadFileError(f"{path} does not match the configured model ({shown})")

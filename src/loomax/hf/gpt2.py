@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from loomax.config import ConfigError
+from loomax.errors import BadFileError
 from loomax.hf.layout import Param
 from loomax.models.gpt2 import Gpt2Config
 
@@ -50,7 +52,7 @@ def params(config: Gpt2Config) -> list[Param]:
 
 def hf_config(config: Gpt2Config, vocab_size: int) -> dict[str, Any]:
     if not config.use_bias:
-        raise ValueError(
+        raise ConfigError(
             "GPT2LMHeadModel has biases in every linear layer: export needs model.use_bias: true"
         )
     return {
@@ -78,9 +80,9 @@ def from_hf_config(hf: dict[str, Any]) -> Gpt2Config:
     d = hf["n_embd"]
     inner = hf.get("n_inner") or 4 * d
     if inner % d:
-        raise ValueError(f"config.json: n_inner ({inner}) must be a multiple of n_embd ({d})")
+        raise BadFileError(f"config.json: n_inner ({inner}) must be a multiple of n_embd ({d})")
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(
+        raise BadFileError(
             f"config.json: activation_function {hf['activation_function']!r} is not supported (gelu_new)"
         )
     return Gpt2Config(

@@ -17,6 +17,7 @@ import haliax as hax
 import jax
 import numpy as np
 
+from loomax.errors import BadFileError
 from loomax.models.axes import Layers
 
 Dims = tuple[str | tuple[str, ...], ...]
@@ -63,7 +64,7 @@ class Param:
         axes = tuple(like.resolve_axis(name) for name in order)
         want = tuple(a.size for a in axes)
         if math.prod(array.shape) != math.prod(want):
-            raise ValueError(
+            raise BadFileError(
                 f"HF tensor {self.hf_name} has shape {array.shape}; expected {want} flattened"
             )
         named = hax.named(jax.numpy.asarray(array.reshape(want), like.dtype), axes)
@@ -72,7 +73,7 @@ class Param:
 
 def _take(tensors: dict[str, np.ndarray], name: str) -> np.ndarray:
     if name not in tensors:
-        raise ValueError(f"the HF checkpoint lacks the tensor {name!r}")
+        raise BadFileError(f"the HF checkpoint lacks the tensor {name!r}")
     return tensors[name]
 
 

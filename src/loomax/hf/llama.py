@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from loomax.config import ConfigError
+from loomax.errors import BadFileError
 from loomax.hf.layout import Param
 from loomax.models.llama import LlamaConfig
 from loomax.models.rotary import RotaryConfig
@@ -39,7 +41,7 @@ def params(config: LlamaConfig) -> list[Param]:
 
 def hf_config(config: LlamaConfig, vocab_size: int) -> dict[str, Any]:
     if config.qk_norm:
-        raise ValueError("LlamaForCausalLM has no QK-norm: export needs model.qk_norm: false")
+        raise ConfigError("LlamaForCausalLM has no QK-norm: export needs model.qk_norm: false")
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -65,9 +67,9 @@ def hf_config(config: LlamaConfig, vocab_size: int) -> dict[str, Any]:
 
 def from_hf_config(hf: dict[str, Any]) -> LlamaConfig:
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (silu)")
+        raise BadFileError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (silu)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("config.json: attention_bias / mlp_bias are not supported")
+        raise BadFileError("config.json: attention_bias / mlp_bias are not supported")
     heads = hf["num_attention_heads"]
     return LlamaConfig(
         seq_len=hf.get("max_position_embeddings", 2048),
@@ -96,7 +98,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> RotaryConfig:
         or "rope_theta" not in params
         and any(isinstance(v, dict) for v in params.values())
     ):
-        raise ValueError(
+        raise BadFileError(
             "config.json: rope_parameters per layer type are not supported (one rope for all layers)"
         )
     params = dict(params)

@@ -61,10 +61,7 @@ def ladder_command(
     if known.size is not None and known.size not in ladder.sizes:
         raise UserError(f"--size {known.size} is not one of ladder.sizes {ladder.sizes}")
     sizes = [known.size] if known.size else None
-    try:
-        rungs = rungs_of(ladder, path, sizes)
-    except (ValueError, FileNotFoundError) as e:
-        raise UserError(str(e)) from e
+    rungs = rungs_of(ladder, path, sizes)
     if action == "dry-run":
         _dry_run(rungs, known.out)
     elif action == "run":
@@ -95,10 +92,7 @@ def _run(rungs: list[Rung]) -> None:
 
     for r in rungs:
         print(describe(r))
-        try:
-            result = train_lm(r.config)
-        except (ValueError, FileNotFoundError) as e:
-            raise UserError(str(e)) from e
+        result = train_lm(r.config)
         if result.evals:
             print(f"size {r.size}: eval loss {result.evals[-1][1]['eval/loss']:.4f}")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loomax.checkpoint import CheckpointerConfig, KeepPolicy
-from loomax.config import parse_config
+from loomax.config import ConfigError, parse_config
 from loomax.ladder.model import Gpt2Configurator, ModelConfigurator
 from loomax.ladder.run import ChinchillaRunConfigurator, RunConfigurator, RunPlan
 from loomax.ladder.sizes import parse_size
@@ -80,7 +80,7 @@ def rung(
 ) -> Rung:
     """The plan and run config of ``size`` (``vocab_size`` only sizes the parameter count)."""
     if size not in ladder.sizes:
-        raise ValueError(f"--size {size} is not one of ladder.sizes {ladder.sizes}")
+        raise ConfigError(f"--size {size} is not one of ladder.sizes {ladder.sizes}")
     base = base or TrainLmConfig()
     model = ladder.model.model_config(size)
     trained = base.data.tokenizer_vocab_size if base.data.tokenizer is None else None

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from loomax.ladder.config import Rung
+from loomax.tracking.jsonl import read_metrics
 
 
 def checkpoints_table(rungs: Sequence[Rung]):
@@ -41,8 +41,7 @@ def metrics_table(rungs: Sequence[Rung]):
         path = r.run_dir / "metrics.jsonl"
         if not path.exists():
             continue
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
+        for record in read_metrics(path):  # one record per step, even after a resume
             step = int(record["step"])
             tokens = step * r.plan.batch_tokens
             rows.append(

@@ -29,16 +29,14 @@ _TOOLS = {"gpu": "ssh", "slurm": "sbatch", "tpu": "gcloud"}
 
 
 def split_launch_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``[launch options] -- <loomax command>`` -> (options, command); raises ``ValueError``."""
+    """``[launch options] -- <loomax command>`` -> (options, command); raises ``LaunchError``."""
     argv = list(argv)
     if "--" not in argv:
-        raise ValueError(
-            "loomax launch needs `-- <loomax command>`, e.g. `-- train --config_path FILE`"
-        )
+        raise LaunchError("missing `-- <loomax command>`, e.g. `-- train --config_path FILE`")
     i = argv.index("--")
     options, command = argv[:i], argv[i + 1 :]
     if not command:
-        raise ValueError("loomax launch: nothing to run after `--`")
+        raise LaunchError("nothing to run after `--`")
     normalized: list[str] = []
     for k, arg in enumerate(options):
         if arg.startswith("--"):
@@ -61,7 +59,7 @@ def defaults_file(options: list[str]) -> tuple[str | None, list[str]]:
     if "--launch_config" in options:
         i = options.index("--launch_config")
         if i + 1 >= len(options):
-            raise ValueError("--launch_config needs a path")
+            raise LaunchError("--launch_config needs a path")
         return options[i + 1], options[:i] + options[i + 2 :]
     return (DEFAULTS_FILE if Path(DEFAULTS_FILE).is_file() else None), options
 

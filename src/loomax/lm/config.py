@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import loomax.callbacks  # noqa: F401 - registers the hook types `trainer.hooks` may name
+from loomax.config import ConfigError
 from loomax.data import DataConfig
 from loomax.models import Gpt2Config, LmConfig
 from loomax.optim import AdamConfig, OptimizerConfig
@@ -46,7 +47,7 @@ def resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:
     if model_config.vocab_size is None:
         return tokenizer_vocab
     if model_config.vocab_size < tokenizer_vocab:
-        raise ValueError(
+        raise ConfigError(
             f"model.vocab_size ({model_config.vocab_size}) is smaller than the tokenizer's vocabulary "
             f"({tokenizer_vocab}); raise it or set it to null"
         )

@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from loomax.config import ConfigError
 from loomax.data import LmDatasets, eval_batches
 from loomax.data.loader import process_rows
 from loomax.lm.config import TrainLmConfig
@@ -37,7 +38,7 @@ def eval_sets(
         sets[""] = eval_batches(data.validation, size, limit)
     sizes = sorted({len(b) for batches in sets.values() for b in batches})
     if any(n % dp for n in sizes):
-        raise ValueError(
+        raise ConfigError(
             f"eval batches of {sizes} sequences do not split over the data-parallel "
             f"size {dp}: set trainer.eval_batch_size to a multiple of {dp} (and give data.validation at least that many windows)"
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from loomax.config import ConfigError
+from loomax.errors import UserError
 from loomax.lm.config import TrainLmConfig
 
 logger = logging.getLogger(__name__)
@@ -24,7 +26,7 @@ def check_initial_weights(config: TrainLmConfig) -> None:
 
     try:
         check_hf(path, config.model)
-    except (ValueError, FileNotFoundError) as e:
+    except UserError as e:  # the file, the flag or key that named it
         raise type(e)(f"trainer.initialize_from_hf: {e}") from e
 
 
@@ -42,10 +44,10 @@ def initial_weights(config: TrainLmConfig, vocab_size: int):
 
         try:
             model = load_hf(path, config.model)
-        except ValueError as e:
-            raise ValueError(f"trainer.initialize_from_hf: {e}") from e
+        except UserError as e:
+            raise type(e)(f"trainer.initialize_from_hf: {e}") from e
         if model.Vocab.size != vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"trainer.initialize_from_hf: {path} has a vocabulary of {model.Vocab.size}, the run {vocab_size}; "
                 f"set model.vocab_size: {model.Vocab.size} (and use the checkpoint's tokenizer)"
             )

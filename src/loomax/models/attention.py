@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
+from loomax.config import ConfigError
 from loomax.models.axes import Heads, HeadSize, KeyPosition, KvHeads, Position
 
 BACKENDS = ("auto", "vanilla", "blockwise", "xla", "cudnn")
@@ -106,7 +107,7 @@ def resolve_backend(
     )
     if backend == "cudnn":
         if reason:
-            raise ValueError(f"model.attn_backend cudnn cannot serve this attention: {reason}")
+            raise ConfigError(f"model.attn_backend cudnn cannot serve this attention: {reason}")
         return backend
     if reason is None:
         return "cudnn"

@@ -17,6 +17,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from loomax.atomic_files import replace_path
+from loomax.errors import MissingFileError
 from loomax.tree_paths import named_leaves
 
 CONFIG_FILE = "model.yaml"
@@ -48,7 +49,7 @@ def read_files(path: str | os.PathLike) -> tuple[str, dict[str, np.ndarray]]:
     """``(config text, {name: array})`` of the model saved in directory ``path``."""
     path = Path(path)
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{path} is not a saved model (needs {CONFIG_FILE} and {WEIGHTS_FILE})"
         )
     return (path / CONFIG_FILE).read_text(), load_file(str(path / WEIGHTS_FILE))

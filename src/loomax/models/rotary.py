@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from haliax import NamedArray
 
+from loomax.errors import BadFileError
 from loomax.models.axes import HeadSize
 
 
@@ -64,13 +65,13 @@ class RotaryConfig(draccus.ChoiceRegistry):
             "yarn": YarnRotary,
         }
         if kind not in classes:
-            raise ValueError(
+            raise BadFileError(
                 f"rope_scaling type {kind!r} is not supported (have {sorted(classes)})"
             )
         known = set(classes[kind].__dataclass_fields__)
         unknown = set(fields) - known
         if unknown:
-            raise ValueError(f"rope_scaling ({kind}): unsupported fields {sorted(unknown)}")
+            raise BadFileError(f"rope_scaling ({kind}): unsupported fields {sorted(unknown)}")
         return classes[kind](theta=theta, **fields)
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import yaml
 
+from loomax.errors import BadFileError
 from loomax.models.config import LmModel, SavedModel
 from loomax.models.files import CONFIG_FILE, WEIGHTS_FILE, is_weight, read_files, weight_leaves
 
@@ -39,12 +40,12 @@ def load_model(path: str | os.PathLike) -> LmModel:
     expected = weight_leaves(skeleton)
     missing = sorted({name for name, _ in expected} - set(arrays))
     if missing:
-        raise ValueError(f"{weights_file} lacks {missing[:5]} for a {type(saved.model).__name__}")
+        raise BadFileError(f"{weights_file} lacks {missing[:5]} for a {type(saved.model).__name__}")
     filled = []
     for name, shape in expected:
         value = arrays[name]
         if value.shape != shape.shape:
-            raise ValueError(
+            raise BadFileError(
                 f"{weights_file}: {name} has shape {value.shape}, expected {shape.shape}"
             )
         filled.append(jnp.asarray(value, shape.dtype))

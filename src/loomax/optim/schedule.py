@@ -15,17 +15,19 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
+from loomax.config import ConfigError
+
 SCHEDULES = ("constant", "linear", "cosine", "inv_sqrt", "inv")
 
 
 def steps_of(value: float | int, total: int, name: str) -> int:
     """A fraction of ``total`` (< 1) or an absolute number of steps (>= 1), as steps."""
     if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+        raise ConfigError(f"{name} must be >= 0, got {value}")
     if value < 1:
         return int(round(value * total))
     if value != int(value):
-        raise ValueError(f"{name} must be a fraction < 1 or a whole number of steps, got {value}")
+        raise ConfigError(f"{name} must be a fraction < 1 or a whole number of steps, got {value}")
     return int(value)
 
 
@@ -41,35 +43,35 @@ def cycle_ends(
     lengths (the last cycle runs to the end). Giving both is an error.
     """
     if cycles is not None and cycle_length is not None:
-        raise ValueError("optimizer.cycles and optimizer.cycle_length: give one of them, not both")
+        raise ConfigError("optimizer.cycles and optimizer.cycle_length: give one of them, not both")
     total = num_train_steps
     if cycles is None and cycle_length is None:
         return [total]
     if isinstance(cycles, int):
         if cycles < 1:
-            raise ValueError(f"optimizer.cycles must be >= 1, got {cycles}")
+            raise ConfigError(f"optimizer.cycles must be >= 1, got {cycles}")
         ends = [round(total * (i + 1) / cycles) for i in range(cycles)]
     elif cycles is not None:
         ends = [int(c) for c in cycles]
         name = "optimizer.cycles"
         if any(b <= a for a, b in zip([0, *ends], ends, strict=False)) or ends[-1] > total:
-            raise ValueError(
+            raise ConfigError(
                 f"{name} must be increasing steps in (0, {total}] (num_train_steps), got {list(cycles)}"
             )
     elif isinstance(cycle_length, int | float):
         length = steps_of(cycle_length, total, "optimizer.cycle_length")
         if length < 1:
-            raise ValueError(f"optimizer.cycle_length must give >= 1 step, got {cycle_length}")
+            raise ConfigError(f"optimizer.cycle_length must give >= 1 step, got {cycle_length}")
         ends = list(range(length, total + 1, length))
     else:
         lengths = [steps_of(c, total, "optimizer.cycle_length") for c in cycle_length]
         if not lengths or min(lengths) < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"optimizer.cycle_length must be lengths of >= 1 step, got {cycle_length}"
             )
         ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
         if ends[-1] > total:
-            raise ValueError(
+            raise ConfigError(
                 f"optimizer.cycle_length {list(cycle_length)} adds up to {ends[-1]} steps, "
                 f"more than num_train_steps ({total})"
             )
@@ -124,9 +126,9 @@ class LrSchedule:
         timescale: float | None = None,
     ):
         if kind not in SCHEDULES:
-            raise ValueError(f"optimizer.lr_schedule must be one of {SCHEDULES}, got {kind!r}")
+            raise ConfigError(f"optimizer.lr_schedule must be one of {SCHEDULES}, got {kind!r}")
         if num_train_steps < 1:
-            raise ValueError(f"num_train_steps must be >= 1, got {num_train_steps}")
+            raise ConfigError(f"num_train_steps must be >= 1, got {num_train_steps}")
         self.kind, self.peak, self.num_train_steps = kind, float(peak), num_train_steps
         self.floor = float(peak) * min_lr_ratio
         self.cycles: list[_Cycle] = []
@@ -137,7 +139,7 @@ class LrSchedule:
             warm = steps_of(warmup if i == 0 else rewarmup, n, name)
             dec = n - warm if decay is None else steps_of(decay, n, "optimizer.decay")
             if warm + dec > n:
-                raise ValueError(
+                raise ConfigError(
                     f"cycle {i} (steps {start}-{end}) is {n} steps: {name} ({warm} steps) plus "
                     f"optimizer.decay ({dec} steps) do not fit in it"
                 )
@@ -147,7 +149,7 @@ class LrSchedule:
         first_warmup = self.cycles[0].warmup
         self.timescale = float(timescale if timescale is not None else max(first_warmup, 1))
         if self.timescale <= 0:
-            raise ValueError(f"optimizer.timescale must be > 0, got {timescale}")
+            raise ConfigError(f"optimizer.timescale must be > 0, got {timescale}")
 
     def _decayed(self, d, length: int):
         peak, floor = self.peak, self.floor

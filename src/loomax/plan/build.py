@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from loomax.config import ConfigError
 from loomax.lm.config import TrainLmConfig
 from loomax.lm.loss import lm_loss, model_lm_loss
 from loomax.lm.weights import initial_model
@@ -81,7 +82,7 @@ def vocab_size_of(config: TrainLmConfig) -> tuple[int, str | None]:
     if config.data.tokenizer is None:
         size = config.data.tokenizer_vocab_size
         return size, f"vocab size {size}: the BPE the run trains (data.tokenizer_vocab_size)"
-    raise ValueError(
+    raise ConfigError(
         f"model.vocab_size is null and the tokenizer {config.data.tokenizer!r} is not a local file; "
         "pass --model.vocab_size N (compiling reads no data and downloads nothing)"
     )

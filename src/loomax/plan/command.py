@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from loomax.config import ConfigError
 from loomax.errors import UserError
 
 TOPOLOGY_HELP = (
@@ -53,18 +54,15 @@ def _prepare(args: argparse.Namespace, rest: list[str], load: Callable):
     config = load(TrainLmConfig, args.config_path, list(rest))
     from loomax.plan.build import vocab_size_of
 
-    try:
-        vocab_size_of(config)
-    except ValueError as e:
-        raise UserError(str(e)) from e
+    vocab_size_of(config)  # a ConfigError without model.vocab_size and a local tokenizer
     try:
         topology = get_topology(args.topology)
     except TopologyError as e:
         raise UserError(str(e)) from e
     try:
         config.trainer.mesh.resolve(topology.num_devices)
-    except ValueError as e:
-        raise UserError(f"{e} (topology {args.topology})") from e
+    except ConfigError as e:
+        raise ConfigError(f"{e} (topology {args.topology})") from e
     return config, topology
 
 
@@ -103,7 +101,7 @@ def compile_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: 
             result = compile_run(config, topology, measure_steps=args.measure)
         else:  # in a child process: libtpu's compiler may abort on a program it cannot lower
             result = compile_isolated(_config_args(args, rest), args.topology)
-    except (ValueError, CompileCrash) as e:
+    except CompileCrash as e:
         raise UserError(str(e)) from e
     print(compile_text(result))
     out = Path(args.out or f"compile-{_slug(args.topology)}.json")

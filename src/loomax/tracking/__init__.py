@@ -5,11 +5,11 @@
 
 from loomax.tracking.base import Tracker, TrackerConfig
 from loomax.tracking.composite import CompositeTracker, build_tracker, check_trackers
-from loomax.tracking.jsonl import JsonlTracker, JsonlTrackerConfig
+from loomax.tracking.jsonl import JsonlTracker, JsonlTrackerConfig, read_metrics
 from loomax.tracking.noop import NoopTracker, NoopTrackerConfig
 from loomax.tracking.optional import MissingPackageError
 from loomax.tracking.tensorboard import TensorboardTracker, TensorboardTrackerConfig
-from loomax.tracking.wandb import WandbTracker, WandbTrackerConfig
+from loomax.tracking.wandb import WandbCredentialsError, WandbTracker, WandbTrackerConfig
 
 __all__ = [
     "CompositeTracker",
@@ -22,8 +22,10 @@ __all__ = [
     "TensorboardTrackerConfig",
     "Tracker",
     "TrackerConfig",
+    "WandbCredentialsError",
     "WandbTracker",
     "WandbTrackerConfig",
     "build_tracker",
     "check_trackers",
+    "read_metrics",
 ]

@@ -21,6 +21,14 @@ class Tracker(abc.ABC):
     def log(self, metrics: dict[str, Any], *, step: int) -> None:
         """Record ``metrics`` at ``step``."""
 
+    def resume_from(self, step: int) -> None:
+        """The run resumed from its checkpoint at ``step``: what an interrupted attempt
+        recorded after it is superseded by what comes next, so each step is recorded once.
+
+        Called once, after the checkpoint is restored and before the first ``log`` of the
+        resumed run (the tracker may already have been created).
+        """
+
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
         """Record the run's resolved configuration."""
 
@@ -47,5 +55,6 @@ class TrackerConfig(draccus.ChoiceRegistry, abc.ABC):
         """Create the tracker for a run whose directory is ``run_dir``."""
 
     def check_available(self) -> None:
-        """Raise ``MissingPackageError`` now if ``init`` would need a package that is not
-        installed (checked before a run builds its data and compiles)."""
+        """Raise a ``UserError`` now if ``init`` would fail for want of something the user
+        must supply: a package that is not installed (``MissingPackageError``), credentials.
+        Checked before a run builds its data and compiles; must not contact a server."""

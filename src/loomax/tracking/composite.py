@@ -22,6 +22,10 @@ class CompositeTracker(Tracker):
         for t in self.trackers:
             t.log(metrics, step=step)
 
+    def resume_from(self, step: int) -> None:
+        for t in self.trackers:
+            t.resume_from(step)
+
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
         for t in self.trackers:
             t.log_hyperparameters(hparams)
@@ -40,8 +44,9 @@ class CompositeTracker(Tracker):
 
 
 def check_trackers(config: TrackerConfig | Sequence[TrackerConfig]) -> None:
-    """Raise ``MissingPackageError`` now if a tracker ``build_tracker`` would make on this
-    process needs a package that is not installed (before any expensive work)."""
+    """Raise a ``UserError`` now if a tracker ``build_tracker`` would make on this process
+    lacks its package or credentials (``TrackerConfig.check_available``), before any
+    expensive work."""
     if jax.process_index() != 0:
         return
     for c in [config] if isinstance(config, TrackerConfig) else config:

@@ -1,4 +1,8 @@
-"""TensorBoard event files under ``logdir``, written with tensorboard's own writer (no TensorFlow)."""
+"""TensorBoard event files under ``logdir``, written with tensorboard's own writer (no TensorFlow).
+
+A resumed run marks its restart so that TensorBoard drops what the interrupted attempt
+logged after the checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -66,6 +70,16 @@ class TensorboardTracker(Tracker):
         self._last_step = max(self._last_step, step)
         if values:
             self._write(self._summary.Summary(value=values), step)
+
+    def resume_from(self, step: int) -> None:
+        """Write a session start at ``step + 1``: TensorBoard's readers drop the events read
+        before it (the interrupted attempt's files) at that step and after, as tensorboard's
+        own writers do for ``purge_step``."""
+        start = self._event.SessionLog(status=self._event.SessionLog.START)
+        self._writer.add_event(
+            self._event.Event(wall_time=time.time(), step=step + 1, session_log=start)
+        )
+        self._last_step = step
 
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
         self._text("config", _json_block(hparams), 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -10,6 +11,7 @@ import jmp
 
 from loomax.batch_schedule import BatchSchedule, BatchStage
 from loomax.checkpoint import CheckpointerConfig
+from loomax.config import ConfigError
 from loomax.distributed import DistributedConfig, RayConfig
 from loomax.jax_setup import check_jax_options
 from loomax.mesh import AxisMappings, MeshConfig, make_axis_mappings
@@ -91,9 +93,16 @@ class TrainerConfig:
     """JAX persistent compilation cache (a path or gs:// URL); null = JAX_COMPILATION_CACHE_DIR or none."""
     jax_config: dict[str, Any] = field(default_factory=dict)
     """JAX options set at start, by name, e.g. {jax_debug_nans: true}."""
+    freeze: list[str] = field(default_factory=list)
+    """Frozen parameters: regexes (re.search) on dotted names, e.g. token_embeddings; no gradient, no optimizer state."""
 
     def __post_init__(self):
         check_jax_options(self.jax_config)
+        for pattern in self.freeze:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"trainer.freeze: bad regex {pattern!r} ({e})") from e
         if self.initialize_from is not None and self.initialize_from_hf is not None:
             raise ValueError("set trainer.initialize_from or trainer.initialize_from_hf, not both")
         positive = ("num_train_steps", "log_every", "steps_per_eval")
@@ -147,7 +156,7 @@ class TrainerConfig:
         """
         batch = batch_size or self.batch_schedule.sizes[0]
         if batch % num_devices:
-            raise ValueError(
+            raise ConfigError(
                 f"trainer.train_batch_size ({batch}) must be divisible by the data-parallel "
                 f"size {num_devices} (trainer.mesh replica x data)"
             )
@@ -155,7 +164,7 @@ class TrainerConfig:
         if self.per_device_parallelism == -1 or self.per_device_parallelism >= per_device:
             return 1
         if per_device % self.per_device_parallelism:
-            raise ValueError(
+            raise ConfigError(
                 f"trainer.per_device_parallelism ({self.per_device_parallelism}) must divide the batch per device "
                 f"({per_device} = train_batch_size {batch} / {num_devices} devices)"
             )

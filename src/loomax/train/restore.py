@@ -30,12 +30,12 @@ from loomax.checkpoint import (
     list_checkpoints,
     load_latest,
 )
-from loomax.errors import UserError
+from loomax.errors import MissingFileError, UserError
 from loomax.runtime import MeshRuntime
 from loomax.storage import to_url
 from loomax.train.config import TrainerConfig
 from loomax.train.state import TrainerState
-from loomax.train.step import StateExtra
+from loomax.train.step import StateExtra, trainable_params
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +99,12 @@ def check_restore_sources(
     check_checkpoint_owner(config, found, run_id)
     resumes = bool(found)
     if config.load_checkpoint and not resumes:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"trainer.load_checkpoint is true but there is no complete checkpoint at {resume_path}"
         )
     if not resumes and config.initialize_from is not None:
         if not list_checkpoints(config.initialize_from):
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"trainer.initialize_from: no complete checkpoint at {config.initialize_from}"
             )
     return resumes
@@ -166,7 +166,7 @@ class StateBuilder:
             model_key, train_key = jax.random.split(key)
             model = policy.cast_to_param(init_model(model_key))
             params = eqx.filter(model, eqx.is_inexact_array)
-            opt_state = self.optimizer.init(params)
+            opt_state = self.optimizer.init(trainable_params(model, self.config.freeze))
             extras = {name: extra.init(params) for name, extra in self.extras.items()}
             return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key, extras)
 
@@ -183,7 +183,7 @@ class StateBuilder:
         found = load_latest(path, shapes, shardings, fall_back=config.load_checkpoint is None)
         if found is None:
             if config.load_checkpoint:
-                raise FileNotFoundError(
+                raise MissingFileError(
                     f"trainer.load_checkpoint is true but there is no complete checkpoint at {path}"
                 )
             if config.load_checkpoint_path:
@@ -205,7 +205,7 @@ class StateBuilder:
         path = self.config.initialize_from
         found = load_latest(path, shapes, shardings, fall_back=False, prefix="model")
         if found is None:
-            raise FileNotFoundError(f"trainer.initialize_from: no complete checkpoint at {path}")
+            raise MissingFileError(f"trainer.initialize_from: no complete checkpoint at {path}")
         checkpoint, loaded, missing = found
         state = fresh()
         model = self._fill_missing(checkpoint, loaded.model, missing, lambda: state.model)
@@ -223,7 +223,7 @@ class StateBuilder:
         def place_and_derive(m):
             params = eqx.filter(m, eqx.is_inexact_array)
             extras = {name: extra.init(params) for name, extra in self.extras.items()}
-            return m, self.optimizer.init(params), extras
+            return m, self.optimizer.init(trainable_params(m, self.config.freeze)), extras
 
         out = (shardings.model, shardings.opt_state, shardings.extras)
         with self.runtime.mesh_context():

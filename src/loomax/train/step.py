@@ -71,6 +71,26 @@ class StateExtra:
     update: Callable[[Any, StepContext], Any]
 
 
+def trainable_mask(model: Any, freeze: Sequence[str] = ()) -> Any:
+    """Which leaves of ``model`` are trained: its inexact arrays, less those whose dotted
+    name (``blocks.stacked.attn.qkv.weight``) matches (``re.search``) one of ``freeze``.
+
+    Returns an ``eqx.partition`` filter: ``eqx.is_inexact_array`` when nothing is frozen,
+    else a pytree of bools like ``model``.
+    """
+    if not freeze:
+        return eqx.is_inexact_array
+    from loomax.optim.mask import regex_mask
+
+    frozen = regex_mask(model, list(freeze))
+    return jax.tree.map(lambda x, f: eqx.is_inexact_array(x) and not f, model, frozen)
+
+
+def trainable_params(model: Any, freeze: Sequence[str] = ()) -> Any:
+    """``model``'s trained parameters (``trainable_mask``), None elsewhere: what the optimizer sees."""
+    return eqx.filter(model, trainable_mask(model, freeze))
+
+
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -80,23 +100,28 @@ def make_train_step(
     lr_schedule: optax.Schedule | None = None,
     jit_hooks: Sequence[JitHook] = (),
     extras: Mapping[str, StateExtra] | None = None,
+    freeze: Sequence[str] = (),
 ) -> Callable[[TrainerState, Any], tuple[TrainerState, Metrics]]:
     """Build the pure step. Gradients are of the mean loss over the whole batch.
 
     With ``num_microbatches > 1`` the batch's leading axis is split and gradients are
     accumulated (in the parameter dtype) by a ``scan``, so that memory is that of one
-    microbatch while the result equals the full-batch step.
+    microbatch while the result equals the full-batch step. Parameters matched by
+    ``freeze`` (``trainable_mask``) get no gradient (none is computed) and no update; the
+    optimizer state holds the trained parameters only.
     """
 
-    def loss_sum(model, batch, key):
+    def loss_sum(trained, frozen, batch, key):
+        model = eqx.combine(trained, frozen)
         return loss_fn(mp.cast_to_compute(model), batch, key=key)
 
-    grad_fn = eqx.filter_value_and_grad(loss_sum, has_aux=True)
+    grad_fn = eqx.filter_value_and_grad(loss_sum, has_aux=True)  # w.r.t. ``trained`` only
     optimizer = optax.with_extra_args_support(optimizer)  # the loss goes in as ``value``
 
     def sum_and_grads(model, batch, key):
+        trained, frozen = eqx.partition(model, trainable_mask(model, freeze))
         if num_microbatches == 1:
-            (total, weight), grads = grad_fn(model, batch, key)
+            (total, weight), grads = grad_fn(trained, frozen, batch, key)
             return total, weight, grads
 
         # microbatch i = rows i, i + n, i + 2n, ...: every device's contiguous rows hold an
@@ -105,11 +130,11 @@ def make_train_step(
             lambda x: x.reshape(-1, num_microbatches, *x.shape[1:]).swapaxes(0, 1), batch
         )
         keys = jax.random.split(key, num_microbatches)
-        zeros = jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+        zeros = jax.tree.map(jnp.zeros_like, eqx.filter(trained, eqx.is_inexact_array))
 
         def body(carry, xs):
             total, weight, grads = carry
-            (t, w), g = grad_fn(model, *xs)
+            (t, w), g = grad_fn(trained, frozen, *xs)
             return (total + t, weight + w, jax.tree.map(jnp.add, grads, g)), None
 
         init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
@@ -121,7 +146,7 @@ def make_train_step(
         total, weight, grads = sum_and_grads(state.model, batch, step_key)
         loss = total / weight
         grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
-        params = eqx.filter(state.model, eqx.is_inexact_array)
+        params = trainable_params(state.model, freeze)
         updates, opt_state = optimizer.update(grads, state.opt_state, params, value=loss)
         model = eqx.apply_updates(state.model, updates)
         metrics: Metrics = {"train/loss": loss, "optim/grad_norm": optax.tree.norm(grads)}

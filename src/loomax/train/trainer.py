@@ -158,6 +158,8 @@ class Trainer:
         self.restored_from = restored.checkpoint
         self._restored_hook_states = restored.hook_states
         self._train_seconds = restored.train_seconds
+        if restored.checkpoint is not None:  # what was logged after it is superseded
+            self.tracker.resume_from(restored.checkpoint.step)
         return restored.state
 
     def abstract_state(self, init_model: Callable[[jax.Array], eqx.Module]) -> TrainerState:
@@ -187,6 +189,7 @@ class Trainer:
                 lr_schedule=self.lr_schedule,
                 jit_hooks=self.hook_set.jit_hooks,
                 extras=self.hook_set.extras,
+                freeze=self.config.freeze,
             )
             shardings = self.runtime.state_shardings(state)
             out = (shardings, replicated(self.runtime.mesh))

@@ -29,6 +29,7 @@ from loomax.data.token_cache.settings import BuildPlan, SplitInfo, TokenCacheInf
 from loomax.data.token_cache.tasks import PieceJob, build_piece
 from loomax.data.tokenizer import bos_id, eos_id, resolve_tokenizer_path
 from loomax.distributed import RayConfig, ray_session
+from loomax.errors import DataSourceError
 from loomax.storage import Directory, to_url
 
 
@@ -67,7 +68,7 @@ def build_token_cache(
     if max_documents is not None and max_documents < 1:
         raise ValueError(f"max_documents must be >= 1 or null, got {max_documents}")
     if not shards:
-        raise ValueError("token cache: no shards to tokenize")
+        raise DataSourceError("token cache: no shards to tokenize")
     tokenizer_file = resolve_tokenizer_path(tokenizer_path)
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     settings = cache_settings(
