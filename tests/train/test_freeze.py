@@ -95,3 +95,42 @@ def test_mask_is_inexact_arrays_when_nothing_is_frozen():
 def test_bad_freeze_regex_names_the_key():
     with pytest.raises(ValueError, match=r"trainer.freeze: bad regex '\('"):
         TrainerConfig(freeze=["("])
+
+
+def test_frozen_parameters_left_out_of_checkpoints_come_back_on_resume(tmp_path):
+    """``checkpoint_frozen: false``: the checkpoint lacks the frozen arrays; a resume takes
+    them from where the run began (its seed's init) and continues bitwise as if never stopped."""
+    from loomax.checkpoint import CheckpointerConfig, KeepPolicy, list_checkpoints
+
+    def trainer(run_dir, steps):
+        config = TrainerConfig(
+            num_train_steps=steps,
+            train_batch_size=BATCH,
+            run_dir=str(run_dir),
+            run_id="f",
+            tracker=NoopTrackerConfig(),
+            progress_bar=False,
+            freeze=["token_embeddings"],
+            checkpoint_frozen=False,
+            checkpointer=CheckpointerConfig(keep=[KeepPolicy(every=2)]),
+        )
+        opt = AdamConfig(learning_rate=1e-2, warmup=0, lr_schedule="constant")
+        return Trainer(config, opt.build(4), lm_loss(), lr_schedule=opt.lr_scheduler(4))
+
+    def train(t):
+        state = t.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+        tokens = np.random.default_rng(1).integers(0, VOCAB, 20 * MODEL.seq_len, dtype=np.int32)
+        loader = BatchLoader(TokenWindows(tokens, MODEL.seq_len), BATCH, seed=3)
+        return t.train(state, loader.iter_from(int(state.step))).state
+
+    straight = train(trainer(tmp_path / "straight", 4))
+    train(trainer(tmp_path / "resumed", 2))
+    (saved,) = list_checkpoints(str(tmp_path / "resumed" / "checkpoints"))
+    assert saved.metadata["frozen_left_out"] == ["model/token_embeddings/weight"]
+    assert "model/token_embeddings/weight" not in saved.metadata["arrays"]
+    assert "model/position_embeddings/weight" in saved.metadata["arrays"]
+    resumed = trainer(tmp_path / "resumed", 4)
+    final = train(resumed)
+    assert resumed.restored_from.step == 2
+    for a, b in zip(jax.tree.leaves(straight.model), jax.tree.leaves(final.model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

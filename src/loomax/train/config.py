@@ -95,6 +95,8 @@ class TrainerConfig:
     """JAX options set at start, by name, e.g. {jax_debug_nans: true}."""
     freeze: list[str] = field(default_factory=list)
     """Frozen parameters: regexes (re.search) on dotted names, e.g. token_embeddings; no gradient, no optimizer state."""
+    checkpoint_frozen: bool = True
+    """Write frozen parameters into checkpoints; false = leave them out (a resume takes them from where the run began)."""
 
     def __post_init__(self):
         check_jax_options(self.jax_config)

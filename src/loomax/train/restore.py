@@ -133,15 +133,19 @@ class StateBuilder:
             shapes = jax.eval_shape(init, key)
             shardings = self.runtime.state_shardings(shapes)
             fresh = functools.partial(jax.jit(init, out_shardings=shardings), key)
-            resumed = self._resume(checkpointer, shapes, shardings, fresh)
+
+            def start() -> TrainerState:  # the state of a run that resumes nothing
+                if self.config.initialize_from is not None:
+                    return self._initialize_from(shapes, shardings, fresh)
+                if initial_weights is not None:
+                    model = policy.cast_to_param(initial_weights())
+                    return self._start_from(fresh(), model, shardings)
+                return fresh()
+
+            resumed = self._resume(checkpointer, shapes, shardings, fresh, start)
             if resumed is not None:
                 return resumed
-            if self.config.initialize_from is not None:
-                return Restored(self._initialize_from(shapes, shardings, fresh))
-            if initial_weights is not None:
-                model = policy.cast_to_param(initial_weights())
-                return Restored(self._start_from(fresh(), model, shardings))
-            return Restored(fresh())
+            return Restored(start())
 
     def abstract(self, init_model: Callable[[jax.Array], eqx.Module]) -> TrainerState:
         """The fresh state as ``jax.ShapeDtypeStruct``s carrying their shardings: the same
@@ -172,7 +176,9 @@ class StateBuilder:
 
         return init
 
-    def _resume(self, checkpointer: Checkpointer, shapes, shardings, fresh) -> Restored | None:
+    def _resume(
+        self, checkpointer: Checkpointer, shapes, shardings, fresh, start
+    ) -> Restored | None:
         config = self.config
         own = checkpointer.directory.url
         checkpointer.adopt(list_checkpoints(own), None)
@@ -190,6 +196,15 @@ class StateBuilder:
                 logger.warning("no complete checkpoint at %s: starting fresh", path)
             return None
         checkpoint, state, missing = found
+        left_out = checkpoint.metadata.get("frozen_left_out", [])
+        if left_out:  # frozen weights come back from where the run began
+            logger.info(
+                "%d frozen array(s) were left out of %s: taking them from the run's start",
+                len(left_out),
+                checkpoint,
+            )
+            state = _fill(state, start())
+            missing = [name for name in missing if name not in set(left_out)]
         state = self._fill_missing(checkpoint, state, missing, fresh)
         logger.info("resumed from %s (step %d)", checkpoint, checkpoint.step)
         if to_url(path) == own or checkpoint.directory.url.startswith(own + "/"):
@@ -244,6 +259,11 @@ class StateBuilder:
             len(missing),
             ", ".join(missing[:3]),
         )
-        return jax.tree.map(
-            lambda a, b: b if a is None else a, tree, fresh(), is_leaf=lambda x: x is None
-        )
+        return _fill(tree, fresh())
+
+
+def _fill(tree: Any, source: Any) -> Any:
+    """``tree`` with its None leaves (arrays a checkpoint did not hold) taken from ``source``."""
+    return jax.tree.map(
+        lambda a, b: b if a is None else a, tree, source, is_leaf=lambda x: x is None
+    )

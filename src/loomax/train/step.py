@@ -86,6 +86,19 @@ def trainable_mask(model: Any, freeze: Sequence[str] = ()) -> Any:
     return jax.tree.map(lambda x, f: eqx.is_inexact_array(x) and not f, model, frozen)
 
 
+def without_frozen(model: Any, freeze: Sequence[str]) -> tuple[Any, list[str]]:
+    """``model`` with its frozen arrays (``freeze``) set to None, and their slash-separated names."""
+    from loomax.tree_paths import named_leaves
+
+    if not freeze:
+        return model, []
+    mask = trainable_mask(model, freeze)
+    keep = jax.tree.map(lambda x, t: t or not eqx.is_inexact_array(x), model, mask)
+    frozen = eqx.filter(model, keep, inverse=True)
+    names = [n for n, x in named_leaves(frozen) if getattr(x, "array", x) is not None]
+    return eqx.filter(model, keep), names
+
+
 def trainable_params(model: Any, freeze: Sequence[str] = ()) -> Any:
     """``model``'s trained parameters (``trainable_mask``), None elsewhere: what the optimizer sees."""
     return eqx.filter(model, trainable_mask(model, freeze))

@@ -7,6 +7,7 @@ the entry point (``loomax.train.process.setup_process``); where the state comes 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,7 +30,7 @@ from loomax.train.hook_set import HookSet
 from loomax.train.hooks import CompletedStep, FnHook, Hook, StepInfo
 from loomax.train.restore import StateBuilder
 from loomax.train.state import TrainerState
-from loomax.train.step import TRACED, JitHook, LossFn, make_train_step
+from loomax.train.step import TRACED, JitHook, LossFn, make_train_step, without_frozen
 
 logger = logging.getLogger(__name__)
 
@@ -367,9 +368,14 @@ class Trainer:
         if not self.batch_schedule.is_constant:
             metadata["data"]["sequences_consumed"] = self.batch_schedule.offset(info.step)
         files = self.hook_set.checkpoint_files()
+        state = info.state
+        if not self.config.checkpoint_frozen and self.config.freeze:
+            model, left_out = without_frozen(state.model, self.config.freeze)
+            state = dataclasses.replace(state, model=model)
+            metadata["frozen_left_out"] = [f"model/{name}" for name in left_out]
         if self.checkpointer.save(
             info.step,
-            info.state,
+            state,
             metadata,
             permanent=permanent,
             pinned=info.step == 0 and self.config.checkpointer.save_at_start,
