@@ -1,15 +1,14 @@
-"""Checkpoints: pytrees in tensorstore (``serialize``) and the save/load policies (``checkpointer``)."""
+"""Checkpoints: pytrees in tensorstore (``serialize``), when they are saved and deleted
+(``policy``), finding and reading them (``discovery``), and saving them (``checkpointer``)."""
 
-from loomax.checkpoint.checkpointer import (
-    Checkpointer,
-    CheckpointerConfig,
+from loomax.checkpoint.checkpointer import Checkpointer, CheckpointSaveError
+from loomax.checkpoint.discovery import (
     CheckpointInfo,
-    CheckpointSaveError,
-    KeepPolicy,
     list_checkpoints,
     load_checkpoint,
     load_latest,
 )
+from loomax.checkpoint.policy import CheckpointerConfig, KeepPolicy
 from loomax.checkpoint.serialize import CheckpointError, read_tree, snapshot, write_snapshot
 
 __all__ = [

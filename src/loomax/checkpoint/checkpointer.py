@@ -1,4 +1,4 @@
-"""Checkpoint policies, asynchronous atomic saves, discovery and loading.
+"""Saving checkpoints: asynchronous, atomic, by the policies of ``policy``.
 
 A checkpoint is ``<base_path>/step-<N>/``: the arrays (see ``serialize``) are written
 first and ``metadata.json`` last, so a directory without it is incomplete and ignored.
@@ -13,23 +13,17 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import jax
 
-from loomax.checkpoint.serialize import (
-    CheckpointError,
-    check_chunks,
-    read_tree,
-    snapshot,
-    write_snapshot,
-)
+from loomax.checkpoint.discovery import METADATA, CheckpointInfo, list_checkpoints
+from loomax.checkpoint.policy import CheckpointerConfig
+from loomax.checkpoint.serialize import snapshot, write_snapshot
 from loomax.config import ConfigError
 from loomax.distributed import barrier, coordination_client
 from loomax.errors import UserError
@@ -37,11 +31,8 @@ from loomax.storage import Directory, to_url
 
 logger = logging.getLogger(__name__)
 
-METADATA = "metadata.json"
 FORMAT = "loomax-checkpoint/1"
-_STEP_DIR = re.compile(r"step-(\d+)")
 _VERSIONED = ("loomax", "jax", "jaxlib", "haliax", "equinox", "optax", "tensorstore", "numpy")
-REMOVAL_STRATEGIES = ("ephemeral_only", "all_non_permanent", "never")
 
 
 class CheckpointSaveError(UserError, OSError):
@@ -50,204 +41,6 @@ class CheckpointSaveError(UserError, OSError):
     The run stops; the checkpoints already complete stay loadable and the next start
     resumes from the newest of them.
     """
-
-
-@dataclass(frozen=True)
-class KeepPolicy:
-    """Keep a permanent checkpoint every ``every`` steps, up to step ``until``."""
-
-    every: int = 10000
-    """Save a permanent checkpoint at steps divisible by this."""
-    until: int | None = None
-    """Last step this policy applies to; null = to the end of training."""
-
-
-@dataclass(frozen=True)
-class CheckpointerConfig:
-    """The ``trainer.checkpointer`` section: where checkpoints go and when they are saved."""
-
-    base_path: str | None = None
-    """Directory or URL (gs://, s3://, anything tensorstore supports) of the checkpoints; null = <run_dir>/checkpoints."""
-    save_interval: timedelta | None = timedelta(minutes=15)
-    """Wall time between temporary checkpoints (deleted once a newer one commits), e.g. 15m; null = none."""
-    keep: list[KeepPolicy] = field(default_factory=lambda: [KeepPolicy(10000)])
-    """Permanent checkpoints: a list of {every: N, until: M} step policies, in increasing `until`."""
-    delete_old_temp_checkpoints: bool = True
-    """Also delete temporary checkpoints left by an earlier attempt of this run once a newer one commits."""
-    save_at_end: bool = True
-    """Save a permanent checkpoint when training ends (and a temporary one when it is stopped early)."""
-    save_interval_steps: int | None = None
-    """Also a temporary checkpoint every this many steps; null = none."""
-    temporary_cooldown: timedelta | None = None
-    """Least wall time between a save and the next temporary one (a temporary save due sooner is skipped); null = none."""
-    fixed_steps: list[int] = field(default_factory=list)
-    """Steps that get a permanent checkpoint whatever the other policies say; never deleted."""
-    save_at_start: bool = False
-    """Save a permanent checkpoint of the initial state (step 0) before the first step of a fresh run; never deleted."""
-    keep_last: int | None = None
-    """Keep only the newest N checkpoints of those `removal` may delete; null = temporary ones go once superseded."""
-    removal: str = "ephemeral_only"
-    """What may be deleted: ephemeral_only (temporary checkpoints), all_non_permanent (also keep-policy and end-of-training ones beyond keep_last), never."""
-    async_save: bool = True
-    """Write checkpoints on a background thread while training goes on; false = each save blocks until committed."""
-    append_run_id_to_base_path: bool = False
-    """Save under <base_path>/<run_id>, so runs that share a base_path never see each other's checkpoints."""
-
-    def __post_init__(self):
-        where = "trainer.checkpointer"
-        if self.save_interval_steps is not None and self.save_interval_steps <= 0:
-            raise ValueError(
-                f"{where}.save_interval_steps must be > 0 or null, got {self.save_interval_steps}"
-            )
-        if self.temporary_cooldown is not None and self.temporary_cooldown.total_seconds() <= 0:
-            raise ValueError(
-                f"{where}.temporary_cooldown must be positive or null, got {self.temporary_cooldown}"
-            )
-        bad = [s for s in self.fixed_steps if s < 0]
-        if bad:
-            raise ValueError(f"{where}.fixed_steps must be steps >= 0, got {bad}")
-        if self.keep_last is not None and self.keep_last < 1:
-            raise ValueError(f"{where}.keep_last must be >= 1 or null, got {self.keep_last}")
-        if self.removal not in REMOVAL_STRATEGIES:
-            raise ValueError(
-                f"{where}.removal must be one of {list(REMOVAL_STRATEGIES)}, got {self.removal!r}"
-            )
-        if self.removal == "all_non_permanent" and self.keep_last is None:
-            raise ValueError(
-                f"{where}.removal all_non_permanent needs keep_last (how many checkpoints to keep)"
-            )
-        previous: int | None = -1
-        for i, policy in enumerate(self.keep):
-            where = f"trainer.checkpointer.keep[{i}]"
-            if policy.every <= 0:
-                raise ValueError(f"{where}.every must be > 0, got {policy.every}")
-            if previous is None:
-                raise ValueError(f"{where}: only the last keep policy may have until: null")
-            if policy.until is not None and policy.until <= previous:
-                raise ValueError(
-                    f"{where}.until ({policy.until}) must be larger than the previous policy's until ({previous})"
-                )
-            previous = policy.until
-        if self.save_interval is not None and self.save_interval.total_seconds() <= 0:
-            raise ValueError(
-                f"trainer.checkpointer.save_interval must be positive or null, got {self.save_interval}"
-            )
-
-    def is_pinned(self, step: int) -> bool:
-        """Whether ``step`` is one of ``fixed_steps``: its checkpoint is never deleted."""
-        return step in self.fixed_steps
-
-    def is_permanent(self, step: int) -> bool:
-        """Whether ``fixed_steps`` or the keep policies ask for a permanent checkpoint at ``step``."""
-        if self.is_pinned(step):
-            return True
-        for policy in self.keep:
-            if policy.until is None or step <= policy.until:
-                return step % policy.every == 0
-        return False
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A complete checkpoint found on storage."""
-
-    step: int
-    directory: Directory
-    metadata: dict[str, Any]
-
-    @property
-    def permanent(self) -> bool:
-        return bool(self.metadata.get("permanent", True))
-
-    @property
-    def pinned(self) -> bool:
-        """Saved at one of ``fixed_steps`` or before the first step: never deleted."""
-        return bool(self.metadata.get("pinned", False))
-
-    @property
-    def run_id(self) -> str | None:
-        """The run that saved it (None for checkpoints older than the record)."""
-        return self.metadata.get("run_id")
-
-    def __str__(self) -> str:
-        return str(self.directory)
-
-
-def list_checkpoints(path: str) -> list[CheckpointInfo]:
-    """Complete checkpoints at ``path``, oldest first.
-
-    ``path`` is one checkpoint (it has ``metadata.json``) or a directory of ``step-N``
-    checkpoints; directories without ``metadata.json`` are skipped.
-    """
-    root = Directory(to_url(path))
-    meta = root.read_json(METADATA)
-    if meta is not None:
-        return [CheckpointInfo(int(meta["step"]), root, meta)]
-    found = []
-    for name in root.subdirectories():
-        if not _STEP_DIR.fullmatch(name):
-            continue
-        directory = root.child(name)
-        meta = directory.read_json(METADATA)
-        if meta is None:
-            logger.info("ignoring incomplete checkpoint %s (no %s)", directory, METADATA)
-            continue
-        found.append(CheckpointInfo(int(meta["step"]), directory, meta))
-    return sorted(found, key=lambda c: c.step)
-
-
-def load_checkpoint(
-    checkpoint: CheckpointInfo, template: Any, shardings: Any, *, prefix: str | None = None
-) -> tuple[Any, list[str]]:
-    """Read ``template``'s leaves from ``checkpoint``; returns ``(tree, missing names)``.
-
-    ``prefix`` reads only leaves under it (e.g. ``model``), the rest come back as None.
-    Errors name the checkpoint and the array.
-    """
-    meta = checkpoint.metadata
-    arrays = meta.get("arrays", {})
-    values = meta.get("values", {})
-    names = None
-    if prefix is not None:
-        names = {
-            n for n in list(arrays) + list(values) if n == prefix or n.startswith(prefix + "/")
-        }
-        arrays = {n: e for n, e in arrays.items() if n in names}
-    try:
-        check_chunks(checkpoint.directory.url, checkpoint.directory.keys(), arrays)
-        tree, missing = read_tree(
-            checkpoint.directory.url, arrays, values, template, shardings, names=names
-        )
-    except CheckpointError as e:
-        raise CheckpointError(f"checkpoint {checkpoint}: {e}") from e
-    if prefix is not None:
-        missing = [n for n in missing if n == prefix or n.startswith(prefix + "/")]
-    return tree, missing
-
-
-def load_latest(
-    path: str,
-    template: Any,
-    shardings: Any,
-    *,
-    fall_back: bool,
-    prefix: str | None = None,
-) -> tuple[CheckpointInfo, Any, list[str]] | None:
-    """Load the newest complete checkpoint at ``path``; None if there is none.
-
-    With ``fall_back``, a checkpoint that fails to load is skipped with a warning and
-    the next older one is tried; otherwise its error is raised.
-    """
-    for checkpoint in reversed(list_checkpoints(path)):
-        try:
-            tree, missing = load_checkpoint(checkpoint, template, shardings, prefix=prefix)
-        except CheckpointError as e:
-            if not fall_back:
-                raise
-            logger.warning("%s; falling back to an older checkpoint", e)
-            continue
-        return checkpoint, tree, missing
-    return None
 
 
 def library_versions() -> dict[str, str]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import jax
+
 from loomax.distributed import broadcast_str
 from loomax.jax_setup import apply_jax_settings
 from loomax.train.config import TrainerConfig
@@ -30,3 +32,14 @@ def setup_process(config: TrainerConfig) -> str:
     if _shared_run_id is None:  # every process must name the run alike: process 0's clock decides
         _shared_run_id = broadcast_str("run_id", time.strftime("%Y%m%d-%H%M%S"))
     return _shared_run_id
+
+
+def local_run_id() -> str:
+    """A timestamp run id for a one-process run that was given none (a multi-process run
+    must share one: ``setup_process``, or ``trainer.run_id``)."""
+    if jax.process_count() > 1:
+        raise ValueError(
+            "a multi-process Trainer needs a run id every process shares: pass "
+            "run_id=setup_process(config) (loomax.train.process) or set trainer.run_id"
+        )
+    return time.strftime("%Y%m%d-%H%M%S")

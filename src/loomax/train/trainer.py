@@ -7,7 +7,6 @@ the entry point (``loomax.train.process.setup_process``); where the state comes 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -16,7 +15,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import numpy as np
 import optax
 
 from loomax.checkpoint import Checkpointer, CheckpointInfo
@@ -28,9 +26,11 @@ from loomax.train.config import TrainerConfig
 from loomax.train.control import Control, Decision, StepAgreement, StopSignals
 from loomax.train.hook_set import HookSet
 from loomax.train.hooks import CompletedStep, FnHook, Hook, StepInfo
+from loomax.train.process import local_run_id
 from loomax.train.restore import StateBuilder
+from loomax.train.saving import checkpoint_payload, saves_at_start
 from loomax.train.state import TrainerState
-from loomax.train.step import TRACED, JitHook, LossFn, make_train_step, without_frozen
+from loomax.train.step import TRACED, JitHook, LossFn, make_train_step
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.lr_schedule = lr_schedule
         self.runtime = MeshRuntime.create(config.mesh, config.axis_mappings(), devices)
-        self.run_id = run_id or config.run_id or self._local_run_id()
+        self.run_id = run_id or config.run_id or local_run_id()
         self.run_dir = Path(run_dir or config.run_dir or Path("runs") / self.run_id)
         self.batch_schedule = config.batch_schedule
         dp = self.runtime.data_parallel_size
@@ -90,15 +90,6 @@ class Trainer:
         self._restored_hook_states: dict[str, Any] = {}
         self._train_seconds = 0.0
         self._started = self._last_done = time.perf_counter()
-
-    @staticmethod
-    def _local_run_id() -> str:
-        if jax.process_count() > 1:
-            raise ValueError(
-                "a multi-process Trainer needs a run id every process shares: pass "
-                "run_id=setup_process(config) (loomax.train.process) or set trainer.run_id"
-            )
-        return time.strftime("%Y%m%d-%H%M%S")
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -245,7 +236,8 @@ class Trainer:
         try:
             with signals.installed():
                 self.hook_set.call("on_train_begin", info)
-                start_save = "permanent" if self._saves_at_start(info.step) else None
+                at_start = saves_at_start(self.config, info.step, self.restored_from is not None)
+                start_save = "permanent" if at_start else None
                 self._act(info, Decision(eval=control.eval_requested, save=start_save))
                 control.clear()
                 for step in range(info.step + 1, self.config.num_train_steps + 1):
@@ -296,15 +288,6 @@ class Trainer:
             logger.info("temporary checkpoint at step %d held back by hook %s", step, blocker)
             due = None
         return Decision(asked.eval, asked.save or due, stop)
-
-    def _saves_at_start(self, step: int) -> bool:
-        """``checkpointer.save_at_start`` on a fresh run: a pinned checkpoint of step 0."""
-        return (
-            self.config.checkpointer.save_at_start
-            and step == 0
-            and self.restored_from is None
-            and self.checkpointer.last_saved_step != 0
-        )
 
     def _final_decision(self, step: int, control: Control) -> Decision:
         """After the last step: the eval asked for, and the closing checkpoint."""
@@ -357,33 +340,22 @@ class Trainer:
         return None
 
     def _save(self, info: StepInfo, *, permanent: bool) -> None:
-        metadata = {
-            "config": self.run_config,
-            "data": {"batches_consumed": info.step},
-            "rng_key": np.asarray(jax.device_get(info.state.key)).tolist(),
-            "hooks": self.hook_set.states(),
-            "train_seconds": self._train_seconds + time.perf_counter() - self._started,
-            "mesh": dict(self.mesh.shape),
-        }
-        if not self.batch_schedule.is_constant:
-            metadata["data"]["sequences_consumed"] = self.batch_schedule.offset(info.step)
-        files = self.hook_set.checkpoint_files()
-        state = info.state
-        if not self.config.checkpoint_frozen and self.config.freeze:
-            model, left_out = without_frozen(state.model, self.config.freeze)
-            state = dataclasses.replace(state, model=model)
-            metadata["frozen_left_out"] = [f"model/{name}" for name in left_out]
-        if self.checkpointer.save(
+        state, metadata = checkpoint_payload(
+            self.config,
+            info.state,
             info.step,
-            state,
-            metadata,
-            permanent=permanent,
-            pinned=info.step == 0 and self.config.checkpointer.save_at_start,
-            files=files,
+            run_config=self.run_config,
+            hooks=self.hook_set.states(),
+            train_seconds=self._train_seconds + time.perf_counter() - self._started,
+            mesh=dict(self.mesh.shape),
+        )
+        pinned = info.step == 0 and self.config.checkpointer.save_at_start
+        files = self.hook_set.checkpoint_files()
+        if self.checkpointer.save(
+            info.step, state, metadata, permanent=permanent, pinned=pinned, files=files
         ):
-            self.hook_set.call(
-                "on_save", info, self.checkpointer.directory.child(f"step-{info.step}").url
-            )
+            url = self.checkpointer.directory.child(f"step-{info.step}").url
+            self.hook_set.call("on_save", info, url)
 
     def _complete(self, step: int, metrics: dict[str, jax.Array]) -> CompletedStep:
         """``step`` as finished, its scalar metrics on the host (waits for it)."""
