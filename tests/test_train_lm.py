@@ -16,7 +16,11 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")  # one local Ray for the cac
 
 
 def small_config(tmp_path, corpus, *extra):
-    args = [
+    return parse_config(TrainLmConfig, None, small_args(tmp_path, corpus, *extra))
+
+
+def small_args(tmp_path, corpus, *extra):
+    return [
         "--data.train",
         json.dumps([{"urls": [str(corpus)]}]),
         "--data.tokenizer_vocab_size",
@@ -53,7 +57,6 @@ def small_config(tmp_path, corpus, *extra):
         "8",
         *extra,
     ]
-    return parse_config(TrainLmConfig, None, args)
 
 
 def test_train_lm_learns_and_writes_contract(tmp_path, tiny_corpus):
@@ -175,3 +178,43 @@ def test_eval_batch_must_split_over_data_parallel_devices(tmp_path, tiny_corpus)
     assert eval_sets(config, data, 2)[0].shape[0] == 8  # one process holds all 8 rows
     with pytest.raises(ValueError, match=r"trainer.eval_batch_size to a multiple of 3"):
         eval_sets(config, data, 3)
+
+
+def test_eval_budget_in_tokens_and_eval_microbatches_must_divide(tmp_path, tiny_corpus):
+    from loomax.data import build_lm_datasets
+    from loomax.lm import eval_sets
+
+    config = small_config(tmp_path, tiny_corpus, "--trainer.max_eval_batches", "null")
+    data = build_lm_datasets(config.data, config.model.seq_len)
+    assert len(eval_sets(config, data, 1)) >= 3  # enough batches for the budget to bite
+    for tokens, batches in [("600", 2), ("100", 1)]:  # 256 tokens a batch; at least one
+        budget = small_config(tmp_path, tiny_corpus, "--trainer.max_eval_tokens", tokens)
+        assert len(eval_sets(budget, data, 1)) == batches
+    both = small_config(
+        tmp_path,
+        tiny_corpus,
+        "--trainer.max_eval_tokens",
+        "2000",
+        "--trainer.max_eval_batches",
+        "1",
+    )
+    assert len(eval_sets(both, data, 1)) == 1  # the smaller limit wins
+    micro = small_config(tmp_path, tiny_corpus, "--trainer.per_device_eval_parallelism", "3")
+    with pytest.raises(ValueError, match=r"trainer.per_device_eval_parallelism \(3\) must divide"):
+        eval_sets(micro, data, 1)
+    micro = small_config(tmp_path, tiny_corpus, "--trainer.per_device_eval_parallelism", "2")
+    assert eval_sets(micro, data, 2)[0].shape[0] == 8  # 2 devices x 2 rows divide 8
+    for key, value in [("max_eval_tokens", "0"), ("per_device_eval_parallelism", "0")]:
+        with pytest.raises(ValueError, match=f"trainer.{key} must be"):
+            small_config(tmp_path, tiny_corpus, f"--trainer.{key}", value)
+
+
+def test_eval_only_cli_prints_the_eval_and_trains_nothing(tmp_path, tiny_corpus, capsys):
+    from loomax.cli import main
+
+    main(["train", *small_args(tmp_path, tiny_corpus, "--trainer.eval_only", "true")])
+    out = capsys.readouterr().out
+    assert "eval loss: step 0:" in out and "-> step 0:" in out
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0] and "eval/loss" in records[0]
+    assert "train/loss" not in records[0]

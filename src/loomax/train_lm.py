@@ -79,6 +79,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         jit=trainer.runtime.jit,
         prepare=trainer.runtime.shard_batch,
         count_bytes=next_token_bytes(token_byte_lengths(data.tokenizer, vocab_size)),
+        microbatch_rows=trainer_config.eval_microbatch_rows(trainer.runtime.data_parallel_size),
     )
     primary = jax.process_index() == 0  # only process 0 prints and writes shared files
     config_yaml = to_yaml(config)
@@ -126,7 +127,10 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         state = trainer.initial_state(
             initial_model(config, vocab_size), initial_weights=initial_weights(config, vocab_size)
         )
-        batches = loader.iter_from(int(state.step), jax.process_index(), jax.process_count())
+        if trainer_config.eval_only:  # one eval of the state, no training batches read
+            batches = iter(())
+        else:
+            batches = loader.iter_from(int(state.step), jax.process_index(), jax.process_count())
         try:
             final = trainer.train(state, batches)
         finally:

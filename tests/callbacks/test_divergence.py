@@ -44,3 +44,30 @@ def test_nan_aborts_at_once_and_state_round_trips():
     again.load_state_dict(calm.state_dict())
     info = feed(again, [3.6])
     assert info.control.stop_reason is not None and info.control.save_requested
+
+
+def test_watches_an_eval_metric_from_the_evaluations():
+    detector = DivergenceDetector(
+        metric="eval/loss", ema=0.0, rel_threshold=0.5, patience=2, warmup=1
+    )
+    feed(detector, [100.0, 200.0, 300.0])  # train losses: not the watched metric
+    assert detector.seen == 0
+    for step, loss in [(10, 3.0), (20, 2.0), (30, 3.5)]:
+        info = StepInfo(step, None, {})
+        detector.on_eval(info, {"eval/loss": loss, "eval/perplexity": math.exp(loss)})
+    assert detector.bad_steps == 1 and info.control.stop_reason is None
+    info = StepInfo(40, None, {})
+    detector.on_eval(info, {"eval/loss": 4.0})
+    assert "eval/loss diverged at step 40" in info.control.stop_reason
+    nan = DivergenceDetector(metric="eval/loss", action="abort")
+    with pytest.raises(DivergenceError, match="eval/loss is nan at step 5"):
+        nan.on_eval(StepInfo(5, None, {}), {"eval/loss": math.nan})
+
+
+def test_a_config_without_any_threshold_is_refused():
+    with pytest.raises(
+        ValueError, match=r"trainer.hooks \(divergence\): set abs_threshold or rel_threshold"
+    ):
+        DivergenceDetector(rel_threshold=None)
+    with pytest.raises(ValueError, match=r"trainer.hooks \(divergence\): metric must name"):
+        DivergenceDetector(metric="")

@@ -55,3 +55,50 @@ def test_token_byte_lengths_of_byte_level_bpe():
     assert lengths[tokenizer.token_to_id("<|endoftext|>")] == 0 and lengths[310] == 0
     tokens = np.asarray([[0, *ids]])
     assert int(next_token_bytes(lengths)(tokens)) == len(text.encode("utf-8"))
+
+
+def test_batches_stay_on_the_host_until_each_is_evaluated():
+    placed = []
+
+    def prepare(batch):  # stands for runtime.shard_batch: records each transfer
+        placed.append(batch)
+        return jnp.asarray(batch)
+
+    sets = {"a": [np.full((2, 3), 1.0), np.full((2, 3), 3.0)], "b": [np.full((4, 3), 8.0)]}
+    evaluate = make_loss_evaluator(constant_loss, sets, F32, prepare=prepare)
+    assert placed == []  # nothing is put on the devices when the evaluator is made
+    first = evaluate(1.0)
+    assert [float(b[0, 0]) for b in placed] == [1.0, 3.0, 8.0]  # one transfer per batch, in order
+    assert evaluate(1.0) == first and len(placed) == 6  # each eval transfers them again
+    assert first == make_loss_evaluator(constant_loss, sets, F32)(1.0)
+
+
+def test_microbatched_eval_equals_the_unsplit_eval(tiny):
+    import jax
+
+    from loomax.lm import lm_loss
+
+    seen = []
+    base = lm_loss()
+
+    def loss(model, batch, *, key=None):
+        seen.append(batch.shape)  # traced shapes: what one forward pass holds
+        return base(model, batch, key=key)
+
+    model = tiny.model.build(tiny.vocab, key=jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    batches = [
+        rng.integers(0, tiny.vocab, (8, tiny.model.seq_len), dtype=np.int32) for _ in range(2)
+    ]
+    batches.append(batches[0][:2])  # a smaller last batch is evaluated whole
+    count = lambda b: jnp.asarray(b.shape[0] * 3.0)  # noqa: E731
+    whole = make_loss_evaluator(loss, batches, F32, count_bytes=count)(model)
+    assert {s[0] for s in seen} == {8, 2}
+    seen.clear()
+    split = make_loss_evaluator(loss, batches, F32, count_bytes=count, microbatch_rows=2)(model)
+    assert {s[0] for s in seen} == {2}  # 8-row batches went through in microbatches of 2
+    assert split.keys() == whole.keys()
+    for k in whole:
+        assert split[k] == pytest.approx(whole[k], rel=1e-5)
+    with pytest.raises(ValueError, match="microbatches of 3 rows do not divide a batch of 8"):
+        make_loss_evaluator(loss, batches, F32, microbatch_rows=3)(model)

@@ -74,3 +74,44 @@ def test_eval_hook_without_at_start_waits_for_its_interval():
     assert due.control.eval_requested
     assert hook.history == []  # requesting is not evaluating: the trainer then calls run_eval
     assert hook.run_eval(due) == {"eval/loss": 2.0} and hook.run_eval(due) is None  # once a step
+
+
+def test_eval_at_listed_steps_besides_every():
+    from loomax.train import TrainerConfig
+
+    hook = EvalHook(evaluate=lambda model: {"eval/loss": 1.0}, every=10, steps=[3, 7])
+    assert hook.every == 1  # it sees every step, to catch the listed ones
+    due = []
+    for step in range(1, 21):
+        i = info(step)
+        hook.on_step(i)
+        if i.control.eval_requested:
+            due.append(step)
+    assert due == [3, 7, 10, 20]
+    own = EvalHook.Config.of_run(TrainerConfig(steps_per_eval=50, eval_steps=[5]))
+    assert own.every == 50 and own.steps == [5]
+    with pytest.raises(ValueError, match=r"trainer.hooks \(eval\): steps must be steps >= 1"):
+        EvalHook.Config(steps=[0])
+    with pytest.raises(ValueError, match=r"trainer.eval_steps must be steps >= 1"):
+        TrainerConfig(eval_steps=[10, -1])
+
+
+def test_eval_only_evaluates_once_and_trains_nothing(tiny, tmp_path):
+    import json
+
+    trainer = tiny.trainer(tmp_path, steps=5, eval_only=True)
+    calls = []
+    hook = EvalHook(evaluate=lambda model: calls.append(1) or {"eval/loss": 2.5}, at_start=True)
+    trainer.add_hook(hook)
+    steps_seen = []
+    trainer.add_hook(lambda i: steps_seen.append(i.step))
+    final = trainer.train(tiny.init(trainer), tiny.batches())
+    trainer.finish()
+    assert final.step == 0 and steps_seen == [] and calls == [1]
+    assert hook.history == [(0, {"eval/loss": 2.5})]
+    assert trainer.stop_reason == "trainer.eval_only"
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0] and records[0]["eval/loss"] == 2.5

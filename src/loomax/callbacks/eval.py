@@ -10,7 +10,7 @@ import json
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -39,6 +39,7 @@ def make_loss_evaluator(
     jit: Callable[[Callable], Callable] = jax.jit,
     prepare: Callable[[Any], Any] = lambda batch: batch,
     count_bytes: Callable[[Any], jax.Array] | None = None,
+    microbatch_rows: int | None = None,
 ) -> Evaluator:
     """``evaluate(model) -> {"eval/loss", "eval/perplexity", "eval/bpb"...}`` over validation batches.
 
@@ -50,6 +51,12 @@ def make_loss_evaluator(
     bytes of the predicted tokens, which gives bits per byte. Sums are added on the
     device and pulled to the host once per set. ``jit`` and ``prepare`` let a trainer run
     it sharded (``runtime.jit`` and ``runtime.shard_batch``).
+
+    Batches stay on the host: each is ``prepare``d (placed on the devices) only when it is
+    evaluated, so device memory holds one eval batch at a time. With ``microbatch_rows``,
+    a batch of more rows (as the jitted function sees it, over all devices) is split into
+    microbatches of that many rows, summed by a ``scan``, so activation memory is that of
+    one microbatch; the rows must divide the batch.
     """
     named = dict(batches) if isinstance(batches, Mapping) else None
     sets = named if named is not None else {"": batches}
@@ -57,25 +64,48 @@ def make_loss_evaluator(
         if len(set_batches) == 0:
             raise DataSourceError(f"validation set {name or 'validation'!r} has no batches")
 
-    def batch_sums(model, batch):
-        total, weight = loss_fn(mp.cast_to_compute(model), batch, key=None)
+    if microbatch_rows is not None and microbatch_rows < 1:
+        raise ValueError(f"microbatch_rows must be >= 1 or None, got {microbatch_rows}")
+
+    def sums_of(model, batch) -> jax.Array:
+        total, weight = loss_fn(model, batch, key=None)
         nbytes = count_bytes(batch) if count_bytes is not None else 0.0
-        return (
-            jnp.asarray(total, jnp.float32),
-            jnp.asarray(weight, jnp.float32),
-            jnp.asarray(nbytes, jnp.float32),
+        return jnp.stack(
+            [
+                jnp.asarray(total, jnp.float32),
+                jnp.asarray(weight, jnp.float32),
+                jnp.asarray(nbytes, jnp.float32),
+            ]
         )
 
+    def batch_sums(model, batch) -> jax.Array:
+        model = mp.cast_to_compute(model)
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        if microbatch_rows is None or rows <= microbatch_rows:
+            return sums_of(model, batch)
+        if rows % microbatch_rows:
+            raise ValueError(
+                f"eval microbatches of {microbatch_rows} rows do not divide a batch of {rows}"
+            )
+        n = rows // microbatch_rows
+        # microbatch i = rows i, i + n, ...: each device's rows hold an equal share of each
+        micro = jax.tree.map(lambda x: x.reshape(-1, n, *x.shape[1:]).swapaxes(0, 1), batch)
+
+        def body(carry, mb):
+            return carry + sums_of(model, mb), None
+
+        total, _ = jax.lax.scan(body, jnp.zeros((3,), jnp.float32), micro)
+        return total
+
     batch_sums = jit(batch_sums)
-    prepared = {name: [prepare(b) for b in bs] for name, bs in sets.items()}
 
     def evaluate(model) -> dict[str, float]:
         out: dict[str, float] = {}
         per_set = []
-        for name, set_batches in prepared.items():
+        for name, set_batches in sets.items():
             sums = jnp.zeros((3,), jnp.float32)
-            for batch in set_batches:
-                sums = sums + jnp.stack(batch_sums(model, batch))
+            for batch in set_batches:  # placed on the devices one at a time
+                sums = sums + batch_sums(model, prepare(batch))
             total, weight, nbytes = (float(x) for x in jax.device_get(sums))
             metrics = _metrics(total, weight, nbytes if count_bytes is not None else None)
             per_set.append(metrics)
@@ -129,7 +159,7 @@ def next_token_bytes(byte_lengths: np.ndarray) -> Callable[[Any], jax.Array]:
 
 @hook_type("eval")
 class EvalHook(Hook):
-    """Asks for an evaluation every ``every`` steps (and at the start and the end, optionally).
+    """Asks for an evaluation every ``every`` steps and at ``steps`` (and at the start and the end, optionally).
 
     The trainer then calls ``run_eval``, logs the results and passes them to every hook's
     ``on_eval``. The model evaluated is ``info.eval_model`` (EMA weights if a hook asks).
@@ -143,6 +173,8 @@ class EvalHook(Hook):
 
         every: int = 1000
         """Evaluate every this many steps."""
+        steps: list[int] = field(default_factory=list)
+        """Also evaluate at these steps, e.g. [100, 500]."""
         at_start: bool = False
         """Also evaluate before the first step."""
         at_end: bool = True
@@ -152,12 +184,17 @@ class EvalHook(Hook):
 
         def __post_init__(self):
             self.check_positive("every", "max_batches")
+            self.check(
+                all(isinstance(s, int) and s >= 1 for s in self.steps),
+                f"steps must be steps >= 1, got {self.steps}",
+            )
 
         @classmethod
         def of_run(cls, trainer: TrainerConfig) -> EvalHook.Config:
-            """The run's own evaluation: trainer.steps_per_eval, eval_at_start, max_eval_batches."""
+            """The run's own evaluation: trainer.steps_per_eval, eval_steps, eval_at_start, max_eval_batches."""
             return cls(
                 every=trainer.steps_per_eval,
+                steps=list(trainer.eval_steps),
                 at_start=trainer.eval_at_start,
                 max_batches=trainer.max_eval_batches,
             )
@@ -178,6 +215,10 @@ class EvalHook(Hook):
         self.state_key = name
         self.last_step: int | None = None
         self.history: list[tuple[int, dict[str, float]]] = []
+        self.steps = frozenset(self.config.steps)
+        """The extra steps evaluated at (besides multiples of ``config.every``)."""
+        if self.steps:
+            self.every = 1  # on_step must see the listed steps too
 
     @classmethod
     def from_config(cls, config: Config, context: HookContext) -> Hook:
@@ -201,7 +242,8 @@ class EvalHook(Hook):
             info.control.eval()
 
     def on_step(self, info: StepInfo) -> None:
-        info.control.eval()
+        if info.step % self.config.every == 0 or info.step in self.steps:
+            info.control.eval()
 
     def on_train_end(self, info: StepInfo) -> None:
         if self.config.at_end and self.last_step != info.step:
@@ -236,4 +278,7 @@ def _own_evaluator(sets: dict[str, list[Any]], context: HookContext) -> Evaluato
         jit=context.runtime.jit,
         prepare=context.runtime.shard_batch,
         count_bytes=count,
+        microbatch_rows=context.trainer_config.eval_microbatch_rows(
+            context.runtime.data_parallel_size
+        ),
     )

@@ -22,7 +22,7 @@ def eval_sets(
 ) -> list[np.ndarray] | dict[str, list[np.ndarray]]:
     """This process's rows of the eval batches: one list, or ``{name: batches}`` per validation source when there are several."""
     size = config.trainer.eval_batch_size or config.trainer.batch_schedule.sizes[0]
-    limit = config.trainer.max_eval_batches
+    limit = config.trainer.max_eval_batches_of(size, config.model.seq_len)
     sets: dict[str, list[np.ndarray]] = {}
     if len(data.validation_sets) > 1:
         sources = config.data.validation or config.data.train
@@ -41,6 +41,13 @@ def eval_sets(
         raise ConfigError(
             f"eval batches of {sizes} sequences do not split over the data-parallel "
             f"size {dp}: set trainer.eval_batch_size to a multiple of {dp} (and give data.validation at least that many windows)"
+        )
+    micro = config.trainer.eval_microbatch_rows(dp)
+    if micro is not None and any(n > micro and n % micro for n in sizes):
+        raise ConfigError(
+            f"trainer.per_device_eval_parallelism ({config.trainer.per_device_eval_parallelism}) "
+            f"must divide the eval batch per device (eval batches of {sizes} sequences over "
+            f"{dp} data-parallel devices)"
         )
     rows = lambda b: b[process_rows(len(b), jax.process_index(), jax.process_count())]  # noqa: E731
     out = {name: [rows(b) for b in batches] for name, batches in sets.items()}

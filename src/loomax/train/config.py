@@ -41,12 +41,20 @@ class TrainerConfig:
     """Send metrics to the tracker every this many steps (and at the last step)."""
     steps_per_eval: int = 1000
     """Evaluate on the validation data every this many steps (and at the last step)."""
+    eval_steps: list[int] = field(default_factory=list)
+    """Also evaluate at these steps, e.g. [100, 500] (besides every steps_per_eval)."""
     max_eval_batches: int | None = 10
-    """Evaluate on at most this many validation batches; null = all of them."""
+    """Evaluate on at most this many validation batches (of each set); null = all of them."""
+    max_eval_tokens: int | None = None
+    """Evaluate on at most this many tokens of each validation set (whole batches, at least one); null = no limit."""
     eval_batch_size: int | None = None
     """Sequences per eval batch; null = train_batch_size."""
+    per_device_eval_parallelism: int = -1
+    """Sequences per device per eval forward pass; smaller than the eval batch per device splits it into microbatches. -1 = the whole batch."""
     eval_at_start: bool = True
     """Also evaluate before the first step."""
+    eval_only: bool = False
+    """Evaluate the restored (or initial) state once, log it and end without training steps or checkpoints."""
     crash_on_nan: bool = True
     """Stop with an error as soon as the training loss is NaN or infinite."""
     progress_bar: bool = True
@@ -119,6 +127,17 @@ class TrainerConfig:
             raise ValueError(
                 f"trainer.max_eval_batches must be > 0 or null, got {self.max_eval_batches}"
             )
+        if self.max_eval_tokens is not None and self.max_eval_tokens <= 0:
+            raise ValueError(
+                f"trainer.max_eval_tokens must be > 0 or null, got {self.max_eval_tokens}"
+            )
+        if any(not isinstance(s, int) or s < 1 for s in self.eval_steps):
+            raise ValueError(f"trainer.eval_steps must be steps >= 1, got {self.eval_steps}")
+        if self.per_device_eval_parallelism == 0 or self.per_device_eval_parallelism < -1:
+            raise ValueError(
+                "trainer.per_device_eval_parallelism must be > 0 or -1, "
+                f"got {self.per_device_eval_parallelism}"
+            )
         if self.eval_batch_size is not None and self.eval_batch_size <= 0:
             raise ValueError(
                 f"trainer.eval_batch_size must be > 0 or null, got {self.eval_batch_size}"
@@ -149,6 +168,19 @@ class TrainerConfig:
     def batch_schedule(self) -> BatchSchedule:
         """``train_batch_size`` as a schedule: batch size and data offset of every step."""
         return BatchSchedule(self.train_batch_size)
+
+    def eval_microbatch_rows(self, num_devices: int) -> int | None:
+        """Rows of one eval microbatch over ``num_devices`` data-parallel devices; None = unsplit."""
+        if self.per_device_eval_parallelism == -1:
+            return None
+        return self.per_device_eval_parallelism * num_devices
+
+    def max_eval_batches_of(self, batch_size: int, seq_len: int) -> int | None:
+        """Eval batches per validation set under ``max_eval_batches`` and ``max_eval_tokens``."""
+        limits = [self.max_eval_batches] if self.max_eval_batches is not None else []
+        if self.max_eval_tokens is not None:
+            limits.append(max(1, self.max_eval_tokens // (batch_size * seq_len)))
+        return min(limits) if limits else None
 
     def microbatches(self, num_devices: int, batch_size: int | None = None) -> int:
         """Microbatches per step implied by the batch and ``per_device_parallelism``.

@@ -18,7 +18,6 @@ import jax
 import optax
 
 from loomax.checkpoint import Checkpointer, CheckpointInfo
-from loomax.mesh import replicated
 from loomax.runtime import MeshRuntime
 from loomax.tracking import Tracker, build_tracker, check_trackers
 from loomax.tracking.artifacts import write_file
@@ -30,12 +29,13 @@ from loomax.train.process import local_run_id
 from loomax.train.restore import StateBuilder
 from loomax.train.saving import checkpoint_payload, saves_at_start
 from loomax.train.state import TrainerState
-from loomax.train.step import TRACED, JitHook, LossFn, make_train_step
+from loomax.train.step import TRACED, JitHook, LossFn
+from loomax.train.step_fns import JittedSteps
 
 logger = logging.getLogger(__name__)
 
 
-class Trainer:
+class Trainer(JittedSteps):
     """Runs ``train_step`` in a loop with hooks.
 
     ``loss_fn(model, batch, *, key) -> (loss_sum, weight)`` defines the objective;
@@ -161,58 +161,6 @@ class Trainer:
         builder = StateBuilder(self.config, self.runtime, self.optimizer, self.hook_set.extras)
         return builder.abstract(init_model)
 
-    def trace_step(
-        self, state: TrainerState, batch: Any, *, num_microbatches: int | None = None
-    ) -> jax.stages.Traced:
-        """The jitted step traced for ``state`` and a global ``batch`` (arrays, or
-        ``ShapeDtypeStruct``s with shardings): ``.jaxpr``, ``.lower().compile()``."""
-        step_fn = self._build_step(state, num_microbatches)
-        with self.runtime.mesh_context():
-            return step_fn.jitted.trace(state, batch)
-
-    def _build_step(self, state: TrainerState, num_microbatches: int | None = None) -> Callable:
-        microbatches = num_microbatches or self.num_microbatches
-        if microbatches not in self._step_fns:
-            step = make_train_step(
-                self.loss_fn,
-                self.optimizer,
-                mp=self.config.policy,
-                num_microbatches=microbatches,
-                lr_schedule=self.lr_schedule,
-                jit_hooks=self.hook_set.jit_hooks,
-                extras=self.hook_set.extras,
-                freeze=self.config.freeze,
-            )
-            shardings = self.runtime.state_shardings(state)
-            out = (shardings, replicated(self.runtime.mesh))
-            self._step_fns[microbatches] = self.runtime.jit(
-                step, out_shardings=out, donate_argnums=0
-            )
-        return self._step_fns[microbatches]
-
-    def train_step(
-        self, state: TrainerState, batch: Any, *, num_microbatches: int | None = None
-    ) -> tuple[TrainerState, dict[str, jax.Array]]:
-        """Run the jitted pure step (compiled on first use); ``state`` is donated.
-
-        ``batch`` is this process's rows (numpy) or an already global ``jax.Array``.
-        ``num_microbatches`` defaults to that of the first batch size.
-        """
-        step_fn = self._build_step(state, num_microbatches)
-        if not isinstance(batch, jax.Array):
-            batch = self.runtime.shard_batch(batch)
-        return step_fn(state, batch)
-
-    def compiled_step(self, state: TrainerState, batch: Any):
-        """The step compiled ahead of time for these shapes; call it with ``runtime.shard_batch(batch)``."""
-        step_fn = self._build_step(state)
-        with self.runtime.mesh_context():
-            return step_fn.jitted.lower(state, self.runtime.shard_batch(batch)).compile()
-
-    def compilations(self) -> int:
-        """How many step variants have been compiled (one per shape and batch size)."""
-        return sum(fn.jitted._cache_size() for fn in self._step_fns.values())
-
     # ------------------------------------------------------------------ loop
     def train(self, state: TrainerState, batches: Iterator[Any] | Sequence[Any]) -> StepInfo:
         """Train from ``state`` to ``num_train_steps`` on ``batches``; returns the final ``StepInfo``.
@@ -226,7 +174,8 @@ class Trainer:
         batches = iter(batches)
         control = Control()
         info = self._step_info(int(state.step), state, {}, control)
-        self.hook_set.load_states(self._restored_hook_states)
+        if not self.config.eval_only:  # an eval-only job evaluates afresh, whatever hooks did
+            self.hook_set.load_states(self._restored_hook_states)
         self._restored_hook_states = {}
         pending: tuple[int, dict] | None = None
         previous: CompletedStep | None = None
@@ -235,6 +184,9 @@ class Trainer:
         self.stop_reason = None
         try:
             with signals.installed():
+                if self.config.eval_only:
+                    self._eval_only(info, control)
+                    return info
                 self.hook_set.call("on_train_begin", info)
                 at_start = saves_at_start(self.config, info.step, self.restored_from is not None)
                 start_save = "permanent" if at_start else None
@@ -274,6 +226,16 @@ class Trainer:
             except Exception:  # noqa: BLE001 - the original error matters more
                 logger.exception("checkpoint save failed")
         return info
+
+    def _eval_only(self, info: StepInfo, control: Control) -> None:
+        """``trainer.eval_only``: one evaluation of ``info.state``, logged; no step, no checkpoint."""
+        self.hook_set.call("on_train_begin", info)
+        control.clear()
+        self._act(info, Decision(eval=True))
+        self.stop_reason = "trainer.eval_only"
+        logger.info("trainer.eval_only: evaluated step %d, no training", info.step)
+        self.hook_set.call("on_train_end", info)
+        control.clear()
 
     def _propose(self, step: int, control: Control, signals: StopSignals) -> Decision:
         """This process's decision for the end of ``step``, before the processes agree."""
