@@ -35,7 +35,7 @@ LAYERS: list[set[str]] = [
     {"train"},
     {"callbacks"},
     {"lm"},
-    {"train_lm", "inference"},
+    {"train_lm", "inference", "downstream"},
     {"benchmark", "ladder", "plan", "launch", "model_cli", "config_reference"},
     {"cli"},
 ]

@@ -115,3 +115,38 @@ def test_load_for_inference_returns_the_trained_weights_and_config(run):
     for a, b in zip(got, trained, strict=True):
         assert a.dtype == np.float32 and a.shape == b.shape
         np.testing.assert_array_equal(a, np.asarray(b, np.float32))
+
+
+def test_eval_tasks_on_a_trainer_checkpoint(run, tmp_path, capsys):
+    """``loomax eval --tasks`` (lm-eval, tests/downstream has the rest) with the run's tokenizer."""
+    pytest.importorskip("lm_eval")
+    root, _, _ = run
+    rows = [
+        {"question": "def f", "choices": ["(x):", " ]]] ((("], "answer": 0},
+        {"question": "import", "choices": [" os", "))) ["], "answer": 0},
+    ]
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = {
+        "task": "code_mc",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}, "cache_dir": str(tmp_path / "hf")},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{question}}",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{answer}}",
+        "target_delimiter": "",
+        "metric_list": [{"metric": "acc"}],
+    }
+    (tmp_path / "code_mc.yaml").write_text(json.dumps(task))
+    checkpoint = str(root / "run" / "checkpoints")
+    out = tmp_path / "results.json"
+    main(["eval", "--checkpoint", checkpoint, "--tasks", "code_mc", "--include_path",
+          str(tmp_path), "--no_default_tasks", "--out", str(out), "--json"])  # fmt: skip
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert 0 <= printed["code_mc"]["acc,none"] <= 1
+    assert (
+        json.loads(out.read_text())["results"]["code_mc"]["acc,none"]
+        == printed["code_mc"]["acc,none"]
+    )

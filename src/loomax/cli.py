@@ -25,7 +25,7 @@ COMMANDS = {
     "bench": "time the jitted train step on synthetic data",
     "export": "write a checkpoint as a Hugging Face directory (safetensors, config.json)",
     "generate": "sample text from a checkpoint with a KV cache",
-    "eval": "loss, perplexity and bits per byte per validation set of a checkpoint",
+    "eval": "loss, perplexity and bits per byte per validation set, or lm-eval --tasks",
     "launch": "run a loomax command on a TPU pod, GPU hosts, SLURM or N local processes",
     "schedule": "print a config's learning-rate phases and plot them",
     "compile": "compile the run's step for a TPU topology here: memory per chip, fits?, est. MFU",

@@ -20,9 +20,11 @@ Guard = Callable[[], AbstractContextManager]
 def _parse(parser: argparse.ArgumentParser, args: list[str]):
     parser.add_argument(
         "--checkpoint",
+        "--model",
+        dest="checkpoint",
         required=True,
         metavar="PATH",
-        help="saved model, HF directory or trainer checkpoint",
+        help="saved model, HF directory or trainer checkpoint (--model is the same)",
     )
     parser.add_argument(
         "--config_path",
@@ -136,10 +138,38 @@ def eval_command(args: list[str], parser: argparse.ArgumentParser, guard: Guard)
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object instead of a table"
     )
+    tasks = parser.add_argument_group(
+        "lm-eval tasks (the `eval` extra; docs/downstream.md)",
+        "With --tasks, run lm-eval's evaluator on the model instead of the validation sets.",
+    )
+    tasks.add_argument("--tasks", default=None, metavar="T1,T2", help="lm-eval task names")
+    tasks.add_argument(
+        "--include_path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder of task YAMLs (repeatable)",
+    )
+    tasks.add_argument(
+        "--no_default_tasks", action="store_true", help="only the tasks of --include_path"
+    )
+    tasks.add_argument("--limit", type=float, default=None, metavar="N", help="documents per task")
+    tasks.add_argument("--num_fewshot", type=int, default=None, metavar="K")
+    tasks.add_argument("--out", default=None, metavar="FILE", help="write lm-eval's results JSON")
+    tasks.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's)"
+    )
+    tasks.add_argument("--seed", type=int, default=0)
     known, overrides = _parse(parser, args)
     for flag in ("batch_size", "max_batches"):
         if getattr(known, flag) is not None and getattr(known, flag) < 1:
             raise UserError(f"--{flag} must be >= 1, got {getattr(known, flag)}")
+    if known.tasks is not None:
+        _eval_tasks(known, overrides, guard)
+        return
+    for flag in ("include_path", "limit", "num_fewshot", "out", "tokenizer"):
+        if getattr(known, flag):
+            raise UserError(f"--{flag} needs --tasks")
     loaded = _load(known, overrides, guard)
     results = evaluate(loaded, batch_size=known.batch_size, max_batches=known.max_batches)
     if known.json:
@@ -155,3 +185,43 @@ def eval_command(args: list[str], parser: argparse.ArgumentParser, guard: Guard)
             f"{name:<24} {results[row + '/loss']:>8.4f} {results[row + '/perplexity']:>10.3f} "
             f"{'' if bpb is None else f'{bpb:>8.4f}'}"
         )
+
+
+def _eval_tasks(known, overrides: list[str], guard: Guard) -> None:
+    """``loomax eval --tasks``: lm-eval's evaluator on the model (loomax.downstream)."""
+    from loomax.downstream import evaluate_tasks, lm_eval_model, require_lm_eval, write_results
+
+    require_lm_eval()  # before loading the model
+    tasks = [t for t in known.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise UserError("--tasks needs at least one task name")
+    limit = known.limit
+    if limit is not None:
+        if limit <= 0:
+            raise UserError(f"--limit must be > 0, got {limit}")
+        limit = int(limit) if limit >= 1 else limit  # lm-eval: < 1 is a fraction
+    loaded = _load(known, overrides, guard)
+    path = known.tokenizer or loaded.tokenizer
+    if path is None:
+        raise UserError(f"{loaded.description} has no tokenizer: pass --tokenizer tokenizer.json")
+    lm = lm_eval_model(loaded.model, path, batch_size=known.batch_size or 8, seed=known.seed)
+    results = evaluate_tasks(
+        lm,
+        [t.strip() for t in tasks],
+        include_path=known.include_path,
+        include_defaults=not known.no_default_tasks,
+        limit=limit,
+        num_fewshot=known.num_fewshot,
+        seed=known.seed,
+    )
+    if known.out:
+        print(f"results: {write_results(results, known.out)}")
+    if known.json:
+        print(json.dumps(results.get("results", {}), sort_keys=True, default=str))
+        return
+    print(f"{loaded.description}")
+    for task, metrics in sorted(results.get("results", {}).items()):
+        for name, value in sorted(metrics.items()):
+            if name == "alias" or "_stderr" in name or not isinstance(value, int | float):
+                continue
+            print(f"{task:<24} {name:<28} {value:>10.4f}")

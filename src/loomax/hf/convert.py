@@ -94,6 +94,7 @@ def export_hf(
         tok_config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": model.config.seq_len,
+            **_special_token_names(out / "tokenizer.json", config),
         }
         (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     return out
@@ -201,3 +202,18 @@ def _check_same_architecture(config: LmConfig, arch: LmConfig, path) -> None:
     if diff:
         shown = ", ".join(f"{k}: {h!r} there, {w!r} configured" for k, (h, w) in diff.items())
         raise BadFileError(f"{path} does not match the configured model ({shown})")
+
+
+def _special_token_names(tokenizer_json: Path, config: dict[str, Any]) -> dict[str, str]:
+    """tokenizer_config.json's ``bos_token``/``eos_token``: the strings of config.json's ids, so
+    that a transformers tokenizer (and what reads it, e.g. lm-eval's ``hf`` backend) knows them."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    names = {}
+    for key in ("bos", "eos"):
+        token_id = config.get(f"{key}_token_id")
+        token = tokenizer.id_to_token(token_id) if token_id is not None else None
+        if token is not None:
+            names[f"{key}_token"] = token
+    return names
