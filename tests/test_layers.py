@@ -31,11 +31,11 @@ LAYERS: list[set[str]] = [
     {"mesh", "tree_paths"},
     {"distributed", "runtime", "tracking"},
     {"models", "optim", "data", "checkpoint"},
-    {"hf"},
+    {"hf", "downstream"},
     {"train"},
     {"callbacks"},
     {"lm"},
-    {"train_lm", "inference", "downstream"},
+    {"train_lm", "inference"},
     {"benchmark", "ladder", "plan", "launch", "model_cli", "config_reference"},
     {"cli"},
 ]

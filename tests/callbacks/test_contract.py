@@ -19,6 +19,7 @@ HOOKS = {
     "console": {"every": 2},
     "control": {"port": 0},
     "divergence": {"patience": 3},
+    "downstream_eval": {"every": 4, "tasks": ["contract_mc"], "default_tasks": False, "limit": 2},
     "early_stopping": {"patience": 5},
     "ema": {"decay": 0.9, "use_for_eval": True},
     "eval": {"every": 4, "max_batches": 1},
@@ -59,6 +60,7 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
     other = tmp_path / "other.jsonl"  # a second validation set
     docs = [{"text": f"class C{i}:\n    value = {i} * 3\n"} for i in range(100)]
     other.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    tasks = write_multiple_choice_task(tmp_path / "tasks", "contract_mc")
     config = {
         "data": {
             "train": [{"urls": [str(tiny_corpus)]}],
@@ -77,7 +79,14 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
             "eval_at_start": False,
             "progress_bar": False,
             "run_dir": str(run_dir),
-            "hooks": [{"type": name, **settings} for name, settings in HOOKS.items()],
+            "hooks": [
+                {
+                    "type": name,
+                    **settings,
+                    **({"include_path": str(tasks)} if name == "downstream_eval" else {}),
+                }
+                for name, settings in HOOKS.items()
+            ],
         },
         "sample": {"enabled": False},
     }
@@ -105,6 +114,7 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
         "merge/saved_step",
         "train/seq_len",
         "data/tokens",  # batch_size_schedule
+        "downstream/contract_mc/acc",  # downstream_eval (lm-eval)
     ):
         assert key in logged, key
     final_eval = records[8]
@@ -119,6 +129,32 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
     assert not (run_dir / "control.json").exists()  # the server stopped with the run
     assert (run_dir / "hf" / "step-4" / "config.json").exists()  # hf_export: every 4 and at the end
     assert (run_dir / "hf" / "step-8" / "tokenizer.json").exists()
+
+
+def write_multiple_choice_task(root, name: str):
+    """A two-question lm-eval multiple-choice task over a local JSONL (no network)."""
+    root.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {"question": "value =", "choices": [" 3", " C"], "answer": 0},
+        {"question": "class", "choices": [" C1:", " = 3"], "answer": 0},
+    ]
+    (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {
+            "data_files": {"test": str(root / f"{name}.jsonl")},
+            "cache_dir": str(root / "datasets_cache"),
+        },
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{question}}",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{answer}}",
+        "metric_list": [{"metric": "acc"}],
+    }
+    (root / f"{name}.yaml").write_text(json.dumps(spec))
+    return root
 
 
 STATEFUL = {
@@ -136,7 +172,11 @@ def test_stateful_hooks_state_round_trips_through_a_checkpoint(tiny, tmp_path):
         for name, cls in built_in_types().items()
         if cls.hook_class.state_dict is not Hook.state_dict
     }
-    assert stateful == set(STATEFUL), "add new stateful hook types to STATEFUL"
+    # downstream_eval needs a tokenizer and lm-eval tasks: its state's round trip through a
+    # real checkpoint and resume is tests/callbacks/test_downstream_eval.py's
+    assert stateful == set(STATEFUL) | {"downstream_eval"}, (
+        "add new stateful hook types to STATEFUL"
+    )
     eval_losses = iter([3.0, 2.0, 2.5, 2.6, 2.7])
 
     def run(steps):

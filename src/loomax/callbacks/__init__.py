@@ -6,6 +6,7 @@ from loomax.callbacks.console import ConsoleHook
 from loomax.callbacks.control_server import ControlServerHook
 from loomax.callbacks.defaults import default_hooks
 from loomax.callbacks.divergence import DivergenceDetector, DivergenceError
+from loomax.callbacks.downstream_eval import DownstreamEvalHook
 from loomax.callbacks.early_stopping import EarlyStoppingHook
 from loomax.callbacks.ema import EmaHook
 from loomax.callbacks.eval import (
@@ -37,6 +38,7 @@ __all__ = [
     "ControlServerHook",
     "DivergenceDetector",
     "DivergenceError",
+    "DownstreamEvalHook",
     "EarlyStoppingHook",
     "EmaHook",
     "EvalHook",
