@@ -137,22 +137,18 @@ class DownstreamEvalHook(Hook):
 
     def evaluate(self, model: Any) -> dict[str, float]:
         """The ``downstream/*`` metrics of ``model`` on the configured tasks."""
-        from loomax.downstream import lm_eval_model, require_lm_eval
+        from loomax.downstream import lm_eval_model, run_tasks
 
-        lm_eval = require_lm_eval()
         c = self.config
         lm = lm_eval_model(model, self.tokenizer, batch_size=c.batch_size, seed=c.seed)
         limit = c.limit if c.limit is None or c.limit < 1 else int(c.limit)
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=list(c.tasks),
-            task_manager=self.task_manager,
+        results = run_tasks(
+            lm,
+            c.tasks,
+            self.task_manager,
             limit=limit,
             num_fewshot=c.num_fewshot,
-            random_seed=c.seed,
-            numpy_random_seed=c.seed,
-            torch_random_seed=c.seed,
-            fewshot_random_seed=c.seed,
+            seed=c.seed,
             bootstrap_iters=c.bootstrap_iters,
         )
         return downstream_metrics(results or {})

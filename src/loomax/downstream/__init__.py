@@ -22,6 +22,7 @@ __all__ = [
     "has_absolute_positions",
     "lm_eval_model",
     "require_lm_eval",
+    "run_tasks",
     "write_results",
 ]
 
@@ -61,7 +62,7 @@ def evaluate_tasks(
 ) -> dict[str, Any]:
     """lm-eval's results for ``tasks`` (``lm_eval.simple_evaluate`` with a ``TaskManager``
     over ``include_path`` and, unless ``include_defaults`` is false, lm-eval's own tasks)."""
-    lm_eval = require_lm_eval()
+    require_lm_eval()
     from lm_eval.tasks import TaskManager
 
     paths = [include_path] if isinstance(include_path, str | Path) else list(include_path or [])
@@ -75,10 +76,36 @@ def evaluate_tasks(
     if unknown:
         where = f" in {', '.join(map(str, paths))}" if paths else ""
         raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}{where}")
+    return run_tasks(
+        lm,
+        tasks,
+        manager,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        seed=seed,
+        log_samples=log_samples,
+        bootstrap_iters=bootstrap_iters,
+    )
+
+
+def run_tasks(
+    lm,
+    tasks: Sequence[str],
+    task_manager: Any,
+    *,
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    seed: int = 0,
+    log_samples: bool = False,
+    bootstrap_iters: int = 100000,
+) -> dict[str, Any]:
+    """``lm_eval.simple_evaluate`` of ``tasks`` known to ``task_manager`` (built once by the
+    caller), with every seed set to ``seed``."""
+    lm_eval = require_lm_eval()
     results = lm_eval.simple_evaluate(
         model=lm,
         tasks=list(tasks),
-        task_manager=manager,
+        task_manager=task_manager,
         limit=limit,
         num_fewshot=num_fewshot,
         log_samples=log_samples,
