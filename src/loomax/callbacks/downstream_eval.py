@@ -13,7 +13,6 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from loomax.errors import UserError
@@ -111,7 +110,14 @@ class DownstreamEvalHook(Hook):
     ):
         super().__init__(config, **settings)
         self.tokenizer, self.prepare = tokenizer, prepare
-        self.task_manager = _task_manager(self.config)
+        from loomax.downstream import task_manager
+
+        self.task_manager = task_manager(
+            self.config.tasks,
+            self.config.include_path,
+            include_defaults=self.config.default_tasks,
+            where="trainer.hooks (downstream_eval)",
+        )
         self.last_step: int | None = None
         self.history: list[tuple[int, dict[str, float]]] = []
         """(step, metrics) of every evaluation logged."""
@@ -172,31 +178,3 @@ class DownstreamEvalHook(Hook):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_step = state.get("last_step")
         self.history = [(s, m) for s, m in state.get("history", [])]
-
-
-def _task_manager(config: DownstreamEvalHook.Config) -> Any:
-    """lm-eval's ``TaskManager`` over ``include_path``, after checking lm-eval is installed
-    and every task is known (``UserError`` naming the tasks and the folder otherwise)."""
-    from loomax.downstream import require_lm_eval
-
-    require_lm_eval()
-    from lm_eval.tasks import TaskManager
-
-    where = "trainer.hooks (downstream_eval)"
-    path = config.include_path
-    if path is not None and not Path(path).is_dir():
-        raise UserError(f"{where}: include_path {path} is not a folder")
-    manager = TaskManager(
-        include_path=str(path) if path is not None else None,
-        include_defaults=config.default_tasks,
-    )
-    unknown = [t for t in config.tasks if t not in manager.all_tasks]
-    if unknown:
-        searched = [f"include_path {path}"] if path is not None else []
-        if config.default_tasks:
-            searched.append("lm-eval's built-in tasks")
-        raise UserError(
-            f"{where}: unknown lm-eval task(s) {', '.join(unknown)} "
-            f"(looked in {' and '.join(searched) or 'no task folder'})"
-        )
-    return manager

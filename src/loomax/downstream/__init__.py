@@ -23,6 +23,7 @@ __all__ = [
     "lm_eval_model",
     "require_lm_eval",
     "run_tasks",
+    "task_manager",
     "write_results",
 ]
 
@@ -48,44 +49,50 @@ def lm_eval_model(model, tokenizer, **options):
     return LoomaxLM(model, tokenizer, **options)
 
 
+def task_manager(
+    tasks: Sequence[str],
+    include_path: str | Path | Sequence[str | Path] | None = None,
+    *,
+    include_defaults: bool = True,
+    where: str = "--include_path",
+) -> Any:
+    """lm-eval's ``TaskManager`` over ``include_path`` (and, unless ``include_defaults`` is
+    false, lm-eval's own tasks), after checking lm-eval is installed, every folder exists and
+    every task is known; ``UserError`` naming ``where``, the tasks and the folders otherwise."""
+    require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    paths = [include_path] if isinstance(include_path, str | Path) else list(include_path or [])
+    for path in paths:
+        if not Path(path).is_dir():
+            raise UserError(f"{where}: include_path {path} does not exist or is not a folder")
+    manager = TaskManager(
+        include_path=[str(p) for p in paths] or None, include_defaults=include_defaults
+    )
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        searched = [f"include_path {p}" for p in paths]
+        if include_defaults:
+            searched.append("lm-eval's built-in tasks")
+        raise UserError(
+            f"{where}: unknown lm-eval task(s) {', '.join(unknown)} "
+            f"(looked in {' and '.join(searched) or 'no task folder'})"
+        )
+    return manager
+
+
 def evaluate_tasks(
     lm,
     tasks: Sequence[str],
     *,
     include_path: str | Path | Sequence[str | Path] | None = None,
     include_defaults: bool = True,
-    limit: int | float | None = None,
-    num_fewshot: int | None = None,
-    seed: int = 0,
-    log_samples: bool = False,
-    bootstrap_iters: int = 100000,
+    **options: Any,
 ) -> dict[str, Any]:
-    """lm-eval's results for ``tasks`` (``lm_eval.simple_evaluate`` with a ``TaskManager``
-    over ``include_path`` and, unless ``include_defaults`` is false, lm-eval's own tasks)."""
-    require_lm_eval()
-    from lm_eval.tasks import TaskManager
-
-    paths = [include_path] if isinstance(include_path, str | Path) else list(include_path or [])
-    for path in paths:
-        if not Path(path).exists():
-            raise UserError(f"--include_path {path} does not exist")
-    manager = TaskManager(
-        include_path=[str(p) for p in paths] or None, include_defaults=include_defaults
-    )
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        where = f" in {', '.join(map(str, paths))}" if paths else ""
-        raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}{where}")
-    return run_tasks(
-        lm,
-        tasks,
-        manager,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        seed=seed,
-        log_samples=log_samples,
-        bootstrap_iters=bootstrap_iters,
-    )
+    """lm-eval's results for ``tasks`` (``task_manager``, then ``run_tasks`` with ``options``:
+    limit, num_fewshot, seed, log_samples, bootstrap_iters)."""
+    manager = task_manager(tasks, include_path, include_defaults=include_defaults)
+    return run_tasks(lm, tasks, manager, **options)
 
 
 def run_tasks(
