@@ -25,7 +25,8 @@ COMMANDS = {
     "bench": "time the jitted train step on synthetic data",
     "export": "write a checkpoint as a Hugging Face directory (safetensors, config.json)",
     "generate": "sample text from a checkpoint with a KV cache",
-    "eval": "loss, perplexity and bits per byte per validation set, or lm-eval --tasks",
+    "eval": "loss, perplexity and bits per byte per validation set, or lm-eval --tasks "
+    "(eval prepare: render lm-eval tasks into local files)",
     "launch": "run a loomax command on a TPU pod, GPU hosts, SLURM or N local processes",
     "schedule": "print a config's learning-rate phases and plot them",
     "compile": "compile the run's step for a TPU topology here: memory per chip, fits?, est. MFU",
@@ -85,7 +86,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     prog = f"loomax {command}"
-    if command in ACTIONS and rest and rest[0] in ACTIONS[command]:
+    if (command in ACTIONS and rest and rest[0] in ACTIONS[command]) or (
+        command == "eval" and rest[:1] == ["prepare"]
+    ):
         prog += f" {rest[0]}"
     try:
         _run(command, rest)
@@ -113,7 +116,12 @@ def fail(prog: str, message: str, code: int = 2) -> None:
 def _run(command: str, args: list[str]) -> None:
     if command in ACTIONS:
         args = _action(command, args)
-    if command in ("export", "generate", "eval"):
+    if command == "eval" and args[:1] == ["prepare"]:
+        from loomax import model_cli
+
+        parser = command_parser("eval prepare", model_cli.PREPARE_HELP)
+        model_cli.eval_prepare_command(args[1:], parser)
+    elif command in ("export", "generate", "eval"):
         from loomax import model_cli
 
         run = getattr(model_cli, f"{command}_command")

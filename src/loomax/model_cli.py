@@ -153,6 +153,12 @@ def eval_command(args: list[str], parser: argparse.ArgumentParser, guard: Guard)
     tasks.add_argument(
         "--no_default_tasks", action="store_true", help="only the tasks of --include_path"
     )
+    tasks.add_argument(
+        "--prepared",
+        default=None,
+        metavar="DIR",
+        help="a task set made by `loomax eval prepare` (lm-eval's own tasks read only this)",
+    )
     tasks.add_argument("--limit", type=float, default=None, metavar="N", help="documents per task")
     tasks.add_argument("--num_fewshot", type=int, default=None, metavar="K")
     tasks.add_argument("--out", default=None, metavar="FILE", help="write lm-eval's results JSON")
@@ -167,7 +173,7 @@ def eval_command(args: list[str], parser: argparse.ArgumentParser, guard: Guard)
     if known.tasks is not None:
         _eval_tasks(known, overrides, guard)
         return
-    for flag in ("include_path", "limit", "num_fewshot", "out", "tokenizer"):
+    for flag in ("include_path", "prepared", "limit", "num_fewshot", "out", "tokenizer"):
         if getattr(known, flag):
             raise UserError(f"--{flag} needs --tasks")
     loaded = _load(known, overrides, guard)
@@ -189,27 +195,32 @@ def eval_command(args: list[str], parser: argparse.ArgumentParser, guard: Guard)
 
 def _eval_tasks(known, overrides: list[str], guard: Guard) -> None:
     """``loomax eval --tasks``: lm-eval's evaluator on the model (loomax.downstream)."""
-    from loomax.downstream import evaluate_tasks, lm_eval_model, require_lm_eval, write_results
+    from loomax.downstream import (
+        lm_eval_model,
+        require_lm_eval,
+        run_tasks,
+        task_manager,
+        write_results,
+    )
 
     require_lm_eval()  # before loading the model
-    tasks = [t for t in known.tasks.split(",") if t.strip()]
-    if not tasks:
-        raise UserError("--tasks needs at least one task name")
-    limit = known.limit
-    if limit is not None:
-        if limit <= 0:
-            raise UserError(f"--limit must be > 0, got {limit}")
-        limit = int(limit) if limit >= 1 else limit  # lm-eval: < 1 is a fraction
+    tasks, limit = _task_list(known.tasks), _limit(known.limit)
+    manager = task_manager(
+        tasks,
+        known.include_path,
+        include_defaults=not known.no_default_tasks,
+        prepared=known.prepared,
+    )
     loaded = _load(known, overrides, guard)
     path = known.tokenizer or loaded.tokenizer
     if path is None:
         raise UserError(f"{loaded.description} has no tokenizer: pass --tokenizer tokenizer.json")
     lm = lm_eval_model(loaded.model, path, batch_size=known.batch_size or 8, seed=known.seed)
-    results = evaluate_tasks(
+    results = run_tasks(
         lm,
-        [t.strip() for t in tasks],
-        include_path=known.include_path,
-        include_defaults=not known.no_default_tasks,
+        tasks,
+        manager,
+        prepared=known.prepared,
         limit=limit,
         num_fewshot=known.num_fewshot,
         seed=known.seed,
@@ -225,3 +236,65 @@ def _eval_tasks(known, overrides: list[str], guard: Guard) -> None:
             if name == "alias" or "_stderr" in name or not isinstance(value, int | float):
                 continue
             print(f"{task:<24} {name:<28} {value:>10.4f}")
+
+
+def _task_list(text: str) -> list[str]:
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    if not tasks:
+        raise UserError("--tasks needs at least one task name")
+    return tasks
+
+
+def _limit(limit: float | None) -> int | float | None:
+    if limit is not None and limit <= 0:
+        raise UserError(f"--limit must be > 0, got {limit}")
+    return int(limit) if limit is not None and limit >= 1 else limit  # < 1: a fraction
+
+
+PREPARE_HELP = (
+    "render lm-eval tasks once (documents and requests) into a local, versioned task set that "
+    "`loomax eval --prepared DIR` and the downstream_eval hook read offline"
+)
+
+
+def eval_prepare_command(args: list[str], parser: argparse.ArgumentParser) -> None:
+    """``loomax eval prepare``: lm-eval tasks into a prepared set (loomax.downstream.prepared)."""
+    from loomax.downstream import require_lm_eval, task_manager
+    from loomax.downstream.prepared import prepare_tasks
+
+    parser.add_argument(
+        "--tasks", required=True, metavar="T1,T2", help="lm-eval task or group names"
+    )
+    parser.add_argument(
+        "--out", required=True, metavar="DIR", help="the task set to write or add to"
+    )
+    parser.add_argument(
+        "--include_path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder of task YAMLs (repeatable)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=float,
+        default=None,
+        metavar="N",
+        help="documents rendered in requests.jsonl",
+    )
+    parser.add_argument("--num_fewshot", type=int, default=None, metavar="K")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="few-shot sampling seed of the requests"
+    )
+    known = parser.parse_args(args)
+    require_lm_eval()
+    tasks, limit = _task_list(known.tasks), _limit(known.limit)
+    manager = task_manager(tasks, known.include_path, where="--tasks", prepared=None, hub=True)
+    written = prepare_tasks(
+        tasks, known.out, manager, limit=limit, num_fewshot=known.num_fewshot, seed=known.seed
+    )
+    print(f"{'task':<28} {'version':>8} {'documents':>24} {'requests':>9}")
+    for name, entry in sorted(written.items()):
+        docs = " ".join(f"{s}:{e['rows']}" for s, e in entry["splits"].items())
+        print(f"{name:<28} {entry['version']!s:>8} {docs:>24} {entry['requests']['rows']:>9}")
+    print(f"prepared {len(written)} task(s) in {known.out}")

@@ -177,3 +177,21 @@ def test_metrics_of_lm_eval_results():
         "downstream/c/strict/exact_match": 1.0,
         "downstream/average/acc": 0.75,  # the group g is not a task of the average
     }
+
+
+def test_unprepared_builtin_task_fails_when_built(tokenizer, tasks_dir, tmp_path):
+    """lm-eval's own tasks are read only from a prepared set: one missing from it stops the
+    run when the hook is built (before any compile), naming the command that makes it."""
+    from loomax.downstream import task_manager
+    from loomax.downstream.prepared import prepare_tasks
+
+    prepared = tmp_path / "prepared"
+    manager = task_manager(["mc_a"], tasks_dir, include_defaults=False, hub=True)
+    prepare_tasks(["mc_a"], prepared, manager)
+    config = HookConfig.get_choice_class("downstream_eval")(
+        tasks=["mc_a", "arc_easy"], include_path=str(tasks_dir), prepared=str(prepared)
+    )
+    with pytest.raises(UserError, match="arc_easy not prepared") as error:
+        config.build(HookContext(runtime=None, tokenizer=tokenizer))
+    assert f"loomax eval prepare --tasks arc_easy --out {prepared}" in str(error.value)
+    assert str(error.value).startswith("trainer.hooks (downstream_eval)")

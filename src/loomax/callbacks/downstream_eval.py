@@ -2,8 +2,9 @@
 
 The model being trained (``info.eval_model``, cast for compute) is scored through
 ``loomax.downstream`` (``LoomaxLM``: jitted, packed scoring with the run's tokenizer) by
-lm-eval's own evaluator. lm-eval and the task names are checked when the hook is built,
-before any compile or training step.
+lm-eval's own evaluator, offline: lm-eval's own tasks come from a prepared set
+(``loomax eval prepare``), custom ones from ``include_path``. lm-eval, the task names and
+the prepared files are checked when the hook is built, before any compile or training step.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class DownstreamEvalHook(Hook):
         """lm-eval task (or group) names, from include_path or lm-eval's own tasks."""
         include_path: str | None = None
         """A folder of lm-eval task YAMLs (offline tasks over local files)."""
+        prepared: str | None = None
+        """A task set made by `loomax eval prepare` (lm-eval's own tasks are read only from it)."""
         default_tasks: bool = True
         """Also index lm-eval's built-in tasks (false: faster, only include_path's names)."""
         limit: float | None = None
@@ -117,6 +120,7 @@ class DownstreamEvalHook(Hook):
             self.config.include_path,
             include_defaults=self.config.default_tasks,
             where="trainer.hooks (downstream_eval)",
+            prepared=self.config.prepared,
         )
         self.last_step: int | None = None
         self.history: list[tuple[int, dict[str, float]]] = []
@@ -152,6 +156,7 @@ class DownstreamEvalHook(Hook):
             lm,
             c.tasks,
             self.task_manager,
+            prepared=c.prepared,
             limit=limit,
             num_fewshot=c.num_fewshot,
             seed=c.seed,

@@ -2,8 +2,10 @@
 
 ``lm_eval_model(model, tokenizer)`` is an lm-eval ``LM`` (``loomax.downstream.lm``);
 ``evaluate_tasks`` runs lm-eval's own evaluator (``lm_eval.simple_evaluate``) on it with
-tasks from lm-eval and from ``include_path`` folders of task YAMLs. lm-eval is imported
-only inside these functions: ``import loomax`` never needs it. See docs/downstream.md.
+tasks from a prepared set (``loomax.downstream.prepared``: lm-eval's tasks rendered once
+into local files) and from ``include_path`` folders of task YAMLs, with the Hugging Face hub
+switched off. lm-eval is imported only inside these functions: ``import loomax`` never
+needs it. See docs/downstream.md.
 """
 
 from __future__ import annotations
@@ -13,6 +15,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from loomax.downstream.prepared import (
+    check_prepared,
+    leaf_tasks,
+    prepare_command,
+    read_manifest,
+    serve_prepared,
+)
 from loomax.downstream.scoring import Scorer, has_absolute_positions
 from loomax.errors import MissingPackageError, UserError
 
@@ -55,11 +64,16 @@ def task_manager(
     *,
     include_defaults: bool = True,
     where: str = "--include_path",
+    prepared: str | Path | None = None,
+    hub: bool = False,
 ) -> Any:
     """lm-eval's ``TaskManager`` over ``include_path`` (and, unless ``include_defaults`` is
-    false, lm-eval's own tasks), after checking lm-eval is installed, every folder exists and
-    every task is known; ``UserError`` naming ``where``, the tasks and the folders otherwise."""
+    false, lm-eval's own tasks), after checking lm-eval is installed, every folder exists,
+    every task is known, and (unless ``hub``: ``loomax eval prepare``) every task of lm-eval's
+    own is in the ``prepared`` set (they read the hub otherwise); ``UserError`` naming
+    ``where``, the tasks and the fix otherwise."""
     require_lm_eval()
+    import lm_eval.tasks
     from lm_eval.tasks import TaskManager
 
     paths = [include_path] if isinstance(include_path, str | Path) else list(include_path or [])
@@ -78,7 +92,28 @@ def task_manager(
             f"{where}: unknown lm-eval task(s) {', '.join(unknown)} "
             f"(looked in {' and '.join(searched) or 'no task folder'})"
         )
+    if hub:
+        return manager
+    builtin = Path(lm_eval.tasks.__file__).parent
+    own = [t for t in tasks if _defined_under(manager, t, builtin)]
+    if prepared is not None:
+        manifest = read_manifest(prepared, where)
+        check_prepared(prepared, [t for t in tasks if t in own or leaf_tasks(manifest, t)], where)
+    elif own:
+        raise UserError(
+            f"{where}: lm-eval task(s) {', '.join(own)} read their documents from the Hugging "
+            "Face hub, and evaluation reads only prepared files: run "
+            f"`{prepare_command(own, 'DIR')}` where the hub is reachable, then point "
+            "`prepared` (CLI: --prepared) at DIR"
+        )
     return manager
+
+
+def _defined_under(manager: Any, name: str, folder: Path) -> bool:
+    """Whether task/group ``name``'s YAML lies under ``folder`` (lm-eval's own tasks)."""
+    entry = manager.task_index.get(name)
+    path = getattr(entry, "yaml_path", None)
+    return path is not None and Path(path).resolve().is_relative_to(folder.resolve())
 
 
 def evaluate_tasks(
@@ -87,12 +122,15 @@ def evaluate_tasks(
     *,
     include_path: str | Path | Sequence[str | Path] | None = None,
     include_defaults: bool = True,
+    prepared: str | Path | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """lm-eval's results for ``tasks`` (``task_manager``, then ``run_tasks`` with ``options``:
     limit, num_fewshot, seed, log_samples, bootstrap_iters)."""
-    manager = task_manager(tasks, include_path, include_defaults=include_defaults)
-    return run_tasks(lm, tasks, manager, **options)
+    manager = task_manager(
+        tasks, include_path, include_defaults=include_defaults, prepared=prepared
+    )
+    return run_tasks(lm, tasks, manager, prepared=prepared, **options)
 
 
 def run_tasks(
@@ -100,6 +138,7 @@ def run_tasks(
     tasks: Sequence[str],
     task_manager: Any,
     *,
+    prepared: str | Path | None = None,
     limit: int | float | None = None,
     num_fewshot: int | None = None,
     seed: int = 0,
@@ -107,21 +146,23 @@ def run_tasks(
     bootstrap_iters: int = 100000,
 ) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` of ``tasks`` known to ``task_manager`` (built once by the
-    caller), with every seed set to ``seed``."""
+    caller), with every seed set to ``seed``, offline (``serve_prepared``: the tasks of the
+    ``prepared`` set from its files, the hub switched off)."""
     lm_eval = require_lm_eval()
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(tasks),
-        task_manager=task_manager,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        log_samples=log_samples,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-        bootstrap_iters=bootstrap_iters,
-    )
+    with serve_prepared(prepared):
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            task_manager=task_manager,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=log_samples,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+            bootstrap_iters=bootstrap_iters,
+        )
     return dict(results or {})
 
 
