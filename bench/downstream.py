@@ -5,9 +5,11 @@ A random-weight Llama (hidden 256, 4 layers, seq 256) and a byte-level BPE of 2,
 trained here; multiple-choice-shaped requests (a ~30-token context and a few-token
 continuation, as HellaSwag/ARC give), all scored through ``LM.loglikelihood``. Each
 backend is warmed up on the first batch (the compile), then timed twice over all requests,
-alternating backends; the median is reported. CPU, f32. Prints one table and a JSON line.
+alternating backends; the median is reported. Then ``generate_until`` (greedy, up to 16 new
+tokens, no stop string): rows decoded ``--batch`` at a time vs one request at a time,
+through the same Loomax code. CPU, f32. Prints two tables and a JSON line.
 
-    .venv/bin/python bench/downstream.py [--requests 512] [--batch 16]
+    .venv/bin/python bench/downstream.py [--requests 512] [--batch 16] [--generate 64]
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=512)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--generate", type=int, default=64, help="generate_until requests")
     args = p.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="loomax-bench-downstream-"))
@@ -114,7 +117,33 @@ def main() -> None:
     print(
         f"max |loglikelihood difference| loomax packed vs lm-eval hf (32 requests): {max_diff:.2e}"
     )
-    print(json.dumps({"requests_per_s": results, "max_abs_diff": max_diff, "batch": args.batch}))
+    generation = time_generation(model, tokenizer, args)
+    print(f"{'generate_until':22} {'requests/s':>11} {'vs one at a time':>17}")
+    for name, rate in generation.items():
+        print(f"{name:22} {rate:11.2f} {rate / generation['one at a time']:16.2f}x")
+    print(
+        json.dumps(
+            {
+                "requests_per_s": results,
+                "generate_requests_per_s": generation,
+                "max_abs_diff": max_diff,
+                "batch": args.batch,
+            }
+        )
+    )
+
+
+def time_generation(model, tokenizer, args) -> dict[str, float]:
+    """generate_until requests/s, ``args.batch`` rows at a time vs one request at a time."""
+    prompts = [r.args[0] for r in make_requests(args.generate, seed=1)]
+    requests = [Request(p, {"until": [], "max_gen_toks": 16}) for p in prompts]
+    batched = lm_eval_model(model, tokenizer, batch_size=args.batch)
+    single = lm_eval_model(model, tokenizer, batch_size=1)
+    rates = {}
+    for name, lm in (("batched", batched), ("one at a time", single)):
+        rates[name] = timed(lambda r, lm=lm: lm.generate_until(r), requests, args.rounds)
+    assert batched.generate_until(requests[:4]) == single.generate_until(requests[:4])
+    return rates
 
 
 if __name__ == "__main__":

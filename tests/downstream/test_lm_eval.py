@@ -77,6 +77,18 @@ def test_generate_until_is_greedy_and_stops_at_the_stop_string(lm, llama, tokeni
     assert cut == free[: free.index(stop)]
 
 
+def test_generate_until_batches_requests_as_if_alone(lm):
+    """Five requests in two option groups (batch_size 4: three batches) give what each
+    gives alone."""
+    greedy = {"until": ["."], "max_gen_toks": 5}
+    longer = {"until": [], "max_gen_toks": 8}
+    prompts = ["The cat sat", "Paris is the", "Two plus", "Ice", "Water is wet and fire"]
+    requests = [Req(p, greedy if i % 2 else longer) for i, p in enumerate(prompts)]
+    together = lm.generate_until(requests)
+    assert together == [lm.generate_until([r])[0] for r in requests]
+    assert len(set(together)) > 2
+
+
 def test_simple_evaluate_on_local_tasks_writes_results(lm, tasks_dir, tmp_path):
     results = evaluate_tasks(
         lm,

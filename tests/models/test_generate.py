@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from loomax.models import Gpt2Config, LlamaConfig
-from loomax.models.generate import pick_token, sample_tokens
+from loomax.models.generate import pick_token, sample_batch, sample_tokens
 
 VOCAB = 61
 MODELS = {
@@ -73,3 +73,23 @@ def test_pick_token_top_k_and_top_p():
     assert set(picks(top_p=0.8)) == {1, 2}
     assert set(picks(temperature=1.0)) == {0, 1, 2, 3}
     assert int(pick_token(logits, keys[0], temperature=0.0)) == 1
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_batch_samples_each_row_as_alone(name, temperature):
+    """Rows of different prompt lengths, each at its own position, stopping on their own
+    (a stop token, max_new_tokens, seq_len): the same tokens as one row at a time."""
+    model = sharpened(MODELS[name])
+    prompts = [[5, 9, 2, 40, 7], [3], list(range(1, 30)), [8, 8, 1]]
+    keys = jax.random.split(jax.random.PRNGKey(3), len(prompts))
+    args = dict(seq_len=32, max_new_tokens=9, temperature=temperature)
+    alone = [sample_tokens(model, p, key=k, **args) for p, k in zip(prompts, keys, strict=True)]
+    stop = alone[0][7]  # row 0 stops early on it
+    alone = [
+        sample_tokens(model, p, key=k, stop_token=stop, **args)
+        for p, k in zip(prompts, keys, strict=True)
+    ]
+    together = sample_batch(model, prompts, keys=keys, stop_token=stop, rows=6, **args)
+    assert together == alone
+    assert len(alone[0]) == 8 and len(alone[2]) == 32 and len({len(a) for a in alone}) > 2

@@ -11,7 +11,8 @@ only when called, so ``import loomax`` never needs lm-eval.
   ``get_rolling_token_windows``, each token predicted once), summed.
 - ``generate_until``: KV-cache sampling (greedy unless the task asks for
   ``do_sample``/``temperature``) up to ``max_gen_toks`` tokens or end-of-text, cut at the
-  first stop string.
+  first stop string; requests with the same generation options decode ``batch_size`` rows
+  at a time (``sample_batch``), each row with its own key.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ except ImportError as e:  # pragma: no cover - exercised without the extra
     ) from e
 
 import jax
+import numpy as np
 from tokenizers import Tokenizer
 
 from loomax.data.tokenizer import eos_id, load_tokenizer
 from loomax.downstream.scoring import Scorer
 from loomax.models.config import LmModel
-from loomax.models.generate import sample_tokens
+from loomax.models.generate import sample_batch
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -113,33 +115,38 @@ class LoomaxLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        out = []
-        for req in requests:
-            context, gen_kwargs = req.args
-            out.append(self._generate(context, dict(gen_kwargs or {})))
-            self.cache_hook.add_partial("generate_until", req.args, out[-1])
+        keys = jax.random.split(self._key, len(requests) + 1)
+        self._key = keys[0]
+        groups: dict[tuple, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(_generation_options(req.args[1], self.max_gen_toks), []).append(i)
+        out: list[str] = [""] * len(requests)
+        size = self.scorer.batch_size
+        for (until, max_new, temperature), members in groups.items():
+            for first in range(0, len(members), size):
+                batch = members[first : first + size]
+                room = max(1, self.max_length - max_new)
+                prompts = [
+                    (self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-room:]
+                    for i in batch
+                ]
+                samples = sample_batch(
+                    self.model,
+                    prompts,
+                    seq_len=self.max_length,
+                    max_new_tokens=max_new,
+                    keys=keys[1:][np.asarray(batch)],
+                    temperature=temperature,
+                    stop_token=self._eot,
+                    rows=size,
+                )
+                for i, prompt, tokens in zip(batch, prompts, samples, strict=True):
+                    out[i] = self._text(tokens[len(prompt) :], until)
+        for req, text in zip(requests, out, strict=True):
+            self.cache_hook.add_partial("generate_until", req.args, text)
         return out
 
-    def _generate(self, context: str, kwargs: dict[str, Any]) -> str:
-        until = kwargs.pop("until", None) or []
-        until = [until] if isinstance(until, str) else list(until)
-        max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
-        temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
-        if not kwargs.pop("do_sample", temperature > 0):
-            temperature = 0.0
-        prompt = self.tok_encode(context) or [self.prefix_token_id]
-        room = max(1, self.max_length - max_new)
-        prompt = prompt[-room:]
-        self._key, key = jax.random.split(self._key)
-        tokens = sample_tokens(
-            self.model,
-            prompt,
-            seq_len=self.max_length,
-            max_new_tokens=max_new,
-            temperature=temperature,
-            key=key,
-            stop_token=self._eot,
-        )[len(prompt) :]
+    def _text(self, tokens: list[int], until: tuple[str, ...]) -> str:
         if tokens and tokens[-1] == self._eot:
             tokens = tokens[:-1]
         text = self.tok_decode(tokens)
@@ -147,3 +154,16 @@ class LoomaxLM(TemplateLM):
             if stop and stop in text:
                 text = text[: text.index(stop)]
         return text
+
+
+def _generation_options(gen_kwargs: dict[str, Any] | None, default_max: int) -> tuple:
+    """``(until, max_gen_toks, temperature)`` of a request's lm-eval generation kwargs
+    (temperature 0, greedy, unless ``do_sample``)."""
+    kwargs = dict(gen_kwargs or {})
+    until = kwargs.pop("until", None) or []
+    until = (until,) if isinstance(until, str) else tuple(until)
+    max_new = int(kwargs.pop("max_gen_toks", default_max))
+    temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
+    if not kwargs.pop("do_sample", temperature > 0):
+        temperature = 0.0
+    return until, max_new, temperature

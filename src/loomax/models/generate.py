@@ -3,7 +3,8 @@
 The prompt is run once through ``model.decode`` (filling the cache), then each new token
 costs one single-position step. Both steps are jitted with fixed shapes, so a whole
 sample compiles twice at most. ``use_cache=False`` reruns the model on the whole buffer
-for every token (the reference the cache is tested against).
+for every token (the reference the cache is tested against). ``sample_batch`` decodes
+several prompts together, each row at its own position (the steps vmapped over rows).
 """
 
 from __future__ import annotations
@@ -49,6 +50,15 @@ def pick_token(
     return jax.random.categorical(key, logits)
 
 
+def _check_options(temperature, top_k, top_p) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise ValueError(f"top_k must be positive, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 def sample_tokens(
     model: LmModel,
     prompt: Sequence[int],
@@ -69,12 +79,7 @@ def sample_tokens(
     """
     if not prompt:
         raise ValueError("sample_tokens needs a non-empty prompt")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k <= 0:
-        raise ValueError(f"top_k must be positive, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    _check_options(temperature, top_k, top_p)
     prompt = list(prompt)[-(seq_len - 1) :]
     buffer = np.zeros(seq_len, np.int32)
     buffer[: len(prompt)] = prompt
@@ -92,11 +97,75 @@ def sample_tokens(
     return out
 
 
+def sample_batch(
+    model: LmModel,
+    prompts: Sequence[Sequence[int]],
+    *,
+    seq_len: int,
+    max_new_tokens: int,
+    keys: jax.Array,
+    temperature: float = 1.0,
+    stop_token: int | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    rows: int | None = None,
+) -> list[list[int]]:
+    """``sample_tokens`` of each prompt (row ``i`` with ``keys[i]``), decoded together: one
+    prefill and one step per new token for all rows, each row at its own position and
+    stopping on its own. ``rows`` pads the batch to a fixed size (one compile for batches
+    of any size up to it)."""
+    if not prompts or not all(prompts):
+        raise ValueError("sample_batch needs non-empty prompts")
+    _check_options(temperature, top_k, top_p)
+    rows = max(rows or len(prompts), len(prompts))
+    prompts = [list(p)[-(seq_len - 1) :] for p in prompts]
+    buffer = np.zeros((rows, seq_len), np.int32)
+    length = np.ones(rows, np.int32)  # padding rows: a one-token prompt, results dropped
+    for i, prompt in enumerate(prompts):
+        buffer[i, : len(prompt)], length[i] = prompt, len(prompt)
+    keys = jnp.concatenate([keys, jnp.repeat(keys[:1], rows - len(prompts), axis=0)])
+    start, next_token = _batched_steps(temperature, top_k, top_p, seq_len)
+    width = prompt_bucket(int(length.max()), seq_len)
+    state = start(model, jnp.asarray(buffer[:, :width]), jnp.asarray(length))
+    out = [list(p) for p in prompts]
+    stop = [min(seq_len, len(p) + max_new_tokens) for p in prompts]
+    live = [len(p) < s for p, s in zip(prompts, stop, strict=True)]
+    pos = length.copy()
+    while any(live):
+        keys, step_keys = _split_rows(keys)
+        state, tokens = next_token(model, state, jnp.asarray(pos), step_keys)
+        tokens = np.asarray(tokens)
+        for i in (i for i, alive in enumerate(live) if alive):
+            out[i].append(int(tokens[i]))
+            live[i] = len(out[i]) < stop[i] and out[i][-1] != stop_token
+        pos = np.minimum(pos + 1, seq_len - 1)
+    return out
+
+
+@jax.jit
+def _split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    pairs = jax.vmap(jax.random.split)(keys)
+    return pairs[:, 0], pairs[:, 1]
+
+
+@functools.lru_cache(maxsize=16)
+def _batched_steps(temperature, top_k, top_p, cache_len):
+    """``_cached_steps``' two steps vmapped over rows (the model shared, positions per row)."""
+    steps = _cached_steps(temperature, top_k, top_p)
+
+    def prefill_row(model, tokens, length):
+        return steps.prefill(model, tokens, length, cache_len)
+
+    prefill = jax.jit(jax.vmap(prefill_row, in_axes=(None, 0, 0)))
+    next_token = jax.jit(jax.vmap(steps.next, in_axes=(None, 0, 0, 0)), donate_argnums=1)
+    return prefill, next_token
+
+
 class _Steps:
     """``start(model, buffer, length) -> state`` and ``next(model, state, pos, key) -> (state, token)``."""
 
-    def __init__(self, start, next):
-        self.start, self.next = start, next
+    def __init__(self, start, next, prefill=None):
+        self.start, self.next, self.prefill = start, next, prefill
 
 
 def _logits_at(model: LmModel, hidden, index) -> jax.Array:
@@ -118,14 +187,22 @@ def _full_steps(temperature, top_k, top_p) -> _Steps:
     return _Steps(lambda model, tokens, length: tokens, next_token)
 
 
+def prompt_bucket(length: int, seq_len: int) -> int:
+    """The prefill width for a prompt of ``length`` tokens: the next power of two (at least
+    16, at most ``seq_len``), so prompts share a few compiles and a short prompt does not pay
+    for the whole buffer."""
+    return min(seq_len, max(16, 1 << max(0, length - 1).bit_length()))
+
+
 @functools.lru_cache(maxsize=16)
 def _cached_steps(temperature, top_k, top_p) -> _Steps:
-    """KV cache: ``state`` is ``(cache, logits of the last position)``; one prefill call."""
+    """KV cache: ``state`` is ``(cache, logits of the last position)``; one prefill call over
+    the prompt's bucket (``prompt_bucket``) into a cache of the buffer's length."""
     options = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
 
-    @jax.jit
-    def prefill(model, tokens, length):
-        cache = model.init_cache((), tokens.shape[0], model.lm_head_weight().dtype)
+    @functools.partial(jax.jit, static_argnums=3)
+    def prefill(model, tokens, length, cache_len):
+        cache = model.init_cache((), cache_len, model.lm_head_weight().dtype)
         hidden, cache = model.decode(hax.named(tokens, Position), cache, jnp.asarray(0))
         return cache, _logits_at(model, hidden, length - 1)
 
@@ -136,6 +213,8 @@ def _cached_steps(temperature, top_k, top_p) -> _Steps:
         hidden, cache = model.decode(hax.named(token[None], Position), cache, pos)
         return (cache, _logits_at(model, hidden, 0)), token
 
-    return _Steps(
-        lambda model, tokens, length: prefill(model, tokens, jnp.asarray(length)), next_token
-    )
+    def start(model, tokens, length):
+        width = prompt_bucket(length, tokens.shape[0])
+        return prefill(model, tokens[:width], jnp.asarray(length), tokens.shape[0])
+
+    return _Steps(start, next_token, prefill)
