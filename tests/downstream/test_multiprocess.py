@@ -1,0 +1,58 @@
+"""The downstream_eval hook in a real run over two JAX processes (2 CPU devices each, the
+model sharded over both): the same scores as one process with the same four devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loomax.distributed.net import free_port
+
+pytest.importorskip("lm_eval")
+
+WORKER = Path(__file__).with_name("multiprocess_run.py")
+
+
+def env(devices: int) -> dict[str, str]:
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+
+
+@pytest.mark.slow
+def test_two_processes_score_as_one(tasks_dir, tokenizer_path, tmp_path, processes_support):
+    single = subprocess.run(
+        [sys.executable, str(WORKER), "single", str(tasks_dir), str(tokenizer_path),
+         str(tmp_path / "single")],
+        env=env(4), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+    want = json.loads(single.stdout.strip().splitlines()[-1])
+
+    def scenario(processes):
+        port = free_port("")
+        for i in range(2):
+            args = ["process", str(i), "2", str(port), str(tasks_dir), str(tokenizer_path),
+                    str(processes.directory / "run")]  # fmt: skip
+            processes.start(f"p{i}", [sys.executable, str(WORKER), *args], env(2))
+        out = processes.wait(timeout=600)
+        return [json.loads(out[f"p{i}"].strip().splitlines()[-1]) for i in range(2)]
+
+    got = processes_support.run_scenario(tmp_path / "two", scenario)
+    assert want["processes"] == 1 and want["devices"] == 4
+    assert "model" in want["mlp_up_spec"]  # the weights are split over the model axis
+    for result in got:
+        assert result["processes"] == 2 and result["devices"] == 4
+        assert result["mlp_up_spec"] == want["mlp_up_spec"]
+        assert result["step"] == want["step"] == 2
+        assert set(result["metrics"]) == set(want["metrics"])
+        for key, value in want["metrics"].items():
+            if "acc" in key or "exact_match" in key:
+                assert result["metrics"][key] == value, key
+            else:
+                assert result["metrics"][key] == pytest.approx(value, rel=1e-5), key
+    assert "downstream/tiny_ppl/bits_per_byte" in want["metrics"]
