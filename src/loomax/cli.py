@@ -31,7 +31,7 @@ COMMANDS = {
     "schedule": "print a config's learning-rate phases and plot them",
     "compile": "compile the run's step for a TPU topology here: memory per chip, fits?, est. MFU",
     "plan": "rank sharding strategies for a topology by compiling each; write the best overlay",
-    "ladder": "a family of model sizes with scaling-law budgets (dry-run|run|results)",
+    "ladder": "a family of model sizes with scaling-law budgets (dry-run|run|results|benchmark)",
 }
 
 ACTIONS = {
@@ -40,6 +40,7 @@ ACTIONS = {
         "dry-run": "print each size's model, batch, budget and schedule, and plot its learning rate",
         "run": "train the sizes one after the other",
         "results": "tabulate checkpoints and metrics and fit loss against compute",
+        "benchmark": "time one size's train step (no checkpoints, no evals, --steps then stop)",
     },
 }
 

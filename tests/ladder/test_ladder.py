@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,16 +38,56 @@ def test_chinchilla_plan_by_hand():
     run = ChinchillaRunConfigurator(
         chinchilla_multiple=2, tokens_per_param=20, batch_size_tokens=1024, learning_rate=1e-3
     )
-    plan = run.plan(params=1000, seq_len=32)
+    # the budget counts the 1,000 non-embedding parameters, not the 1,500 in all
+    plan = run.plan(params=1500, seq_len=32, non_embedding_params=1000)
     assert plan.batch_size == 32 and plan.tokens == 40_000 + 960  # 40,000 rounded up to whole steps
-    assert plan.num_train_steps == 40
-    # checkpoints at 0.5x, 1x and 2x the Chinchilla budget of 20,000 tokens
+    assert plan.num_train_steps == 40 and plan.budget_params == 1000 and plan.params == 1500
+    # checkpoints at 0.5x, 1x and 2x the Chinchilla budget of 20,000 tokens, named so
     assert plan.checkpoint_steps == [10, 20, 40] and plan.cycles == [10, 20, 40]
-    assert plan.flops == 6 * 1000 * 40 * 1024
-    cosine = ChinchillaRunConfigurator(stepped_schedule=False, batch_size_tokens=1024)
-    assert cosine.plan(1000, 32).cycles is None
+    assert plan.checkpoint_names == ["0.5xC", "1xC", "2xC"] and plan.checkpoint_name(20) == "1xC"
+    assert plan.flops == 6 * 1000 * 40 * 1024 and plan.cycle_peaks is None
+    total = ChinchillaRunConfigurator(budget_params="total", batch_size_tokens=1024)
+    assert total.plan(1500, 32, 1000).budget_params == 1500
+    cosine = ChinchillaRunConfigurator(wsd_s=False, batch_size_tokens=1024)
+    assert cosine.plan(1000, 32, 1000).cycles is None
     with pytest.raises(ValueError, match="ladder.run.decay_fraction"):
         ChinchillaRunConfigurator(decay_fraction=1.5)
+    with pytest.raises(ValueError, match="stepped_schedule was renamed ladder.run.wsd_s"):
+        ChinchillaRunConfigurator(stepped_schedule=True)
+
+
+def test_stepped_peak_lr_lowers_each_stage_by_one_over_sqrt_of_its_data():
+    run = ChinchillaRunConfigurator(
+        chinchilla_multiple=2, batch_size_tokens=1024, learning_rate=1e-3, stepped_peak_lr=True
+    )
+    plan = run.plan(1000, 32, 1000)  # stages end at 10, 20 and 40 steps
+    assert plan.cycle_peaks == pytest.approx([1.0, (10 / 20) ** 0.5, (10 / 40) ** 0.5])
+    ladder = LadderConfig(sizes=["10M"], run=run)
+    r = rung(ladder, "10M")
+    schedule = r.config.optimizer.lr_scheduler(r.plan.num_train_steps)
+    stable = [p.lr_start for p in schedule.phases() if p.kind == "stable"]
+    peak = r.plan.learning_rate
+    assert stable == pytest.approx([peak * m for m in r.plan.cycle_peaks])
+    with pytest.raises(ValueError, match="stepped_peak_lr needs ladder.run.wsd_s"):
+        ChinchillaRunConfigurator(stepped_peak_lr=True, wsd_s=False)
+
+
+def test_rungs_log_to_one_tracker_project():
+    from loomax.config import ConfigError
+    from loomax.lm import TrainLmConfig
+    from loomax.tracking import JsonlTrackerConfig
+    from loomax.tracking.wandb import WandbTrackerConfig
+
+    base = TrainLmConfig()
+    base = replace(
+        base,
+        trainer=replace(base.trainer, tracker=[JsonlTrackerConfig(), WandbTrackerConfig()]),
+    )
+    ladder = LadderConfig(sizes=["10M"], name="lad", project="scaling")
+    jsonl, wandb = rung(ladder, "10M", base=base).config.trainer.tracker
+    assert wandb.project == "scaling" and wandb.group == "lad" and jsonl == JsonlTrackerConfig()
+    with pytest.raises(ConfigError, match="ladder.project: no tracker"):
+        rung(ladder, "10M")  # the default base logs to jsonl only
 
 
 def test_rung_run_config_is_wsd_s_with_checkpoints_at_each_decay():
@@ -124,6 +165,19 @@ def test_dry_run_prints_the_plan_and_plots(tiny_ladder, tmp_path, capsys):
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_benchmark_times_one_size_and_stops(tiny_ladder, capsys):
+    main(
+        ["ladder", "benchmark", "--config_path", str(tiny_ladder), "--size", "20K", "--steps", "2"]
+    )
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["tokens_per_second"] > 0 and "size 20K" in out and "1xC" in out
+    assert not (tiny_ladder.parent / "runs" / "tiny-20K").exists()  # no run dir, no checkpoints
+    with pytest.raises(SystemExit):
+        main(["ladder", "benchmark", "--config_path", str(tiny_ladder)])
+    assert "needs --size" in capsys.readouterr().err
+
+
 def test_bad_size_is_named(tiny_ladder, capsys):
     with pytest.raises(SystemExit):
         main(["ladder", "dry-run", "--config_path", str(tiny_ladder), "--size", "7M"])
@@ -145,12 +199,34 @@ def test_three_tiny_sizes_end_to_end(tiny_ladder, capsys):
     checkpoints = checkpoints_table(rungs)
     assert checkpoints["exists"].all() and set(checkpoints["size"]) == {"20K", "50K", "100K"}
     assert (checkpoints.groupby("size").size() == 2).all()  # 0.5x and 1x Chinchilla
+    assert list(checkpoints["name"].unique()) == ["0.5xC", "1xC"] and checkpoints["planned"].all()
+
     metrics = metrics_table(rungs)
     finals = metrics.dropna(subset=["eval/loss"]).groupby("size")["eval/loss"].last()
     assert set(finals.index) == {"20K", "50K", "100K"}
     assert (
         metrics.groupby("size")["flops"].max().sort_values().index == ["20K", "50K", "100K"]
     ).all()
+
+    # a copy elsewhere (moved off the training machine) with one more checkpoint in it
+    import shutil
+
+    moved = tiny_ladder.parent / "archive"
+    moved.mkdir()
+    shutil.move(str(rungs[0].run_dir), moved / rungs[0].run_dir.name)
+    last = max(rungs[0].plan.checkpoint_steps)
+    extra = moved / rungs[0].run_dir.name / "checkpoints"
+    shutil.copytree(extra / f"step-{last}", extra / f"step-{last + 1}")
+    meta = json.loads((extra / f"step-{last + 1}" / "metadata.json").read_text())
+    (extra / f"step-{last + 1}" / "metadata.json").write_text(
+        json.dumps({**meta, "step": last + 1})
+    )
+    assert not checkpoints_table(rungs)["exists"].head(2).any()  # not in run_root any more
+    found = checkpoints_table(rungs, [moved])
+    first = found[found["size"] == "20K"]
+    assert first["exists"].all() and list(first["planned"]) == [True, True, False]
+    assert first["path"].iloc[-1].endswith(f"step-{last + 1}") and first["name"].iloc[-1] == ""
+    assert set(metrics_table(rungs, [moved])["size"]) == {"20K", "50K", "100K"}
 
 
 def test_llama_configurator_builds_a_llama():

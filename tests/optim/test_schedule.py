@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from loomax.config import parse_config
+from loomax.config import ConfigError, parse_config
 from loomax.lm import TrainLmConfig
 from loomax.optim import AdamConfig, LrSchedule
 from loomax.optim.schedule import cycle_ends, steps_of, warmup_then_decay
@@ -189,3 +190,17 @@ def test_schedule_command_names_a_bad_key(repo_root: Path, capsys):
         )
     assert exit_info.value.code == 2
     assert "optimizer.cycle_length" in capsys.readouterr().err
+
+
+def test_cycle_peaks_scale_each_cycle_and_keep_the_floor():
+    # WSD-S with two cycles of 50 (decay 10 each) and a second peak of 0.5
+    s = LrSchedule("linear", 1.0, 100, 10, 0.2, cycles=2, decay=10, cycle_peaks=[1.0, 0.5])
+    same = LrSchedule("linear", 1.0, 100, 10, 0.2, cycles=2, decay=10)
+    steps = np.arange(100)
+    got, plain = np.asarray(s(steps)), np.asarray(same(steps))
+    np.testing.assert_allclose(got[:50], plain[:50])  # first cycle untouched
+    np.testing.assert_allclose(got[50:90], 0.5)  # the second peak (no rewarmup)
+    assert got[99] == pytest.approx(0.2 + (0.5 - 0.2) * 0.1, rel=1e-6)  # to the same floor
+    assert [p.lr_start for p in s.phases() if p.kind == "stable"] == pytest.approx([1.0, 0.5])
+    with pytest.raises(ConfigError, match="cycle_peaks needs one positive multiple per cycle"):
+        LrSchedule("linear", 1.0, 100, cycles=2, cycle_peaks=[1.0])

@@ -1,4 +1,4 @@
-"""``loomax ladder dry-run|run|results``: plan, train and compare the sizes of a ladder."""
+"""``loomax ladder dry-run|run|results|benchmark``: plan, train, compare and time the sizes of a ladder."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def describe(r: Rung) -> str:
     lines = [
         f"size {r.size}: {type(m).__name__} hidden_dim {m.hidden_dim}, num_layers {m.num_layers}, "
         f"num_heads {m.num_heads}, seq_len {m.seq_len}",
-        f"  parameters      {p.params:,} ({p.params / 1e6:.2f}M, embeddings included)",
+        f"  parameters      {p.params:,} ({p.params / 1e6:.2f}M, embeddings included); "
+        f"budget N {p.budget_params:,} ({p.budget_params / 1e6:.2f}M)",
         f"  batch size      {p.batch_size} sequences = {p.batch_tokens:,} tokens per step",
         f"  duration        {p.num_train_steps:,} steps = {p.tokens:,} tokens "
         f"({p.tokens / p.params:.1f} tokens/param), {p.flops:.3g} FLOPs",
@@ -37,10 +38,15 @@ def describe(r: Rung) -> str:
         f"  devices         minimal mesh {r.min_devices} device(s); this run: trainer.mesh {t.mesh}, "
         f"per_device_parallelism {t.per_device_parallelism}",
         "  checkpoints     "
-        + ", ".join(f"step {s} ({s * p.batch_tokens:,} tokens)" for s in p.checkpoint_steps),
+        + ", ".join(
+            f"{p.checkpoint_name(s)} step {s} ({s * p.batch_tokens:,} tokens)"
+            for s in p.checkpoint_steps
+        ),
         f"  run dir         {t.run_dir}",
         "  schedule:",
     ]
+    if p.cycle_peaks:
+        lines.append("  stepped peaks   " + ", ".join(f"x{m:.3f}" for m in p.cycle_peaks))
     schedule = o.lr_scheduler(t.num_train_steps)
     lines += [f"    {phase}" for phase in schedule.phases()]
     return "\n".join(lines)
@@ -55,14 +61,23 @@ def ladder_command(
     parser.add_argument(
         "--out", default=None, metavar="PNG", help="plot to write (dry-run, results)"
     )
+    parser.add_argument(
+        "--steps", type=int, default=10, metavar="N", help="timed steps (benchmark)"
+    )
     known, rest = parser.parse_known_args(args)
     ladder: LadderConfig = load(LadderConfig, known.config_path, rest)
     path = known.config_path
     if known.size is not None and known.size not in ladder.sizes:
         raise UserError(f"--size {known.size} is not one of ladder.sizes {ladder.sizes}")
+    if action == "benchmark" and known.size is None:
+        raise UserError("loomax ladder benchmark needs --size (one of ladder.sizes)")
+    if known.steps < 1:
+        raise UserError(f"--steps must be >= 1, got {known.steps}")
     sizes = [known.size] if known.size else None
     rungs = rungs_of(ladder, path, sizes)
-    if action == "dry-run":
+    if action == "benchmark":
+        _benchmark(rungs[0], known.steps)
+    elif action == "dry-run":
         _dry_run(rungs, known.out)
     elif action == "run":
         _run(rungs)
@@ -97,6 +112,18 @@ def _run(rungs: list[Rung]) -> None:
             print(f"size {r.size}: eval loss {result.evals[-1][1]['eval/loss']:.4f}")
 
 
+def _benchmark(r: Rung, steps: int) -> None:
+    """``loomax bench`` on the rung's run (its model, batch, micro-batches and mesh): random
+    tokens, no checkpoints or evals, ``steps`` timed steps, then stop."""
+    from dataclasses import replace
+
+    from loomax.benchmark import run_benchmark
+
+    print(describe(r))
+    model = replace(r.config.model, vocab_size=r.vocab_size)
+    run_benchmark(replace(r.config, model=model), steps=steps)
+
+
 def _results(ladder: LadderConfig, rungs: list[Rung], out: str | None) -> None:
     import pandas as pd
 
@@ -104,8 +131,8 @@ def _results(ladder: LadderConfig, rungs: list[Rung], out: str | None) -> None:
 
     with pd.option_context("display.width", 200, "display.max_colwidth", 80):
         print("checkpoints:")
-        print(checkpoints_table(rungs).to_string(index=False))
-        metrics = metrics_table(rungs)
+        print(checkpoints_table(rungs, ladder.results_dirs).to_string(index=False))
+        metrics = metrics_table(rungs, ladder.results_dirs)
         if metrics.empty:
             print(f"no metrics yet under {ladder.run_root}")
             return

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from loomax.checkpoint import CheckpointerConfig, KeepPolicy
 from loomax.config import ConfigError, parse_config
 from loomax.ladder.model import Gpt2Configurator, ModelConfigurator
 from loomax.ladder.run import ChinchillaRunConfigurator, RunConfigurator, RunPlan
-from loomax.ladder.sizes import parse_size
+from loomax.ladder.sizes import non_embedding_params, parse_size
 from loomax.lm import TrainLmConfig
 from loomax.mesh import MeshConfig
 
@@ -32,6 +32,10 @@ class LadderConfig:
     """Directory of the rungs' run directories."""
     devices: int | None = None
     """Devices a run uses (for micro-batches); null = all local devices."""
+    project: str | None = None
+    """Tracker project of every rung (wandb project; the ladder name is the group); null = the base config's."""
+    results_dirs: list[str] = field(default_factory=list)
+    """More folders holding copies of the rungs' run directories (<dir>/<name>-<size>), searched by results after run_root."""
 
     def __post_init__(self):
         if not self.sizes:
@@ -50,6 +54,8 @@ class Rung:
     plan: RunPlan
     config: TrainLmConfig
     min_devices: int
+    vocab_size: int
+    """The vocabulary the plan counted (the tokenizer's, model.vocab_size or 50257)."""
 
     @property
     def run_dir(self) -> Path:
@@ -86,7 +92,7 @@ def rung(
     trained = base.data.tokenizer_vocab_size if base.data.tokenizer is None else None
     vocab = model.vocab_size or vocab_size or base.model.vocab_size or trained or 50257
     params = model.param_count(vocab)
-    plan = ladder.run.plan(params, ladder.model.seq_len)
+    plan = ladder.run.plan(params, ladder.model.seq_len, non_embedding_params(model, vocab))
     schedule = dict(
         learning_rate=plan.learning_rate,
         warmup=plan.warmup,
@@ -96,6 +102,7 @@ def rung(
         cycle_length=None,
         decay=plan.decay_fraction if plan.cycles else None,
         rewarmup=0,
+        cycle_peaks=plan.cycle_peaks,
     )
     optimizer = replace(base.optimizer, **schedule)
     keep = [KeepPolicy(every=s, until=s) for s in plan.checkpoint_steps]
@@ -111,6 +118,28 @@ def rung(
             base.trainer.checkpointer or CheckpointerConfig(), base_path=None, keep=keep
         ),
         mesh=base.trainer.mesh if ladder.devices is None else MeshConfig(1, ladder.devices, 1),
+        tracker=_with_project(base.trainer.tracker, ladder.project, ladder.name),
     )
     config = replace(base, model=model, optimizer=optimizer, trainer=trainer)
-    return Rung(size, plan, config, ladder.model.min_devices(params))
+    return Rung(size, plan, config, ladder.model.min_devices(params), vocab)
+
+
+def _with_project(tracker, project: str | None, group: str):
+    """``tracker`` (one config or a list) with ``project`` and ``group`` on every tracker
+    that has them (wandb); unchanged when ``project`` is null."""
+    if project is None:
+        return tracker
+    trackers = tracker if isinstance(tracker, list) else [tracker]
+    out, applied = [], False
+    for t in trackers:
+        names = {f.name for f in fields(t)}
+        if "project" in names:
+            t = replace(t, project=project, **({"group": group} if "group" in names else {}))
+            applied = True
+        out.append(t)
+    if not applied:
+        raise ConfigError(
+            "ladder.project: no tracker of the base config has a project "
+            "(trainer.tracker: add {type: wandb})"
+        )
+    return out if isinstance(tracker, list) else out[0]

@@ -11,35 +11,55 @@ from loomax.ladder.config import Rung
 from loomax.tracking.jsonl import read_metrics
 
 
-def checkpoints_table(rungs: Sequence[Rung]):
-    """One row per planned checkpoint: size, step, tokens, path, exists (complete on disk)."""
+def run_dirs(rung: Rung, results_dirs: Sequence[str | Path] = ()) -> list[Path]:
+    """Where ``rung``'s run directory may be: its own, then ``<dir>/<name>-<size>`` of each
+    of ``results_dirs`` (copies moved off the training machine)."""
+    return [rung.run_dir] + [Path(d) / rung.run_dir.name for d in results_dirs]
+
+
+def checkpoints_table(rungs: Sequence[Rung], results_dirs: Sequence[str | Path] = ()):
+    """One row per checkpoint of every size: the planned ones (named "0.5xC", "1xC"...) and
+    any other found on disk, with size, name, step, tokens, path (where it was found, the
+    run directory first, then ``results_dirs``; else where it is planned), exists
+    (complete) and planned."""
     import pandas as pd
+
+    from loomax.checkpoint.discovery import list_checkpoints
 
     rows = []
     for r in rungs:
+        found: dict[int, str] = {}
+        for run_dir in run_dirs(r, results_dirs):
+            if (run_dir / "checkpoints").is_dir():
+                for info in list_checkpoints(str(run_dir / "checkpoints")):
+                    found.setdefault(info.step, str(info.directory))
         base = r.config.trainer.checkpointer.base_path or str(r.run_dir / "checkpoints")
-        for step in r.plan.checkpoint_steps:
-            path = Path(base) / f"step-{step}"
+        for step in sorted(set(r.plan.checkpoint_steps) | set(found)):
             rows.append(
                 {
                     "size": r.size,
+                    "name": r.plan.checkpoint_name(step),
                     "step": step,
                     "tokens": step * r.plan.batch_tokens,
-                    "path": str(path),
-                    "exists": (path / "metadata.json").exists(),
+                    "path": found.get(step, str(Path(base) / f"step-{step}")),
+                    "exists": step in found,
+                    "planned": step in r.plan.checkpoint_steps,
                 }
             )
-    return pd.DataFrame(rows, columns=["size", "step", "tokens", "path", "exists"])
+    columns = ["size", "name", "step", "tokens", "path", "exists", "planned"]
+    return pd.DataFrame(rows, columns=columns)
 
 
-def metrics_table(rungs: Sequence[Rung]):
-    """Every logged step of every size's ``metrics.jsonl``, with params, tokens and compute (6 N D)."""
+def metrics_table(rungs: Sequence[Rung], results_dirs: Sequence[str | Path] = ()):
+    """Every logged step of every size's ``metrics.jsonl`` (from the first of ``run_dirs``
+    that has one), with params, tokens and compute (6 N D, N as the budget counts it)."""
     import pandas as pd
 
     rows = []
     for r in rungs:
-        path = r.run_dir / "metrics.jsonl"
-        if not path.exists():
+        paths = [d / "metrics.jsonl" for d in run_dirs(r, results_dirs)]
+        path = next((p for p in paths if p.exists()), None)
+        if path is None:
             continue
         for record in read_metrics(path):  # one record per step, even after a resume
             step = int(record["step"])
@@ -47,10 +67,10 @@ def metrics_table(rungs: Sequence[Rung]):
             rows.append(
                 {
                     "size": r.size,
-                    "params": r.plan.params,
+                    "params": r.plan.budget_params,
                     "step": step,
                     "tokens": tokens,
-                    "flops": 6.0 * r.plan.params * tokens,
+                    "flops": 6.0 * r.plan.budget_params * tokens,
                     "train/loss": record.get("train/loss"),
                     "eval/loss": record.get("eval/loss"),
                 }

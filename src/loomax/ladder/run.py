@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import draccus
 
@@ -15,6 +15,8 @@ class RunPlan:
 
     params: int
     """Total parameters (embeddings included)."""
+    budget_params: int
+    """Parameters the budget and compute count (non-embedding by default, as sizes are named)."""
     tokens: int
     """Training tokens."""
     batch_size: int
@@ -29,6 +31,10 @@ class RunPlan:
     cycles: list[int] | None
     """WSD-S cycle ends (the checkpoint steps), or None for one cosine decay."""
     decay_fraction: float
+    checkpoint_names: list[str] = field(default_factory=list)
+    """Name of each checkpoint step: its multiple of the Chinchilla budget ("0.5xC", "1xC"...)."""
+    cycle_peaks: list[float] | None = None
+    """Peak LR of each WSD-S stage as a multiple of learning_rate (stepped_peak_lr), or None."""
 
     @property
     def batch_tokens(self) -> int:
@@ -36,8 +42,13 @@ class RunPlan:
 
     @property
     def flops(self) -> float:
-        """Training compute, 6 N D."""
-        return 6.0 * self.params * self.num_train_steps * self.batch_tokens
+        """Training compute, 6 N D (N = ``budget_params``)."""
+        return 6.0 * self.budget_params * self.num_train_steps * self.batch_tokens
+
+    def checkpoint_name(self, step: int) -> str:
+        """``step``'s name ("1xC"), or "" for a step the plan did not name."""
+        names = dict(zip(self.checkpoint_steps, self.checkpoint_names, strict=False))
+        return names.get(step, "")
 
 
 @dataclass(frozen=True)
@@ -49,20 +60,24 @@ class RunConfigurator(draccus.ChoiceRegistry, abc.ABC):
         return "chinchilla"
 
     @abc.abstractmethod
-    def plan(self, params: int, seq_len: int) -> RunPlan:
-        """The run of a model with ``params`` parameters and sequences of ``seq_len``."""
+    def plan(self, params: int, seq_len: int, non_embedding_params: int | None = None) -> RunPlan:
+        """The run of a model with ``params`` parameters (``non_embedding_params`` of them
+        outside the embeddings and LM head) and sequences of ``seq_len``."""
 
 
 @RunConfigurator.register_subclass("chinchilla")
 @dataclass(frozen=True)
 class ChinchillaRunConfigurator(RunConfigurator):
-    """Chinchilla budgets: ``tokens_per_param * params * chinchilla_multiple`` tokens.
+    """Chinchilla budgets: ``tokens_per_param * N * chinchilla_multiple`` tokens, N the
+    non-embedding parameters (``budget_params``).
 
     Batch size and learning rate follow compute C = 6 N D as fitted by DeepSeek LLM
     (B ~ 0.292 C^0.3271 tokens, lr ~ 0.3118 C^-0.125) unless given. Checkpoints fall at
-    0.5x, 1x, 2x, 4x ... the Chinchilla budget up to ``chinchilla_multiple``; with
-    ``stepped_schedule`` the LR is WSD-S, decaying over the last ``decay_fraction`` of the
-    stretch before each checkpoint, so every checkpoint is a fully decayed model.
+    0.5x, 1x, 2x, 4x ... the Chinchilla budget up to ``chinchilla_multiple`` (named
+    "0.5xC", "1xC"...); with ``wsd_s`` the LR is WSD-S, decaying over the last
+    ``decay_fraction`` of the stretch before each checkpoint, so every checkpoint is a fully
+    decayed model. ``stepped_peak_lr`` (OLMo's stepped peak) lowers each stage's peak by
+    ``1/sqrt`` of its data: ``peak * sqrt(D_first / D_stage)``.
     """
 
     chinchilla_multiple: float = 1.0
@@ -81,10 +96,28 @@ class ChinchillaRunConfigurator(RunConfigurator):
     """Fewest sequences per step."""
     warmup_fraction: float = 0.05
     """Warmup as a fraction of the first cycle."""
-    stepped_schedule: bool = True
+    wsd_s: bool = True
     """WSD-S with a decay before each checkpoint; false = warmup and one cosine decay to the end."""
+    stepped_peak_lr: bool = False
+    """OLMo's stepped peak (needs wsd_s): each stage's peak LR is peak x sqrt(D_first / D_stage)."""
+    budget_params: str = "non_embedding"
+    """What N of the budget counts: non_embedding (embeddings and LM head left out) or total."""
+    stepped_schedule: bool | None = None
+    """Renamed wsd_s in 2026-11 (stepped now means OLMo's stepped peak LR); setting it is an error."""
 
     def __post_init__(self):
+        if self.stepped_schedule is not None:
+            raise ValueError(
+                "ladder.run.stepped_schedule was renamed ladder.run.wsd_s (a decay before each "
+                "checkpoint); ladder.run.stepped_peak_lr is OLMo's stepped peak learning rate"
+            )
+        if self.budget_params not in ("non_embedding", "total"):
+            raise ValueError(
+                "ladder.run.budget_params must be non_embedding or total, "
+                f"got {self.budget_params!r}"
+            )
+        if self.stepped_peak_lr and not self.wsd_s:
+            raise ValueError("ladder.run.stepped_peak_lr needs ladder.run.wsd_s: true (stages)")
         for name in ("chinchilla_multiple", "tokens_per_param", "lr_multiplier", "min_batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ladder.run.{name} must be > 0, got {getattr(self, name)}")
@@ -104,9 +137,12 @@ class ChinchillaRunConfigurator(RunConfigurator):
             m *= 2
         return [*out, self.chinchilla_multiple]
 
-    def plan(self, params: int, seq_len: int) -> RunPlan:
-        tokens = int(self.chinchilla_multiple * self.tokens_per_param * params)
-        compute = 6.0 * params * tokens
+    def plan(self, params: int, seq_len: int, non_embedding_params: int | None = None) -> RunPlan:
+        if self.budget_params == "non_embedding" and non_embedding_params is None:
+            raise ValueError("budget_params non_embedding needs the non-embedding parameter count")
+        n = non_embedding_params if self.budget_params == "non_embedding" else params
+        tokens = int(self.chinchilla_multiple * self.tokens_per_param * n)
+        compute = 6.0 * n * tokens
         if self.batch_size_tokens is not None:
             batch = max(self.min_batch_size, round(self.batch_size_tokens / seq_len))
         else:
@@ -114,14 +150,16 @@ class ChinchillaRunConfigurator(RunConfigurator):
             batch = max(self.min_batch_size, 2 ** round(math.log2(max(ideal, 1))))
         step_tokens = batch * seq_len
         steps = max(1, math.ceil(tokens / step_tokens))
-        earlier = {
-            round(m * self.tokens_per_param * params / step_tokens) for m in self.multiples()[:-1]
-        }
-        checkpoints = sorted({s for s in earlier if 0 < s < steps} | {steps})
+        earlier = self.multiples()[:-1]
+        named = {round(m * self.tokens_per_param * n / step_tokens): m for m in earlier}
+        named = {s: m for s, m in named.items() if 0 < s < steps}
+        named[steps] = self.chinchilla_multiple
+        checkpoints = sorted(named)
         peak = self.learning_rate if self.learning_rate is not None else 0.3118 * compute**-0.125
-        first = checkpoints[0] if self.stepped_schedule else steps
+        first = checkpoints[0] if self.wsd_s else steps
         return RunPlan(
             params=params,
+            budget_params=n,
             tokens=steps * step_tokens,
             batch_size=batch,
             seq_len=seq_len,
@@ -129,6 +167,12 @@ class ChinchillaRunConfigurator(RunConfigurator):
             learning_rate=peak * self.lr_multiplier,
             warmup=max(1, round(self.warmup_fraction * first)) if self.warmup_fraction else 0,
             checkpoint_steps=checkpoints,
-            cycles=checkpoints if self.stepped_schedule else None,
+            cycles=checkpoints if self.wsd_s else None,
             decay_fraction=self.decay_fraction,
+            checkpoint_names=[f"{named[s]:g}xC" for s in checkpoints],
+            cycle_peaks=(
+                [math.sqrt(checkpoints[0] / s) for s in checkpoints]
+                if self.stepped_peak_lr
+                else None
+            ),
         )

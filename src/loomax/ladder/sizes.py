@@ -54,3 +54,21 @@ def shape_for(
     width = math.sqrt(target / (12 * layers))
     hidden = max(head_dim, round(width / head_dim) * head_dim)
     return Shape(hidden, layers, hidden // head_dim)
+
+
+EMBEDDING_PARTS = ("embed", "lm_head")
+"""Top-level model fields whose parameters are embeddings (token, position) or the LM head."""
+
+
+def non_embedding_params(model_config, vocab_size: int) -> int:
+    """Parameters of ``model_config`` outside its embeddings and LM head (counted from
+    shapes, nothing allocated): what a ladder size names."""
+    import jax
+
+    shapes = jax.eval_shape(lambda: model_config.build(vocab_size, key=jax.random.PRNGKey(0)))
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        top = getattr(path[0], "name", "")
+        if hasattr(leaf, "size") and not any(part in top for part in EMBEDDING_PARTS):
+            total += leaf.size
+    return total

@@ -93,6 +93,8 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
     """Cycle length (steps, or a fraction of training if < 1), repeated, or a list of lengths; not with cycles."""
     rewarmup: float = 0.0
     """Warmup at the start of every later cycle (from the minimum LR): fraction of the cycle or steps; 0 = jump to the peak."""
+    cycle_peaks: list[float] | None = None
+    """Peak of each cycle as a multiple of learning_rate (one per cycle, e.g. a stepped peak); null = every cycle at learning_rate."""
     scale_lr_with_batch: str = "none"
     """When the batch size changes (a trainer.train_batch_size schedule): none, sqrt (lr x sqrt(new/old)) or linear."""
     max_grad_norm: float | None = 1.0
@@ -166,6 +168,7 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
             cycle_length=self.cycle_length,
             rewarmup=self.rewarmup,
             timescale=self.timescale,
+            cycle_peaks=self.cycle_peaks,
         )
         if batch_sizes is None or batch_sizes.is_constant or self.scale_lr_with_batch == "none":
             return schedule

@@ -4,6 +4,8 @@ Training is split into cycles (one by default). Each cycle warms up linearly (fr
 the first cycle, from the floor in later ones with ``rewarmup``), holds the peak, then
 decays to ``min_lr_ratio * peak`` over its last ``decay`` steps with the chosen shape.
 With no ``decay`` the whole cycle after warmup decays (the classic warmup + cosine).
+``cycle_peaks`` gives each cycle its own peak (a multiple of the peak; the floor stays
+``min_lr_ratio * peak``), e.g. a peak stepped down from cycle to cycle.
 Warmup, rewarmup and decay are fractions of the cycle if < 1, else step counts.
 """
 
@@ -106,6 +108,7 @@ class _Cycle:
     stable: int
     decay: int
     warm_from: float
+    peak: float
 
 
 class LrSchedule:
@@ -124,6 +127,7 @@ class LrSchedule:
         cycle_length: float | Sequence[float] | None = None,
         rewarmup: float = 0.0,
         timescale: float | None = None,
+        cycle_peaks: Sequence[float] | None = None,
     ):
         if kind not in SCHEDULES:
             raise ConfigError(f"optimizer.lr_schedule must be one of {SCHEDULES}, got {kind!r}")
@@ -133,7 +137,15 @@ class LrSchedule:
         self.floor = float(peak) * min_lr_ratio
         self.cycles: list[_Cycle] = []
         start = 0
-        for i, end in enumerate(cycle_ends(num_train_steps, cycles, cycle_length)):
+        ends = cycle_ends(num_train_steps, cycles, cycle_length)
+        if cycle_peaks is not None and (
+            len(cycle_peaks) != len(ends) or any(p <= 0 for p in cycle_peaks)
+        ):
+            raise ConfigError(
+                f"optimizer.cycle_peaks needs one positive multiple per cycle ({len(ends)}), "
+                f"got {list(cycle_peaks)}"
+            )
+        for i, end in enumerate(ends):
             n = end - start
             name = "optimizer.warmup" if i == 0 else "optimizer.rewarmup"
             warm = steps_of(warmup if i == 0 else rewarmup, n, name)
@@ -144,15 +156,16 @@ class LrSchedule:
                     f"optimizer.decay ({dec} steps) do not fit in it"
                 )
             warm_from = 0.0 if i == 0 else self.floor
-            self.cycles.append(_Cycle(start, end, warm, n - warm - dec, dec, warm_from))
+            peak_i = self.peak * (1.0 if cycle_peaks is None else float(cycle_peaks[i]))
+            self.cycles.append(_Cycle(start, end, warm, n - warm - dec, dec, warm_from, peak_i))
             start = end
         first_warmup = self.cycles[0].warmup
         self.timescale = float(timescale if timescale is not None else max(first_warmup, 1))
         if self.timescale <= 0:
             raise ConfigError(f"optimizer.timescale must be > 0, got {timescale}")
 
-    def _decayed(self, d, length: int):
-        peak, floor = self.peak, self.floor
+    def _decayed(self, d, length: int, peak: float):
+        floor = self.floor
         if self.kind == "constant":
             return jnp.full_like(d, peak)
         if self.kind in ("inv_sqrt", "inv"):
@@ -165,9 +178,9 @@ class LrSchedule:
         return floor + (peak - floor) * 0.5 * (1 + jnp.cos(math.pi * frac))
 
     def _in_cycle(self, c: _Cycle, u):
-        warm = c.warm_from + (self.peak - c.warm_from) * jnp.minimum((u + 1) / max(c.warmup, 1), 1)
+        warm = c.warm_from + (c.peak - c.warm_from) * jnp.minimum((u + 1) / max(c.warmup, 1), 1)
         decay_start = c.warmup + c.stable
-        value = jnp.where(u < decay_start, self.peak, self._decayed(u - decay_start, c.decay))
+        value = jnp.where(u < decay_start, c.peak, self._decayed(u - decay_start, c.decay, c.peak))
         return jnp.where(u < c.warmup, warm, value)
 
     def __call__(self, step):
