@@ -137,6 +137,40 @@ def test_hf_null_texts_are_bad_records(tmp_path: Path) -> None:
         assert (stats.documents, stats.skipped) == (2, 1)
 
 
+def test_hf_text_template_joins_several_columns(tmp_path: Path) -> None:
+    import datasets
+
+    from loomax.data.sources import source_fingerprint
+
+    path = tmp_path / "qa"
+    rows = {"question": ["2+2?", "Sky?", "Up?"], "answer": [4, 7, None], "id": [0, 1, 2]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(path))
+    template = "Q: {question}\nA: {answer}"
+    for streaming in (False, True):
+        source = hf_source(id=str(path), text_template=template, streaming=streaming)
+        (shard,) = source_shards(source)
+        with pytest.raises(
+            ValueError, match=r", row 2: column 'answer' of `hf.text_template` is null"
+        ):
+            list(read_shard(shard))
+        stats = ReadStats()
+        got = list(read_shard(shard, skip_bad_records=True, stats=stats))
+        assert got == ["Q: 2+2?\nA: 4", "Q: Sky?\nA: 7"] and stats.skipped == 1
+    (shard,) = source_shards(hf_source(id=str(path), text_template="{question} {body}"))
+    with pytest.raises(ValueError, match=r"no column 'body' .*set `hf.text_template`"):
+        list(read_shard(shard))
+    for bad, problem in (
+        ("{question", "expected '}'"),
+        ("plain", "names no"),
+        ("{0}", "column names"),
+    ):
+        with pytest.raises(ValueError, match=rf"`hf.text_template` .*{problem}"):
+            HfSourceConfig(id=str(path), text_template=bad)
+    # the template is part of the cache key
+    plain, templated = hf_source(id=str(path)), hf_source(id=str(path), text_template=template)
+    assert source_fingerprint(plain) != source_fingerprint(templated)
+
+
 def test_datasets_is_imported_only_for_hf_sources() -> None:
     code = (
         "import sys, loomax.data.sources, loomax.data.readers;"

@@ -3,11 +3,14 @@
 A non-streaming split is read in row ranges; a streaming one in pieces of its
 `IterableDataset`. `datasets` is imported only when a dataset is loaded. A row whose text
 is missing or not a string is a bad record, rejected like those of files (`readers`).
+With `text_template` a document is several columns formatted together
+(`"{question}\n{answer}"`); a row missing one of them, or null there, is rejected.
 """
 
 import json
 import math
 import os
+import string
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -53,16 +56,40 @@ class HfSourceConfig:
     num_shards: int | None = None
     """Shards to read in parallel: row ranges, or when streaming groups of data files; null = one per 100k rows, or per data file."""
 
+    text_template: str | None = None
+    """A document made of several columns, as a Python format string (e.g. "{question}\n{answer}"); null = the text_key column."""
+
     def __post_init__(self) -> None:
         for key in ("id", "split", "text_key"):
             if not getattr(self, key):
                 raise ValueError(f"data source: `hf.{key}` must not be empty")
+        if self.text_template is not None:
+            template_columns(self.text_template)  # a bad template fails here
         if isinstance(self.data_files, str):
             raise ValueError("data source: `hf.data_files` must be a list of paths or globs")
         if self.num_shards is not None and self.num_shards < 1:
             raise ValueError(
                 f"data source: `hf.num_shards` must be >= 1 or null, got {self.num_shards}"
             )
+
+
+def template_columns(template: str) -> list[str]:
+    """The columns ``template`` formats (``{name}`` fields, in order, once each); a
+    ``ValueError`` naming ``hf.text_template`` for a malformed one or one with no column."""
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise ValueError(f"data source: `hf.text_template` {template!r}: {e}") from None
+    bad = [f for f in fields if not f.isidentifier()]
+    if bad or not fields:
+        problem = f"fields must be column names, got {bad}" if bad else "it names no {column}"
+        raise ValueError(f"data source: `hf.text_template` {template!r}: {problem}")
+    return list(dict.fromkeys(fields))
+
+
+def text_columns(hf: HfSourceConfig) -> list[str]:
+    """The columns a document is made of: the template's, or ``text_key``."""
+    return template_columns(hf.text_template) if hf.text_template else [hf.text_key]
 
 
 def hf_label(hf: HfSourceConfig) -> str:
@@ -92,16 +119,21 @@ def read_hf_rows(hf: HfSourceConfig, start: int, stop: int, reject: Reject) -> I
     """The texts of rows `[start, stop)` of a non-streaming dataset."""
     dataset = load_hf(hf)
     label = hf_label(hf)
-    problem = _feature_problem(dataset.features, hf.text_key)
+    columns = text_columns(hf)
+    problem = next(
+        (p for c in columns if (p := _feature_problem(dataset.features, c, hf)) is not None), None
+    )
     if problem is not None:
         if stop > start:
             reject(f"{label}, rows {start}-{stop - 1}", problem, stop - start)
         return
-    texts = dataset.select_columns([hf.text_key]).with_format(None)
+    rows = dataset.select_columns(columns).with_format(None)
     for begin in range(start, stop, _BATCH_ROWS):
         end = min(stop, begin + _BATCH_ROWS)
-        for row, value in enumerate(texts[begin:end][hf.text_key], start=begin):
-            yield from _checked_text(value, f"{label}, row {row}", hf.text_key, reject)
+        batch = rows[begin:end]
+        for i in range(end - begin):
+            record = {c: batch[c][i] for c in columns}
+            yield from _document(record, hf, f"{label}, row {begin + i}", reject)
 
 
 def read_hf_stream(hf: HfSourceConfig, index: int, count: int, reject: Reject) -> Iterator[str]:
@@ -109,15 +141,29 @@ def read_hf_stream(hf: HfSourceConfig, index: int, count: int, reject: Reject) -
     dataset = load_hf(hf)
     if count > 1:
         dataset = dataset.shard(num_shards=count, index=index)
+    columns = text_columns(hf)
     features = dataset.features
-    if features is not None and hf.text_key in features:
-        dataset = dataset.select_columns([hf.text_key])
+    if features is not None and all(c in features for c in columns):
+        dataset = dataset.select_columns(columns)
     where = f"{hf_label(hf)}:stream[{index}/{count}]"
     for row, record in enumerate(dataset):
+        yield from _document(record, hf, f"{where}, row {row}", reject)
+
+
+def _document(record: dict, hf: HfSourceConfig, where: str, reject: Reject) -> Iterator[str]:
+    """The row's document (its text column, or the template filled), or a rejection."""
+    if hf.text_template is None:
         if hf.text_key not in record:
-            reject(f"{where}, row {row}", f"no column {hf.text_key!r} (set `hf.text_key`)")
-            continue
-        yield from _checked_text(record[hf.text_key], f"{where}, row {row}", hf.text_key, reject)
+            reject(where, f"no column {hf.text_key!r} (set `hf.text_key`)")
+        else:
+            yield from _checked_text(record[hf.text_key], where, hf.text_key, reject)
+        return
+    for column in text_columns(hf):
+        if record.get(column) is None:
+            state = "null" if column in record else "missing"
+            reject(where, f"column {column!r} of `hf.text_template` is {state}")
+            return
+    yield hf.text_template.format(**record)
 
 
 def _checked_text(value: object, where: str, text_key: str, reject: Reject) -> Iterator[str]:
@@ -129,12 +175,14 @@ def _checked_text(value: object, where: str, text_key: str, reject: Reject) -> I
         reject(where, f"{text_key!r} is {kind}")
 
 
-def _feature_problem(features: Any, text_key: str) -> str | None:
-    """Why dataset `features` have no string column `text_key`, or None if they have."""
+def _feature_problem(features: Any, text_key: str, hf: HfSourceConfig) -> str | None:
+    """Why dataset `features` have no column `text_key` (a string one, unless a template
+    formats it), or None if they have."""
+    key = "hf.text_template" if hf.text_template else "hf.text_key"
     if text_key not in features:
-        return f"no column {text_key!r} (columns: {', '.join(features)}; set `hf.text_key`)"
+        return f"no column {text_key!r} (columns: {', '.join(features)}; set `{key}`)"
     dtype = getattr(features[text_key], "dtype", None)
-    if dtype not in ("string", "large_string"):
+    if hf.text_template is None and dtype not in ("string", "large_string"):
         return f"column {text_key!r} holds {features[text_key]}, not strings"
     return None
 

@@ -227,10 +227,10 @@ def source_fingerprint(source: SourceConfig) -> str:
         ]
     else:
         files = _list_files(source)
-    record = {
-        "config": dataclasses.asdict(source),
-        "files": [[url, _version(info)] for url, info in files],
-    }
+    config = dataclasses.asdict(source)
+    if config.get("hf") and config["hf"].get("text_template") is None:
+        del config["hf"]["text_template"]  # keys of caches made before the field stay valid
+    record = {"config": config, "files": [[url, _version(info)] for url, info in files]}
     digest = json.dumps(record, sort_keys=True, default=str).encode()
     return hashlib.sha256(digest).hexdigest()
 
