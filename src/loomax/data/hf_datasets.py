@@ -57,7 +57,7 @@ class HfSourceConfig:
     """Shards to read in parallel: row ranges, or when streaming groups of data files; null = one per 100k rows, or per data file."""
 
     text_template: str | None = None
-    """A document made of several columns, as a Python format string (e.g. "{question}\n{answer}"); null = the text_key column."""
+    """A document made of several columns, as a Python format string (e.g. "Q: {question} A: {answer}"); null = the text_key column."""
 
     def __post_init__(self) -> None:
         for key in ("id", "split", "text_key"):
