@@ -51,17 +51,15 @@ def load_for_inference(
     run_config = None
     if config_path is not None or overrides:
         run_config = parse_config(TrainLmConfig, config_path, list(overrides))
-    if (path / "model.yaml").is_file():
+    if (path / "model.yaml").is_file():  # a model.save directory (its tokenizer if saved with it)
         from loomax.models.saving import load_model
 
-        tokenizer = _run_tokenizer(run_config) if run_config is not None else None
+        tokenizer = _beside_or_run_tokenizer(path, run_config)
         return LoadedModel(load_model(path), run_config, tokenizer, f"saved model {path}")
     if (path / "config.json").is_file():
         from loomax.hf import load_hf
 
-        tokenizer = path / "tokenizer.json" if (path / "tokenizer.json").is_file() else None
-        if tokenizer is None and run_config is not None:
-            tokenizer = _run_tokenizer(run_config)
+        tokenizer = _beside_or_run_tokenizer(path, run_config)
         return LoadedModel(load_hf(path), run_config, tokenizer, f"Hugging Face checkpoint {path}")
     if not path.exists():
         raise MissingFileError(f"--checkpoint {path} does not exist")
@@ -83,6 +81,13 @@ def load_for_inference(
     vocab = resolve_vocab_size(run_config.model, load_tokenizer(tokenizer).get_vocab_size())
     model = _read_model(checkpoints[-1], run_config, vocab)
     return LoadedModel(model, run_config, tokenizer, f"checkpoint {checkpoints[-1]}")
+
+
+def _beside_or_run_tokenizer(path: Path, run_config: TrainLmConfig | None) -> Path | None:
+    """The tokenizer.json saved in the model's directory, else the run's (if known)."""
+    if (path / "tokenizer.json").is_file():
+        return path / "tokenizer.json"
+    return _run_tokenizer(run_config) if run_config is not None else None
 
 
 def _run_tokenizer(config: TrainLmConfig) -> Path:

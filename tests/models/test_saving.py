@@ -48,3 +48,35 @@ def test_save_updates_in_place(tmp_path):
 def test_load_model_names_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="model.yaml"):
         loomax.load_model(tmp_path)
+
+
+def test_save_with_the_tokenizer_and_load_both(tmp_path):
+    from loomax.data.tokenizer import train_bpe_tokenizer
+    from loomax.errors import BadFileError
+    from loomax.inference import load_for_inference
+
+    tokenizer_path = tmp_path / "t.json"
+    train_bpe_tokenizer(["the cat sat on the mat"] * 20, 280, tokenizer_path)
+    model = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=1, num_heads=2).build(
+        300, key=jax.random.PRNGKey(0)
+    )
+    model.save(tmp_path / "m", tokenizer=tokenizer_path)
+    loaded, tokenizer = loomax.load_model(tmp_path / "m", with_tokenizer=True)
+    assert tokenizer.encode("the cat").ids == load_tokenizer_ids(tokenizer_path, "the cat")
+    assert loaded.Vocab == model.Vocab
+    assert load_for_inference(tmp_path / "m").tokenizer == tmp_path / "m" / "tokenizer.json"
+
+    model.save(tmp_path / "m")  # saved again without one: the old tokenizer goes
+    assert loomax.load_model(tmp_path / "m", with_tokenizer=True)[1] is None
+    small = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=1, num_heads=2).build(
+        50, key=jax.random.PRNGKey(0)
+    )
+    small.save(tmp_path / "s", tokenizer=tokenizer)  # a Tokenizer object works too
+    with pytest.raises(BadFileError, match="not this model's tokenizer"):
+        loomax.load_model(tmp_path / "s", with_tokenizer=True)
+
+
+def load_tokenizer_ids(path, text):
+    from loomax.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(path).encode(text).ids

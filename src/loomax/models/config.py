@@ -142,11 +142,13 @@ class LmModel(eqx.Module):
         hidden = self.hidden_states(tokens, segment_ids=segment_ids, key=key)
         return hax.dot(hidden, self.lm_head_weight(), axis="embed")
 
-    def save(self, path) -> None:
+    def save(self, path, tokenizer=None) -> None:
         """Write config and weights to directory ``path`` (YAML and safetensors, no pickle),
-        replacing a previous save there; ``loomax.load_model(path)`` reads it back."""
+        and ``tokenizer`` (a ``tokenizers.Tokenizer`` or tokenizer.json path) if given,
+        replacing a previous save there; ``loomax.load_model(path)`` reads it back
+        (``with_tokenizer=True``: with the tokenizer)."""
         saved = SavedModel(self.config, self.Vocab.size)
-        write_files(path, draccus.dump(saved), self)
+        write_files(path, draccus.dump(saved), self, tokenizer)
 
 
 class KvCache(eqx.Module):

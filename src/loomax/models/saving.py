@@ -1,4 +1,5 @@
-"""``load_model(dir)``: the model that ``model.save(dir)`` wrote, rebuilt exactly.
+"""``load_model(dir)``: the model that ``model.save(dir)`` wrote, rebuilt exactly (and,
+with ``with_tokenizer=True``, the tokenizer saved with it).
 
 No pickle: ``model.yaml`` holds the ``model`` section (with ``type``) and the vocabulary
 size (``SavedModel``); ``model.safetensors`` every array under its pytree path (see
@@ -10,27 +11,59 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal, overload
 
 import draccus
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import yaml
+from tokenizers import Tokenizer
 
 from loomax.errors import BadFileError
 from loomax.models.config import LmModel, SavedModel
-from loomax.models.files import CONFIG_FILE, WEIGHTS_FILE, is_weight, read_files, weight_leaves
+from loomax.models.files import (
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    is_weight,
+    read_files,
+    weight_leaves,
+)
 
 __all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "SavedModel", "load_model", "save_model"]
 
 
-def save_model(model: LmModel, path: str | os.PathLike) -> None:
-    """Write ``model`` to directory ``path``: the same as ``model.save(path)``."""
-    model.save(path)
+def save_model(model: LmModel, path: str | os.PathLike, tokenizer=None) -> None:
+    """Write ``model`` (and ``tokenizer``) to directory ``path``: ``model.save(path, tokenizer)``."""
+    model.save(path, tokenizer=tokenizer)
 
 
-def load_model(path: str | os.PathLike) -> LmModel:
-    """The model saved in directory ``path``: its architecture rebuilt from ``model.yaml``."""
+@overload
+def load_model(path: str | os.PathLike) -> LmModel: ...
+@overload
+def load_model(
+    path: str | os.PathLike, *, with_tokenizer: Literal[True]
+) -> tuple[LmModel, Tokenizer | None]: ...
+def load_model(path: str | os.PathLike, *, with_tokenizer: bool = False):
+    """The model saved in directory ``path``: its architecture rebuilt from ``model.yaml``.
+    With ``with_tokenizer``, ``(model, tokenizer)``: the tokenizer saved with it, or None."""
+    model = _load_weights(path)
+    if not with_tokenizer:
+        return model
+    file = Path(path) / TOKENIZER_FILE
+    if not file.is_file():
+        return model, None
+    tokenizer = Tokenizer.from_file(str(file))
+    if tokenizer.get_vocab_size() > model.Vocab.size:
+        raise BadFileError(
+            f"{file} has {tokenizer.get_vocab_size()} tokens, more than the model's "
+            f"vocabulary of {model.Vocab.size}: it is not this model's tokenizer"
+        )
+    return model, tokenizer
+
+
+def _load_weights(path: str | os.PathLike) -> LmModel:
     weights_file = Path(path) / WEIGHTS_FILE
     config_text, arrays = read_files(path)
     saved = draccus.decode(SavedModel, yaml.safe_load(config_text))
