@@ -84,6 +84,9 @@ def generate_command(args: list[str], parser: argparse.ArgumentParser, guard: Gu
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=None)
     parser.add_argument("--top_p", type=float, default=None)
+    parser.add_argument(
+        "--repetition_penalty", type=float, default=None, help="CTRL's penalty (e.g. 1.2)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's)"
@@ -109,6 +112,7 @@ def generate_command(args: list[str], parser: argparse.ArgumentParser, guard: Gu
         temperature=known.temperature,
         top_k=known.top_k,
         top_p=known.top_p,
+        repetition_penalty=known.repetition_penalty,
         key=jax.random.PRNGKey(known.seed),
         stop_token=None if known.no_stop else eos_id(tokenizer),
     )
@@ -121,6 +125,8 @@ def _check_sampling(known) -> None:
         raise UserError(f"--temperature must be >= 0, got {known.temperature}")
     if known.top_k is not None and known.top_k <= 0:
         raise UserError(f"--top_k must be positive, got {known.top_k}")
+    if known.repetition_penalty is not None and known.repetition_penalty <= 0:
+        raise UserError(f"--repetition_penalty must be > 0, got {known.repetition_penalty}")
     if known.top_p is not None and not 0 < known.top_p <= 1:
         raise UserError(f"--top_p must be in (0, 1], got {known.top_p}")
 

@@ -93,3 +93,37 @@ def test_a_batch_samples_each_row_as_alone(name, temperature):
     together = sample_batch(model, prompts, keys=keys, stop_token=stop, rows=6, **args)
     assert together == alone
     assert len(alone[0]) == 8 and len(alone[2]) == 32 and len({len(a) for a in alone}) > 2
+
+
+def test_repetition_penalty_scales_the_seen_logits():
+    logits = jnp.array([2.0, 1.9, -1.0, -1.2])
+    seen = jnp.array([True, False, True, False])
+    key = jax.random.PRNGKey(0)
+    assert int(pick_token(logits, key, temperature=0.0)) == 0
+    # 2.0 / 1.5 < 1.9: the seen favourite loses to the unseen one
+    assert int(pick_token(logits, key, temperature=0.0, repetition_penalty=1.5, seen=seen)) == 1
+    probs = lambda **kw: np.asarray(  # noqa: E731
+        jax.vmap(lambda k: pick_token(logits, k, temperature=1.0, **kw))(
+            jax.random.split(key, 2000)
+        )
+    )
+    plain, penalised = probs(), probs(repetition_penalty=2.0, seen=seen)
+    assert (penalised == 2).mean() < (plain == 2).mean()  # -1.0 * 2: less likely still
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_repetition_penalty_stops_a_greedy_loop_and_cache_agrees(name):
+    model = sharpened(MODELS[name])
+    args = dict(seq_len=32, max_new_tokens=24, temperature=0.0, key=jax.random.PRNGKey(0))
+    plain = sample_tokens(model, [5, 9, 2], **args)
+    strong = dict(args, repetition_penalty=1e4)
+    cached = sample_tokens(model, [5, 9, 2], **strong)
+    assert cached == sample_tokens(model, [5, 9, 2], use_cache=False, **strong)
+    assert cached != plain
+    # with so strong a penalty no token comes twice while unseen ones remain likelier
+    assert len(set(cached)) > len(set(plain))
+    (batched,) = sample_batch(model, [[5, 9, 2]], keys=args["key"][None], **{
+        k: v for k, v in strong.items() if k != "key"})  # fmt: skip
+    assert batched == cached
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        sample_tokens(model, [1], **dict(args, repetition_penalty=0.0))

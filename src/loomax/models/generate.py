@@ -28,11 +28,18 @@ def pick_token(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    seen: jax.Array | None = None,
 ) -> jax.Array:
     """One token id from ``[vocab]`` logits: argmax when ``temperature == 0``, else a sample
     from the softmax at ``temperature``, restricted to the ``top_k`` most likely tokens and to
-    the smallest set whose probability reaches ``top_p``."""
+    the smallest set whose probability reaches ``top_p``. With ``repetition_penalty`` p, the
+    logits of the ``seen`` tokens (a ``[vocab]`` mask) are divided by p where positive and
+    multiplied by p where negative (CTRL's penalty), before anything else."""
     logits = logits.astype(jnp.float32)
+    if repetition_penalty is not None and seen is not None:
+        penalised = jnp.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits = jnp.where(seen, penalised, logits)
     if temperature == 0:
         return jnp.argmax(logits)
     logits = logits / temperature
@@ -50,7 +57,9 @@ def pick_token(
     return jax.random.categorical(key, logits)
 
 
-def _check_options(temperature, top_k, top_p) -> None:
+def _check_options(temperature, top_k, top_p, repetition_penalty=None) -> None:
+    if repetition_penalty is not None and repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k <= 0:
@@ -70,6 +79,7 @@ def sample_tokens(
     stop_token: int | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    repetition_penalty: float | None = None,
     use_cache: bool = True,
 ) -> list[int]:
     """``prompt`` followed by up to ``max_new_tokens`` sampled tokens.
@@ -79,11 +89,11 @@ def sample_tokens(
     """
     if not prompt:
         raise ValueError("sample_tokens needs a non-empty prompt")
-    _check_options(temperature, top_k, top_p)
+    _check_options(temperature, top_k, top_p, repetition_penalty)
     prompt = list(prompt)[-(seq_len - 1) :]
     buffer = np.zeros(seq_len, np.int32)
     buffer[: len(prompt)] = prompt
-    options = (temperature, top_k, top_p)
+    options = (temperature, top_k, top_p, repetition_penalty)
     stop = min(seq_len, len(prompt) + max_new_tokens)
     steps = _cached_steps(*options) if use_cache else _full_steps(*options)
     state = steps.start(model, jnp.asarray(buffer), len(prompt))
@@ -108,6 +118,7 @@ def sample_batch(
     stop_token: int | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    repetition_penalty: float | None = None,
     rows: int | None = None,
 ) -> list[list[int]]:
     """``sample_tokens`` of each prompt (row ``i`` with ``keys[i]``), decoded together: one
@@ -116,7 +127,7 @@ def sample_batch(
     of any size up to it)."""
     if not prompts or not all(prompts):
         raise ValueError("sample_batch needs non-empty prompts")
-    _check_options(temperature, top_k, top_p)
+    _check_options(temperature, top_k, top_p, repetition_penalty)
     rows = max(rows or len(prompts), len(prompts))
     prompts = [list(p)[-(seq_len - 1) :] for p in prompts]
     buffer = np.zeros((rows, seq_len), np.int32)
@@ -124,7 +135,7 @@ def sample_batch(
     for i, prompt in enumerate(prompts):
         buffer[i, : len(prompt)], length[i] = prompt, len(prompt)
     keys = jnp.concatenate([keys, jnp.repeat(keys[:1], rows - len(prompts), axis=0)])
-    start, next_token = _batched_steps(temperature, top_k, top_p, seq_len)
+    start, next_token = _batched_steps(temperature, top_k, top_p, repetition_penalty, seq_len)
     width = prompt_bucket(int(length.max()), seq_len)
     state = start(model, jnp.asarray(buffer[:, :width]), jnp.asarray(length))
     out = [list(p) for p in prompts]
@@ -149,9 +160,9 @@ def _split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.lru_cache(maxsize=16)
-def _batched_steps(temperature, top_k, top_p, cache_len):
+def _batched_steps(temperature, top_k, top_p, repetition_penalty, cache_len):
     """``_cached_steps``' two steps vmapped over rows (the model shared, positions per row)."""
-    steps = _cached_steps(temperature, top_k, top_p)
+    steps = _cached_steps(temperature, top_k, top_p, repetition_penalty)
 
     def prefill_row(model, tokens, length):
         return steps.prefill(model, tokens, length, cache_len)
@@ -174,17 +185,34 @@ def _logits_at(model: LmModel, hidden, index) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=16)  # same options, same jitted steps: no recompiling per sample
-def _full_steps(temperature, top_k, top_p) -> _Steps:
+def _full_steps(temperature, top_k, top_p, repetition_penalty) -> _Steps:
     """No cache: ``state`` is the token buffer; every step reruns the model on all of it."""
-    options = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    options = _options(temperature, top_k, top_p, repetition_penalty)
 
     @jax.jit
     def next_token(model, tokens, pos, key):
         hidden = model.hidden_states(hax.named(tokens, Position))
-        token = pick_token(_logits_at(model, hidden, pos - 1), key, **options).astype(jnp.int32)
+        seen = _seen(tokens, pos, model.Vocab.size)
+        logits = _logits_at(model, hidden, pos - 1)
+        token = pick_token(logits, key, seen=seen, **options).astype(jnp.int32)
         return tokens.at[pos].set(token), token
 
     return _Steps(lambda model, tokens, length: tokens, next_token)
+
+
+def _options(temperature, top_k, top_p, repetition_penalty) -> dict:
+    return {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "repetition_penalty": repetition_penalty,
+    }
+
+
+def _seen(tokens: jax.Array, length, vocab: int) -> jax.Array:
+    """``[vocab]`` mask of the token ids among ``tokens[:length]``."""
+    present = jnp.arange(tokens.shape[0]) < length
+    return jnp.zeros(vocab, bool).at[tokens].max(present)
 
 
 def prompt_bucket(length: int, seq_len: int) -> int:
@@ -195,23 +223,25 @@ def prompt_bucket(length: int, seq_len: int) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_steps(temperature, top_k, top_p) -> _Steps:
-    """KV cache: ``state`` is ``(cache, logits of the last position)``; one prefill call over
-    the prompt's bucket (``prompt_bucket``) into a cache of the buffer's length."""
-    options = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+def _cached_steps(temperature, top_k, top_p, repetition_penalty) -> _Steps:
+    """KV cache: ``state`` is ``(cache, logits of the last position, tokens seen)``; one
+    prefill call over the prompt's bucket (``prompt_bucket``) into a cache of the buffer's
+    length."""
+    options = _options(temperature, top_k, top_p, repetition_penalty)
 
     @functools.partial(jax.jit, static_argnums=3)
     def prefill(model, tokens, length, cache_len):
         cache = model.init_cache((), cache_len, model.lm_head_weight().dtype)
         hidden, cache = model.decode(hax.named(tokens, Position), cache, jnp.asarray(0))
-        return cache, _logits_at(model, hidden, length - 1)
+        seen = _seen(tokens, length, model.Vocab.size)
+        return cache, _logits_at(model, hidden, length - 1), seen
 
     @jax.jit
     def next_token(model, state, pos, key):
-        cache, logits = state
-        token = pick_token(logits, key, **options).astype(jnp.int32)
+        cache, logits, seen = state
+        token = pick_token(logits, key, seen=seen, **options).astype(jnp.int32)
         hidden, cache = model.decode(hax.named(token[None], Position), cache, pos)
-        return (cache, _logits_at(model, hidden, 0)), token
+        return (cache, _logits_at(model, hidden, 0), seen.at[token].set(True)), token
 
     def start(model, tokens, length):
         width = prompt_bucket(length, tokens.shape[0])
