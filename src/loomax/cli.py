@@ -32,6 +32,7 @@ COMMANDS = {
     "compile": "compile the run's step for a TPU topology here: memory per chip, fits?, est. MFU",
     "plan": "rank sharding strategies for a topology by compiling each; write the best overlay",
     "ladder": "a family of model sizes with scaling-law budgets (dry-run|run|results|benchmark)",
+    "control": "ask a running job's control server: RUN_DIR status|stop|save|save_and_stop|abort",
 }
 
 ACTIONS = {
@@ -168,6 +169,10 @@ def _train(args: list[str]) -> None:
     parser = command_parser("train", COMMANDS["train"], config=True)
     known, overrides = parser.parse_known_args(args)
     config = load_config(TrainLmConfig, known.config_path, overrides)
+    if config.trainer.mesh.auto or config.trainer.force_strategy is not None:
+        from loomax.plan.auto import choose_strategy
+
+        config = choose_strategy(config)  # trainer.mesh.auto, trainer.force_strategy
     result = train_lm(config)
     evals = result.evals
     if evals:
@@ -175,9 +180,28 @@ def _train(args: list[str]) -> None:
         print(
             f"eval loss: step {first[0]}: {first[1]['eval/loss']:.4f} -> step {last[0]}: {last[1]['eval/loss']:.4f}"
         )
+        _print_gzip_baseline(config, last[1].get("eval/bpb"))
     if result.sample is not None:
         print("sample:\n" + "-" * 60 + "\n" + result.sample + "\n" + "-" * 60)
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}")
+
+
+def _print_gzip_baseline(config, bpb: float | None) -> None:
+    """The demo's bar: held-out bits per byte beside gzip -9's on the same held-out files
+    (only for the embedded corpus, whose held-out files are cheap to read again)."""
+    data = config.data
+    if bpb is None or not data.train or any(s.embedded is None for s in data.train):
+        return
+    from loomax.data.gzip_baseline import gzip_bits_per_byte, held_out_documents
+
+    documents = held_out_documents(data)
+    gzip_bpb = gzip_bits_per_byte(documents)
+    if gzip_bpb is not None:
+        verdict = "beats" if bpb < gzip_bpb else "does not beat"
+        print(
+            f"held-out bits per byte: {bpb:.3f} (model) vs {gzip_bpb:.3f} (gzip -9, each of the "
+            f"{len(documents)} held-out files alone): the model {verdict} gzip"
+        )
 
 
 def _cache(args: list[str]) -> None:
@@ -309,6 +333,18 @@ def _launch(args: list[str]) -> None:
         raise UserError(f"{command[0]!r} is not a loomax command ({', '.join(COMMANDS)})")
     config = load_config(LaunchConfig, path, options)
     raise SystemExit(launch(config, command))
+
+
+def _control(args: list[str]) -> None:
+    import json
+
+    from loomax.callbacks.control_client import ACTIONS, send
+
+    parser = command_parser("control", COMMANDS["control"])
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds control.json)")
+    parser.add_argument("action", choices=ACTIONS, help="what to ask")
+    known = parser.parse_args(args)
+    print(json.dumps(send(known.run_dir, known.action), indent=1))
 
 
 def _schedule(args: list[str]) -> None:

@@ -1,14 +1,16 @@
-"""The device mesh (``trainer.mesh``) and the two axis mappings that place named axes on it.
+"""The device mesh (``trainer.mesh``) and the axis mappings that place named axes on it.
 
 Mesh axes are ``replica`` (across slices or hosts), ``data`` and ``model``. The parameter
-mapping says how parameters and optimizer state rest (FSDP: ``embed -> data``, tensor
-parallel axes ``-> model``); the compute mapping says how activations are laid out
+mapping says how parameters rest (FSDP: ``embed -> data``, tensor parallel axes ``-> model``);
+the optimizer mapping how optimizer state rests (as parameters, unless they are kept whole:
+ZeRO-2); the compute mapping says how activations are laid out
 (``batch -> (replica, data)``, tensor-parallel axes ``-> model``). Layers never name mesh
 axes: this module is the one place where logical names meet the mesh.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +21,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from loomax.config import ConfigError
+
+logger = logging.getLogger(__name__)
 
 MESH_AXES = ("replica", "data", "model")
 DATA_AXES = ("replica", "data")
@@ -36,6 +40,8 @@ class MeshConfig:
     """Data-parallel (and FSDP) size; -1 = the devices left over."""
     model: int = 1
     """Tensor-parallel size: the tensor_parallel_axes are split this many ways."""
+    auto: bool = False
+    """Let `loomax train` choose the mesh and mappings at start: loomax plan's strategies, compiled for the devices present (the sizes above are then ignored)."""
 
     def __post_init__(self):
         sizes = self.as_dict()
@@ -50,6 +56,11 @@ class MeshConfig:
 
     def resolve(self, num_devices: int) -> dict[str, int]:
         """The axis sizes for ``num_devices`` devices, with -1 filled in."""
+        if self.auto:
+            raise ConfigError(
+                "trainer.mesh.auto: the mesh is chosen by `loomax train` before the run starts "
+                "(loomax.plan.auto.choose_strategy); a Trainer needs a concrete mesh"
+            )
         sizes = self.as_dict()
         known = int(np.prod([s for s in sizes.values() if s != -1]))
         if -1 in sizes.values():
@@ -67,23 +78,83 @@ class MeshConfig:
         return sizes
 
     def build(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """A ``Mesh`` with axes (replica, data, model) over ``devices`` (default: all).
-
-        Devices are laid out process-major, so each process's devices hold a contiguous
-        slice of the batch (what ``make_array_from_process_local_data`` expects).
-        """
+        """A ``Mesh`` with axes (replica, data, model) over ``devices`` (default: all),
+        laid out by ``device_grid``."""
         devices = list(jax.devices() if devices is None else devices)
         sizes = self.resolve(len(devices))
-        grid = np.array(devices, dtype=object).reshape([sizes[a] for a in MESH_AXES])
-        return Mesh(grid, MESH_AXES)
+        return Mesh(device_grid([sizes[a] for a in MESH_AXES], devices), MESH_AXES)
+
+
+def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarray:
+    """``devices`` as a (replica, data, model) array of ``shape``.
+
+    TPU devices follow the physical topology (``mesh_utils``): over several slices,
+    ``replica`` goes across slices (DCN) and every ``data`` x ``model`` group stays within
+    one (ICI); within a slice, groups follow the torus's links. Other devices (CPU, GPU) are
+    laid out in order, process-major, so each process's devices hold a contiguous slice of
+    the batch (what ``make_array_from_process_local_data`` expects); so are TPU devices of a
+    multi-process run whose physical layout would not give each process a contiguous slice.
+    """
+    in_order = np.array(devices, dtype=object).reshape(shape)
+    if devices[0].platform != "tpu":
+        return in_order
+    from jax.experimental import mesh_utils
+
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1 and shape[0] % slices:
+        raise ConfigError(
+            f"trainer.mesh.replica ({shape[0]}) must be a multiple of the {slices} slices, "
+            "so that data and model groups stay within a slice"
+        )
+    try:
+        if slices > 1:
+            ici, dcn = [shape[0] // slices, *shape[1:]], [slices, 1, 1]
+            grid = mesh_utils.create_hybrid_device_mesh(
+                ici, dcn, devices, allow_split_physical_axes=True
+            )
+        else:
+            grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError) as e:
+        logger.warning("trainer.mesh %s: no physical layout (%s); devices in id order", shape, e)
+        return in_order
+    if jax.process_count() > 1 and not _batch_contiguous_per_process(grid):
+        return in_order
+    return grid
+
+
+def _batch_contiguous_per_process(grid: np.ndarray) -> bool:
+    """Whether each process's devices cover one contiguous range of (replica, data) positions."""
+    batch = np.arange(grid.shape[0] * grid.shape[1]).reshape(grid.shape[:2])
+    for process in {d.process_index for d in grid.flat}:
+        mine = sorted(
+            {
+                int(batch[r, d])
+                for (r, d, _), x in np.ndenumerate(grid)
+                if x.process_index == process
+            }
+        )
+        if mine != list(range(mine[0], mine[-1] + 1)):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
 class AxisMappings:
-    """The parameter and compute mappings, from logical axis names to mesh axes."""
+    """The parameter, compute and optimizer-state mappings, from logical axis names to mesh axes."""
 
     parameter: dict[str, str | tuple[str, ...]]
     compute: dict[str, str | tuple[str, ...]]
+    optimizer: dict[str, str | tuple[str, ...]] | None = None
+    """Where optimizer state (and, inside the step, gradients) rests; None = as parameters."""
+
+    def __post_init__(self):
+        if self.optimizer is None:
+            object.__setattr__(self, "optimizer", dict(self.parameter))
+
+    @property
+    def zero2(self) -> bool:
+        """Optimizer state split where parameters are not (gradients reduce-scattered)."""
+        return self.optimizer != self.parameter
 
 
 def make_axis_mappings(
@@ -94,8 +165,12 @@ def make_axis_mappings(
     axis_resources: AxisResources | None = None,
     parameter_axis_resources: AxisResources | None = None,
     compute_axis_resources: AxisResources | None = None,
+    shard_params: bool = True,
 ) -> AxisMappings:
-    """Build both mappings from the basic fields, then apply the advanced overrides.
+    """Build the mappings from the basic fields, then apply the advanced overrides.
+
+    ``shard_params=False`` keeps parameters whole on every device while the optimizer state
+    (and the gradients, inside the step) are still split by ``fsdp_axis`` (ZeRO-2).
 
     Raises ``ValueError`` when a logical axis is given two roles (e.g. both FSDP and
     tensor parallel) or one mapping sends two co-occurring roles to the same mesh axis.
@@ -116,13 +191,19 @@ def make_axis_mappings(
             roles[name] = role
 
     shared = {name: "model" for name in tp}
-    parameter: dict = {**shared, **{name: "data" for name in fsdp}}
+    optimizer: dict = {**shared, **{name: "data" for name in fsdp}}
+    parameter: dict = dict(optimizer) if shard_params else dict(shared)
     compute: dict = {**shared, batch_axis: DATA_AXES}
     for overrides in (axis_resources, parameter_axis_resources):
         parameter.update(_clean(overrides))
+        optimizer.update(_clean(overrides))
     for overrides in (axis_resources, compute_axis_resources):
         compute.update(_clean(overrides))
-    for label, mapping in (("parameter", parameter), ("compute", compute)):
+    for label, mapping in (
+        ("parameter", parameter),
+        ("compute", compute),
+        ("optimizer", optimizer),
+    ):
         _check_mesh_axes(label, mapping)
     batch_mesh = set(_targets(compute.get(batch_axis)))
     for name, target in compute.items():
@@ -135,6 +216,7 @@ def make_axis_mappings(
     return AxisMappings(
         parameter={k: v for k, v in parameter.items() if v},
         compute={k: v for k, v in compute.items() if v},
+        optimizer={k: v for k, v in optimizer.items() if v},
     )
 
 

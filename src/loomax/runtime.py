@@ -59,11 +59,15 @@ class MeshRuntime:
         stack.enter_context(hax.axis_mapping(self.mappings.compute))
         return stack
 
-    def state_shardings(self, tree: Any) -> Any:
-        """Shardings of a state (or its shapes) under the parameter mapping; an axis whose
-        size does not divide over its mesh axes is kept whole (with a warning, once)."""
+    def state_shardings(self, tree: Any, mapping: dict | None = None) -> Any:
+        """Shardings of a state (or its shapes) under ``mapping`` (default: the parameter
+        mapping); an axis whose size does not divide over its mesh axes is kept whole (with a
+        warning, once)."""
         shardings = hax.partitioning.infer_resource_partitions(
-            tree, self.mappings.parameter, preserve_existing_shardings=False, mesh=self.mesh
+            tree,
+            self.mappings.parameter if mapping is None else mapping,
+            preserve_existing_shardings=False,
+            mesh=self.mesh,
         )
         shardings, notes = replicate_indivisible(shardings, tree)
         for note in notes:

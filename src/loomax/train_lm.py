@@ -15,6 +15,7 @@ from loomax.callbacks import (
     next_token_bytes,
     token_byte_lengths,
 )
+from loomax.checkpoint.checkpointer import check_writable
 from loomax.config import flatten_config, to_json_dict, to_yaml
 from loomax.data import BatchLoader, LmDatasets, build_lm_datasets, report_skipped
 from loomax.distributed import pod_ray_cluster
@@ -24,7 +25,10 @@ from loomax.lm.loss import model_lm_loss
 from loomax.lm.sample import sample_text
 from loomax.lm.weights import check_initial_weights, initial_model, initial_weights
 from loomax.peak_flops import total_peak_flops
+from loomax.storage import to_url
+from loomax.tracking import check_trackers
 from loomax.train import HookContext, StepInfo, Trainer, check_restore_sources, setup_process
+from loomax.train.shutdown import schedule_shutdown
 
 logger = logging.getLogger(__name__)
 
@@ -41,26 +45,36 @@ class TrainLmResult:
 
 def train_lm(config: TrainLmConfig) -> TrainLmResult:
     """Run the training job described by ``config``: data, model, loop, eval, sample."""
-    trainer_config, model_config = config.trainer, config.model
-    batch_sizes = trainer_config.batch_schedule
-    optimizer = config.optimizer.build(trainer_config.num_train_steps, batch_sizes)
-    loss_fn = model_lm_loss(config)
-    run_id = setup_process(trainer_config)
-    trainer = Trainer(
-        trainer_config,
-        optimizer,
-        loss_fn,
-        run_id=run_id,
-        lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps, batch_sizes),
-    )
+    run_id = setup_process(config.trainer)
+    try:
+        return _train_lm(config, run_id)
+    finally:
+        if config.trainer.shutdown_at_exit is not None:
+            schedule_shutdown(config.trainer.shutdown_at_exit)
 
-    # missing checkpoints or weights fail now, not after the data build and compile
-    if not check_restore_sources(
-        trainer_config, trainer.checkpointer.directory.url, trainer.run_id
-    ):
+
+def _train_lm(config: TrainLmConfig, run_id: str) -> TrainLmResult:
+    trainer_config, model_config = config.trainer, config.model
+    # a missing tracker package, checkpoints or weights fail now, not after the data build
+    check_trackers(trainer_config.tracker)
+    own_checkpoints = to_url(trainer_config.checkpoint_path(run_id))
+    check_writable(own_checkpoints)
+    if not check_restore_sources(trainer_config, own_checkpoints, run_id):
         check_initial_weights(config)
     with pod_ray_cluster(trainer_config.ray) as ray_config:  # on a pod: every host's CPUs
         data = build_lm_datasets(config.data, model_config.seq_len, ray=ray_config)
+    epoch_size = data.num_train_windows
+    trainer_config = trainer_config.with_epoch_size(epoch_size)  # num_train_epochs -> steps
+    batch_sizes = trainer_config.batch_schedule
+    steps = trainer_config.num_train_steps
+    trainer = Trainer(
+        trainer_config,
+        config.optimizer.build(steps, batch_sizes),
+        model_lm_loss(config),
+        run_id=run_id,
+        lr_schedule=config.optimizer.lr_scheduler(steps, batch_sizes),
+        epoch_size=epoch_size,
+    )
     vocab_size = resolve_vocab_size(model_config, data.vocab_size)
     validation = eval_sets(config, data, trainer.runtime.data_parallel_size)
     loader = make_loader(config, data)
@@ -77,7 +91,7 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         validation,
         trainer_config.policy,
         jit=trainer.runtime.jit,
-        prepare=trainer.runtime.shard_batch,
+        prepare=trainer.place_batch,
         count_bytes=next_token_bytes(token_byte_lengths(data.tokenizer, vocab_size)),
         microbatch_rows=trainer_config.eval_microbatch_rows(trainer.runtime.data_parallel_size),
     )
@@ -98,6 +112,8 @@ def train_lm(config: TrainLmConfig) -> TrainLmResult:
         peak_flops=peak,
         config_yaml=config_yaml,
         primary=primary,
+        trace_step=trainer.trace_step,
+        write_artifact=trainer.write_artifact,
     )
     hooks = []  # the run's own hooks (trainer settings), then trainer.hooks from the YAML
     for hook_config in default_hooks(trainer_config) + list(trainer_config.hooks):

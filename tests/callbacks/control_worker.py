@@ -2,7 +2,8 @@
 
   python control_worker.py ID COUNT PORT RUN_DIR     # prints {"final_step", "stop_reason", ...}
 
-Only process 0 serves HTTP; a command must still stop every process at the same step.
+Only process 0 serves HTTP; a command must still stop every process at the same step (an
+abort: every process raises ``RunAborted``, printed as {"aborted": message, ...}).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from loomax.callbacks import ControlServerHook  # noqa: E402
+from loomax.callbacks.control_server import RunAborted  # noqa: E402
 from loomax.distributed import DistributedConfig  # noqa: E402
 from loomax.lm import lm_loss  # noqa: E402
 from loomax.mesh import MeshConfig  # noqa: E402
@@ -53,7 +55,17 @@ def main() -> None:
     rng = np.random.default_rng(pid)
     rows = BATCH // jax.process_count()
     batches = (rng.integers(0, VOCAB, (rows, MODEL.seq_len), dtype=np.int32) for _ in range(STEPS))
-    final = trainer.train(state, batches)
+    try:
+        final = trainer.train(state, batches)
+    except RunAborted as error:
+        trainer.finish()
+        saved = trainer.checkpointer.last_saved_step
+        print(
+            json.dumps(
+                {"process_index": jax.process_index(), "aborted": str(error), "saved_step": saved}
+            )
+        )
+        return
     trainer.finish()
     print(
         json.dumps(

@@ -13,6 +13,9 @@ from loomax.lm import TrainLmConfig
 from loomax.train import Hook, HookConfig, HookContext
 from loomax.train_lm import train_lm
 
+NOTIFY_URL = "http://127.0.0.1:9/services/s3cr3t"
+"""The discard port: nothing answers there."""
+
 HOOKS = {
     "batch_size_schedule": {"every": 4},
     "config_saver": {},
@@ -20,6 +23,7 @@ HOOKS = {
     "control": {"port": 0},
     "divergence": {"patience": 3},
     "downstream_eval": {"every": 4, "tasks": ["contract_mc"], "default_tasks": False, "limit": 2},
+    "dump_gradients": {"steps": [4]},
     "early_stopping": {"patience": 5},
     "ema": {"decay": 0.9, "use_for_eval": True},
     "eval": {"every": 4, "max_batches": 1},
@@ -30,13 +34,16 @@ HOOKS = {
     "metric_saver": {"every": 4, "include": ["train/*", "eval/*"]},
     "model_merge": {"steps": [4], "window": 2},
     "nan_check": {},
-    "norms": {"every": 2, "histograms": True},
-    "profiler": {"start": 2, "num_steps": 1},
+    "norms": {"every": 2, "histograms": True, "spectral": True},
+    "notify": {"url": NOTIFY_URL, "every": 4, "timeout": 1},  # nothing listens: posts only warn
+    "profiler": {"wait": 1, "active": 1},
     "progress": {},
     "seq_len_warmup": {"min_seq_len": 16, "warmup_steps": 4},
     "speed": {"every": 2},
     "stability": {"window": 4, "every": 2, "min_history": 2},
+    "step_programs": {},
     "textgen": {"every": 4, "prompts": ["def "], "max_new_tokens": 4},
+    "wandb_cancel": {"check_seconds": 60},  # no wandb run here: it says so and stays off
 }
 
 
@@ -117,6 +124,7 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
         "downstream/contract_mc/acc",  # downstream_eval (lm-eval)
     ):
         assert key in logged, key
+    assert any(k.startswith("norms/spectral/") for k in logged)
     final_eval = records[8]
     macro = (final_eval["eval/train/loss"] + final_eval["eval/other/loss"]) / 2
     assert final_eval["eval/loss"] == pytest.approx(macro)
@@ -129,6 +137,11 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
     assert not (run_dir / "control.json").exists()  # the server stopped with the run
     assert (run_dir / "hf" / "step-4" / "config.json").exists()  # hf_export: every 4 and at the end
     assert (run_dir / "hf" / "step-8" / "tokenizer.json").exists()
+    assert [p.name for p in (run_dir / "gradients").iterdir()] == ["step-4.safetensors"]
+    assert (run_dir / "artifacts" / "train_step.hlo.txt").read_text().startswith("HloModule")
+    saved = [run_dir / "config.yaml", run_dir / "checkpoints" / "step-8" / "config.yaml"]
+    saved += [run_dir / "checkpoints" / "step-8" / "metadata.json", run_dir / "hparams.json"]
+    assert all("s3cr3t" not in path.read_text() for path in saved)  # notify's URL is secret
 
 
 def write_multiple_choice_task(root, name: str):

@@ -1,4 +1,5 @@
-"""Control server: a real run is stopped (after a save) over real HTTP on 127.0.0.1, with a bearer token."""
+"""Control server: a real run is stopped (after a save) or aborted (no save) over real HTTP on
+127.0.0.1, with a bearer token; `loomax control RUN_DIR ...` is its client."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from loomax.callbacks import ControlServerHook, control_server
+from loomax.callbacks import ControlServerHook, LogMetricsHook, control_server
+from loomax.callbacks.control_server import RunAborted
+from loomax.cli import main
 from loomax.distributed.net import free_port
 from loomax.train.hooks import StepInfo
 
@@ -129,7 +132,10 @@ def test_save_and_stop_over_http(tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_only_process_0_serves_and_the_stop_reaches_every_process(tmp_path, processes_support):
+@pytest.mark.parametrize("command", ["save_and_stop", "abort"])
+def test_only_process_0_serves_and_the_stop_reaches_every_process(
+    command, tmp_path, processes_support
+):
     worker = Path(__file__).with_name("control_worker.py")
     env = {
         **os.environ,
@@ -153,13 +159,72 @@ def test_only_process_0_serves_and_the_stop_reaches_every_process(tmp_path, proc
             processes.check_running()
             assert time.monotonic() < deadline, "not at step 3 after 240s"
             time.sleep(0.05)
-        assert call(served["url"] + "/save_and_stop", "POST", token=served["token"])[0] == 202
+        assert call(served["url"] + f"/{command}", "POST", token=served["token"])[0] == 202
         outputs = processes.wait(timeout=240)
         return [json.loads(outputs[f"worker{i}"].strip().splitlines()[-1]) for i in range(2)]
 
     results = processes_support.run_scenario(tmp_path, scenario)
     assert [r["process_index"] for r in results] == [0, 1]
+    if command == "abort":  # every process fails at the same step, and none saved
+        assert results[0]["aborted"] == results[1]["aborted"]
+        assert results[0]["aborted"].endswith(": no checkpoint saved")
+        assert [r["saved_step"] for r in results] == [None, None]
+        return
     assert results[0]["final_step"] == results[1]["final_step"] < 100_000
     for r in results:
         assert r["stop_reason"] == "save_and_stop over HTTP (requested by control server)"
         assert r["saved_step"] == r["final_step"]
+
+
+def test_loomax_control_reads_status_then_aborts_without_a_save(tiny, tmp_path, capsys):
+    trainer = tiny.trainer(tmp_path, steps=100_000, max_train_time=timedelta(seconds=120))
+    trainer.add_hook(ControlServerHook(run_dir=trainer.run_dir, max_steps=100_000))
+    trainer.add_hook(LogMetricsHook(every=2, tokens_per_step=64))
+    run_dir = str(trainer.run_dir)
+    replies = {}
+
+    def client():
+        wait_for(lambda: (trainer.run_dir / "control.json").exists(), 60, "control.json")
+
+        def logged():
+            main(["control", run_dir, "status"])
+            replies["status"] = json.loads(capsys.readouterr().out)
+            return "train/loss" in replies["status"]["metrics"]
+
+        wait_for(logged, 60, "logged metrics in /status")
+        main(["control", run_dir, "abort"])
+        replies["abort"] = json.loads(capsys.readouterr().out)
+
+    thread = ClientThread(client)
+
+    def stop_if_the_client_failed(info):
+        if thread.error is not None:
+            info.control.stop("the test's client failed", by="test")
+
+    trainer.add_hook(stop_if_the_client_failed, every=1)
+    thread.start()
+    with pytest.raises(RunAborted, match=r"aborted over HTTP at step \d+: no checkpoint saved"):
+        trainer.train(tiny.init(trainer), tiny.batches())
+    trainer.finish()
+    thread.result(timeout=30)
+    status = replies["status"]
+    assert status["max_steps"] == 100_000 and status["logged_step"] % 2 == 0
+    assert status["metrics"]["train/loss"] > 0 and status["state"] == "training"
+    assert replies["abort"] == {"accepted": "abort"}
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").glob("step-*")
+    )
+    assert not (tmp_path / "run" / "control.json").exists()
+
+
+def test_loomax_control_without_a_server_is_one_error_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["control", str(tmp_path), "status"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loomax control: error: ") and "control.json not found" in err
+    assert err.count("\n") == 1
+    with pytest.raises(SystemExit) as exit_info:
+        main(["control", "--help"])
+    assert exit_info.value.code == 0
+    assert "abort" in capsys.readouterr().out

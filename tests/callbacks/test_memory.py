@@ -1,12 +1,16 @@
-"""Memory monitor: host RSS (and device stats where the backend has them) every N steps."""
+"""Memory monitor: host RSS (and device stats where the backend has them) every N steps, over
+every process; device memory profiles at chosen steps and on running out of memory."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
+import pytest
 
-from loomax.callbacks import MemoryMonitorHook
-from loomax.callbacks.memory import memory_metrics
+from loomax.callbacks import LogMetricsHook, MemoryMonitorHook
+from loomax.callbacks.memory import is_out_of_memory, memory_metrics
 from loomax.train import StepInfo
 
 
@@ -29,3 +33,30 @@ def test_the_hook_logs_the_metrics_with_the_step():
     assert info.record["memory/host_rss_bytes"] > 1e6
     on_cpu = jax.default_backend() == "cpu"  # CPU devices have no memory stats; GPUs do
     assert ("memory/device_bytes_in_use" in info.record) is not on_cpu
+
+
+def test_profiles_at_chosen_steps_and_when_the_run_runs_out_of_memory(tiny, tmp_path):
+    trainer = tiny.trainer(tmp_path, steps=6)
+    memory = MemoryMonitorHook(
+        every=2, per_process=True, profile_steps=[2], run_dir=trainer.run_dir
+    )
+    trainer.add_hook(memory)
+    trainer.add_hook(LogMetricsHook(every=2, tokens_per_step=64))
+
+    @trainer.add_hook(every=3)
+    def exhaust(info):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1.0TiB")
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        trainer.train(tiny.init(trainer), tiny.batches())
+    trainer.finish()
+    names = sorted(p.name for p in (trainer.run_dir / "memory").iterdir())
+    assert names == ["oom-step-3.process-0.prof", "step-2.process-0.prof"]
+    for path in memory.profiles:  # pprof files (gzipped protobuf)
+        assert path.read_bytes()[:2] == b"\x1f\x8b"
+    (record,) = [
+        r for r in map(json.loads, (trainer.run_dir / "metrics.jsonl").open()) if r["step"] == 2
+    ]
+    rss = record["memory/host_rss_bytes"]
+    assert rss > 1e6 and record["memory/process_0/host_rss_bytes"] == rss  # one process: its own
+    assert not is_out_of_memory(ValueError("bad value"))

@@ -7,6 +7,7 @@ from loomax.callbacks.control_server import ControlServerHook
 from loomax.callbacks.defaults import default_hooks
 from loomax.callbacks.divergence import DivergenceDetector, DivergenceError
 from loomax.callbacks.downstream_eval import DownstreamEvalHook
+from loomax.callbacks.dump_gradients import DumpGradientsHook
 from loomax.callbacks.early_stopping import EarlyStoppingHook
 from loomax.callbacks.ema import EmaHook
 from loomax.callbacks.eval import (
@@ -23,13 +24,16 @@ from loomax.callbacks.metric_saver import MetricSaverHook
 from loomax.callbacks.model_merge import ModelMergeHook
 from loomax.callbacks.nan_check import NanCheckHook, NonFiniteLossError
 from loomax.callbacks.norms import NormsHook
+from loomax.callbacks.notify import NotifyHook
 from loomax.callbacks.profiler import ProfilerHook
 from loomax.callbacks.progress import ProgressBarHook
 from loomax.callbacks.seq_len_warmup import SeqLenWarmupHook
 from loomax.callbacks.skip_bad_steps import RemovedSkipBadStepsConfig  # noqa: F401 - registers the migration error
 from loomax.callbacks.speed import SpeedMonitorHook
 from loomax.callbacks.stability import StabilityMonitor
+from loomax.callbacks.step_programs import StepProgramsHook
 from loomax.callbacks.textgen import TextGenHook
+from loomax.callbacks.wandb_cancel import WandbCancelHook
 
 __all__ = [
     "BatchSizeScheduleHook",
@@ -39,6 +43,7 @@ __all__ = [
     "DivergenceDetector",
     "DivergenceError",
     "DownstreamEvalHook",
+    "DumpGradientsHook",
     "EarlyStoppingHook",
     "EmaHook",
     "EvalHook",
@@ -51,12 +56,15 @@ __all__ = [
     "NanCheckHook",
     "NonFiniteLossError",
     "NormsHook",
+    "NotifyHook",
     "ProfilerHook",
     "ProgressBarHook",
     "SeqLenWarmupHook",
     "SpeedMonitorHook",
     "StabilityMonitor",
+    "StepProgramsHook",
     "TextGenHook",
+    "WandbCancelHook",
     "default_hooks",
     "make_loss_evaluator",
     "next_token_bytes",

@@ -1,9 +1,16 @@
-"""A console log line every N steps: step, loss, learning rate, tokens/s (from finished steps)."""
+"""A console log line every N steps (or seconds): step, the chosen metrics, tokens/s.
+
+The line is of the last finished step: its metrics whose names match ``metrics`` (globs;
+``train/loss`` shows as ``loss``, ``optim/learning_rate`` as ``lr``), then tokens/s.
+"""
 
 from __future__ import annotations
 
+import fnmatch
 import logging
-from dataclasses import dataclass
+import math
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from loomax.callbacks.tokens import TokenCount, token_count, tokens_of_step
@@ -19,13 +26,19 @@ class ConsoleHook(Hook):
 
     @dataclass(frozen=True)
     class Config(HookConfig):
-        """A log line with loss, learning rate and tokens/s every N steps."""
+        """A log line with the chosen metrics and tokens/s every N steps (or seconds)."""
 
         every: int = 10
-        """Write a line every this many steps."""
+        """Write a line every this many steps (unless seconds is set)."""
+        seconds: float | None = None
+        """Write a line whenever this many seconds have passed since the last one; null = by steps."""
+        metrics: list[str] = field(default_factory=lambda: ["train/loss", "optim/learning_rate"])
+        """Glob patterns of the finished step's metrics shown, in this order."""
+        tokens_per_second: bool = True
+        """Also show the tokens per second of the finished step."""
 
         def __post_init__(self):
-            self.check_positive("every")
+            self.check_positive("every", "seconds")
 
     config: Config
 
@@ -39,6 +52,9 @@ class ConsoleHook(Hook):
         **settings: Any,
     ):
         super().__init__(config, **settings)
+        if self.config.seconds is not None:
+            self.every = 1  # it looks at the clock after every step
+        self._last_line = time.monotonic()
         self.total_steps = total_steps
         self.tokens = token_count(tokens_per_step)
         self.lines: list[str] = []
@@ -54,15 +70,27 @@ class ConsoleHook(Hook):
 
     def on_step(self, info: StepInfo) -> None:
         done = info.previous
-        if done is None:
+        seconds = self.config.seconds
+        if done is None or (seconds and time.monotonic() - self._last_line < seconds):
             return
+        self._last_line = time.monotonic()
         parts = [f"step {done.step}/{self.total_steps}"]
-        if "train/loss" in done.metrics:
-            parts.append(f"loss {done.metrics['train/loss']:.4f}")
-        if "optim/learning_rate" in done.metrics:
-            parts.append(f"lr {done.metrics['optim/learning_rate']:.3g}")
-        if done.duration > 0:
+        shown = set()
+        for pattern in self.config.metrics:
+            for key in sorted(k for k in done.metrics if fnmatch.fnmatch(k, pattern)):
+                if key not in shown:
+                    shown.add(key)
+                    parts.append(_shown(key, done.metrics[key]))
+        if self.config.tokens_per_second and done.duration > 0:
             parts.append(f"{tokens_of_step(self.tokens, done.step) / done.duration:,.0f} tok/s")
         line = " | ".join(parts)
         self.lines = [*self.lines[-255:], line]
         logger.info(line)
+
+
+def _shown(key: str, value: float) -> str:
+    if key == "train/loss":
+        return f"loss {value:.4f}"
+    if key == "optim/learning_rate":
+        return f"lr {value:.3g}"
+    return f"{key} {value:.4g}" if math.isfinite(value) else f"{key} {value}"

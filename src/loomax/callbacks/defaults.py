@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from loomax.callbacks.config_saver import ConfigSaverHook
+from loomax.callbacks.ema import EmaHook
 from loomax.callbacks.eval import EvalHook
 from loomax.callbacks.log_metrics import LogMetricsHook
 from loomax.callbacks.nan_check import NanCheckHook
@@ -20,7 +21,7 @@ def default_hooks(trainer: TrainerConfig) -> list[HookConfig]:
     """Configs of a run's own hooks, in the order they are added (before ``trainer.hooks``).
 
     The resolved config's saver; a progress bar (``progress_bar``); the NaN check
-    (``crash_on_nan``); the evaluation (``steps_per_eval``, ``eval_at_start``,
+    (``crash_on_nan``); the weights' average (``model_averaging``); the evaluation (``steps_per_eval``, ``eval_at_start``,
     ``max_eval_batches``); train metrics and throughput every ``log_every`` steps.
     """
     hooks: list[HookConfig] = [ConfigSaverHook.Config()]
@@ -28,6 +29,8 @@ def default_hooks(trainer: TrainerConfig) -> list[HookConfig]:
         hooks.append(ProgressBarHook.Config())
     if trainer.crash_on_nan:
         hooks.append(NanCheckHook.Config())
+    if trainer.model_averaging is not None:
+        hooks.append(EmaHook.Config.of_run(trainer.model_averaging))
     hooks += [
         EvalHook.Config.of_run(trainer),
         LogMetricsHook.Config(every=trainer.log_every),

@@ -3,7 +3,8 @@
 The average lives in ``TrainerState.extras["ema"]`` (so it is sharded like the
 parameters and saved in checkpoints) and is updated inside the step:
 ``ema = decay * ema + (1 - decay) * params``. With ``use_for_eval`` evaluators use it
-(``info.eval_model``).
+(``info.eval_model``). ``trainer.model_averaging`` adds this hook with a per-step
+``averaging`` schedule (``loomax.train.averaging``), evaluated.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from loomax.train.averaging import ModelAveragingConfig
 from loomax.train.hook_config import HookConfig, hook_type
 from loomax.train.hooks import Hook
 from loomax.train.step import StateExtra, StepContext
@@ -33,9 +35,16 @@ class EmaHook(Hook):
         """Weight of the previous average at each step."""
         use_for_eval: bool = False
         """Evaluate the EMA weights instead of the trained ones."""
+        averaging: ModelAveragingConfig | None = None
+        """A per-step decay instead of `decay` (what trainer.model_averaging sets); null = the constant decay."""
 
         def __post_init__(self):
             self.check(0 <= self.decay < 1, f"decay must be in [0, 1), got {self.decay}")
+
+        @classmethod
+        def of_run(cls, averaging: ModelAveragingConfig) -> EmaHook.Config:
+            """The hook ``trainer.model_averaging`` adds: that average, used for evaluation."""
+            return cls(use_for_eval=True, averaging=averaging)
 
     config: Config
 
@@ -44,9 +53,11 @@ class EmaHook(Hook):
         self.provides_eval_weights = EMA_KEY if self.config.use_for_eval else None
 
     def state_extras(self) -> dict[str, StateExtra]:
-        decay = self.config.decay
+        averaging = self.config.averaging
+        constant = self.config.decay
 
         def update(ema, context: StepContext):
+            decay = constant if averaging is None else averaging.decay(context.step)
             params = eqx.filter(context.new_model, eqx.is_inexact_array)
             return jax.tree.map(
                 lambda e, p: (decay * e + (1 - decay) * p).astype(e.dtype), ema, params

@@ -21,13 +21,14 @@ import numpy as np
 from loomax.errors import DataSourceError
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
+from loomax.train.loss_metrics import add_sums, metric_values, split_loss, zero_sums
 
 if TYPE_CHECKING:
     from loomax.train.config import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
-EvalLossFn = Callable[..., tuple[jax.Array, jax.Array]]
+EvalLossFn = Callable[..., Any]
 Evaluator = Callable[[Any], dict[str, float]]
 
 
@@ -47,7 +48,9 @@ def make_loss_evaluator(
     ``eval/<name>/loss``, ``/perplexity`` (and ``/bpb``), and ``eval/loss``,
     ``eval/perplexity``, ``eval/bpb`` are the macro averages over the sets (each set
     counts once, whatever its size). ``loss_fn(model, batch, *, key)`` returns
-    ``(loss_sum, weight)`` in nats; ``count_bytes(batch)`` (traced) returns the UTF-8
+    ``(loss_sum, weight)`` in nats, or ``((loss_sum, weight), metrics)``: each metric is
+    reported beside the loss (``eval/<name>``), reduced over batches and microbatches as
+    ``loomax.train.loss_metrics`` says; ``count_bytes(batch)`` (traced) returns the UTF-8
     bytes of the predicted tokens, which gives bits per byte. Sums are added on the
     device and pulled to the host once per set. ``jit`` and ``prepare`` let a trainer run
     it sharded (``runtime.jit`` and ``runtime.shard_batch``).
@@ -67,18 +70,13 @@ def make_loss_evaluator(
     if microbatch_rows is not None and microbatch_rows < 1:
         raise ValueError(f"microbatch_rows must be >= 1 or None, got {microbatch_rows}")
 
-    def sums_of(model, batch) -> jax.Array:
-        total, weight = loss_fn(model, batch, key=None)
+    def sums_of(model, batch):
+        total, weight, sums = split_loss(loss_fn(model, batch, key=None))
         nbytes = count_bytes(batch) if count_bytes is not None else 0.0
-        return jnp.stack(
-            [
-                jnp.asarray(total, jnp.float32),
-                jnp.asarray(weight, jnp.float32),
-                jnp.asarray(nbytes, jnp.float32),
-            ]
-        )
+        three = [jnp.asarray(x, jnp.float32) for x in (total, weight, nbytes)]
+        return jnp.stack(three), sums
 
-    def batch_sums(model, batch) -> jax.Array:
+    def batch_sums(model, batch):
         model = mp.cast_to_compute(model)
         rows = jax.tree.leaves(batch)[0].shape[0]
         if microbatch_rows is None or rows <= microbatch_rows:
@@ -90,11 +88,12 @@ def make_loss_evaluator(
         n = rows // microbatch_rows
         # microbatch i = rows i, i + n, ...: each device's rows hold an equal share of each
         micro = jax.tree.map(lambda x: x.reshape(-1, n, *x.shape[1:]).swapaxes(0, 1), batch)
+        shapes = jax.eval_shape(sums_of, model, jax.tree.map(lambda x: x[0], micro))
 
         def body(carry, mb):
-            return carry + sums_of(model, mb), None
+            return add_sums(carry, sums_of(model, mb)), None
 
-        total, _ = jax.lax.scan(body, jnp.zeros((3,), jnp.float32), micro)
+        total, _ = jax.lax.scan(body, zero_sums(shapes), micro)
         return total
 
     batch_sums = jit(batch_sums)
@@ -103,15 +102,19 @@ def make_loss_evaluator(
         out: dict[str, float] = {}
         per_set = []
         for name, set_batches in sets.items():
-            sums = jnp.zeros((3,), jnp.float32)
+            sums = None
             for batch in set_batches:  # placed on the devices one at a time
-                sums = sums + batch_sums(model, prepare(batch))
-            total, weight, nbytes = (float(x) for x in jax.device_get(sums))
+                new = batch_sums(model, prepare(batch))
+                sums = new if sums is None else add_sums(sums, new)
+            three, loss_sums = jax.device_get(sums)
+            total, weight, nbytes = (float(x) for x in three)
             metrics = _metrics(total, weight, nbytes if count_bytes is not None else None)
+            metrics.update({k: float(v) for k, v in metric_values(loss_sums).items()})
             per_set.append(metrics)
             if name:
                 out.update({f"eval/{name}/{k}": v for k, v in metrics.items()})
-        macro = {k: float(np.mean([m[k] for m in per_set])) for k in per_set[0]}
+        shared = [k for k in per_set[0] if all(k in m for m in per_set)]
+        macro = {k: float(np.mean([m[k] for m in per_set])) for k in shared}
         macro["perplexity"] = math.exp(min(macro["loss"], 700.0))
         out.update({f"eval/{k}": v for k, v in macro.items()})
         return out

@@ -1,4 +1,8 @@
-"""Hugging Face export every N steps and at the end: ``<path>/step-<N>/`` in the HF layout."""
+"""Hugging Face export every N steps and at the end: ``<path>/step-<N>/`` in the HF layout.
+
+The weights are written in ``dtype`` (default: the parameters' own) and, with ``validate``,
+read back with ``loomax.hf.load_hf`` and compared with what was meant to be written.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
 logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ExportMismatchError(RuntimeError):
+    """A Hugging Face export read back does not hold the weights that were written."""
 
 
 @hook_type("hf_export")
@@ -27,12 +40,22 @@ class HfExportHook(Hook):
         """Writes Hugging Face checkpoints (safetensors + config.json + tokenizer) every N steps and at the end."""
 
         every: int = 1000
-        """Export every this many steps (and once when training ends)."""
+        """Export every this many steps (and once when training ends, if at_end)."""
+        at_end: bool = True
+        """Also export when training ends."""
         path: str | None = None
         """Directory of the step-N exports; null = <run_dir>/hf."""
+        dtype: str | None = None
+        """Weights written as float32, bfloat16 or float16; null = the parameters' dtype."""
+        validate: bool = True
+        """Read each export back (loomax.hf.load_hf) and check it holds the weights written."""
 
         def __post_init__(self):
             self.check_positive("every")
+            self.check(
+                self.dtype in (None, *DTYPES),
+                f"dtype must be one of {DTYPES} or null, got {self.dtype!r}",
+            )
 
     config: Config
 
@@ -76,7 +99,7 @@ class HfExportHook(Hook):
         self._export(info)
 
     def on_train_end(self, info: StepInfo) -> None:
-        if self.last_step != info.step:
+        if self.config.at_end and self.last_step != info.step:
             self._export(info)
 
     def _export(self, info: StepInfo) -> None:
@@ -90,7 +113,32 @@ class HfExportHook(Hook):
         self.last_step = info.step
         if not self.primary:
             return
+        if self.config.dtype is not None:
+            dtype = jnp.dtype(self.config.dtype)
+            cast = lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x  # noqa: E731
+            model = jax.tree.map(cast, model)
         out = self.path / f"step-{info.step}"
         export_hf(model, out, tokenizer=self.tokenizer, special_tokens=self.special_tokens)
+        if self.config.validate:
+            _check_reload(model, out)
         self.written.append(out)
         logger.info("exported a Hugging Face checkpoint at step %d: %s", info.step, out)
+
+
+def _check_reload(model: Any, out: Path) -> None:
+    """Raise ``ExportMismatchError`` unless ``out`` loads back as ``model``'s weights, bit for bit
+    (``load_hf`` gives the model's own parameter dtype: compared in the dtype written)."""
+    from loomax.hf import load_hf
+
+    loaded = load_hf(out, model.config)
+    written = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
+    read = jax.tree.leaves(eqx.filter(loaded, eqx.is_inexact_array))
+    if len(written) != len(read):
+        raise ExportMismatchError(f"{out}: {len(read)} arrays read back, {len(written)} written")
+    for a, b in zip(written, read, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape or not np.array_equal(a, b.astype(a.dtype)):
+            raise ExportMismatchError(
+                f"{out}: a weight read back differs from the one written "
+                f"({b.dtype}{list(b.shape)} vs {a.dtype}{list(a.shape)})"
+            )

@@ -1,4 +1,12 @@
-"""Profiler: a ``jax.profiler`` trace of steps [start, start + num_steps) in ``<run_dir>/profile``."""
+"""Profiler: ``jax.profiler`` traces of the steps a schedule picks, in ``<run_dir>/profile``.
+
+The schedule counts steps from 1 in cycles of ``wait + warmup + active`` steps, ``repeat``
+times (0: until the run ends): a cycle waits ``wait`` steps, then traces ``warmup`` steps
+(the profiler's start-up cost lands there) and the ``active`` steps after them. Each
+trace is TensorBoard's (``*.xplane.pb``) and Perfetto's (``*.trace.json.gz``, whose
+path is logged with how to open it) under ``steps-<first>-<last>/``; ``memory_profile`` adds a
+device memory profile at the end of each cycle there. Only the listed ``processes`` trace.
+"""
 
 from __future__ import annotations
 
@@ -14,28 +22,46 @@ from loomax.train.hooks import Hook, StepInfo
 
 logger = logging.getLogger(__name__)
 
+PERFETTO_UI = "https://ui.perfetto.dev"
+
 
 @hook_type("profiler")
 class ProfilerHook(Hook):
-    """Starts the trace after step ``start - 1`` is dispatched; stops once step ``start + num_steps - 1`` is done.
+    """Starts a trace after the step before a cycle's warmup is dispatched; stops it once the
+    cycle's last active step is done.
 
-    The trace goes to ``directory`` (default ``<run_dir>/profile``). Open it with
+    The traces go to ``directory`` (default ``<run_dir>/profile``). Open them with
     TensorBoard's profile plugin or Perfetto (``*.trace.json.gz``).
     """
 
     @dataclass(frozen=True)
     class Config(HookConfig):
-        """A jax.profiler trace of steps [start, start + num_steps) into <run_dir>/profile."""
+        """jax.profiler traces of the steps a schedule (wait, warmup, active, repeat) picks."""
 
-        start: int = 5
-        """First step traced (after compilation has settled)."""
-        num_steps: int = 3
-        """Steps traced."""
+        wait: int = 4
+        """Steps of each cycle before tracing starts (the first cycle: compilation settles)."""
+        warmup: int = 0
+        """Traced steps before the active ones, where the profiler's start-up cost lands."""
+        active: int = 3
+        """Steps traced for reading in each cycle."""
+        repeat: int = 1
+        """Cycles traced; 0 = cycles until the run ends."""
+        processes: list[int] | None = None
+        """Indices of the processes that trace; null = every process."""
+        memory_profile: bool = False
+        """Also write a device memory profile (pprof) at the end of each traced cycle."""
         directory: str | None = None
-        """Where the trace goes; null = <run_dir>/profile."""
+        """Where the traces go; null = <run_dir>/profile."""
 
         def __post_init__(self):
-            self.check_positive("start", "num_steps")
+            self.check_positive("active")
+            self.check(self.wait >= 0 and self.warmup >= 0, "wait and warmup must be >= 0")
+            self.check(self.repeat >= 0, f"repeat must be >= 0, got {self.repeat}")
+
+        @property
+        def cycle(self) -> int:
+            """Steps per cycle."""
+            return self.wait + self.warmup + self.active
 
     config: Config
     every = 1
@@ -53,50 +79,77 @@ class ProfilerHook(Hook):
             raise ValueError("ProfilerHook needs a directory or a run_dir")
         directory = self.config.directory
         self.directory = Path(directory) if directory else Path(run_dir) / "profile"
+        processes = self.config.processes
+        self.enabled = processes is None or jax.process_index() in processes
         self.active = False
-        self.done = False
+        self.cycles_done = 0
+        self.traced: list[tuple[int, int]] = []
+        """The (first, last) steps of each trace written."""
 
     @classmethod
     def from_config(cls, config: Config, context: HookContext) -> Hook:
         return cls(config, run_dir=context.run_dir)
 
-    @property
-    def last_step(self) -> int:
-        """The last step traced."""
-        return self.config.start + self.config.num_steps - 1
+    def window(self, cycle: int) -> tuple[int, int]:
+        """The first and last traced steps of cycle ``cycle`` (from 0)."""
+        c = self.config
+        first = cycle * c.cycle + c.wait + 1
+        return first, first + c.warmup + c.active - 1
+
+    def _cycle_starting_after(self, step: int) -> int | None:
+        """The cycle whose first traced step is ``step + 1``, if one is due."""
+        c = self.config
+        cycle, offset = divmod(step - c.wait, c.cycle)
+        if step < c.wait or offset or (c.repeat and cycle >= c.repeat):
+            return None
+        return cycle
 
     def on_train_begin(self, info: StepInfo) -> None:
-        if info.step == self.config.start - 1:
-            self._begin()
+        self._maybe_begin(info.step)
 
     def on_step(self, info: StepInfo) -> None:
-        if info.step == self.config.start - 1 and not self.done:
-            self._begin()
-        elif self.active and info.step >= self.last_step:
+        if self.active and info.step >= self._last:
             jax.block_until_ready(info.metrics)
-            self._end()
+            self._end(info.step)
+        self._maybe_begin(info.step)
 
     def on_train_end(self, info: StepInfo) -> None:
-        self._end()
+        self._end(info.step)
 
     def on_error(self, info: StepInfo, error: BaseException) -> None:
-        self._end()
+        self._end(info.step)
 
-    def _begin(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        jax.profiler.start_trace(str(self.directory), create_perfetto_trace=True)
+    def _maybe_begin(self, step: int) -> None:
+        cycle = self._cycle_starting_after(step)
+        if not self.enabled or self.active or cycle is None:
+            return
+        self._first, self._last = self.window(cycle)
+        self._out = self.directory / f"steps-{self._first}-{self._last}"
+        self._out.mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(str(self._out), create_perfetto_trace=True)
         self.active = True
-        logger.info(
-            "profiling steps %d to %d into %s",
-            self.config.start,
-            self.last_step,
-            self.directory,
-        )
+        logger.info("profiling steps %d to %d into %s", self._first, self._last, self._out)
 
-    def _end(self) -> None:
-        if self.active:
-            jax.profiler.stop_trace()
-            self.active, self.done = False, True
+    def _end(self, step: int) -> None:
+        if not self.active:
+            return
+        jax.profiler.stop_trace()
+        self.active = False
+        self.cycles_done += 1
+        self.traced.append((self._first, min(step, self._last)))
+        if self.config.memory_profile:
+            path = self._out / f"memory-step-{step}.process-{jax.process_index()}.prof"
+            jax.profiler.save_device_memory_profile(str(path))
+        traces = sorted(self._out.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+        if traces:
+            logger.info(
+                "trace of steps %d-%d: open %s in %s (Open trace file), or tensorboard --logdir %s",
+                self._first,
+                min(step, self._last),
+                traces[-1],
+                PERFETTO_UI,
+                self.directory,
+            )
 
 
 KERNEL_CATEGORIES = (

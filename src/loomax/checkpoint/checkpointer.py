@@ -93,11 +93,7 @@ class Checkpointer:
 
     def check_writable(self) -> None:
         """Raise ``ConfigError`` naming ``base_path`` if it cannot be written (process 0 checks)."""
-        if jax.process_index() == 0:
-            try:
-                self.directory.check_writable()
-            except OSError as e:
-                raise ConfigError(f"trainer.checkpointer.base_path: {e}") from e
+        check_writable(self.directory)
 
     def adopt(self, checkpoints: list[CheckpointInfo], resumed_step: int | None) -> None:
         """Take note of existing checkpoints: old temporary ones are deleted on the next commit."""
@@ -303,3 +299,14 @@ def _newest_complete(directory: Directory) -> str:
     if not found:
         return "there are none yet, so the next start begins afresh"
     return f"the next start resumes from the newest, step {found[-1].step} ({found[-1].directory})"
+
+
+def check_writable(directory: Directory | str) -> None:
+    """Raise ``ConfigError`` naming ``trainer.checkpointer.base_path`` if ``directory`` (or
+    URL) cannot be written; process 0 checks, before any work that would be lost."""
+    if jax.process_index() == 0:
+        directory = directory if isinstance(directory, Directory) else Directory(directory)
+        try:
+            directory.check_writable()
+        except OSError as e:
+            raise ConfigError(f"trainer.checkpointer.base_path: {e}") from e

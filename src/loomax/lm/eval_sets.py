@@ -37,13 +37,14 @@ def eval_sets(
     if not sets:
         sets[""] = eval_batches(data.validation, size, limit)
     sizes = sorted({len(b) for batches in sets.values() for b in batches})
-    if any(n % dp for n in sizes):
+    uneven = config.trainer.allow_nondivisible_batch_size  # such batches go whole to each device
+    if any(n % dp for n in sizes) and not uneven:
         raise ConfigError(
             f"eval batches of {sizes} sequences do not split over the data-parallel "
             f"size {dp}: set trainer.eval_batch_size to a multiple of {dp} (and give data.validation at least that many windows)"
         )
     micro = config.trainer.eval_microbatch_rows(dp)
-    if micro is not None and any(n > micro and n % micro for n in sizes):
+    if micro is not None and any(n > micro and (n % micro or n % dp) for n in sizes):
         raise ConfigError(
             f"trainer.per_device_eval_parallelism ({config.trainer.per_device_eval_parallelism}) "
             f"must divide the eval batch per device (eval batches of {sizes} sequences over "

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import jmp
@@ -16,7 +19,11 @@ from loomax.distributed import DistributedConfig, RayConfig
 from loomax.jax_setup import check_jax_options
 from loomax.mesh import AxisMappings, MeshConfig, make_axis_mappings
 from loomax.tracking import JsonlTrackerConfig, TrackerConfig
+from loomax.train.averaging import ModelAveragingConfig
+from loomax.train.diloco import WORKERS, DiLoCoConfig
 from loomax.train.hook_config import HookConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -27,8 +34,12 @@ class TrainerConfig:
     """Seed of model initialisation, data order and every other random choice."""
     num_train_steps: int = 1000
     """Optimizer steps to take."""
+    num_train_epochs: float | None = None
+    """Train for this many passes over the training data instead (sets num_train_steps; may be fractional); null = num_train_steps."""
     train_batch_size: int | list[BatchStage] = 32
     """Sequences per optimizer step, over all devices: an int, or stages [{start: 0, value: 256}, {start: 1000, value: 512}]."""
+    allow_nondivisible_batch_size: bool = False
+    """Let train_batch_size not divide over the data-parallel devices (one process only): such a batch is placed whole on every device, its compute split unevenly."""
     per_device_parallelism: int = -1
     """Sequences per device per forward/backward; smaller than the batch per device means gradient accumulation. -1 = the whole batch."""
     mp: str = "f32"
@@ -39,6 +50,8 @@ class TrainerConfig:
     """Where the run writes its files; null = runs/<run_id>."""
     log_every: int = 10
     """Send metrics to the tracker every this many steps (and at the last step)."""
+    log_dir: str | None = None
+    """Also write each process's Python log to <log_dir>/<run_id>.process-<i>.log; null = no file."""
     steps_per_eval: int = 1000
     """Evaluate on the validation data every this many steps (and at the last step)."""
     eval_steps: list[int] = field(default_factory=list)
@@ -61,6 +74,12 @@ class TrainerConfig:
     """Show a tqdm progress bar with loss and tokens/s."""
     max_train_time: timedelta | None = None
     """Stop cleanly (final eval and log) after this much wall time, e.g. 4m or 2h; null = no limit."""
+    require_accelerator: bool = False
+    """Fail at start, before any work, when JAX finds no GPU or TPU (only CPUs)."""
+    shutdown_at_exit: timedelta | None = None
+    """Power this machine off (a cloud VM: `sudo shutdown -h`) this long after the run ends, however it ends, e.g. 5m; null = never."""
+    model_averaging: ModelAveragingConfig | None = None
+    """Keep an average of the weights in the state and evaluate it: {type: ema, beta: 0.999} or {type: ema_decay_sqrt, beta, switch_step, decay_steps}; null = none."""
     device_peak_flops: float | None = None
     """Peak FLOP/s of one device for MFU; null = known table or, on CPU, a matmul probe."""
     hooks: list[HookConfig] = field(default_factory=list)
@@ -68,11 +87,17 @@ class TrainerConfig:
     tracker: TrackerConfig | list[TrackerConfig] = field(default_factory=JsonlTrackerConfig)
     """Where metrics go: one tracker config (type: jsonl, wandb, tensorboard, noop) or a list of them."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    """Device mesh sizes: replica, data, model (one may be -1 to fill the devices)."""
+    """Device mesh sizes: replica, data, model (one may be -1 to fill the devices), or {auto: true} to have loomax train choose."""
+    force_strategy: str | None = None
+    """Train with this one of loomax plan's strategies (e.g. zero2 8x1, fsdp tp2 4x2) instead of trainer.mesh and its mappings; null = as configured."""
     batch_axis: str = "batch"
     """Logical axis split over the data-parallel mesh axes (replica, data)."""
     fsdp_axis: str | list[str] | None = "embed"
     """Logical axis (or axes) of parameters and optimizer state split over `data` (FSDP); null = replicate."""
+    shard_params: bool = True
+    """Split parameters by fsdp_axis too (FSDP); false = keep them whole on every device, split only gradients and optimizer state (ZeRO-2)."""
+    offload_optimizer_state: bool = False
+    """Keep the optimizer state in pinned host memory between steps, moved to the devices only for the update (frees its device memory)."""
     tensor_parallel_axes: list[str] = field(default_factory=lambda: ["mlp", "heads", "kv_heads"])
     """Logical axes split over `model` (tensor parallelism; only matters when mesh.model > 1)."""
     axis_resources: dict[str, str | list[str] | None] = field(default_factory=dict)
@@ -105,6 +130,8 @@ class TrainerConfig:
     """Frozen parameters: regexes (re.search) on dotted names, e.g. token_embeddings; no gradient, no optimizer state."""
     checkpoint_frozen: bool = True
     """Write frozen parameters into checkpoints; false = leave them out (a resume takes them from where the run began)."""
+    diloco: DiLoCoConfig | None = None
+    """DiLoCo: each mesh.replica group trains alone for inner_steps, then an outer step syncs them, e.g. {inner_steps: 100}; null = ordinary training."""
 
     def __post_init__(self):
         check_jax_options(self.jax_config)
@@ -115,6 +142,16 @@ class TrainerConfig:
                 raise ValueError(f"trainer.freeze: bad regex {pattern!r} ({e})") from e
         if self.initialize_from is not None and self.initialize_from_hf is not None:
             raise ValueError("set trainer.initialize_from or trainer.initialize_from_hf, not both")
+        if self.num_train_epochs is not None and not self.num_train_epochs > 0:
+            raise ValueError(
+                f"trainer.num_train_epochs must be > 0 or null, got {self.num_train_epochs}"
+            )
+        if self.shutdown_at_exit is not None and self.shutdown_at_exit.total_seconds() < 0:
+            raise ValueError(f"trainer.shutdown_at_exit must be >= 0, got {self.shutdown_at_exit}")
+        if self.model_averaging is not None and any(h.type_name() == "ema" for h in self.hooks):
+            raise ValueError(
+                "trainer.model_averaging: trainer.hooks has an ema hook too; keep one of them"
+            )
         positive = ("num_train_steps", "log_every", "steps_per_eval")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -146,19 +183,73 @@ class TrainerConfig:
             jmp.get_policy(self.mp)
         except (ValueError, KeyError) as e:
             raise ValueError(f"trainer.mp: cannot parse precision policy {self.mp!r} ({e})") from e
+        if self.offload_optimizer_state and self.diloco is not None:
+            raise ValueError(
+                "trainer.offload_optimizer_state: not with trainer.diloco (whose optimizer "
+                "state holds every worker's parameters); set one of them"
+            )
+        if self.diloco is not None and self.num_train_steps % self.diloco.inner_steps:
+            logger.warning(
+                "trainer.num_train_steps (%d) is not a multiple of trainer.diloco.inner_steps "
+                "(%d): the model saved and evaluated at the end is each fragment's last sync, "
+                "without the workers' steps since",
+                self.num_train_steps,
+                self.diloco.inner_steps,
+            )
         self.axis_mappings()  # an axis mapped twice fails here, before any work
         _ = self.batch_schedule  # a bad batch-size schedule fails here too
 
     def axis_mappings(self) -> AxisMappings:
-        """The parameter and compute mappings from the basic and advanced fields."""
-        return make_axis_mappings(
+        """The parameter, compute and optimizer mappings from the basic and advanced fields;
+        under DiLoCo the workers' copies (``diloco_workers``) rest on ``replica``."""
+        mappings = make_axis_mappings(
             batch_axis=self.batch_axis,
             fsdp_axis=self.fsdp_axis,
             tensor_parallel_axes=self.tensor_parallel_axes,
             axis_resources=self.axis_resources,
             parameter_axis_resources=self.parameter_axis_resources,
             compute_axis_resources=self.compute_axis_resources,
+            shard_params=self.shard_params,
         )
+        if self.diloco is None:
+            return mappings
+        compute = {k: v for k, v in mappings.compute.items() if k != self.batch_axis}
+        for label, mapping in (("parameter", mappings.optimizer), ("compute", compute)):
+            for name, target in mapping.items():
+                if "replica" in (target if isinstance(target, tuple) else (target,)):
+                    raise ValueError(
+                        f"trainer.diloco: the {label} mapping sends {name!r} to replica, whose "
+                        "groups are the workers (they share nothing but syncs); map it to data or model"
+                    )
+        workers = {WORKERS: "replica"}
+        return AxisMappings(
+            {**mappings.parameter, **workers},
+            mappings.compute,
+            {**mappings.optimizer, **workers},
+        )
+
+    def with_epoch_size(self, epoch_size: int | None) -> TrainerConfig:
+        """This config with ``num_train_steps`` from ``num_train_epochs`` (epochs of
+        ``epoch_size`` sequences); itself when no epochs are asked for."""
+        if self.num_train_epochs is None:
+            return self
+        if not epoch_size:
+            raise ConfigError(
+                "trainer.num_train_epochs needs the size of an epoch (Trainer(epoch_size=...)); "
+                "set trainer.num_train_steps instead"
+            )
+        from loomax.train.epochs import Epochs
+
+        steps = Epochs(epoch_size, self.batch_schedule).steps_for(self.num_train_epochs)
+        return dataclasses.replace(self, num_train_steps=steps)
+
+    def run_path(self, run_id: str, run_dir: str | Path | None = None) -> Path:
+        """The run directory: ``run_dir``, else ``trainer.run_dir``, else ``runs/<run_id>``."""
+        return Path(run_dir or self.run_dir or Path("runs") / run_id)
+
+    def checkpoint_path(self, run_id: str, run_dir: str | Path | None = None) -> str:
+        """Where the run's checkpoints go: ``checkpointer.base_path``, else ``<run dir>/checkpoints``."""
+        return self.checkpointer.base_path or str(self.run_path(run_id, run_dir) / "checkpoints")
 
     @property
     def policy(self) -> jmp.Policy:
@@ -189,10 +280,19 @@ class TrainerConfig:
         split over; ``batch_size`` defaults to the first (or only) batch size.
         """
         batch = batch_size or self.batch_schedule.sizes[0]
+        if batch % num_devices and self.allow_nondivisible_batch_size:
+            if self.per_device_parallelism != -1:
+                raise ConfigError(
+                    f"trainer.per_device_parallelism must be -1 when trainer.train_batch_size ({batch}) "
+                    f"does not divide over the {num_devices} data-parallel devices "
+                    "(trainer.allow_nondivisible_batch_size)"
+                )
+            return 1
         if batch % num_devices:
             raise ConfigError(
                 f"trainer.train_batch_size ({batch}) must be divisible by the data-parallel "
-                f"size {num_devices} (trainer.mesh replica x data)"
+                f"size {num_devices} (trainer.mesh replica x data), or set "
+                "trainer.allow_nondivisible_batch_size"
             )
         per_device = batch // num_devices
         if self.per_device_parallelism == -1 or self.per_device_parallelism >= per_device:

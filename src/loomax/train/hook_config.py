@@ -42,7 +42,7 @@ class HookContext:
     validation: dict[str, list[Any]] = field(default_factory=dict)
     """Validation sets by name: lists of this process's rows of each eval batch."""
     loss_fn: Any = None
-    """``loss_fn(model, batch, *, key) -> (loss_sum, weight)`` of evaluation."""
+    """``loss_fn(model, batch, *, key) -> (loss_sum, weight)`` of evaluation (or ``((loss_sum, weight), metrics)``)."""
     evaluator: Callable[[Any], dict[str, float]] | None = None
     """The run's evaluator (``model -> {eval/loss, ...}``), built once and shared by eval hooks."""
     tokens_per_step: Any = 0
@@ -55,6 +55,10 @@ class HookContext:
     """The whole resolved run config as YAML."""
     primary: bool = True
     """Whether this is process 0 (the one that prints and writes shared files)."""
+    trace_step: Callable[..., Any] | None = None
+    """``trace_step(state, global_batch)``: the run's jitted step traced (``Trainer.trace_step``)."""
+    write_artifact: Callable[..., Any] | None = None
+    """``write_artifact(name, obj, type=...)``: a file of the run, logged to the tracker (process 0)."""
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,12 @@ class HookSet:
             finally:
                 info.control.running = None
 
+    def step_begins(self, step: int) -> None:
+        """Run every due hook's ``on_step_begin(step)`` before step ``step`` is dispatched."""
+        for hook in self.hooks:
+            if step % hook.every == 0:
+                hook.on_step_begin(step)
+
     def transform_batch(self, step: int, batch: Any) -> Any:
         """The batch of ``step`` after every hook's ``transform_batch``."""
         for hook in self.hooks:

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
+import numpy as np
 import optax
 
 from loomax.train.control import Control
@@ -63,13 +64,21 @@ class StepInfo:
     """Name of the ``state.extras`` entry to evaluate instead of the model's weights (EMA)."""
     traced_outputs: dict[int, dict[str, jax.Array]] = field(default_factory=dict)
     """What each ``JitHook`` computed in this step, by ``id`` of the JitHook (see ``traced``)."""
+    per_worker: bool = False
+    """DiLoCo: each metric holds one value per worker; on the host, their mean over the
+    workers this process holds (all of them in a one-process run)."""
+    epoch: int | None = None
+    """The epoch (from 0) this step belongs to, when the trainer knows its epoch size."""
     _host: dict[str, float] | None = None
     _finished_at: float | None = None
 
     def host_metrics(self) -> dict[str, float]:
         """This step's metrics as floats (waits for the step to finish)."""
         if self._host is None:
-            self._host = {k: _to_host(v) for k, v in jax.device_get(self.metrics).items()}
+            if self.per_worker:
+                self._host = {k: host_mean(v) for k, v in self.metrics.items()}
+            else:
+                self._host = {k: _to_host(v) for k, v in jax.device_get(self.metrics).items()}
             self._finished_at = time.perf_counter()
         return self._host
 
@@ -108,6 +117,14 @@ class StepInfo:
     def log(self, values: dict[str, Any]) -> None:
         """Add ``values`` to what is logged for this step."""
         self.record.update(values)
+
+
+def host_mean(value: jax.Array) -> float:
+    """A per-worker metric on the host: the mean over the workers this process holds."""
+    if value.is_fully_addressable:
+        return float(np.mean(np.asarray(jax.device_get(value))))
+    shards = {str(s.index): np.asarray(s.data) for s in value.addressable_shards}
+    return float(np.mean(np.concatenate([np.ravel(v) for v in shards.values()])))
 
 
 def _to_host(value) -> Any:
@@ -181,8 +198,17 @@ class Hook:
     def on_train_begin(self, info: StepInfo) -> None:
         """Called before the first step."""
 
+    def on_epoch_begin(self, info: StepInfo, epoch: int) -> None:
+        """Called before the first step of ``epoch`` (from 0); ``info`` is the step before."""
+
+    def on_step_begin(self, step: int) -> None:
+        """Called before step ``step`` (divisible by ``every``) is dispatched."""
+
     def on_step(self, info: StepInfo) -> None:
         """Called after each step divisible by ``every``."""
+
+    def on_epoch_end(self, info: StepInfo, epoch: int) -> None:
+        """Called after the last step of ``epoch`` (after its ``on_step``)."""
 
     def run_eval(self, info: StepInfo) -> dict[str, float] | None:
         """Evaluators return their results here when an eval is due (others return None)."""

@@ -34,7 +34,7 @@ from loomax.errors import MissingFileError, UserError
 from loomax.runtime import MeshRuntime
 from loomax.storage import to_url
 from loomax.train.config import TrainerConfig
-from loomax.train.state import TrainerState
+from loomax.train.state import TrainerState, state_shardings
 from loomax.train.step import StateExtra, trainable_params
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class StateBuilder:
         key = jax.random.PRNGKey(self.config.seed)
         with self.runtime.mesh_context():
             shapes = jax.eval_shape(init, key)
-            shardings = self.runtime.state_shardings(shapes)
+            shardings = state_shardings(self.runtime, shapes, offload_optimizer_state=self._offload)
             fresh = functools.partial(jax.jit(init, out_shardings=shardings), key)
 
             def start() -> TrainerState:  # the state of a run that resumes nothing
@@ -153,7 +153,9 @@ class StateBuilder:
         key = jax.random.PRNGKey(self.config.seed)
         with self.runtime.mesh_context():
             shapes = jax.eval_shape(self._init_fn(init_model), key)
-        shardings = self.runtime.state_shardings(shapes)  # outside: the devices may be compile-only
+        shardings = state_shardings(  # outside: the devices may be compile-only
+            self.runtime, shapes, offload_optimizer_state=self._offload
+        )  # outside: the devices may be compile-only
 
         def place(sharding, node):  # node: a ShapeDtypeStruct, or a NamedArray holding one
             return jax.tree.map(
@@ -162,6 +164,10 @@ class StateBuilder:
 
         is_leaf = lambda x: x is None or isinstance(x, jax.sharding.Sharding)  # noqa: E731
         return jax.tree.map(place, shardings, shapes, is_leaf=is_leaf)
+
+    @property
+    def _offload(self) -> bool:
+        return self.config.offload_optimizer_state
 
     def _init_fn(self, init_model: Callable[[jax.Array], eqx.Module]) -> Callable:
         policy = self.config.policy
@@ -186,7 +192,10 @@ class StateBuilder:
             return None
         path = config.load_checkpoint_path or own
         check_checkpoint_owner(config, list_checkpoints(path), checkpointer.run_id)
-        found = load_latest(path, shapes, shardings, fall_back=config.load_checkpoint is None)
+        reading = shardings  # arrays are read into device memory, then moved where they rest
+        if self._offload:
+            reading = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+        found = load_latest(path, shapes, reading, fall_back=config.load_checkpoint is None)
         if found is None:
             if config.load_checkpoint:
                 raise MissingFileError(
@@ -206,6 +215,8 @@ class StateBuilder:
             state = _fill(state, start())
             missing = [name for name in missing if name not in set(left_out)]
         state = self._fill_missing(checkpoint, state, missing, fresh)
+        if self._offload:
+            state = jax.device_put(state, shardings)
         logger.info("resumed from %s (step %d)", checkpoint, checkpoint.step)
         if to_url(path) == own or checkpoint.directory.url.startswith(own + "/"):
             checkpointer.adopt([], checkpoint.step)  # this step is already on disk

@@ -8,6 +8,11 @@ import equinox as eqx
 import jax
 import optax
 
+from loomax.runtime import MeshRuntime
+
+HOST = "pinned_host"
+"""The memory kind offloaded state rests in."""
+
 
 class TrainerState(eqx.Module):
     """The step counter, the model, the optimizer state, the PRNG key and hook extras.
@@ -22,3 +27,18 @@ class TrainerState(eqx.Module):
     opt_state: optax.OptState
     key: jax.Array
     extras: dict[str, Any] = eqx.field(default_factory=dict)
+
+
+def state_shardings(
+    runtime: MeshRuntime, state: TrainerState, *, offload_optimizer_state: bool = False
+) -> TrainerState:
+    """Shardings of ``state`` (or its shapes): the optimizer state by the optimizer mapping
+    (split even where parameters are kept whole, for ZeRO-2), in pinned host memory if
+    ``offload_optimizer_state``; the rest by the parameter mapping."""
+    shardings = runtime.state_shardings(state)
+    if not runtime.mappings.zero2 and not offload_optimizer_state:
+        return shardings
+    opt = runtime.state_shardings(state.opt_state, runtime.mappings.optimizer)
+    if offload_optimizer_state:
+        opt = jax.tree.map(lambda s: s.with_memory_kind(HOST), opt)
+    return TrainerState(shardings.step, shardings.model, opt, shardings.key, shardings.extras)

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import equinox as eqx
+import haliax as hax
 import jax
 import jax.numpy as jnp
 import jmp
 import optax
 
+from loomax.train.loss_metrics import add_sums, metric_values, split_loss, zero_sums
 from loomax.train.state import TrainerState
 
 Metrics = dict[str, jax.Array]
@@ -21,11 +23,13 @@ order); the trainer takes them out and hands each to its hook, never to the trac
 
 
 class LossFn(Protocol):
-    """``loss_fn(model, batch, *, key) -> (sum of losses, weight)``; the mean is sum / weight."""
+    """``loss_fn(model, batch, *, key) -> (sum of losses, weight)``; the mean is sum / weight.
 
-    def __call__(
-        self, model: Any, batch: Any, *, key: jax.Array
-    ) -> tuple[jax.Array, jax.Array]: ...
+    It may also return ``((sum, weight), metrics)``: scalars the step reports as
+    ``train/<name>`` and the evaluator as ``eval/<name>`` (``loomax.train.loss_metrics``).
+    """
+
+    def __call__(self, model: Any, batch: Any, *, key: jax.Array) -> Any: ...
 
 
 class StepContext(eqx.Module):
@@ -114,6 +118,8 @@ def make_train_step(
     jit_hooks: Sequence[JitHook] = (),
     extras: Mapping[str, StateExtra] | None = None,
     freeze: Sequence[str] = (),
+    grad_mapping: Mapping[str, Any] | None = None,
+    offload_optimizer_state: bool = False,
 ) -> Callable[[TrainerState, Any], tuple[TrainerState, Metrics]]:
     """Build the pure step. Gradients are of the mean loss over the whole batch.
 
@@ -121,21 +127,31 @@ def make_train_step(
     accumulated (in the parameter dtype) by a ``scan``, so that memory is that of one
     microbatch while the result equals the full-batch step. Parameters matched by
     ``freeze`` (``trainable_mask``) get no gradient (none is computed) and no update; the
-    optimizer state holds the trained parameters only.
+    optimizer state holds the trained parameters only. With ``grad_mapping`` (ZeRO-2: the
+    optimizer mapping) gradients, and their accumulator, are laid out by it: reduce-scattered
+    to where the optimizer state rests rather than all-reduced to where parameters do. With
+    ``offload_optimizer_state`` the state comes in from host memory and is moved to the
+    devices for the update (the jit's output shardings put it back).
     """
 
     def loss_sum(trained, frozen, batch, key):
         model = eqx.combine(trained, frozen)
-        return loss_fn(mp.cast_to_compute(model), batch, key=key)
+        total, weight, sums = split_loss(loss_fn(mp.cast_to_compute(model), batch, key=key))
+        return total, (weight, sums)
 
-    grad_fn = eqx.filter_value_and_grad(loss_sum, has_aux=True)  # w.r.t. ``trained`` only
+    value_and_grad = eqx.filter_value_and_grad(loss_sum, has_aux=True)  # w.r.t. ``trained``
+
+    def grad_fn(*args):
+        out, grads = value_and_grad(*args)
+        return out, grads if grad_mapping is None else hax.shard(grads, grad_mapping)
+
     optimizer = optax.with_extra_args_support(optimizer)  # the loss goes in as ``value``
 
     def sum_and_grads(model, batch, key):
         trained, frozen = eqx.partition(model, trainable_mask(model, freeze))
         if num_microbatches == 1:
-            (total, weight), grads = grad_fn(trained, frozen, batch, key)
-            return total, weight, grads
+            (total, (weight, sums)), grads = grad_fn(trained, frozen, batch, key)
+            return total, weight, sums, grads
 
         # microbatch i = rows i, i + n, i + 2n, ...: every device's contiguous rows hold an
         # equal share of each microbatch, so splitting moves no data between devices
@@ -144,25 +160,34 @@ def make_train_step(
         )
         keys = jax.random.split(key, num_microbatches)
         zeros = jax.tree.map(jnp.zeros_like, eqx.filter(trained, eqx.is_inexact_array))
+        zeros = zeros if grad_mapping is None else hax.shard(zeros, grad_mapping)
+
+        first = jax.tree.map(lambda x: x[0], micro)
+        _, (_, sum_shapes) = eqx.filter_eval_shape(loss_sum, trained, frozen, first, keys[0])
 
         def body(carry, xs):
-            total, weight, grads = carry
-            (t, w), g = grad_fn(trained, frozen, *xs)
-            return (total + t, weight + w, jax.tree.map(jnp.add, grads, g)), None
+            total, weight, sums, grads = carry
+            (t, (w, s)), g = grad_fn(trained, frozen, *xs)
+            return (total + t, weight + w, add_sums(sums, s), jax.tree.map(jnp.add, grads, g)), None
 
-        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
-        (total, weight, grads), _ = jax.lax.scan(body, init, (micro, keys))
-        return total, weight, grads
+        f32 = jnp.zeros((), jnp.float32)
+        init = (f32, f32, zero_sums(sum_shapes), zeros)
+        (total, weight, sums, grads), _ = jax.lax.scan(body, init, (micro, keys))
+        return total, weight, sums, grads
 
     def train_step(state: TrainerState, batch) -> tuple[TrainerState, Metrics]:
         key, step_key = jax.random.split(state.key)
-        total, weight, grads = sum_and_grads(state.model, batch, step_key)
+        total, weight, sums, grads = sum_and_grads(state.model, batch, step_key)
         loss = total / weight
         grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
         params = trainable_params(state.model, freeze)
-        updates, opt_state = optimizer.update(grads, state.opt_state, params, value=loss)
+        opt_state = state.opt_state
+        if offload_optimizer_state:
+            opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
+        updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
         model = eqx.apply_updates(state.model, updates)
         metrics: Metrics = {"train/loss": loss, "optim/grad_norm": optax.tree.norm(grads)}
+        metrics.update({f"train/{k}": v for k, v in metric_values(sums).items()})
         metrics.update(optimizer_state_metrics(opt_state))
         if lr_schedule is not None:
             metrics["optim/learning_rate"] = jnp.asarray(lr_schedule(state.step), jnp.float32)

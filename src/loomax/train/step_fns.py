@@ -6,29 +6,79 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
+from loomax.config import ConfigError
 from loomax.mesh import replicated
-from loomax.train.state import TrainerState
+from loomax.train.diloco import DiLoCo, worker_compute_mapping
+from loomax.train.state import TrainerState, state_shardings
 from loomax.train.step import make_train_step
+
+_UNSET: Any = object()
 
 
 class JittedSteps:
     """The ``Trainer``'s step functions (a base class: it uses the trainer's ``loss_fn``,
-    ``optimizer``, ``config``, ``lr_schedule``, ``hook_set``, ``runtime``,
-    ``num_microbatches`` and its cache ``_step_fns``)."""
+    ``optimizer``, ``outer_optimizer``, ``config``, ``lr_schedule``, ``hook_set``,
+    ``runtime``, ``num_microbatches`` and its cache ``_step_fns``).
+
+    Under ``trainer.diloco`` a step is one of several programs: the inner step, or the inner
+    step followed by the sync of fragment ``sync``; the loop picks it from the step number.
+    """
+
+    def diloco(self) -> DiLoCo | None:
+        """The run's DiLoCo (over the optimizer as hooks left it), or None without ``trainer.diloco``."""
+        if self.config.diloco is None:
+            return None
+        hooks = self.hook_set
+        if hooks.jit_hooks or hooks.extras:
+            raise ConfigError(
+                "trainer.diloco: hooks that compute inside the step or keep arrays in the "
+                f"state ({', '.join(h.name for h in hooks.hooks if h.jit_hooks() or h.state_extras())}) "
+                "do not run under DiLoCo; remove them or trainer.diloco"
+            )
+        workers = self.runtime.mesh.shape["replica"]
+        return DiLoCo(self.config.diloco, self.optimizer, workers, self.outer_optimizer)
 
     def trace_step(
-        self, state: TrainerState, batch: Any, *, num_microbatches: int | None = None
+        self,
+        state: TrainerState,
+        batch: Any,
+        *,
+        num_microbatches: int | None = None,
+        sync: int | None = None,
     ) -> jax.stages.Traced:
         """The jitted step traced for ``state`` and a global ``batch`` (arrays, or
-        ``ShapeDtypeStruct``s with shardings): ``.jaxpr``, ``.lower().compile()``."""
-        step_fn = self._build_step(state, num_microbatches)
+        ``ShapeDtypeStruct``s with shardings): ``.jaxpr``, ``.lower().compile()``. Under
+        DiLoCo, ``sync`` picks the program (None: an inner step)."""
+        step_fn = self._build_step(state, num_microbatches, sync)
         with self.runtime.mesh_context():
             return step_fn.jitted.trace(state, batch)
 
-    def _build_step(self, state: TrainerState, num_microbatches: int | None = None) -> Callable:
+    def _build_step(
+        self, state: TrainerState, num_microbatches: int | None = None, sync: int | None = None
+    ) -> Callable:
         microbatches = num_microbatches or self.num_microbatches
-        if microbatches not in self._step_fns:
+        key = (microbatches, sync)
+        if key in self._step_fns:
+            return self._step_fns[key]
+        diloco = self.diloco()
+        mesh = self.runtime.mesh
+        if diloco is not None:
+            step = diloco.make_step(
+                self.loss_fn,
+                mp=self.config.policy,
+                compute_mapping=worker_compute_mapping(
+                    self.runtime.mappings.compute, self.config.batch_axis
+                ),
+                num_microbatches=microbatches,
+                lr_schedule=self.lr_schedule,
+                freeze=self.config.freeze,
+                sync=sync,
+            )
+            metrics = NamedSharding(mesh, PartitionSpec("replica"))  # one value per worker
+        else:
+            mappings = self.runtime.mappings
             step = make_train_step(
                 self.loss_fn,
                 self.optimizer,
@@ -38,32 +88,51 @@ class JittedSteps:
                 jit_hooks=self.hook_set.jit_hooks,
                 extras=self.hook_set.extras,
                 freeze=self.config.freeze,
+                grad_mapping=mappings.optimizer if mappings.zero2 else None,
+                offload_optimizer_state=self.config.offload_optimizer_state,
             )
-            shardings = self.runtime.state_shardings(state)
-            out = (shardings, replicated(self.runtime.mesh))
-            self._step_fns[microbatches] = self.runtime.jit(
-                step, out_shardings=out, donate_argnums=0
-            )
-        return self._step_fns[microbatches]
+            metrics = replicated(mesh)
+        offload = self.config.offload_optimizer_state
+        out = (state_shardings(self.runtime, state, offload_optimizer_state=offload), metrics)
+        self._step_fns[key] = self.runtime.jit(step, out_shardings=out, donate_argnums=0)
+        return self._step_fns[key]
 
     def train_step(
-        self, state: TrainerState, batch: Any, *, num_microbatches: int | None = None
+        self,
+        state: TrainerState,
+        batch: Any,
+        *,
+        num_microbatches: int | None = None,
+        sync: int | None = _UNSET,
     ) -> tuple[TrainerState, dict[str, jax.Array]]:
         """Run the jitted pure step (compiled on first use); ``state`` is donated.
 
         ``batch`` is this process's rows (numpy) or an already global ``jax.Array``.
-        ``num_microbatches`` defaults to that of the first batch size.
+        ``num_microbatches`` defaults to that of the first batch size. Under DiLoCo ``sync``
+        (the fragment this step syncs, or None) defaults to what ``state.step`` implies
+        (read from the device: the loop passes it instead).
         """
-        step_fn = self._build_step(state, num_microbatches)
+        if sync is _UNSET:
+            sync = self.config.diloco and self.config.diloco.synced_at(int(state.step) + 1)
+        step_fn = self._build_step(state, num_microbatches, sync)
         if not isinstance(batch, jax.Array):
-            batch = self.runtime.shard_batch(batch)
+            batch = self.place_batch(batch)
         return step_fn(state, batch)
 
-    def compiled_step(self, state: TrainerState, batch: Any):
-        """The step compiled ahead of time for these shapes; call it with ``runtime.shard_batch(batch)``."""
-        step_fn = self._build_step(state)
+    def place_batch(self, batch: Any) -> Any:
+        """This process's rows as a global batch, split over (replica, data); a batch that
+        does not split evenly (``trainer.allow_nondivisible_batch_size``) goes whole to
+        every device (the step's compute mapping still splits its work, unevenly)."""
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        if self.config.allow_nondivisible_batch_size and rows % self.runtime.data_parallel_size:
+            return jax.device_put(batch, replicated(self.runtime.mesh))
+        return self.runtime.shard_batch(batch)
+
+    def compiled_step(self, state: TrainerState, batch: Any, *, sync: int | None = None):
+        """The step compiled ahead of time for these shapes; call it with ``place_batch(batch)``."""
+        step_fn = self._build_step(state, sync=sync)
         with self.runtime.mesh_context():
-            return step_fn.jitted.lower(state, self.runtime.shard_batch(batch)).compile()
+            return step_fn.jitted.lower(state, self.place_batch(batch)).compile()
 
     def compilations(self) -> int:
         """How many step variants have been compiled (one per shape and batch size)."""
