@@ -14,7 +14,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 # 345 s -> 284 s.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test lint format bench bench-gpu gpu-wheels bench-levanter bench-checkpoint docs install clean
+.PHONY: demo test lint format bench bench-cpu bench-gpu gpu-wheels bench-levanter bench-checkpoint docs install clean
 
 # Installs go through uv (from PyPI into the venv): it fetches and unpacks wheels in
 # parallel: well under a minute for what pip takes about three. uv reads no pip.conf, so it is
@@ -61,6 +61,12 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/loomax bench --config_path config/bench/gpt2_tiny.yaml
+
+# CPU speed (bench/README.md, issue 39): the XLA flag sets side by side, then Loomax against
+# the torch.compile peer (../shared/peers/torch_gpt2_bench.py; torch from .venv), alternating
+bench-cpu: $(STAMP)
+	$(BIN)/python bench/cpu_flags.py
+	$(BIN)/python bench/torch_compare.py
 
 # The GPU checks and benchmarks (bench/gpu.sh) on an offline CUDA host: `make gpu-wheels` here
 # (where the package index is) writes .whl/, the packages Loomax needs beyond a JAX GPU image;

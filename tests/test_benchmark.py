@@ -46,6 +46,9 @@ def test_bench_prints_json_line(tmp_path):
     assert result["profile_dir"] == str(tmp_path / "profile") and "profile_error" not in result
     assert list((tmp_path / "profile").rglob("*.trace.json.gz"))
     assert "device_peak_gb" not in result  # CPUs report no device memory
+    # which CPU kernel libraries the compiled step calls, and a fingerprint of its HLO
+    assert set(result["hlo_library_calls"]) == {"onednn", "xnn", "ynn"}
+    assert len(result["hlo_fingerprint"]) == 12 and "xla_flags" in result
     assert result["flops_per_token"] == 3 * (
         2 * 32 * 96 + 2 * 32 * 32 + 4 * 32 * 128 + 4 * 32 * 32 + 2 * 32 * 100
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -145,6 +146,8 @@ def test_quickstart_cli_few_steps(tmp_path, repo_root):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval loss: step 0:" in proc.stdout and "-> step 4:" in proc.stdout
+    # the demo's bar: gzip -9 on the same held-out files, beside the model's bits per byte
+    assert re.search(r"held-out bits per byte: [\d.]+ \(model\) vs [\d.]+ \(gzip -9", proc.stdout)
     assert "sample:" in proc.stdout
     assert "train: 100%" in proc.stderr  # the progress bar
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -12,6 +13,7 @@ import time
 import jax
 import numpy as np
 
+from loomax._xla_flags import hlo_fingerprint, library_calls
 from loomax.config import ConfigError
 from loomax.lm import TrainLmConfig, lm_loss
 from loomax.peak_flops import measure_matmul_flops, total_peak_flops
@@ -111,7 +113,12 @@ def run_benchmark(
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
         "final_loss": float(metrics["train/loss"]),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+    if jax.devices()[0].platform == "cpu":  # did the CPU flags take effect?
+        hlo = step_fn.as_text()
+        result["hlo_library_calls"] = library_calls(hlo)
+        result["hlo_fingerprint"] = hlo_fingerprint(hlo)
     peak_bytes = (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     if peak_bytes is not None:
         result["device_peak_gb"] = round(peak_bytes / 2**30, 2)
