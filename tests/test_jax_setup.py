@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -41,3 +42,26 @@ def test_jax_config_is_untouched_by_default():
     before = jax.config.jax_default_matmul_precision
     TrainerConfig()
     assert jax.config.jax_default_matmul_precision == before
+
+
+def test_a_cpu_host_with_libtpu_starts_jax_without_tpu_noise():
+    """libtpu is installed (the test extra) but this host has no TPU chip: importing loomax
+    keeps JAX from starting its TPU backend, whose probes and "Unable to initialize backend
+    'tpu'" a new user would otherwise see on every command."""
+    from loomax.jax_setup import has_tpu_chips
+
+    if has_tpu_chips():
+        pytest.skip("this host has TPU chips")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "import loomax, jax\n"
+        "print(jax.default_backend(), jax.config.jax_platforms)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["cpu", "cpu"]
+    for noise in ("Unable to initialize backend", "TPU_", "libtpu", "jellyfish"):
+        assert noise not in done.stderr, done.stderr[-2000:]

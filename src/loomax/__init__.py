@@ -2,9 +2,11 @@
 
 from loomax._jax_compat import apply_jax_compat
 from loomax._xla_flags import apply_default_xla_flags
+from loomax.jax_setup import choose_platforms
 
 apply_default_xla_flags()
 apply_jax_compat()
+choose_platforms()
 
 
 def __getattr__(name: str):

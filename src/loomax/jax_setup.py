@@ -1,23 +1,33 @@
-"""JAX settings a run applies when it starts: the persistent compilation cache and any flags.
+"""JAX settings: the platforms JAX may start, and what a run applies when it starts.
 
-``trainer.jax_compilation_cache_dir`` (or ``JAX_COMPILATION_CACHE_DIR``) keeps compiled
-steps across restarts, so a job relaunched after a preemption skips its compile;
-``trainer.jax_config`` sets arbitrary ``jax.config`` options by name.
+``choose_platforms`` (applied when ``loomax`` is imported) keeps JAX from starting its TPU
+backend on a host with libtpu installed but no TPU chip, where libtpu would print its
+probes and JAX "Unable to initialize backend 'tpu'". ``trainer.jax_compilation_cache_dir``
+(or ``JAX_COMPILATION_CACHE_DIR``) keeps compiled steps across restarts, so a job
+relaunched after a preemption skips its compile; ``trainer.jax_config`` sets arbitrary
+``jax.config`` options by name.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+import pkgutil
+import sys
 from collections.abc import Mapping
 from typing import Any
 
-import jax
+TPU_DEVICE_FILES = ("/dev/accel0", "/dev/vfio/0")
+"""Where a TPU VM shows its chips (v2-v4 and v5e: accel; v5p and v6e: vfio)."""
 
 logger = logging.getLogger(__name__)
 
 
 def check_jax_options(options: Mapping[str, Any], where: str = "trainer.jax_config") -> None:
     """Raise ``ValueError`` naming ``where`` and the option if any name is not a JAX option."""
+    import jax
+
     known = jax.config.values
     unknown = sorted(name for name in options if name not in known)
     if unknown:
@@ -28,9 +38,48 @@ def check_jax_options(options: Mapping[str, Any], where: str = "trainer.jax_conf
 
 def apply_jax_settings(cache_dir: str | None, options: Mapping[str, Any]) -> None:
     """Point JAX's persistent compilation cache at ``cache_dir`` (if given), then set ``options``."""
+    import jax
+
     check_jax_options(options)
     if cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         logger.info("JAX compilation cache: %s", cache_dir)
     for name, value in options.items():
         jax.config.update(name, value)
+
+
+def has_tpu_chips() -> bool:
+    """Whether this host has TPU chips attached."""
+    return any(os.path.exists(p) for p in TPU_DEVICE_FILES)
+
+
+def choose_platforms() -> str | None:
+    """Without TPU chips, start JAX on the other platforms only (GPU plugins installed, CPU).
+
+    Applies where the platforms are not chosen already (``JAX_PLATFORMS``) and libtpu is
+    installed; returns the platforms set, or None. Compiling for a TPU topology
+    (``loomax compile``) needs no TPU backend: libtpu serves it directly.
+    """
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+        return None
+    if has_tpu_chips():
+        return None
+    platforms = ",".join([*_gpu_platforms(), "cpu"])
+    jax = sys.modules.get("jax")
+    if jax is None:
+        os.environ["JAX_PLATFORMS"] = platforms  # read when JAX is imported; JAX stays unloaded
+    elif jax.config.jax_platforms:
+        return None
+    else:
+        jax.config.update("jax_platforms", platforms)
+    return platforms
+
+
+def _gpu_platforms() -> list[str]:
+    """The GPU platforms of the installed PJRT plugins (``jax_plugins.xla_cuda12`` etc.)."""
+    try:
+        import jax_plugins
+    except ImportError:
+        return []
+    names = [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+    return [p for p in ("cuda", "rocm") if any(p in n for n in names)]

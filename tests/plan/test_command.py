@@ -54,9 +54,10 @@ def test_a_mesh_that_does_not_divide_the_chips_is_refused(capsys):
 
 def test_a_vocabulary_that_needs_a_download_is_asked_for(capsys, repo_root, tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))  # nothing cached
-    config = str(repo_root / "config" / "gpt2_small.yaml")  # tokenizer: gpt2 (a hub id)
+    config = str(repo_root / "config" / "gpt2_small.yaml")
+    unknown = ["--data.tokenizer", "some-org/some-tokenizer"]  # a hub id of no known size
     with pytest.raises(SystemExit) as exit_info:
-        main(["compile", "--config_path", config, "--topology", "v5e:2x2"])
+        main(["compile", "--config_path", config, "--topology", "v5e:2x2", *unknown])
     assert exit_info.value.code == 2
     assert "pass --model.vocab_size N" in capsys.readouterr().err
 

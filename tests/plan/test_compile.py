@@ -83,3 +83,19 @@ def test_fsdp_over_four_chips_holds_a_quarter_of_the_replicated_state():
     replicated = compiled("llama", "v5e:2x2", "--trainer.fsdp_axis", "null")
     assert replicated.state_bytes - hand_state_bytes(tiny("llama"), 1) <= 64
     assert abs(replicated.state_bytes - 4 * fsdp.state_bytes) <= 4 * 64
+
+
+def test_splash_kernels_are_counted_from_their_math_not_as_free():
+    """auto attention on TPU is the splash kernel; XLA's cost model sees its calls as
+    almost free, so the estimate adds each call's lower bound, and the FLOPs count the
+    visible causal pairs: forward (4 per pair and head dimension, twice: once more when the
+    backward recomputes the layer), dq (6) and dkv (8)."""
+    seq, layers, batch, heads, head = 256, 2, 8, 4, 16
+    result = compiled(
+        "llama", "v5p:2x2x1", "--model.seq_len", str(seq), "--model.num_heads", str(heads),
+        "--model.splash_block_q", "128", "--model.splash_block_kv", "128",
+    )  # fmt: skip
+    pairs = seq * (seq + 1) / 2
+    assert result.kernel_flops == layers * batch * heads * head * pairs * (2 * 4 + 6 + 8)
+    assert 0 < result.est_kernel_s < result.est_step_s
+    assert any("lower bound of Pallas kernels" in n and "splash_mha_fwd" in n for n in result.notes)

@@ -7,7 +7,13 @@ import pytest
 from loomax.benchmark import run_benchmark
 from loomax.config import parse_config
 from loomax.lm.config import TrainLmConfig
-from loomax.plan.candidates import apply_overrides, as_flags, mesh_strategies, nested
+from loomax.plan.candidates import (
+    apply_overrides,
+    as_flags,
+    mesh_strategies,
+    nested,
+    remat_variants,
+)
 from loomax.plan.report import best, overlay_yaml, plan_table
 from loomax.plan.search import search
 from loomax.plan.topology import get_topology
@@ -29,11 +35,30 @@ def test_overrides_round_trip_through_flags_and_yaml():
         "trainer.fsdp_axis": None,
         "trainer.per_device_parallelism": 2,
         "model.gradient_checkpointing": "offload",
+        "model.remat_save": ["qkv", "attn_out"],
     }
     base = parse_config(TrainLmConfig, None, [])
     parsed = parse_config(TrainLmConfig, None, as_flags(overrides))
     assert parsed == apply_overrides(base, overrides)
+    assert parsed.model.remat_save == ("qkv", "attn_out")
     assert nested(overrides)["trainer"]["mesh"] == {"replica": 1, "data": 2, "model": 2}
+
+
+def test_remat_variants_include_policies_that_keep_attention():
+    config = parse_config(TrainLmConfig, None, [])
+    base = mesh_strategies(8)[0]
+    variants = {
+        c.label.removeprefix(base.label + " "): c.overrides for c in remat_variants(base, config)
+    }
+    assert set(variants) == {"offload", "no-remat", "remat save-attn", "offload save-attn"}
+    saved = variants["offload save-attn"]
+    assert saved["model.gradient_checkpointing"] == "offload"
+    assert saved["model.remat_save"] == ["qkv", "attn_out", "splash_residuals"]
+    assert apply_overrides(config, saved).model.remat_save == (
+        "qkv",
+        "attn_out",
+        "splash_residuals",
+    )
 
 
 @pytest.mark.slow

@@ -5,15 +5,19 @@ Backends (``attn_backend``):
 - ``vanilla``: queries in blocks of ``QUERY_BLOCK``, each block against the keys up to its
   own end (the fully masked part of the causal square is never computed); fast at short
   sequence lengths.
-- ``blockwise``: flash-style, pure JAX: an online softmax over key blocks with a custom
-  backward pass that recomputes scores, so memory is O(seq), never O(seq^2).
+- ``blockwise``: flash-style, pure JAX (``loomax.models.flash``): O(seq) memory.
+- ``splash``: the Pallas TPU splash-attention kernel, run per device under ``shard_map``
+  (``loomax.models.splash``); blocks of ``splash_block_q`` x ``splash_block_kv``. Off TPU
+  it runs in Pallas's interpret mode (correct, slow: for tests).
 - ``xla`` / ``cudnn``: ``jax.nn.dot_product_attention`` with that implementation (``xla``
   runs everywhere; ``cudnn`` needs an NVIDIA GPU and float16/bfloat16 inputs).
-- ``auto``: ``cudnn`` where cuDNN's fused attention can serve (an NVIDIA GPU of compute
+- ``auto``: on TPU (the devices being compiled for) ``splash`` where the sequence splits
+  into its blocks; on GPU ``cudnn`` where cuDNN's fused attention can serve (compute
   capability 8.0 or later, bfloat16/float16, a head size that is a multiple of 8 and at
-  most 128, or 256 from Hopper on; with document masks, an even sequence length), else
+  most 128, or 256 from Hopper on; with document masks, an even sequence length); else
   ``blockwise`` for sequences longer than ``BLOCKWISE_FROM`` and ``vanilla`` below.
-  ``cudnn_unsupported_reason`` says why cuDNN cannot serve a case.
+  ``cudnn_unsupported_reason`` and ``splash_unsupported_reason`` say why a kernel cannot
+  serve a case.
 
 Every backend takes optional ``segment_ids`` (axes ``(..., position)``): a query only sees
 keys of its own segment, which keeps packed documents apart (see ``segment_ids_from_eos``).
@@ -23,7 +27,6 @@ Keys may have fewer heads than queries (grouped-query attention: a ``kv_heads`` 
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import haliax as hax
 import jax
@@ -32,12 +35,16 @@ from haliax import NamedArray
 
 from loomax.config import ConfigError
 from loomax.models.axes import Heads, HeadSize, KeyPosition, KvHeads, Position
+from loomax.models.flash import acc_dtype, flash_attention, visible_mask
+from loomax.models.splash import mesh_platform, splash_attention, splash_unsupported_reason
 
-BACKENDS = ("auto", "vanilla", "blockwise", "xla", "cudnn")
+BACKENDS = ("auto", "vanilla", "blockwise", "splash", "xla", "cudnn")
 QUERY_BLOCK = 128
 """Query block of the ``vanilla`` backend."""
 FLASH_BLOCK = 128
 """Query and key block of the ``blockwise`` backend."""
+SPLASH_BLOCKS = (512, 512)
+"""Default query and key blocks of the ``splash`` backend (``model.splash_block_q/kv``)."""
 BLOCKWISE_FROM = 2048
 """``auto`` picks ``blockwise`` (on CPU/TPU) for sequences longer than this."""
 
@@ -93,13 +100,26 @@ def resolve_backend(
     *,
     segments: bool = False,
     compute_capability: tuple[int, int] | None | str = "detect",
+    platform: str = "detect",
+    splash_blocks: tuple[int, int] = SPLASH_BLOCKS,
 ) -> str:
     """The backend ``auto`` stands for here (others are returned as they are).
 
-    ``cudnn`` asked for where it cannot serve raises ``ValueError`` saying why.
+    ``platform`` is that of the devices compiled for (``detect``: the mesh in context).
+    ``cudnn`` or ``splash`` asked for where it cannot serve raises ``ConfigError`` saying why.
     """
+    if backend == "splash":
+        reason = splash_unsupported_reason(seq_len, *splash_blocks)
+        if reason:
+            raise ConfigError(f"model.attn_backend splash cannot serve this attention: {reason}")
+        return backend
     if backend not in ("auto", "cudnn"):
         return backend
+    if backend == "auto":
+        if platform == "detect":
+            platform = mesh_platform()
+        if platform == "tpu" and splash_unsupported_reason(seq_len, *splash_blocks) is None:
+            return "splash"
     if compute_capability == "detect":
         compute_capability = gpu_compute_capability()
     reason = cudnn_unsupported_reason(
@@ -121,6 +141,7 @@ def causal_attention(
     *,
     backend: str = "auto",
     segment_ids: NamedArray | None = None,
+    splash_blocks: tuple[int, int] = SPLASH_BLOCKS,
 ) -> NamedArray:
     """Scaled dot-product causal self-attention.
 
@@ -135,7 +156,9 @@ def causal_attention(
     seg = None
     if segment_ids is not None:
         seg = segment_ids.rearrange((*batch_axes, Position)).array.reshape(B, T)
-    backend = resolve_backend(backend, qa.dtype, T, qa.shape[-1], segments=seg is not None)
+    backend = resolve_backend(
+        backend, qa.dtype, T, qa.shape[-1], segments=seg is not None, splash_blocks=splash_blocks
+    )
     scale = 1 / math.sqrt(qa.shape[-1])
     if backend == "vanilla":
         out = _blocked_causal(qa * jnp.asarray(scale, qa.dtype), ka, va, seg)
@@ -143,6 +166,8 @@ def causal_attention(
         if seg is None:
             seg = jnp.zeros((B, T), jnp.int32)
         out = flash_attention(qa, ka, va, seg, scale, min(FLASH_BLOCK, T))
+    elif backend == "splash":
+        out = splash_attention(qa, ka, va, seg, scale, *splash_blocks)
     elif backend in ("xla", "cudnn"):
         out = _jax_attention(qa, ka, va, seg, backend)
     else:
@@ -198,18 +223,6 @@ def _from_array(out: jax.Array, q: NamedArray, batch_axes) -> NamedArray:
     return hax.named(out, order).rearrange(q.axes)
 
 
-def _acc(dtype) -> jnp.dtype:
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _visible(q_pos, k_pos, q_seg, k_seg):
-    """``[B or 1, 1, 1, Tq, Tk]`` boolean: causal, and the same segment when segments are given."""
-    mask = (q_pos[:, None] >= k_pos[None, :])[None, None, None]
-    if q_seg is not None:
-        mask = mask & (q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :])
-    return mask
-
-
 # ------------------------------------------------------------------ vanilla
 def _blocked_causal(q, k, v, seg):
     seq = q.shape[-2]
@@ -227,10 +240,10 @@ def _blocked_causal(q, k, v, seg):
 
 def _attend(q, k, v, q_start, q_seg, k_seg):
     """Softmax attention of (pre-scaled) ``q`` at positions ``q_start + i`` over keys ``0..S-1``."""
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=acc)
     q_pos = q_start + jnp.arange(q.shape[-2])
-    visible = _visible(q_pos, jnp.arange(k.shape[-2]), q_seg, k_seg)
+    visible = visible_mask(q_pos, jnp.arange(k.shape[-2]), q_seg, k_seg)
     scores = jnp.where(visible, scores, jnp.finfo(acc).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgqs,bksd->bkgqd", weights, v)
@@ -248,150 +261,3 @@ def _jax_attention(q, k, v, seg, implementation):
         qj, kj, vj, mask=mask, is_causal=True, implementation=implementation
     )
     return out.transpose(0, 2, 1, 3).reshape(B, K, G, T, D)
-
-
-# ------------------------------------------------------------------ blockwise (flash)
-def _split_blocks(x, block, axis):
-    """``[..., n * block, ...] -> [n, ..., block, ...]`` along ``axis``."""
-    shape = x.shape
-    x = x.reshape(*shape[:axis], shape[axis] // block, block, *shape[axis + 1 :])
-    return jnp.moveaxis(x, axis, 0)
-
-
-def _merge_blocks(x, axis):
-    x = jnp.moveaxis(x, 0, axis)
-    return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
-
-
-def _pad_to(x, multiple, axis, value=0):
-    pad = (-x.shape[axis]) % multiple
-    if not pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def flash_attention(q, k, v, seg, scale: float, block: int):
-    """Causal attention by blocks with an online softmax; O(seq) memory forward and backward.
-
-    ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]``, ``seg`` is ``[B, T]``.
-    """
-    return _flash_forward(q, k, v, seg, scale, block)[0]
-
-
-def _flash_blocks(q, k, v, seg, block):
-    T = q.shape[-2]
-    q, k, v = _pad_to(q, block, 3), _pad_to(k, block, 2), _pad_to(v, block, 2)
-    seg = _pad_to(seg, block, 1, value=-1)  # padded keys match no real query
-    pos = jnp.arange(q.shape[3])
-    return (
-        _split_blocks(q, block, 3),
-        _split_blocks(k, block, 2),
-        _split_blocks(v, block, 2),
-        _split_blocks(seg, block, 1),
-        _split_blocks(pos, block, 0),
-        T,
-    )
-
-
-def _block_scores(q_b, k_b, qp, kp, qs, ks, scale):
-    acc = _acc(q_b.dtype)
-    s = jnp.einsum("bkgqd,bksd->bkgqs", q_b, k_b, preferred_element_type=acc) * scale
-    mask = _visible(qp, kp, qs, ks)
-    return s, mask
-
-
-def _flash_forward(q, k, v, seg, scale, block):
-    qb, kb, vb, sb, pb, T = _flash_blocks(q, k, v, seg, block)
-    acc = _acc(q.dtype)
-    neg = jnp.finfo(acc).min
-
-    def per_query_block(xs):
-        q_b, qs, qp = xs
-
-        def per_key_block(carry, ys):
-            m, total, o = carry
-            k_b, v_b, ks, kp = ys
-
-            def compute(carry):
-                m, total, o = carry
-                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale)
-                m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, neg), axis=-1))
-                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-                corr = jnp.exp(m - m_new)
-                total = total * corr + jnp.sum(p, axis=-1)
-                o = o * corr[..., None] + jnp.einsum(
-                    "bkgqs,bksd->bkgqd", p.astype(v_b.dtype), v_b, preferred_element_type=acc
-                )
-                return m_new, total, o
-
-            carry = jax.lax.cond(kp[0] <= qp[-1], compute, lambda c: c, carry)
-            return carry, None
-
-        shape = q_b.shape[:-1]
-        init = (jnp.full(shape, neg, acc), jnp.zeros(shape, acc), jnp.zeros(q_b.shape, acc))
-        (m, total, o), _ = jax.lax.scan(per_key_block, init, (kb, vb, sb, pb))
-        total = jnp.where(total == 0, 1.0, total)
-        return (o / total[..., None]).astype(q.dtype), m + jnp.log(total)
-
-    out, lse = jax.lax.map(per_query_block, (qb, sb, pb))
-    out = _merge_blocks(out, 3)[..., :T, :]
-    lse = _merge_blocks(lse, 3)[..., :T]
-    return out, lse
-
-
-def _flash_fwd(q, k, v, seg, scale, block):
-    out, lse = _flash_forward(q, k, v, seg, scale, block)
-    return out, (q, k, v, seg, out, lse)
-
-
-def _flash_bwd(scale, block, residuals, g):
-    q, k, v, seg, out, lse = residuals
-    acc = _acc(q.dtype)
-    T = q.shape[-2]
-    delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)  # [B, K, G, T]
-    qb, kb, vb, sb, pb, _ = _flash_blocks(q, k, v, seg, block)
-    gb = _split_blocks(_pad_to(g, block, 3), block, 3)
-    lb = _split_blocks(_pad_to(lse, block, 3), block, 3)
-    db = _split_blocks(_pad_to(delta, block, 3), block, 3)
-
-    def per_query_block(carry, xs):
-        dk, dv = carry
-        q_b, qs, qp, g_b, l_b, d_b = xs
-
-        def per_key_block(dq, ys):
-            k_b, v_b, ks, kp = ys
-
-            def compute(dq):
-                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale)
-                p = jnp.where(mask, jnp.exp(s - l_b[..., None]), 0.0)
-                dv_b = jnp.einsum("bkgqs,bkgqd->bksd", p, g_b.astype(acc))
-                dp = jnp.einsum("bkgqd,bksd->bkgqs", g_b.astype(acc), v_b.astype(acc))
-                ds = p * (dp - d_b[..., None]) * scale
-                dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, k_b.astype(acc))
-                dk_b = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_b.astype(acc))
-                return dq, dk_b, dv_b
-
-            def skip(dq):
-                zeros = jnp.zeros(k_b.shape, acc)
-                return dq, zeros, zeros
-
-            dq, dk_b, dv_b = jax.lax.cond(kp[0] <= qp[-1], compute, skip, dq)
-            return dq, (dk_b, dv_b)
-
-        dq, (dk_bs, dv_bs) = jax.lax.scan(
-            per_key_block, jnp.zeros(q_b.shape, acc), (kb, vb, sb, pb)
-        )
-        return (dk + dk_bs, dv + dv_bs), dq
-
-    zeros = jnp.zeros(kb.shape, acc)
-    (dk, dv), dq = jax.lax.scan(per_query_block, (zeros, zeros), (qb, sb, pb, gb, lb, db))
-    dq = _merge_blocks(dq, 3)[..., :T, :].astype(q.dtype)
-    dk = _merge_blocks(dk, 2)[..., :T, :].astype(k.dtype)
-    dv = _merge_blocks(dv, 2)[..., :T, :].astype(v.dtype)
-    return dq, dk, dv, None
-
-
-flash_attention.defvjp(_flash_fwd, _flash_bwd)

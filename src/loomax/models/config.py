@@ -17,11 +17,11 @@ import haliax as hax
 import jax
 from jaxtyping import PRNGKeyArray
 
-from loomax.models.attention import BACKENDS
+from loomax.config import ConfigError
+from loomax.models.attention import BACKENDS, SPLASH_BLOCKS
 from loomax.models.files import write_files
-
-REMAT_POLICIES = (True, False, "offload", "nested", "recompute", "save_all")
-"""Values of ``gradient_checkpointing``, each a Haliax ``ScanCheckpointPolicy`` (see docs/models.md)."""
+from loomax.models.remat import check_remat, scan_policy
+from loomax.models.splash import LANES, splash_unsupported_reason
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,10 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Vocabulary size; null = take it from the tokenizer."""
     gradient_checkpointing: bool | str = True
     """Layer remat: true (recompute block internals), false, offload, nested, recompute, save_all."""
+    remat_save: tuple[str, ...] = ()
+    """Activations a remat'd layer keeps instead of recomputing: qkv, attn_out, splash_residuals, mlp_in, mlp_up."""
+    remat_offload: tuple[str, ...] = ()
+    """Activations a remat'd layer keeps in pinned host memory instead of recomputing (same names)."""
     cross_entropy_block_size: int | None = 4096
     """Tokens per block of the fused LM head + softmax (bounds logits memory); null = plain full logits."""
     cross_entropy_vocab_block_size: int | None = None
@@ -41,7 +45,11 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     z_loss_weight: float = 0.0
     """Weight of the z-loss, the mean squared log-partition of the logits; 0 = off."""
     attn_backend: str = "auto"
-    """Attention: auto, vanilla, blockwise (flash-style, O(seq) memory), xla or cudnn (jax.nn)."""
+    """Attention: auto, vanilla, blockwise (flash-style, O(seq) memory), splash (TPU kernel), xla or cudnn (jax.nn)."""
+    splash_block_q: int = SPLASH_BLOCKS[0]
+    """Query block of the splash kernel (a multiple of 128; seq_len must be a multiple of it)."""
+    splash_block_kv: int = SPLASH_BLOCKS[1]
+    """Key/value block of the splash kernel (a multiple of 128; seq_len must be a multiple of it)."""
     document_mask: bool = False
     """Attention stays within each packed document (documents end at the tokenizer's EOS)."""
     scan_unroll: int | bool = 1
@@ -52,10 +60,18 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
             raise ValueError(
                 f"model.attn_backend must be one of {BACKENDS}, got {self.attn_backend!r}"
             )
-        if self.gradient_checkpointing not in REMAT_POLICIES:
-            raise ValueError(
-                f"model.gradient_checkpointing must be one of {list(REMAT_POLICIES)}, got {self.gradient_checkpointing!r}"
-            )
+        for key in ("remat_save", "remat_offload"):  # a list from YAML or a plan: hashable
+            object.__setattr__(self, key, tuple(getattr(self, key)))
+        check_remat(self.gradient_checkpointing, self.remat_save, self.remat_offload)
+        for key in ("splash_block_q", "splash_block_kv"):
+            if getattr(self, key) <= 0 or getattr(self, key) % LANES:
+                raise ConfigError(
+                    f"model.{key} must be a positive multiple of {LANES}, got {getattr(self, key)}"
+                )
+        if self.attn_backend == "splash":
+            reason = splash_unsupported_reason(self.seq_len, *self.splash_blocks)
+            if reason:
+                raise ConfigError(f"model.attn_backend splash: {reason}")
         vocab_block = self.cross_entropy_vocab_block_size
         if vocab_block is not None and (vocab_block <= 0 or self.cross_entropy_block_size is None):
             raise ValueError(
@@ -76,6 +92,16 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
             )
         if self.vocab_size is not None and self.vocab_size <= 0:
             raise ValueError(f"model.vocab_size must be positive, got {self.vocab_size}")
+
+    @property
+    def splash_blocks(self) -> tuple[int, int]:
+        """``(splash_block_q, splash_block_kv)``."""
+        return self.splash_block_q, self.splash_block_kv
+
+    @property
+    def remat_policy(self) -> hax.ScanCheckpointPolicy:
+        """The layer scan's checkpoint policy (``gradient_checkpointing`` and the named activations)."""
+        return scan_policy(self.gradient_checkpointing, self.remat_save, self.remat_offload)
 
     @classmethod
     def default_choice_name(cls) -> str | None:

@@ -15,10 +15,12 @@ import jax
 from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
+from loomax.models import taps
 from loomax.models.attention import cached_attention, causal_attention
 from loomax.models.axes import Embed, Heads, HeadSize, KeyPosition, Layers, Mlp, Position, Vocab
 from loomax.models.config import KvCache, LmConfig, LmModel
 from loomax.models.norms import layer_norm
+from loomax.models.remat import name_activation
 
 
 @LmConfig.register_subclass("gpt2")
@@ -108,6 +110,7 @@ class Gpt2Attention(eqx.Module):
     qkv: hnn.Linear  # embed -> (qkv, heads, head_size)
     out: hnn.Linear  # (heads, head_size) -> embed
     backend: str = eqx.field(static=True)
+    splash_blocks: tuple[int, int] = eqx.field(static=True)
 
     @staticmethod
     def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Attention:
@@ -120,13 +123,17 @@ class Gpt2Attention(eqx.Module):
             use_bias=config.use_bias,
         )
         out = _residual_projection(config, (config.Heads, config.HeadSize), key=k_out)
-        return Gpt2Attention(qkv, out, config.attn_backend)
+        return Gpt2Attention(qkv, out, config.attn_backend, config.splash_blocks)
 
     def __call__(self, x: NamedArray, segment_ids: NamedArray | None = None) -> NamedArray:
         qkv = self.qkv(x)
+        qkv = name_activation(qkv, "qkv")
         q, k, v = qkv["qkv", 0], qkv["qkv", 1], qkv["qkv", 2]
         k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
-        return self.out(causal_attention(q, k, v, backend=self.backend, segment_ids=segment_ids))
+        out = causal_attention(
+            q, k, v, backend=self.backend, segment_ids=segment_ids, splash_blocks=self.splash_blocks
+        )
+        return self.out(name_activation(out, "attn_out"))
 
     def decode(self, x: NamedArray, cache_k, cache_v, start):
         """Attention over the cache for new positions from ``start``; returns the new cache too."""
@@ -151,7 +158,7 @@ class Gpt2Mlp(eqx.Module):
         return Gpt2Mlp(up, down)
 
     def __call__(self, x: NamedArray) -> NamedArray:
-        return self.down(hnn.gelu(self.up(x), approximate=True))
+        return self.down(hnn.gelu(name_activation(self.up(x), "mlp_up"), approximate=True))
 
 
 class Gpt2Block(eqx.Module):
@@ -174,8 +181,9 @@ class Gpt2Block(eqx.Module):
         )
 
     def __call__(self, x: NamedArray, segment_ids: NamedArray | None = None) -> NamedArray:
-        x = x + self.attn(self.ln_attn(x), segment_ids)
-        x = x + self.mlp(self.ln_mlp(x))
+        x = x + taps.tap("attn_out", self.attn(self.ln_attn(x), segment_ids))
+        mlp_in = taps.tap("mlp_in", name_activation(self.ln_mlp(x), "mlp_in"))
+        x = x + taps.tap("mlp_out", self.mlp(mlp_in))
         return hax.auto_sharded(x)  # keep activations laid out by the compute mapping
 
     def decode(self, x: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
@@ -203,7 +211,7 @@ class Gpt2LmModel(LmModel):
             _normal(k_pos, (config.Pos, config.Embed), std / 2), config.Pos, config.Embed
         )
         blocks = hnn.Stacked.init(
-            config.Layers, Gpt2Block, gradient_checkpointing=config.gradient_checkpointing
+            config.Layers, Gpt2Block, gradient_checkpointing=config.remat_policy
         )(config, key=jax.random.split(k_blocks, config.num_layers))
         ln_final = layer_norm(config.Embed, config.layer_norm_epsilon)
         lm_head = None
@@ -225,8 +233,14 @@ class Gpt2LmModel(LmModel):
         Pos = tokens.resolve_axis(Position)
         x = self.token_embeddings.embed(tokens)
         x = x + self.position_embeddings.weight[Position, hax.dslice(0, Pos.size)]
-        x = self.blocks.fold(hax.auto_sharded(x), segment_ids, unroll=self.config.scan_unroll)
-        return self.ln_final(x)
+        x = self._layers(hax.auto_sharded(x), segment_ids)
+        return taps.tap("final", self.ln_final(x))
+
+    def _layers(self, x: NamedArray, segment_ids: NamedArray | None) -> NamedArray:
+        unroll = self.config.scan_unroll
+        if taps.active():  # activation statistics asked for: each layer's, as scan outputs
+            return taps.scan_layers(self.blocks, x, segment_ids, unroll=unroll)
+        return self.blocks.fold(x, segment_ids, unroll=unroll)
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
         c = self.config

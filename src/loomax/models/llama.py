@@ -16,6 +16,7 @@ import jax
 from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
+from loomax.models import taps
 from loomax.models.attention import cached_attention, causal_attention
 from loomax.models.axes import (
     Embed,
@@ -30,6 +31,7 @@ from loomax.models.axes import (
 )
 from loomax.models.config import KvCache, LmConfig, LmModel
 from loomax.models.norms import rms_norm
+from loomax.models.remat import name_activation
 from loomax.models.rotary import DefaultRotary, RotaryConfig, apply_rotary
 
 
@@ -169,13 +171,16 @@ class LlamaAttention(eqx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, positions, self.config.rope)
         k = apply_rotary(k, positions, self.config.rope)
-        return q, k, v
+        return name_activation((q, k, v), "qkv")
 
     def __call__(self, x: NamedArray, segment_ids: NamedArray | None = None) -> NamedArray:
         q, k, v = self._qkv(x, hax.arange(x.resolve_axis(Position)))
         k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
-        out = causal_attention(q, k, v, backend=self.config.attn_backend, segment_ids=segment_ids)
-        return self.o_proj(out)
+        c = self.config
+        out = causal_attention(
+            q, k, v, backend=c.attn_backend, segment_ids=segment_ids, splash_blocks=c.splash_blocks
+        )
+        return self.o_proj(name_activation(out, "attn_out"))
 
     def decode(self, x: NamedArray, cache_k, cache_v, start):
         """Attention over the cache for new positions from ``start``; returns the new cache too."""
@@ -202,7 +207,8 @@ class LlamaMlp(eqx.Module):
         )
 
     def __call__(self, x: NamedArray) -> NamedArray:
-        return self.down_proj(hnn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = name_activation((self.gate_proj(x), self.up_proj(x)), "mlp_up")
+        return self.down_proj(hnn.silu(gate) * up)
 
 
 class LlamaBlock(eqx.Module):
@@ -225,8 +231,9 @@ class LlamaBlock(eqx.Module):
         )
 
     def __call__(self, x: NamedArray, segment_ids: NamedArray | None = None) -> NamedArray:
-        x = x + self.attn(self.input_norm(x), segment_ids)
-        x = x + self.mlp(self.post_attn_norm(x))
+        x = x + taps.tap("attn_out", self.attn(self.input_norm(x), segment_ids))
+        mlp_in = taps.tap("mlp_in", name_activation(self.post_attn_norm(x), "mlp_in"))
+        x = x + taps.tap("mlp_out", self.mlp(mlp_in))
         return hax.auto_sharded(x)
 
     def decode(self, x: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
@@ -250,7 +257,7 @@ class LlamaLmModel(LmModel):
         weight = hax.random.normal(k_tok, (Vocab, config.Embed)) * config.initializer_range
         embed = hnn.Embedding(weight, Vocab, config.Embed)
         blocks = hnn.Stacked.init(
-            config.Layers, LlamaBlock, gradient_checkpointing=config.gradient_checkpointing
+            config.Layers, LlamaBlock, gradient_checkpointing=config.remat_policy
         )(config, key=jax.random.split(k_blocks, config.num_layers))
         lm_head = None
         if not config.tie_word_embeddings:
@@ -271,7 +278,12 @@ class LlamaLmModel(LmModel):
         key: PRNGKeyArray | None = None,
     ) -> NamedArray:
         x = hax.auto_sharded(self.embed_tokens.embed(tokens))
-        return self.norm(self.blocks.fold(x, segment_ids, unroll=self.config.scan_unroll))
+        unroll = self.config.scan_unroll
+        if taps.active():  # activation statistics asked for: each layer's, as scan outputs
+            x = taps.scan_layers(self.blocks, x, segment_ids, unroll=unroll)
+        else:
+            x = self.blocks.fold(x, segment_ids, unroll=unroll)
+        return taps.tap("final", self.norm(x))
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
         c = self.config

@@ -66,11 +66,25 @@ def local_tokenizer(config: TrainLmConfig) -> Path | None:
     return Path(cached) if isinstance(cached, str) else None
 
 
+KNOWN_VOCAB_SIZES = {
+    "gpt2": 50257,
+    "openai-community/gpt2": 50257,
+    "meta-llama/Meta-Llama-3-8B": 128256,
+    "meta-llama/Llama-3.1-8B": 128256,
+    "meta-llama/Llama-3.2-1B": 128256,
+    "meta-llama/Llama-2-7b-hf": 32000,
+    "mistralai/Mistral-7B-v0.1": 32000,
+}
+"""Sizes (``tokenizer.get_vocab_size()``) of well-known hub tokenizers, so compiling a run that
+names one needs neither a download nor ``model.vocab_size``."""
+
+
 def vocab_size_of(config: TrainLmConfig) -> tuple[int, str | None]:
     """The model's vocabulary size, and a note when it was not ``model.vocab_size``.
 
-    ``model.vocab_size``, else a local tokenizer's size, else (no tokenizer configured) the
-    BPE the run would train (``data.tokenizer_vocab_size``); otherwise a ``ValueError``.
+    ``model.vocab_size``, else a local tokenizer's size, else a well-known hub tokenizer's
+    (``KNOWN_VOCAB_SIZES``), else (no tokenizer configured) the BPE the run would train
+    (``data.tokenizer_vocab_size``); otherwise a ``ConfigError``.
     """
     if config.model.vocab_size is not None:
         return config.model.vocab_size, None
@@ -79,6 +93,9 @@ def vocab_size_of(config: TrainLmConfig) -> tuple[int, str | None]:
         from loomax.data.tokenizer import load_tokenizer
 
         return load_tokenizer(path).get_vocab_size(), f"vocab size from {path}"
+    known = KNOWN_VOCAB_SIZES.get(config.data.tokenizer or "")
+    if known is not None:
+        return known, f"vocab size {known}: the size of tokenizer {config.data.tokenizer!r}"
     if config.data.tokenizer is None:
         size = config.data.tokenizer_vocab_size
         return size, f"vocab size {size}: the BPE the run trains (data.tokenizer_vocab_size)"

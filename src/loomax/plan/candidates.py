@@ -44,8 +44,9 @@ def _replace(node: Any, path: list[str], value: Any) -> Any:
 
 
 def mesh_strategies(num_devices: int, num_slices: int = 1, max_model: int = 8) -> list[Candidate]:
-    """Mesh shapes and mappings: FSDP or plain data parallel, each with tensor parallelism
-    of 1, 2, 4, 8 where it divides the devices; slices become the ``replica`` axis."""
+    """Mesh shapes and mappings: FSDP, plain data parallel or ZeRO-2 (parameters whole,
+    optimizer state split), each with tensor parallelism of 1, 2, 4, 8 where it divides the
+    devices; slices become the ``replica`` axis."""
     per_slice = num_devices // num_slices
     out = []
     model = 1
@@ -55,25 +56,58 @@ def mesh_strategies(num_devices: int, num_slices: int = 1, max_model: int = 8) -
             mesh = {"replica": num_slices, "data": data, "model": model}
             tp = f" tp{model}" if model > 1 else ""
             shape = f"{num_slices}x{data}x{model}" if num_slices > 1 else f"{data}x{model}"
-            out.append(
-                Candidate(f"fsdp{tp} {shape}", {"trainer.mesh": mesh, "trainer.fsdp_axis": "embed"})
-            )
+            fsdp = {
+                "trainer.mesh": mesh,
+                "trainer.fsdp_axis": "embed",
+                "trainer.shard_params": True,
+            }
+            out.append(Candidate(f"fsdp{tp} {shape}", fsdp))
             if data > 1 or model == 1:
                 out.append(
                     Candidate(f"dp{tp} {shape}", {"trainer.mesh": mesh, "trainer.fsdp_axis": None})
                 )
+            if data > 1:
+                zero2 = {**fsdp, "trainer.shard_params": False}
+                out.append(Candidate(f"zero2{tp} {shape}", zero2))
         model *= 2
     return out
 
 
+SAVE_ATTENTION = ("qkv", "attn_out", "splash_residuals")
+"""Activations that spare a remat'd layer its attention: the projections, the output and
+the splash kernel's residuals (without splash, the attention backend recomputes)."""
+REMAT_CANDIDATES = (
+    ("remat", True, ()),
+    ("offload", "offload", ()),
+    ("no-remat", False, ()),
+    ("remat save-attn", True, SAVE_ATTENTION),
+    ("offload save-attn", "offload", SAVE_ATTENTION),
+)
+"""``(label, model.gradient_checkpointing, model.remat_save)`` of the remat policies a plan
+tries: full remat, layer inputs offloaded to host, none, and each of the first two keeping
+attention's inputs and results (``SAVE_ATTENTION``: attention is not recomputed)."""
+
+
+def remat_of(candidate: Candidate, config: TrainLmConfig) -> tuple:
+    """``(gradient_checkpointing, remat_save)`` a candidate runs with."""
+    over = candidate.overrides
+    return (
+        over.get("model.gradient_checkpointing", config.model.gradient_checkpointing),
+        tuple(over.get("model.remat_save", config.model.remat_save)),
+    )
+
+
 def remat_variants(base: Candidate, config: TrainLmConfig) -> list[Candidate]:
-    """``base`` with each other gradient-checkpointing policy (remat, offload, none)."""
-    own = base.overrides.get("model.gradient_checkpointing", config.model.gradient_checkpointing)
+    """``base`` with each other remat policy of ``REMAT_CANDIDATES``."""
+    own = remat_of(base, config)
     out = []
-    for policy in (True, "offload", False):
-        if policy != own:
-            name = {True: "remat", False: "no-remat"}.get(policy, policy)
-            overrides = {**base.overrides, "model.gradient_checkpointing": policy}
+    for name, policy, save in REMAT_CANDIDATES:
+        if (policy, save) != own:
+            overrides = {
+                **base.overrides,
+                "model.gradient_checkpointing": policy,
+                "model.remat_save": list(save),
+            }
             out.append(Candidate(f"{base.label} {name}", overrides))
     return out
 
@@ -102,11 +136,15 @@ def run_default(config: TrainLmConfig, num_devices: int) -> Candidate:
     """The run's own strategy (its ``trainer.mesh`` and mappings, as written)."""
     sizes = config.trainer.mesh.resolve(num_devices)
     fsdp = config.trainer.fsdp_axis
-    kind = "fsdp" if fsdp else "dp"
+    kind = ("fsdp" if config.trainer.shard_params else "zero2") if fsdp else "dp"
     tp = f" tp{sizes['model']}" if sizes["model"] > 1 else ""
     return Candidate(
         f"{kind}{tp} {sizes['data']}x{sizes['model']} (the run's)",
-        {"trainer.mesh": sizes, "trainer.fsdp_axis": fsdp},
+        {
+            "trainer.mesh": sizes,
+            "trainer.fsdp_axis": fsdp,
+            "trainer.shard_params": config.trainer.shard_params,
+        },
     )
 
 
@@ -134,6 +172,8 @@ def as_flags(overrides: Overrides) -> list[str]:
                 if value is None
                 else str(value).lower()
                 if isinstance(value, bool)
+                else f"[{','.join(map(str, value))}]"
+                if isinstance(value, list | tuple)
                 else str(value)
             )
             flags += [f"--{key}", text]

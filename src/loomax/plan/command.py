@@ -69,14 +69,15 @@ def _prepare(args: argparse.Namespace, rest: list[str], load: Callable):
 COMPILE_DESCRIPTION = (
     "Compile the run's real train step for a TPU topology (or the local devices) with "
     "abstract arrays, and report memory per chip, FITS / DOES NOT FIT, FLOPs per step and "
-    "an estimated step time and MFU (XLA's cost model, not a measurement). Exits 1 when "
-    "the step does not fit."
+    "an estimated step time and MFU (XLA's cost model, plus a lower bound for each Pallas "
+    "kernel XLA does not cost; not a measurement). Exits 1 when the step does not fit."
 )
 PLAN_DESCRIPTION = (
     "Compile the strategies a researcher would try (mesh data x model x replica, FSDP or "
-    "data parallel, tensor parallel, microbatches, gradient checkpointing incl. offload) "
-    "for a topology, rank them by estimated step time (XLA's cost model, not a "
-    "measurement) and write the best as a YAML overlay for loomax train."
+    "data parallel, tensor parallel, microbatches, gradient checkpointing incl. offload and "
+    "kept attention activations) for a topology, rank them by estimated step time (XLA's "
+    "cost model plus Pallas kernels' lower bounds, not a measurement) and write the best "
+    "as a YAML overlay for loomax train."
 )
 
 

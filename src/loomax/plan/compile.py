@@ -1,9 +1,11 @@
 """Compile a run's step for a topology and report memory per chip, FLOPs and an estimated speed.
 
 Memory is XLA's own account of the compiled program (``memory_analysis``) plus the state's
-shard sizes; the step time is an *estimate* from XLA's cost model (``optimal_seconds``,
-scaled by the loop trip counts XLA's cost analysis leaves out, see ``loomax.plan.flops``),
-never a measurement, and the MFU it implies is only as good as that model.
+shard sizes; the step time is an *estimate*: XLA's cost model (``optimal_seconds``, scaled
+by the loop trip counts XLA's cost analysis leaves out, see ``loomax.plan.flops``) for what
+XLA compiles, plus a lower bound for each Pallas kernel (a custom call XLA counts as almost
+free): its FLOPs at the chip's peak or its bytes at HBM bandwidth, whichever is longer.
+Never a measurement; the MFU it implies is only as good as that model.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax
 from loomax.lm.config import TrainLmConfig
 from loomax.lm.weights import initial_model
 from loomax.plan.build import built_step
-from loomax.plan.flops import dot_flops
+from loomax.plan.flops import StepCount, count_step
 from loomax.plan.topology import Topology
 
 
@@ -50,8 +52,12 @@ class CompileResult:
     """Model FLOPs per step, all devices (3 x forward: what MFU counts)."""
     step_flops: float = 0.0
     """Matmul FLOPs the step executes, all devices (with rematerialized passes)."""
+    kernel_flops: float = 0.0
+    """FLOPs of the Pallas kernels (e.g. splash attention) in ``step_flops``, from their math."""
     est_step_s: float | None = None
-    """Estimated step time from XLA's cost model (not a measurement)."""
+    """Estimated step time: XLA's cost model plus the kernels' lower bound (not a measurement)."""
+    est_kernel_s: float = 0.0
+    """Part of ``est_step_s`` that is the Pallas kernels' lower bound (FLOPs at peak, bytes at HBM bandwidth)."""
     est_mfu: float | None = None
     compile_s: float = 0.0
     measured_step_s: float | None = None
@@ -96,7 +102,8 @@ def compile_run(
         result.batch_bytes = _shard_bytes(built.batch)
         start = time.perf_counter()
         traced = built.trace()
-        result.step_flops = dot_flops(traced.jaxpr)
+        count = count_step(traced.jaxpr)
+        result.step_flops, result.kernel_flops = count.total_flops, count.kernel_flops
         try:
             with _no_cache_writes(topology):
                 compiled = traced.lower().compile()
@@ -108,7 +115,7 @@ def compile_run(
             return result
         result.compile_s = time.perf_counter() - start
         _memory(result, compiled)
-        _estimate(result, compiled, topology)
+        _estimate(result, compiled, topology, count)
         if measure_steps:
             result.measured_step_s = _measure(trainer, config, built, compiled, measure_steps)
             peak = topology.peak_per_device
@@ -163,17 +170,19 @@ def _memory(result: CompileResult, compiled) -> None:
             )
 
 
-def _estimate(result: CompileResult, compiled, topology: Topology) -> None:
-    """Step time from XLA's cost model, and the MFU it implies.
+def _estimate(result: CompileResult, compiled, topology: Topology, count: StepCount) -> None:
+    """Step time: XLA's part from its cost model, plus the Pallas kernels' lower bound.
 
     XLA's cost analysis counts each loop body once; its ``optimal_seconds`` and bytes are
-    scaled by (matmul FLOPs executed) / (FLOPs XLA counted), and the result is at least the
-    roofline of those FLOPs at the chip's peak and those bytes at its HBM bandwidth.
+    scaled by (matmul FLOPs XLA executes) / (FLOPs XLA counted), and XLA's part is at least
+    the roofline of those FLOPs at the chip's peak and those bytes at its HBM bandwidth. A
+    kernel call takes at least its FLOPs at peak and at least its bytes at HBM bandwidth.
     """
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
-    per_device = result.step_flops / topology.num_devices
+    devices = topology.num_devices
+    per_device = count.dot_flops / devices
     counted = float(cost.get("flops", 0.0) or 0.0)
     scale = max(1.0, per_device / counted) if counted > 0 else 1.0
     optimal = float(cost.get("optimal_seconds", -1.0) or -1.0)
@@ -184,10 +193,24 @@ def _estimate(result: CompileResult, compiled, topology: Topology) -> None:
     bandwidth = topology.chip.hbm_bandwidth if topology.chip else None
     if bandwidth and cost.get("bytes accessed"):
         estimates.append(float(cost["bytes accessed"]) * scale / bandwidth)
+    kernels = [
+        k.calls
+        / devices
+        * max(k.flops / peak if peak else 0.0, k.bytes / bandwidth if bandwidth else 0.0)
+        for k in count.kernels.values()
+    ]
+    result.est_kernel_s = sum(kernels)
     if estimates:
-        result.est_step_s = max(estimates)
+        result.est_step_s = max(estimates) + result.est_kernel_s
     if result.est_step_s and peak:
-        result.est_mfu = result.model_flops / (result.est_step_s * peak * topology.num_devices)
+        result.est_mfu = result.model_flops / (result.est_step_s * peak * devices)
+    if count.kernels and result.est_step_s:
+        names = sorted({k.name.split("_segmented")[0] for k in count.kernels.values()})
+        result.notes.append(
+            f"{result.est_kernel_s / result.est_step_s:.0%} of the estimated step time is the lower "
+            f"bound of Pallas kernels XLA does not cost ({', '.join(names)}): their FLOPs at peak "
+            "or bytes at HBM bandwidth"
+        )
 
 
 _UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

@@ -12,7 +12,8 @@ from loomax.plan.search import Ranked
 
 ESTIMATE_NOTE = (
     "step time and MFU are estimates from XLA's cost model for the compiled program "
-    "(scaled by loop trip counts), not measurements"
+    "(scaled by loop trip counts; Pallas kernels at their FLOPs' or bytes' lower bound), "
+    "not measurements"
 )
 
 
@@ -75,17 +76,19 @@ def fmt_seconds(s: float | None) -> str:
 
 
 def plan_table(ranked: list[Ranked]) -> str:
-    """Candidates as ranked, one row each."""
+    """Candidates as ranked, one row each; ``kernels`` is the share of the estimated step
+    time that is Pallas kernels' lower bound."""
+    w = max([34, *(len(r.candidate.label) for r in ranked)])
     header = (
-        f"{'#':>2}  {'strategy':<34} {'state':>10} {'temp':>10} {'total':>10}  "
-        f"{'fits':<20} {'est. step':>10} {'est. MFU':>8} {'compile':>8}"
+        f"{'#':>2}  {'strategy':<{w}} {'state':>10} {'temp':>10} {'total':>10}  "
+        f"{'fits':<20} {'est. step':>10} {'est. MFU':>8} {'kernels':>7} {'compile':>8}"
     )
     rows = [header, "-" * len(header)]
     for i, r in enumerate(ranked, 1):
         res = r.result
         if res is None:
             error = _GLOG.sub("", (r.error or "").removeprefix("CompileCrash: "))
-            rows.append(f"{i:>2}  {r.candidate.label:<34} failed: {error[:100]}")
+            rows.append(f"{i:>2}  {r.candidate.label:<{w}} failed: {error[:100]}")
             continue
         tight = res.hbm_bytes and res.total_bytes > 0.97 * res.hbm_bytes
         fits = (
@@ -97,9 +100,15 @@ def plan_table(ranked: list[Ranked]) -> str:
         )
         mfu = f"{res.est_mfu:.1%}" if res.est_mfu is not None and res.fits is not False else "-"
         step = fmt_seconds(res.est_step_s) if res.fits is not False else "-"
+        kernels = (
+            f"{res.est_kernel_s / res.est_step_s:.0%}"
+            if res.est_step_s and res.fits is not False
+            else "-"
+        )
         rows.append(
-            f"{i:>2}  {r.candidate.label:<34} {_g(res.state_bytes):>10} {_g(res.temp_bytes):>10} "
-            f"{_g(res.total_bytes):>10}  {fits:<20} {step:>10} {mfu:>8} {res.compile_s:>7.1f}s"
+            f"{i:>2}  {r.candidate.label:<{w}} {_g(res.state_bytes):>10} {_g(res.temp_bytes):>10} "
+            f"{_g(res.total_bytes):>10}  {fits:<20} {step:>10} {mfu:>8} {kernels:>7} "
+            f"{res.compile_s:>7.1f}s"
         )
     return "\n".join(rows)
 

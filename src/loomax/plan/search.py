@@ -21,6 +21,7 @@ from loomax.plan.candidates import (
     as_flags,
     mesh_strategies,
     microbatch_variants,
+    remat_of,
     remat_variants,
     run_default,
 )
@@ -158,9 +159,7 @@ def search(
 
 
 def _policy(candidate: Candidate, config: TrainLmConfig) -> str:
-    return repr(
-        candidate.overrides.get("model.gradient_checkpointing", config.model.gradient_checkpointing)
-    )
+    return repr(remat_of(candidate, config))
 
 
 def _key(candidate: Candidate) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import jax
 
 from loomax.errors import UserError
+from loomax.jax_setup import has_tpu_chips
 
 GiB = 1024**3
 
@@ -114,7 +115,7 @@ def quiet_libtpu() -> Iterator[None]:
     (/tmp/libtpu_lockfile) is not needed either. The variables are set only where unset,
     and only inside this block: elsewhere TPU_WORKER_HOSTNAMES means "a TPU pod" to loomax.
     """
-    if _has_tpu_chips():
+    if has_tpu_chips():
         yield
         return
     added = {}
@@ -170,10 +171,6 @@ def get_topology(name: str) -> Topology:
     devices = list(desc.devices)
     chips = len({(getattr(d, "slice_index", 0), tuple(d.coords)) for d in devices})
     return Topology(name, devices, CHIPS[generation], max(1, len(devices) // chips), slices)
-
-
-def _has_tpu_chips() -> bool:
-    return any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0"))
 
 
 def _local_memory() -> int | None:
