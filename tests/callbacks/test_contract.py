@@ -17,6 +17,7 @@ NOTIFY_URL = "http://127.0.0.1:9/services/s3cr3t"
 """The discard port: nothing answers there."""
 
 HOOKS = {
+    "activations": {"every": 2},
     "batch_size_schedule": {"every": 4},
     "config_saver": {},
     "console": {"every": 2},

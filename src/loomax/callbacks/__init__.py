@@ -1,5 +1,6 @@
 """Built-in hooks, one per module; importing this package registers their ``trainer.hooks`` types."""
 
+from loomax.callbacks.activations import ActivationStatsHook
 from loomax.callbacks.batch_size import BatchSizeScheduleHook
 from loomax.callbacks.config_saver import ConfigSaverHook
 from loomax.callbacks.console import ConsoleHook
@@ -36,6 +37,7 @@ from loomax.callbacks.textgen import TextGenHook
 from loomax.callbacks.wandb_cancel import WandbCancelHook
 
 __all__ = [
+    "ActivationStatsHook",
     "BatchSizeScheduleHook",
     "ConfigSaverHook",
     "ConsoleHook",

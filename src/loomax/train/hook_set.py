@@ -99,6 +99,10 @@ class HookSet:
             results.update(hook.run_eval(info) or {})
         return results
 
+    def activation_stats_at(self, step: int) -> bool:
+        """Whether any hook asks step ``step`` for activation statistics."""
+        return any(hook.activation_stats_at(step) for hook in self.hooks)
+
     def pre_log(self, info: StepInfo, record: dict[str, Any]) -> None:
         """Let every hook change ``record`` before it reaches the tracker."""
         for hook in self.hooks:

@@ -190,6 +190,11 @@ class Hook:
         """Arrays this hook keeps in ``TrainerState.extras``, by name."""
         return {}
 
+    def activation_stats_at(self, step: int) -> bool:
+        """Whether step ``step`` should take activation statistics (``loomax.models.taps``):
+        that step runs a second compiled variant of the step that also returns them."""
+        return False
+
     def transform_batch(self, step: int, batch: Any) -> Any:
         """The batch step ``step`` trains on (this process's rows, before sharding); default: as is."""
         return batch

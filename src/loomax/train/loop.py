@@ -158,8 +158,11 @@ class TrainingLoop:
 
     def _step_args(self, step: int) -> dict[str, Any]:
         """``train_step`` arguments for step ``step`` (made from batch ``step - 1``): its
-        microbatches under a batch-size schedule, the fragment it syncs under DiLoCo."""
+        microbatches under a batch-size schedule, the fragment it syncs under DiLoCo, and
+        whether a hook asks it for activation statistics."""
         args: dict[str, Any] = {}
+        if self.hook_set.activation_stats_at(step):
+            args["activation_stats"] = True
         if self.config.diloco is not None:
             args["sync"] = self.config.diloco.synced_at(step)
         if not self.batch_schedule.is_constant:

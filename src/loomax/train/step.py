@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jmp
 import optax
 
+from loomax.models import taps
 from loomax.train.loss_metrics import add_sums, metric_values, split_loss, zero_sums
 from loomax.train.state import TrainerState
 
@@ -120,6 +121,7 @@ def make_train_step(
     freeze: Sequence[str] = (),
     grad_mapping: Mapping[str, Any] | None = None,
     offload_optimizer_state: bool = False,
+    activation_stats: bool = False,
 ) -> Callable[[TrainerState, Any], tuple[TrainerState, Metrics]]:
     """Build the pure step. Gradients are of the mean loss over the whole batch.
 
@@ -131,13 +133,20 @@ def make_train_step(
     optimizer mapping) gradients, and their accumulator, are laid out by it: reduce-scattered
     to where the optimizer state rests rather than all-reduced to where parameters do. With
     ``offload_optimizer_state`` the state comes in from host memory and is moved to the
-    devices for the update (the jit's output shardings put it back).
+    devices for the update (the jit's output shardings put it back). With
+    ``activation_stats`` the forward pass's activation statistics (``loomax.models.taps``)
+    join the metrics as ``activations/<where>/<stat>`` (averaged over microbatches).
     """
 
     def loss_sum(trained, frozen, batch, key):
-        model = eqx.combine(trained, frozen)
-        total, weight, sums = split_loss(loss_fn(mp.cast_to_compute(model), batch, key=key))
-        return total, (weight, sums)
+        model = mp.cast_to_compute(eqx.combine(trained, frozen))
+        if not activation_stats:
+            total, weight, sums = split_loss(loss_fn(model, batch, key=key))
+            return total, (weight, sums)
+        with taps.collect() as recorded:
+            total, weight, sums = split_loss(loss_fn(model, batch, key=key))
+        stats = {k: (v * weight, weight) for k, v in taps.flatten(recorded).items()}
+        return total, (weight, {**sums, **stats})
 
     value_and_grad = eqx.filter_value_and_grad(loss_sum, has_aux=True)  # w.r.t. ``trained``
 
@@ -187,7 +196,8 @@ def make_train_step(
         updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
         model = eqx.apply_updates(state.model, updates)
         metrics: Metrics = {"train/loss": loss, "optim/grad_norm": optax.tree.norm(grads)}
-        metrics.update({f"train/{k}": v for k, v in metric_values(sums).items()})
+        for name, value in metric_values(sums).items():  # activations/... keep their name
+            metrics[name if name.startswith("activations/") else f"train/{name}"] = value
         metrics.update(optimizer_state_metrics(opt_state))
         if lr_schedule is not None:
             metrics["optim/learning_rate"] = jnp.asarray(lr_schedule(state.step), jnp.float32)

@@ -56,15 +56,21 @@ class JittedSteps:
             return step_fn.jitted.trace(state, batch)
 
     def _build_step(
-        self, state: TrainerState, num_microbatches: int | None = None, sync: int | None = None
+        self,
+        state: TrainerState,
+        num_microbatches: int | None = None,
+        sync: int | None = None,
+        activation_stats: bool = False,
     ) -> Callable:
         microbatches = num_microbatches or self.num_microbatches
-        key = (microbatches, sync)
+        key = (microbatches, sync, activation_stats)
         if key in self._step_fns:
             return self._step_fns[key]
         diloco = self.diloco()
         mesh = self.runtime.mesh
         if diloco is not None:
+            if activation_stats:
+                raise ConfigError("activation statistics are not taken under trainer.diloco")
             step = diloco.make_step(
                 self.loss_fn,
                 mp=self.config.policy,
@@ -90,6 +96,7 @@ class JittedSteps:
                 freeze=self.config.freeze,
                 grad_mapping=mappings.optimizer if mappings.zero2 else None,
                 offload_optimizer_state=self.config.offload_optimizer_state,
+                activation_stats=activation_stats,
             )
             metrics = replicated(mesh)
         offload = self.config.offload_optimizer_state
@@ -104,17 +111,19 @@ class JittedSteps:
         *,
         num_microbatches: int | None = None,
         sync: int | None = _UNSET,
+        activation_stats: bool = False,
     ) -> tuple[TrainerState, dict[str, jax.Array]]:
         """Run the jitted pure step (compiled on first use); ``state`` is donated.
 
         ``batch`` is this process's rows (numpy) or an already global ``jax.Array``.
         ``num_microbatches`` defaults to that of the first batch size. Under DiLoCo ``sync``
         (the fragment this step syncs, or None) defaults to what ``state.step`` implies
-        (read from the device: the loop passes it instead).
+        (read from the device: the loop passes it instead). ``activation_stats`` runs the
+        variant that also returns activation statistics (compiled on its first use).
         """
         if sync is _UNSET:
             sync = self.config.diloco and self.config.diloco.synced_at(int(state.step) + 1)
-        step_fn = self._build_step(state, num_microbatches, sync)
+        step_fn = self._build_step(state, num_microbatches, sync, activation_stats)
         if not isinstance(batch, jax.Array):
             batch = self.place_batch(batch)
         return step_fn(state, batch)
