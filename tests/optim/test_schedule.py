@@ -169,7 +169,7 @@ def test_schedule_command_prints_phases_and_plots(repo_root: Path, tmp_path: Pat
     )
     printed = capsys.readouterr().out
     assert "cycle 0 warmup   steps       0-20" in printed
-    assert "cycle 2 linear" in printed and "steps     320-350" in printed
+    assert "cycle 2 linear" in printed and "steps     440-500" in printed  # quickstart: 500 steps
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
