@@ -36,6 +36,7 @@ def test_stats_are_logged_on_their_steps_and_training_is_unchanged(tiny, tmp_pat
                 assert r[f"{key}/rms"] >= abs(r[f"{key}/mean"]) and r[f"{key}/std"] > 0
                 assert r[f"{key}/absmax"] >= r[f"{key}/rms"] and 0 <= r[f"{key}/near_zero"] <= 1
         assert r["activations/final/rms"] > 0
+        assert r["activations/logits/absmax"] >= r["activations/logits/rms"] > 0
     for step in (1, 2, 3, 4):  # the statistics variant trains the same model
         assert stats[step]["train/loss"] == runs["plain"][step]["train/loss"]
     with pytest.raises(ValueError, match=r"\(activations\): every must be > 0"):

@@ -7,7 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loomax.models.loss import fused_cross_entropy_sum, plain_cross_entropy_sum
+from loomax.models import taps
+from loomax.models.loss import (
+    fused_cross_entropy_sum,
+    logits_stats,
+    plain_cross_entropy_sum,
+)
 
 
 def problem(n=37, d=16, v=101, seed=0):
@@ -80,3 +85,18 @@ def test_vocab_blocks_match_plain(block, vocab_block):
     np.testing.assert_allclose(val, ref, rtol=1e-5)
     for got, want in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("block", [8, 37])
+def test_logits_statistics_block_by_block_equal_those_of_the_whole_logits(block):
+    h, w, _, _ = problem()
+    h = h.at[3].set(0.0)  # a row of exact zeros: near-zero logits to count
+    got = jax.jit(logits_stats, static_argnums=2)(h, w, block)  # 37 rows: padding at 8
+    want = taps.stats_of(h @ w.T)
+    assert float(want["near_zero"]) >= 101 / (37 * 101)
+    for stat in taps.STATS:
+        np.testing.assert_allclose(got[stat], want[stat], rtol=1e-5, atol=1e-7, err_msg=stat)
+    grad = jax.grad(lambda h: fused_cross_entropy_sum(h, w, problem()[2], problem()[3], block)
+                    + logits_stats(h, w, block)["rms"])(h)  # fmt: skip
+    ref = jax.grad(lambda h: fused_cross_entropy_sum(h, w, problem()[2], problem()[3], block))(h)
+    np.testing.assert_array_equal(grad, ref)  # outside the gradient

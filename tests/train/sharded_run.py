@@ -26,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from loomax.callbacks import ActivationStatsHook  # noqa: E402
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
 from loomax.distributed import DistributedConfig  # noqa: E402
 from loomax.lm import lm_loss  # noqa: E402
@@ -74,6 +75,10 @@ def digest(state) -> dict:
     }
 
 
+def _activations(info) -> dict[str, float]:
+    return {k: v for k, v in info.host_metrics().items() if k.startswith("activations/")}
+
+
 def run(
     mesh: MeshConfig,
     devices=None,
@@ -89,6 +94,9 @@ def run(
     )
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
+    trainer.add_hook(ActivationStatsHook(every=STEPS))  # the last step: statistics, sharded
+    activations: dict[str, float] = {}
+    trainer.add_hook(lambda info: activations.update(_activations(info)), every=STEPS)
     if sigterm_at is not None and jax.process_index() == jax.process_count() - 1:
         trainer.add_hook(lambda info: info.step == sigterm_at and os.kill(os.getpid(), SIGTERM))
     state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
@@ -105,6 +113,7 @@ def run(
     final = trainer.train(state, loader().iter_from(0, jax.process_index(), jax.process_count()))
     return {
         "losses": losses,
+        "activations": activations,
         "specs": specs,
         "final_step": final.step,
         "mesh": dict(trainer.mesh.shape),

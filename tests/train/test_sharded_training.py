@@ -72,6 +72,18 @@ def test_same_loss_trajectory_on_every_mesh(mesh_runs):
 
 
 @pytest.mark.slow
+def test_activation_statistics_are_global_on_every_mesh(mesh_runs):
+    single = mesh_runs[0]["activations"]
+    assert "activations/layer_1/mlp_out/rms" in single and "activations/logits/std" in single
+    for run in mesh_runs[1:]:
+        stats = run["activations"]
+        assert stats.keys() == single.keys()
+        for key, value in single.items():  # the whole tensor's, not one device's shard
+            tol = 2e-3 if key.endswith("near_zero") else 1e-4  # a few values at the threshold
+            np.testing.assert_allclose(stats[key], value, rtol=tol, atol=tol, err_msg=key)
+
+
+@pytest.mark.slow
 def test_parameters_and_optimizer_state_are_sharded_as_declared(mesh_runs):
     by_mesh = {tuple(r["mesh"].values()): r["specs"] for r in mesh_runs}
     fsdp_tp = by_mesh[(1, 4, 2)]

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
+from loomax.models import taps
 from loomax.models.axes import Embed, Position, Vocab
 from loomax.models.config import LmModel
 
@@ -48,6 +49,8 @@ def next_token_loss(
     h = hidden.rearrange((..., Embed)).array.reshape(-1, w.shape[1])
     t = targets.array.reshape(-1)
     m = weights.rearrange(targets.axes).array.reshape(-1)
+    if taps.active():
+        taps.record("logits", logits_stats(h, w, block_size or h.shape[0]))
     if block_size is None:
         total = plain_cross_entropy_sum(h, w, t, m, z_loss_weight)
     else:
@@ -79,6 +82,43 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
     if pad:
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
     return x.reshape(-1, block, *x.shape[1:])
+
+
+def logits_stats(h: jax.Array, w: jax.Array, block_size: int) -> dict[str, jax.Array]:
+    """``taps.STATS`` of the logits ``h @ w.T`` (``[tokens, embed]`` by ``[vocab, embed]``),
+    ``block_size`` tokens at a time so the whole matrix never exists. Two passes over the
+    blocks (the head's matmul twice, on the steps that ask): sums and the largest
+    magnitude, then the centred squares and the near-zero count against the RMS. Exact, and
+    outside the gradient."""
+    h, w = jax.lax.stop_gradient(h), jax.lax.stop_gradient(w.astype(h.dtype))
+    n, vocab = h.shape[0], w.shape[0]
+    block = min(block_size, n)
+    xs = (_blocks(h, block), _blocks(jnp.ones((n,), jnp.float32), block))
+
+    def logits(h_b, valid):
+        z = jnp.dot(h_b, w.T, preferred_element_type=jnp.float32)
+        return z, jnp.broadcast_to(valid[:, None], z.shape)  # padding rows do not count
+
+    def sums(carry, xs):
+        z, v = logits(*xs)
+        total, square, peak = carry
+        peak = jnp.maximum(peak, jnp.max(jnp.abs(z) * v))
+        return (total + jnp.sum(z * v), square + jnp.sum(z * z * v), peak), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (total, square, peak), _ = jax.lax.scan(sums, (zero, zero, zero), xs)
+    count = n * vocab
+    mean, rms = total / count, jnp.sqrt(square / count)
+
+    def spread(carry, xs):
+        z, v = logits(*xs)
+        centred, near = carry
+        centred = centred + jnp.sum(jnp.square(z - mean) * v)
+        return (centred, near + jnp.sum((jnp.abs(z) < taps.NEAR_ZERO * rms) * v)), None
+
+    (centred, near), _ = jax.lax.scan(spread, (zero, zero), xs)
+    std = jnp.sqrt(centred / count)
+    return {"mean": mean, "std": std, "absmax": peak, "rms": rms, "near_zero": near / count}
 
 
 def _block_loss(h_b, w, t_b, m_b, z_loss_weight):

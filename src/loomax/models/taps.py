@@ -6,8 +6,9 @@ largest magnitude, RMS and the fraction of near-zero values of ``x``; outside on
 nothing, so the ordinary step traces exactly as before and costs nothing more. The layer
 stack is scanned, so ``scan_layers`` runs each block under its own ``collect()`` and
 returns the statistics as the scan's outputs (one value per layer), recorded as
-``layer_<i>/<name>/<stat>``. Statistics of a sharded activation are global (XLA reduces
-across devices).
+``layer_<i>/<name>/<stat>``. The loss records the logits' (``logits``) block by block, as
+the fused cross-entropy never holds them whole. Statistics of a sharded activation are
+global (XLA reduces across devices).
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ def tap(name: str, x):
     if stack:
         stack[-1][name] = stats_of(x)
     return x
+
+
+def record(name: str, stats: dict[str, jax.Array]) -> None:
+    """Record ``STATS`` computed elsewhere (e.g. of logits that never exist whole) under
+    ``name``, if a collection is open."""
+    stack = _stack()
+    if stack:
+        stack[-1][name] = stats
 
 
 def scan_layers(blocks: hax.nn.Stacked, x, *args, unroll: int | bool | None = None, **kwargs):
