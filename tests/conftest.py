@@ -251,6 +251,12 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def lm_eval_tasks():
+    """tests/support/lm_eval_tasks.py (tiny lm-eval tasks over local JSONL files, their corpus)."""
+    return _support("lm_eval_tasks")
+
+
+@pytest.fixture(scope="session")
 def processes_support():
     """tests/support/processes.py (children killed together, stderr shown, port retries)."""
     return _support("processes")

@@ -17,66 +17,24 @@ from loomax.train import HookConfig, HookContext
 
 pytest.importorskip("lm_eval")
 
-CORPUS = [
-    "The cat sat on the mat. The dog sat on the log.",
-    "Paris is the capital of France. Rome is the capital of Italy.",
-    "Two plus two is four. Fire is hot; ice is cold.",
-] * 5
-MC = [
-    {"question": "The cat sat on the", "choices": ["mat", "moon", "sky"], "answer": 0},
-    {"question": "Paris is the capital of", "choices": ["Italy", "France"], "answer": 1},
-    {"question": "Two plus two is", "choices": ["four", "five", "one"], "answer": 0},
-    {"question": "Fire is", "choices": ["cold", "hot"], "answer": 1},
-]
-DOCS = [{"text": "The dog sat on the log. " * 3}, {"text": "Rome is the capital of Italy."}]
-
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+def tokenizer(tmp_path_factory, lm_eval_tasks):
     from loomax.data.tokenizer import load_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
-    train_bpe_tokenizer(CORPUS, 280, path)
+    train_bpe_tokenizer(lm_eval_tasks.CORPUS, 280, path)
     return load_tokenizer(path)
 
 
 @pytest.fixture(scope="module")
-def tasks_dir(tmp_path_factory) -> Path:
+def tasks_dir(tmp_path_factory, lm_eval_tasks) -> Path:
     """``mc_a``/``mc_b`` (multiple choice: acc, acc_norm) and ``ppl`` (bits per byte)."""
+    t = lm_eval_tasks
     root = tmp_path_factory.mktemp("tasks")
-
-    def task(name, rows, **body):
-        data = root / f"{name}.jsonl"
-        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        spec = {
-            "task": name,
-            "dataset_path": "json",
-            "dataset_kwargs": {
-                "data_files": {"test": str(data)},
-                "cache_dir": str(root / "datasets_cache"),
-            },
-            "test_split": "test",
-            **body,
-        }
-        (root / f"{name}.yaml").write_text(json.dumps(spec))
-
-    mc = {
-        "output_type": "multiple_choice",
-        "doc_to_text": "{{question}}",
-        "doc_to_choice": "{{choices}}",
-        "doc_to_target": "{{answer}}",
-        "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}],
-    }
-    task("mc_a", MC, **mc)
-    task("mc_b", MC[::-1], **mc)
-    task(
-        "ppl",
-        DOCS,
-        output_type="loglikelihood_rolling",
-        doc_to_text="",
-        doc_to_target="{{text}}",
-        metric_list=[{"metric": "bits_per_byte"}],
-    )
+    t.write_task(root, "mc_a", t.MC, **t.MULTIPLE_CHOICE)
+    t.write_task(root, "mc_b", t.MC[::-1], **t.MULTIPLE_CHOICE)
+    t.write_task(root, "ppl", t.DOCS, **t.rolling("bits_per_byte"))
     return root
 
 

@@ -110,9 +110,8 @@ def test_simple_evaluate_on_local_tasks_writes_results(lm, tasks_dir, tmp_path):
     )
 
 
-def test_multiple_choice_accuracy_from_the_logits(lm, llama, tokenizer, tasks_dir):
-    from .conftest import MC
-
+def test_multiple_choice_accuracy_from_the_logits(lm, llama, tokenizer, tasks_dir, lm_eval_tasks):
+    MC = lm_eval_tasks.MC
     results = evaluate_tasks(
         lm, ["tiny_mc"], include_path=tasks_dir, include_defaults=False, bootstrap_iters=0
     )

@@ -12,20 +12,20 @@ from loomax.downstream import evaluate_tasks, lm_eval_model, task_manager
 from loomax.downstream.prepared import check_prepared, prepare_tasks
 from loomax.errors import UserError
 
-from .conftest import MC
-
 pytest.importorskip("lm_eval")
 
-ARC = [
-    {
-        "id": f"q{i}",
-        "question": q,
-        "choices": {"text": choices, "label": ["A", "B", "C"][: len(choices)]},
-        "answerKey": "ABC"[row["answer"]],
-    }
-    for i, row in enumerate(MC)
-    for q, choices in [(row["question"], row["choices"])]
-]
+
+def arc_rows(mc: list[dict]) -> list[dict]:
+    """The multiple-choice rows in ARC's layout (what lm-eval's ``arc_easy`` reads)."""
+    return [
+        {
+            "id": f"q{i}",
+            "question": row["question"],
+            "choices": {"text": row["choices"], "label": ["A", "B", "C"][: len(row["choices"])]},
+            "answerKey": "ABC"[row["answer"]],
+        }
+        for i, row in enumerate(mc)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,8 @@ def prepared(tasks_dir, tmp_path_factory):
     return source, out
 
 
-def test_prepare_writes_a_versioned_manifest_documents_and_requests(prepared):
+def test_prepare_writes_a_versioned_manifest_documents_and_requests(prepared, lm_eval_tasks):
+    MC = lm_eval_tasks.MC
     source, out = prepared
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["format"] == 1 and manifest["lm_eval"] and manifest["datasets"]
@@ -88,11 +89,12 @@ def test_prepared_tasks_score_as_the_originals_without_their_files(lm, tasks_dir
         evaluate_tasks(lm, ["tiny_mc"], include_path=source, include_defaults=False)
 
 
-def test_builtin_task_is_served_from_the_prepared_set_offline(lm, tmp_path):
+def test_builtin_task_is_served_from_the_prepared_set_offline(lm, tmp_path, lm_eval_tasks):
     """lm-eval's own ``arc_easy`` (its prompts and metrics) over documents in a prepared set
     written as prepare writes it from the hub: evaluation never reaches the hub."""
     import datasets
 
+    ARC = arc_rows(lm_eval_tasks.MC)
     out = tmp_path / "set"
     (out / "arc_easy").mkdir(parents=True)
     text = "".join(json.dumps(r) + "\n" for r in ARC)
