@@ -7,44 +7,24 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
+from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+import process_trainer as pt  # noqa: E402  (sets the CPU platform before JAX starts)
+
+# isort: split
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from loomax.callbacks import DumpGradientsHook, MemoryMonitorHook  # noqa: E402
-from loomax.distributed import DistributedConfig  # noqa: E402
-from loomax.lm import lm_loss  # noqa: E402
-from loomax.mesh import MeshConfig  # noqa: E402
-from loomax.models import Gpt2Config  # noqa: E402
-from loomax.optim import AdamConfig  # noqa: E402
-from loomax.tracking import NoopTrackerConfig  # noqa: E402
-from loomax.train import Trainer, TrainerConfig, setup_process  # noqa: E402
 
-MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=1, num_heads=2)
-VOCAB, BATCH, STEPS = 48, 4, 2
+STEPS = 2
 
 
 def main() -> None:
     pid, count, port = map(int, sys.argv[1:4])
-    config = TrainerConfig(
-        num_train_steps=STEPS,
-        train_batch_size=BATCH,
-        mesh=MeshConfig(1, -1, 1),
-        progress_bar=False,
-        tracker=NoopTrackerConfig(),
-        run_dir=sys.argv[4],
-        log_dir=f"{sys.argv[4]}/logs",
-        distributed=DistributedConfig(
-            coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid
-        ),
-    )
-    optimizer = AdamConfig(learning_rate=1e-3, warmup=0)
-    trainer = Trainer(config, optimizer.build(STEPS), lm_loss(), run_id=setup_process(config))
+    trainer = pt.make_trainer(pid, count, port, sys.argv[4], STEPS, log_dir=f"{sys.argv[4]}/logs")
     logging.getLogger("loomax.test").info("worker %d of %d here", pid, count)  # into its log file
     primary = jax.process_index() == 0
     trainer.add_hook(DumpGradientsHook(steps=[2], run_dir=trainer.run_dir, write=primary))
@@ -58,11 +38,7 @@ def main() -> None:
         weight = info.state.model.token_embeddings.weight.array
         seen["sharded"] = not weight.is_fully_addressable
 
-    state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
-    rng = np.random.default_rng(pid)
-    rows = BATCH // jax.process_count()
-    batches = (rng.integers(0, VOCAB, (rows, MODEL.seq_len), dtype=np.int32) for _ in range(STEPS))
-    trainer.train(state, batches)
+    trainer.train(pt.initial_state(trainer), pt.batches(pid, STEPS))
     trainer.finish()
     print(json.dumps({"process_index": pid, "run_dir": str(trainer.run_dir), **seen}))
 
