@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from alternate import alternate  # bench/ (this script's folder)
+
 REPO = Path(__file__).resolve().parent.parent
 LOOMAX = REPO / ".venv" / "bin" / "loomax"
 
@@ -85,14 +87,9 @@ def main() -> int:
         candidates[name] = flags
     if args.only:
         candidates = {name: candidates[name] for name in args.only.split(",")}
-    runs: dict[str, list[dict]] = {name: [] for name in candidates}
-    for rnd in range(args.rounds):
-        order = list(candidates) if rnd % 2 == 0 else list(reversed(candidates))
-        for name in order:
-            result = run_one(candidates[name], args)
-            runs[name].append(result)
-            tps = result.get("tokens_per_second", "FAILED")
-            print(f"round {rnd + 1} {name:<20} {tps} tokens/s  load {result['load']}", flush=True)
+    runs = alternate(
+        candidates, args.rounds, lambda flags: run_one(flags, args), "tokens_per_second"
+    )
     base_name = next(iter(candidates))
     base_ok = [r for r in runs[base_name] if "error" not in r]
     base_tps = statistics.median(r["tokens_per_second"] for r in base_ok) if base_ok else None

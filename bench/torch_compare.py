@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from alternate import alternate  # bench/ (this script's folder)
+
 REPO = Path(__file__).resolve().parent.parent
 PEER = REPO.parent / "shared" / "peers" / "torch_gpt2_bench.py"
 LOOMAX = REPO / ".venv" / "bin" / "loomax"
@@ -97,17 +99,7 @@ def main() -> int:
         name, _, overrides = item.partition("=")
         sides[f"loomax:{name}"] = loomax + shlex.split(overrides)
 
-    runs: dict[str, list[dict]] = {name: [] for name in sides}
-    for rnd in range(args.rounds):
-        order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
-        for name in order:
-            result = run(sides[name], env)
-            runs[name].append(result)
-            print(
-                f"round {rnd + 1} {name:<24} {result.get('tps', 'FAILED')} tokens/s  "
-                f"load {result['load']}",
-                flush=True,
-            )
+    runs = alternate(sides, args.rounds, lambda command: run(command, env), "tps")
 
     def tps(name: str) -> list[float]:
         return [r["tps"] for r in runs[name] if "error" not in r]
