@@ -1,8 +1,10 @@
 """HF export: exact HF names and layout (checked by a numpy GPT2LMHeadModel / LlamaForCausalLM
-forward), sharding, exact round trip HF -> Loomax -> HF, and import with a run's config."""
+forward), sharding, exact round trip HF -> Loomax -> HF, import with a run's config, and the
+model options: those transformers has travel in config.json, the others are refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import haliax as hax
@@ -10,7 +12,10 @@ import jax
 import numpy as np
 import pytest
 
+from loomax.config import ConfigError
 from loomax.hf import export_hf, load_hf, read_hf, special_token_ids
+from loomax.hf.gpt2 import from_hf_config as gpt2_from_hf
+from loomax.hf.gpt2 import hf_config as gpt2_hf_config
 from loomax.models import Gpt2Config, LlamaConfig
 from loomax.models.rotary import Llama3Rotary
 
@@ -147,3 +152,42 @@ def test_special_token_ids_of_a_tokenizer():
     both = Tokenizer(models.WordLevel(vocab, unk_token="a"))
     assert special_token_ids(eos_only) == {"bos_token_id": 1, "eos_token_id": 1}
     assert special_token_ids(both) == {"bos_token_id": 2, "eos_token_id": 1}
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("hybrid_norm", True), ("input_embedding_norm", True), ("use_layer_norm_weight", False)],
+)
+def test_export_names_the_llama_option_transformers_lacks(tmp_path, key, value):
+    config = dataclasses.replace(CASES["llama-gqa"], num_layers=1, **{key: value})
+    with pytest.raises(ConfigError, match=f"model.{key}: {str(not value).lower()}"):
+        export_hf(config.build(VOCAB, key=jax.random.PRNGKey(0)), tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_options_travel_in_config_json_and_dropout_stays_the_runs(tmp_path):
+    gpt2 = dataclasses.replace(
+        CASES["gpt2"], activation_function="quick_gelu", scale_attn_by_inverse_layer_idx=True,
+        embed_pdrop=0.1, resid_pdrop=0.2, attn_pdrop=0.3,
+    )  # fmt: skip
+    assert gpt2_from_hf(gpt2_hf_config(gpt2, VOCAB)) == gpt2
+    llama = dataclasses.replace(
+        CASES["llama-gqa"], use_bias=True, activation_function="relu2", attn_pdrop=0.1, head_dim=8
+    )
+    export_hf(randomized(llama), tmp_path)
+    config, tensors = read_hf(tmp_path)
+    assert (config["hidden_act"], config["attention_bias"], config["mlp_bias"]) == (
+        "relu2",
+        True,
+        True,
+    )
+    assert tensors["model.layers.1.self_attn.k_proj.bias"].shape == (16,)
+    assert load_hf(tmp_path).config == llama
+    run = dataclasses.replace(llama, attn_pdrop=0.0)  # a run's dropout is its own
+    assert load_hf(tmp_path, run).config.attn_pdrop == 0.0
+    config["mlp_bias"] = False
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match="attention_bias .* and mlp_bias .* differ; model.use_bias"
+    ):
+        load_hf(tmp_path)

@@ -1,6 +1,7 @@
 """Against transformers itself (torch CPU, both in the `test` extra): exports load with the
-same logits, for GPT-2, Llama with GQA/MQA and every rope variant (default, linear, llama3,
-YaRN), and models saved by transformers import with them. Nothing comes from the Hub: each
+same logits, for GPT-2 (also with another activation and scale_attn_by_inverse_layer_idx),
+Llama with GQA/MQA, every rope variant (default, linear, llama3, YaRN) and biases, and models
+saved by transformers import with them; every activation_function is transformers' own. Nothing comes from the Hub: each
 model is built from a config here and saved to a tmp dir (conftest sets HF_HUB_OFFLINE)."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from loomax.hf import export_hf, load_hf
-from loomax.models import LlamaConfig
+from loomax.models import Gpt2Config, LlamaConfig
+from loomax.models.mlp_activations import ACTIVATION_FUNCTIONS
 from loomax.models.rotary import LinearRotary, YarnRotary
 
 from .test_convert import CASES, VOCAB, randomized
@@ -26,7 +28,17 @@ ALL = {
         seq_len=32, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
         rope=LinearRotary(factor=2.0),
     ),
+    "gpt2-gelu-layer-scaled": Gpt2Config(
+        seq_len=32, hidden_dim=32, num_layers=2, num_heads=4, activation_function="gelu",
+        scale_attn_by_inverse_layer_idx=True, resid_pdrop=0.1, attn_pdrop=0.1, embed_pdrop=0.1,
+    ),
+    "llama-bias-gelu": LlamaConfig(
+        seq_len=32, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, use_bias=True, activation_function="gelu_new", attn_pdrop=0.1,
+    ),
 }  # fmt: skip
+TOLERANCE = {"gpt2-gelu-layer-scaled": 1e-5, "llama-bias-gelu": 1e-5}
+"""Cases compared at 1e-5 (f32); the older cases keep 1e-4."""
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +68,18 @@ def test_transformers_loads_the_export_with_the_same_logits(tmp_path, case, torc
     with torch.no_grad():
         want = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
     got = np.asarray(model.logits(hax.named(ids, "position")).array)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    tol = TOLERANCE.get(case, 1e-4)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_activation_functions_are_transformers(torch, transformers):
+    from transformers.activations import ACT2FN
+
+    x = np.linspace(-5, 5, 201, dtype=np.float32)
+    for name, fn in ACTIVATION_FUNCTIONS.items():
+        want = ACT2FN[name](torch.tensor(x)).numpy()
+        got = np.asarray(fn(hax.named(x, "mlp")).array)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 HF_CONFIGS = {
@@ -66,6 +89,15 @@ HF_CONFIGS = {
     "llama-gqa": lambda transformers: transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    ),
+    "gpt2-relu-layer-scaled": lambda transformers: transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+        activation_function="relu", scale_attn_by_inverse_layer_idx=True,
+    ),
+    "llama-bias-relu2": lambda transformers: transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        attention_bias=True, mlp_bias=True, hidden_act="relu2",
     ),
 }  # fmt: skip
 
@@ -111,4 +143,5 @@ def test_a_model_saved_by_transformers_imports_with_the_same_logits(
     with torch.no_grad():
         want = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
     got = np.asarray(model.logits(hax.named(ids, "position")).array)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    tol = 1e-5 if case in ("gpt2-relu-layer-scaled", "llama-bias-relu2") else 1e-4
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)

@@ -198,6 +198,8 @@ def _check_same_architecture(config: LmConfig, arch: LmConfig, path) -> None:
     want, have = family.hf_config(config, 1), family.hf_config(arch, 1)
     if isinstance(config, LlamaConfig):  # rotary positions: the context length may change
         want.pop("max_position_embeddings"), have.pop("max_position_embeddings")
+    for key in family.TRAINING_KEYS:  # dropout rates: the run's own
+        want.pop(key), have.pop(key)
     diff = {k: (have[k], want.get(k)) for k in have if have[k] != want.get(k)}
     if diff:
         shown = ", ".join(f"{k}: {h!r} there, {w!r} configured" for k, (h, w) in diff.items())

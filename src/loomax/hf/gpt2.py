@@ -1,4 +1,9 @@
-"""GPT-2 <-> ``GPT2LMHeadModel``: config.json fields and tensor names (Conv1D weights are [in, out])."""
+"""GPT-2 <-> ``GPT2LMHeadModel``: config.json fields and tensor names (Conv1D weights are [in, out]).
+
+Every GPT-2 option has its transformers field: ``activation_function``,
+``scale_attn_by_inverse_layer_idx`` and the dropout rates (``embd_pdrop`` is
+``model.embed_pdrop``); the rates are training settings, kept from the run on import.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,11 @@ from loomax.config import ConfigError
 from loomax.errors import BadFileError
 from loomax.hf.layout import Param
 from loomax.models.gpt2 import Gpt2Config
+from loomax.models.mlp_activations import ACTIVATION_FUNCTIONS
 
 ARCHITECTURE = "GPT2LMHeadModel"
+TRAINING_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+"""config.json fields that are training settings, not architecture (a run may change them)."""
 
 
 def params(config: Gpt2Config) -> list[Param]:
@@ -65,14 +73,15 @@ def hf_config(config: Gpt2Config, vocab_size: int) -> dict[str, Any]:
         "n_layer": config.num_layers,
         "n_head": config.num_heads,
         "n_inner": config.hidden_dim * config.mlp_ratio,
-        "activation_function": "gelu_new",
+        "activation_function": config.activation_function,
         "layer_norm_epsilon": config.layer_norm_epsilon,
         "initializer_range": config.initializer_range,
         "tie_word_embeddings": config.tie_word_embeddings,
         "scale_attn_weights": True,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0,
+        "scale_attn_by_inverse_layer_idx": config.scale_attn_by_inverse_layer_idx,
+        "resid_pdrop": config.resid_pdrop,
+        "embd_pdrop": config.embed_pdrop,
+        "attn_pdrop": config.attn_pdrop,
     }
 
 
@@ -81,10 +90,13 @@ def from_hf_config(hf: dict[str, Any]) -> Gpt2Config:
     inner = hf.get("n_inner") or 4 * d
     if inner % d:
         raise BadFileError(f"config.json: n_inner ({inner}) must be a multiple of n_embd ({d})")
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ACTIVATION_FUNCTIONS:
         raise BadFileError(
-            f"config.json: activation_function {hf['activation_function']!r} is not supported (gelu_new)"
+            f"config.json: activation_function {act!r} is not supported (have {sorted(ACTIVATION_FUNCTIONS)})"
         )
+    if not hf.get("scale_attn_weights", True):
+        raise BadFileError("config.json: scale_attn_weights false is not supported")
     return Gpt2Config(
         seq_len=hf["n_positions"],
         hidden_dim=d,
@@ -94,4 +106,9 @@ def from_hf_config(hf: dict[str, Any]) -> Gpt2Config:
         layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
         tie_word_embeddings=hf.get("tie_word_embeddings", True),
         initializer_range=hf.get("initializer_range", 0.02),
+        activation_function=act,
+        scale_attn_by_inverse_layer_idx=hf.get("scale_attn_by_inverse_layer_idx", False),
+        embed_pdrop=hf.get("embd_pdrop", 0.1),  # transformers' default
+        resid_pdrop=hf.get("resid_pdrop", 0.1),  # transformers' default
+        attn_pdrop=hf.get("attn_pdrop", 0.1),  # transformers' default
     )

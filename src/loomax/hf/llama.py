@@ -1,4 +1,12 @@
-"""Llama <-> ``LlamaForCausalLM``: config.json fields and tensor names (Linear weights are [out, in])."""
+"""Llama <-> ``LlamaForCausalLM``: config.json fields and tensor names (Linear weights are [out, in]).
+
+``activation_function`` is ``hidden_act``, ``use_bias`` both ``attention_bias`` and
+``mlp_bias``, ``attn_pdrop`` ``attention_dropout`` (a training setting, kept from the run on
+import). ``LlamaForCausalLM`` has no norms on the blocks' outputs or the embeddings and no
+weightless norms: export refuses ``hybrid_norm``, ``input_embedding_norm`` and
+``use_layer_norm_weight: false``, naming the key. It has no embedding or residual dropout
+either; those rates change training only, so the exported model is the same without them.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +16,18 @@ from loomax.config import ConfigError
 from loomax.errors import BadFileError
 from loomax.hf.layout import Param
 from loomax.models.llama import LlamaConfig
+from loomax.models.mlp_activations import ACTIVATION_FUNCTIONS
 from loomax.models.rotary import RotaryConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
+TRAINING_KEYS = ("attention_dropout",)
+"""config.json fields that are training settings, not architecture (a run may change them)."""
+_UNSUPPORTED = {
+    "qk_norm": (True, "has no QK-norm"),
+    "hybrid_norm": (True, "has no norms on the attention and MLP outputs"),
+    "input_embedding_norm": (True, "has no norm on the embeddings"),
+    "use_layer_norm_weight": (False, "has a learned scale in every RMSNorm"),
+}
 
 
 def params(config: LlamaConfig) -> list[Param]:
@@ -34,14 +51,33 @@ def params(config: LlamaConfig) -> list[Param]:
         Param(blk + "mlp.down_proj.weight", lambda m: s(m).mlp.down_proj.weight, ("embed", "mlp")),
         Param("model.norm.weight", lambda m: m.norm.weight, ("embed",)),
     ]
+    if config.use_bias:
+        out += _biases(blk, s, heads, kv)
     if not config.tie_word_embeddings:
         out.append(Param("lm_head.weight", lambda m: m.lm_head.weight, ("vocab", "embed")))
     return out
 
 
+def _biases(blk: str, s, heads, kv) -> list[Param]:
+    """The projections' biases (``attention_bias`` and ``mlp_bias``)."""
+    where = {
+        "self_attn.q_proj": (lambda m: s(m).attn.q_proj.bias, (heads,)),
+        "self_attn.k_proj": (lambda m: s(m).attn.k_proj.bias, (kv,)),
+        "self_attn.v_proj": (lambda m: s(m).attn.v_proj.bias, (kv,)),
+        "self_attn.o_proj": (lambda m: s(m).attn.o_proj.bias, ("embed",)),
+        "mlp.gate_proj": (lambda m: s(m).mlp.gate_proj.bias, ("mlp",)),
+        "mlp.up_proj": (lambda m: s(m).mlp.up_proj.bias, ("mlp",)),
+        "mlp.down_proj": (lambda m: s(m).mlp.down_proj.bias, ("embed",)),
+    }
+    return [Param(f"{blk}{name}.bias", get, dims) for name, (get, dims) in where.items()]
+
+
 def hf_config(config: LlamaConfig, vocab_size: int) -> dict[str, Any]:
-    if config.qk_norm:
-        raise ConfigError("LlamaForCausalLM has no QK-norm: export needs model.qk_norm: false")
+    for key, (bad, what) in _UNSUPPORTED.items():
+        if getattr(config, key) == bad:
+            raise ConfigError(
+                f"LlamaForCausalLM {what}: export needs model.{key}: {str(not bad).lower()}"
+            )
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -57,19 +93,26 @@ def hf_config(config: LlamaConfig, vocab_size: int) -> dict[str, Any]:
         "rope_theta": config.rope.theta,
         "rope_scaling": config.rope.hf_rope_scaling(),
         "tie_word_embeddings": config.tie_word_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": 0.0,
+        "hidden_act": config.activation_function,
+        "attention_bias": config.use_bias,
+        "mlp_bias": config.use_bias,
+        "attention_dropout": config.attn_pdrop,
         "initializer_range": config.initializer_range,
     }
 
 
 def from_hf_config(hf: dict[str, Any]) -> LlamaConfig:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise BadFileError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (silu)")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise BadFileError("config.json: attention_bias / mlp_bias are not supported")
+    act = hf.get("hidden_act", "silu")
+    if act not in ACTIVATION_FUNCTIONS:
+        raise BadFileError(
+            f"config.json: hidden_act {act!r} is not supported (have {sorted(ACTIVATION_FUNCTIONS)})"
+        )
+    bias = bool(hf.get("attention_bias", False))
+    if bool(hf.get("mlp_bias", False)) != bias:
+        raise BadFileError(
+            f"config.json: attention_bias ({bias}) and mlp_bias ({not bias}) differ; "
+            "model.use_bias sets both"
+        )
     heads = hf["num_attention_heads"]
     return LlamaConfig(
         seq_len=hf.get("max_position_embeddings", 2048),
@@ -83,6 +126,9 @@ def from_hf_config(hf: dict[str, Any]) -> LlamaConfig:
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         initializer_range=hf.get("initializer_range", 0.02),
+        activation_function=act,
+        use_bias=bias,
+        attn_pdrop=hf.get("attention_dropout", 0.0),
     )
 
 

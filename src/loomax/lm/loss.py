@@ -19,7 +19,8 @@ def lm_loss(
 ):
     """The trainer's loss: next-token cross-entropy on a ``[batch, position]`` token array.
 
-    With ``eos_id``, attention stays within the documents packed into each sequence.
+    With ``eos_id``, attention stays within the documents packed into each sequence. The
+    step's ``key`` reaches the model (its dropout); evaluation passes none.
     """
 
     def loss_fn(model, tokens, *, key=None):
@@ -34,6 +35,7 @@ def lm_loss(
             z_loss_weight=z_loss_weight,
             segment_ids=segments,
             vocab_block_size=vocab_block_size,
+            key=key,
         )
 
     return loss_fn

@@ -35,6 +35,7 @@ from haliax import NamedArray
 
 from loomax.config import ConfigError
 from loomax.models.axes import Heads, HeadSize, KeyPosition, KvHeads, Position
+from loomax.models.dropout import dropout
 from loomax.models.flash import acc_dtype, flash_attention, visible_mask
 from loomax.models.splash import mesh_platform, splash_attention, splash_unsupported_reason
 
@@ -42,7 +43,7 @@ BACKENDS = ("auto", "vanilla", "blockwise", "splash", "xla", "cudnn")
 QUERY_BLOCK = 128
 """Query block of the ``vanilla`` backend."""
 FLASH_BLOCK = 128
-"""Query and key block of the ``blockwise`` backend."""
+"""Default query and key block of the ``blockwise`` backend (``model.flash_attention_block_size``)."""
 SPLASH_BLOCKS = (512, 512)
 """Default query and key blocks of the ``splash`` backend (``model.splash_block_q/kv``)."""
 BLOCKWISE_FROM = 2048
@@ -142,13 +143,26 @@ def causal_attention(
     backend: str = "auto",
     segment_ids: NamedArray | None = None,
     splash_blocks: tuple[int, int] = SPLASH_BLOCKS,
+    flash_block: int = FLASH_BLOCK,
+    dropout_rate: float = 0.0,
+    key: jax.Array | None = None,
 ) -> NamedArray:
     """Scaled dot-product causal self-attention.
 
     ``q`` has axes ``(..., position, heads, head_size)``; ``k`` and ``v`` have
     ``key_position`` for ``position`` and ``heads`` or ``kv_heads`` (dividing ``heads``).
     Scores and softmax are in at least float32; the result has ``q``'s axes and dtype.
+    ``flash_block`` is the ``blockwise`` backend's block. With ``key`` and a positive
+    ``dropout_rate`` the probabilities are dropped out, which only ``vanilla`` forms:
+    ``auto`` then means ``vanilla``, another backend raises ``ConfigError``.
     """
+    drop = None
+    if key is not None and dropout_rate > 0:
+        if backend not in ("auto", "vanilla"):
+            raise ConfigError(
+                f"model.attn_pdrop needs model.attn_backend auto or vanilla, got {backend!r}"
+            )
+        backend, drop = "vanilla", (dropout_rate, key)
     qa, ka, va, batch_axes = _to_arrays(q, k, v)
     B, T, S = qa.shape[0], qa.shape[3], ka.shape[2]
     if S != T:
@@ -161,11 +175,11 @@ def causal_attention(
     )
     scale = 1 / math.sqrt(qa.shape[-1])
     if backend == "vanilla":
-        out = _blocked_causal(qa * jnp.asarray(scale, qa.dtype), ka, va, seg)
+        out = _blocked_causal(qa * jnp.asarray(scale, qa.dtype), ka, va, seg, drop)
     elif backend == "blockwise":
         if seg is None:
             seg = jnp.zeros((B, T), jnp.int32)
-        out = flash_attention(qa, ka, va, seg, scale, min(FLASH_BLOCK, T))
+        out = flash_attention(qa, ka, va, seg, scale, min(flash_block, T))
     elif backend == "splash":
         out = splash_attention(qa, ka, va, seg, scale, *splash_blocks)
     elif backend in ("xla", "cudnn"):
@@ -224,7 +238,7 @@ def _from_array(out: jax.Array, q: NamedArray, batch_axes) -> NamedArray:
 
 
 # ------------------------------------------------------------------ vanilla
-def _blocked_causal(q, k, v, seg):
+def _blocked_causal(q, k, v, seg, drop=None):
     seq = q.shape[-2]
     block = min(QUERY_BLOCK, seq)
     outs = []
@@ -232,20 +246,23 @@ def _blocked_causal(q, k, v, seg):
         stop = min(start + block, seq)
         q_seg = None if seg is None else seg[:, start:stop]
         k_seg = None if seg is None else seg[:, :stop]
-        outs.append(
-            _attend(q[..., start:stop, :], k[..., :stop, :], v[..., :stop, :], start, q_seg, k_seg)
-        )
+        block_drop = None if drop is None else (drop[0], jax.random.fold_in(drop[1], start))
+        qkv = (q[..., start:stop, :], k[..., :stop, :], v[..., :stop, :])
+        outs.append(_attend(*qkv, start, q_seg, k_seg, block_drop))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)
 
 
-def _attend(q, k, v, q_start, q_seg, k_seg):
-    """Softmax attention of (pre-scaled) ``q`` at positions ``q_start + i`` over keys ``0..S-1``."""
+def _attend(q, k, v, q_start, q_seg, k_seg, drop=None):
+    """Softmax attention of (pre-scaled) ``q`` at positions ``q_start + i`` over keys ``0..S-1``;
+    ``drop`` = ``(rate, key)`` drops out probabilities."""
     acc = acc_dtype(q.dtype)
     scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=acc)
     q_pos = q_start + jnp.arange(q.shape[-2])
     visible = visible_mask(q_pos, jnp.arange(k.shape[-2]), q_seg, k_seg)
     scores = jnp.where(visible, scores, jnp.finfo(acc).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if drop is not None:
+        weights = dropout(weights, *drop)
     return jnp.einsum("bkgqs,bksd->bkgqd", weights, v)
 
 

@@ -18,7 +18,8 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from loomax.config import ConfigError
-from loomax.models.attention import BACKENDS, SPLASH_BLOCKS
+from loomax.models.attention import BACKENDS, FLASH_BLOCK, SPLASH_BLOCKS
+from loomax.models.dropout import check_rates
 from loomax.models.files import write_files
 from loomax.models.remat import check_remat, scan_policy
 from loomax.models.splash import LANES, splash_unsupported_reason
@@ -54,6 +55,16 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Attention stays within each packed document (documents end at the tokenizer's EOS)."""
     scan_unroll: int | bool = 1
     """Layers per iteration of the layer loop; true = all (no loop). Parameters stay stacked either way."""
+    scan_layers: bool = True
+    """Run the layers by a scan; false = unrolled, one block after another (same stacked parameters and checkpoints)."""
+    flash_attention_block_size: int | None = None
+    """Query and key block of the blockwise attention backend; null = 128."""
+    embed_pdrop: float = 0.0
+    """Dropout rate on the embeddings, in training only (the step's key); 0 = off."""
+    resid_pdrop: float = 0.0
+    """Dropout rate on each attention and MLP output before it joins the residual stream, in training only; 0 = off."""
+    attn_pdrop: float = 0.0
+    """Dropout rate on attention probabilities, in training only (needs attn_backend auto or vanilla); 0 = off."""
 
     def __post_init__(self):
         if self.attn_backend not in BACKENDS:
@@ -82,6 +93,7 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
             raise ValueError(
                 f"model.scan_unroll must be >= 1 or true/false, got {self.scan_unroll}"
             )
+        self._check_layers_and_dropout()
         if self.z_loss_weight < 0:
             raise ValueError(f"model.z_loss_weight must be >= 0, got {self.z_loss_weight}")
         if self.seq_len <= 1:
@@ -92,6 +104,40 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
             )
         if self.vocab_size is not None and self.vocab_size <= 0:
             raise ValueError(f"model.vocab_size must be positive, got {self.vocab_size}")
+
+    def _check_layers_and_dropout(self) -> None:
+        check_rates(self)
+        if self.attn_pdrop > 0 and self.attn_backend not in ("auto", "vanilla"):
+            raise ConfigError(
+                "model.attn_pdrop > 0 needs model.attn_backend auto or vanilla (attention dropout "
+                f"drops probabilities, which only vanilla forms), got {self.attn_backend!r}"
+            )
+        block = self.flash_attention_block_size
+        if block is not None and block <= 0:
+            raise ConfigError(
+                f"model.flash_attention_block_size must be positive or null, got {block}"
+            )
+        if not self.scan_layers:
+            if self.scan_unroll is True or self.scan_unroll not in (1, False):
+                raise ConfigError(
+                    "model.scan_unroll unrolls the layer scan: it needs model.scan_layers true "
+                    f"(got scan_unroll {self.scan_unroll!r} with scan_layers false)"
+                )
+            if self.gradient_checkpointing == "nested":
+                raise ConfigError(
+                    "model.gradient_checkpointing nested is a two-level layer scan: it needs "
+                    "model.scan_layers true"
+                )
+
+    @property
+    def dropout_active(self) -> bool:
+        """Whether any dropout rate is above 0 (the model then uses the step's key)."""
+        return max(self.embed_pdrop, self.resid_pdrop, self.attn_pdrop) > 0
+
+    @property
+    def flash_block(self) -> int:
+        """The blockwise backend's block: ``flash_attention_block_size`` or its default."""
+        return self.flash_attention_block_size or FLASH_BLOCK
 
     @property
     def splash_blocks(self) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""GPT-2: learned positions, pre-LayerNorm blocks, GELU MLP, tied or untied LM head.
+"""GPT-2: learned positions, pre-LayerNorm blocks, GELU MLP, tied or untied LM head, dropout.
 
 Reads top to bottom: config, attention, MLP, block, the whole model.
 """
@@ -12,6 +12,7 @@ import equinox as eqx
 import haliax as hax
 import haliax.nn as hnn
 import jax
+import jax.numpy as jnp
 from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
@@ -19,6 +20,9 @@ from loomax.models import taps
 from loomax.models.attention import cached_attention, causal_attention
 from loomax.models.axes import Embed, Heads, HeadSize, KeyPosition, Layers, Mlp, Position, Vocab
 from loomax.models.config import KvCache, LmConfig, LmModel
+from loomax.models.dropout import dropout, split
+from loomax.models.layers import layer_inputs, run_layers
+from loomax.models.mlp_activations import activation, check_activation
 from loomax.models.norms import layer_norm
 from loomax.models.remat import name_activation
 
@@ -44,9 +48,14 @@ class Gpt2Config(LmConfig):
     """Biases in the linear layers."""
     initializer_range: float = 0.02
     """Standard deviation of the embedding initialisation."""
+    activation_function: str = "gelu_new"
+    """The MLP's nonlinearity, by its transformers name: gelu_new (tanh GELU), gelu, relu, silu, quick_gelu, relu2, ..."""
+    scale_attn_by_inverse_layer_idx: bool = False
+    """Also divide each layer's attention scores by its index + 1 (as transformers' GPT-2 option)."""
 
     def __post_init__(self):
         super().__post_init__()
+        check_activation(self.activation_function)
         if self.hidden_dim % self.num_heads:
             raise ValueError(
                 f"model.hidden_dim ({self.hidden_dim}) must be divisible by model.num_heads ({self.num_heads})"
@@ -109,8 +118,7 @@ class Gpt2Attention(eqx.Module):
 
     qkv: hnn.Linear  # embed -> (qkv, heads, head_size)
     out: hnn.Linear  # (heads, head_size) -> embed
-    backend: str = eqx.field(static=True)
-    splash_blocks: tuple[int, int] = eqx.field(static=True)
+    config: Gpt2Config = eqx.field(static=True)
 
     @staticmethod
     def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Attention:
@@ -123,42 +131,68 @@ class Gpt2Attention(eqx.Module):
             use_bias=config.use_bias,
         )
         out = _residual_projection(config, (config.Heads, config.HeadSize), key=k_out)
-        return Gpt2Attention(qkv, out, config.attn_backend, config.splash_blocks)
+        return Gpt2Attention(qkv, out, config)
 
-    def __call__(self, x: NamedArray, segment_ids: NamedArray | None = None) -> NamedArray:
+    def __call__(
+        self,
+        x: NamedArray,
+        segment_ids: NamedArray | None = None,
+        *,
+        layer: jax.Array | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> NamedArray:
+        """``layer`` (this block's index) scales the scores by ``1 / (layer + 1)``; ``key``
+        drops out attention probabilities (``attn_pdrop``)."""
         qkv = self.qkv(x)
         qkv = name_activation(qkv, "qkv")
-        q, k, v = qkv["qkv", 0], qkv["qkv", 1], qkv["qkv", 2]
+        q, k, v = _scaled(qkv["qkv", 0], layer), qkv["qkv", 1], qkv["qkv", 2]
         k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
+        c = self.config
         out = causal_attention(
-            q, k, v, backend=self.backend, segment_ids=segment_ids, splash_blocks=self.splash_blocks
+            q,
+            k,
+            v,
+            backend=c.attn_backend,
+            segment_ids=segment_ids,
+            splash_blocks=c.splash_blocks,
+            flash_block=c.flash_block,
+            dropout_rate=c.attn_pdrop,
+            key=key,
         )
         return self.out(name_activation(out, "attn_out"))
 
-    def decode(self, x: NamedArray, cache_k, cache_v, start):
+    def decode(self, x: NamedArray, cache_k, cache_v, start, layer: jax.Array | None = None):
         """Attention over the cache for new positions from ``start``; returns the new cache too."""
         qkv = self.qkv(x)
         out, cache_k, cache_v = cached_attention(
-            qkv["qkv", 0], qkv["qkv", 1], qkv["qkv", 2], cache_k, cache_v, start
+            _scaled(qkv["qkv", 0], layer), qkv["qkv", 1], qkv["qkv", 2], cache_k, cache_v, start
         )
         return self.out(out), cache_k, cache_v
 
 
+def _scaled(q: NamedArray, layer: jax.Array | None) -> NamedArray:
+    """Queries of layer ``layer`` divided by ``layer + 1`` (``scale_attn_by_inverse_layer_idx``)."""
+    if layer is None:
+        return q
+    return q * (1.0 / (layer + 1).astype(jnp.float32)).astype(q.dtype)
+
+
 class Gpt2Mlp(eqx.Module):
-    """Two linear layers with a tanh-approximated GELU between them."""
+    """Two linear layers with ``activation_function`` (tanh-approximated GELU) between them."""
 
     up: hnn.Linear
     down: hnn.Linear
+    act: str = eqx.field(static=True)
 
     @staticmethod
     def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Mlp:
         k_up, k_down = jax.random.split(key)
         up = hnn.Linear.init(In=config.Embed, Out=config.Mlp, key=k_up, use_bias=config.use_bias)
         down = _residual_projection(config, config.Mlp, key=k_down)
-        return Gpt2Mlp(up, down)
+        return Gpt2Mlp(up, down, config.activation_function)
 
     def __call__(self, x: NamedArray) -> NamedArray:
-        return self.down(hnn.gelu(name_activation(self.up(x), "mlp_up"), approximate=True))
+        return self.down(activation(self.act)(name_activation(self.up(x), "mlp_up")))
 
 
 class Gpt2Block(eqx.Module):
@@ -168,6 +202,7 @@ class Gpt2Block(eqx.Module):
     attn: Gpt2Attention
     ln_mlp: hnn.LayerNorm
     mlp: Gpt2Mlp
+    config: Gpt2Config = eqx.field(static=True)
 
     @staticmethod
     def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Block:
@@ -178,16 +213,33 @@ class Gpt2Block(eqx.Module):
             Gpt2Attention.init(config, key=k_attn),
             layer_norm(config.Embed, eps),
             Gpt2Mlp.init(config, key=k_mlp),
+            config,
         )
 
-    def __call__(self, x: NamedArray, segment_ids: NamedArray | None = None) -> NamedArray:
-        x = x + taps.tap("attn_out", self.attn(self.ln_attn(x), segment_ids))
+    def __call__(
+        self,
+        x: NamedArray,
+        segment_ids: NamedArray | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+        layer: jax.Array | None = None,
+    ) -> NamedArray:
+        """``key`` (training) drives this block's dropout; ``layer`` is its index (when the
+        scores are scaled by it)."""
+        k_probs, k_attn, k_mlp = split(key, 3)
+        rate = self.config.resid_pdrop
+        attn = taps.tap(
+            "attn_out", self.attn(self.ln_attn(x), segment_ids, layer=layer, key=k_probs)
+        )
+        x = x + dropout(attn, rate, k_attn)
         mlp_in = taps.tap("mlp_in", name_activation(self.ln_mlp(x), "mlp_in"))
-        x = x + taps.tap("mlp_out", self.mlp(mlp_in))
+        x = x + dropout(taps.tap("mlp_out", self.mlp(mlp_in)), rate, k_mlp)
         return hax.auto_sharded(x)  # keep activations laid out by the compute mapping
 
-    def decode(self, x: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
-        attn, k, v = self.attn.decode(self.ln_attn(x), cache.k, cache.v, start)
+    def decode(
+        self, x: NamedArray, cache: KvCache, start, layer: jax.Array | None = None
+    ) -> tuple[NamedArray, KvCache]:
+        attn, k, v = self.attn.decode(self.ln_attn(x), cache.k, cache.v, start, layer)
         x = x + attn
         return x + self.mlp(self.ln_mlp(x)), KvCache(k, v)
 
@@ -230,17 +282,24 @@ class Gpt2LmModel(LmModel):
         segment_ids: NamedArray | None = None,
         key: PRNGKeyArray | None = None,
     ) -> NamedArray:
+        c = self.config
         Pos = tokens.resolve_axis(Position)
         x = self.token_embeddings.embed(tokens)
         x = x + self.position_embeddings.weight[Position, hax.dslice(0, Pos.size)]
-        x = self._layers(hax.auto_sharded(x), segment_ids)
+        k_embed, k_layers = split(key if c.dropout_active else None, 2)
+        x = dropout(hax.auto_sharded(x), c.embed_pdrop, k_embed)
+        per_layer = layer_inputs(
+            c.num_layers, key=k_layers, layer_index=c.scale_attn_by_inverse_layer_idx
+        )
+        x = run_layers(
+            self.blocks,
+            x,
+            segment_ids,
+            scan=c.scan_layers,
+            unroll=c.scan_unroll,
+            per_layer=per_layer,
+        )
         return taps.tap("final", self.ln_final(x))
-
-    def _layers(self, x: NamedArray, segment_ids: NamedArray | None) -> NamedArray:
-        unroll = self.config.scan_unroll
-        if taps.active():  # activation statistics asked for: each layer's, as scan outputs
-            return taps.scan_layers(self.blocks, x, segment_ids, unroll=unroll)
-        return self.blocks.fold(x, segment_ids, unroll=unroll)
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
         c = self.config
@@ -252,10 +311,12 @@ class Gpt2LmModel(LmModel):
         x = self.token_embeddings.embed(tokens)
         x = x + self.position_embeddings.weight[Position, hax.dslice(start, Pos.size)]
 
-        def layer(x, block, layer_cache):
-            return block.decode(x, layer_cache, start)
+        def layer(x, block, layer_cache, per_layer):
+            return block.decode(x, layer_cache, start, per_layer.get("layer"))
 
-        x, cache = hax.scan(layer, self.config.Layers)(x, self.blocks.stacked, cache)
+        c = self.config
+        per_layer = layer_inputs(c.num_layers, layer_index=c.scale_attn_by_inverse_layer_idx)
+        x, cache = hax.scan(layer, c.Layers)(x, self.blocks.stacked, cache, per_layer)
         return self.ln_final(x), cache
 
     def lm_head_weight(self) -> NamedArray:

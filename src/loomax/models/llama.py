@@ -1,5 +1,8 @@
 """Llama: RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, optional tied head.
 
+Options: the gate's activation, biases, weightless norms, norms on the blocks' outputs
+(``hybrid_norm``) and on the embeddings, dropout.
+
 Reads top to bottom: config, attention, MLP, block, the whole model. Weight layout and
 rotary convention match Hugging Face ``LlamaForCausalLM``, so export is a renaming.
 """
@@ -30,6 +33,9 @@ from loomax.models.axes import (
     Vocab,
 )
 from loomax.models.config import KvCache, LmConfig, LmModel
+from loomax.models.dropout import dropout, split
+from loomax.models.layers import layer_inputs, run_layers
+from loomax.models.mlp_activations import activation, check_activation
 from loomax.models.norms import rms_norm
 from loomax.models.remat import name_activation
 from loomax.models.rotary import DefaultRotary, RotaryConfig, apply_rotary
@@ -64,9 +70,20 @@ class LlamaConfig(LmConfig):
     """RMSNorm over head_size on queries and keys before rotary (as in OLMo 2 / Qwen 3)."""
     initializer_range: float = 0.02
     """Standard deviation of the embedding initialisation."""
+    activation_function: str = "silu"
+    """The gate's nonlinearity, act(gate(x)) * up(x), by its transformers name: silu (SwiGLU), gelu (GeGLU), relu, ..."""
+    use_bias: bool = False
+    """Biases in every attention and MLP projection (transformers' attention_bias and mlp_bias); norms have none."""
+    use_layer_norm_weight: bool = True
+    """A learned scale in every RMSNorm; false = plain RMS normalisation."""
+    hybrid_norm: bool = False
+    """Also RMSNorm the attention and MLP outputs before they join the residual stream (sandwich norm)."""
+    input_embedding_norm: bool = False
+    """An RMSNorm on the token embeddings, before the first block."""
 
     def __post_init__(self):
         super().__post_init__()
+        check_activation(self.activation_function)
         for name in ("hidden_dim", "intermediate_dim", "num_layers", "num_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
@@ -117,6 +134,10 @@ class LlamaConfig(LmConfig):
     def Layers(self) -> Axis:
         return Axis(Layers, self.num_layers)
 
+    def make_norm(self, axis: Axis) -> hnn.RmsNorm:
+        """An RMSNorm over ``axis`` as configured (epsilon, learned scale or none)."""
+        return rms_norm(axis, self.rms_norm_eps, use_weight=self.use_layer_norm_weight)
+
     def build(self, vocab_size: int, *, key: PRNGKeyArray) -> LlamaLmModel:
         return LlamaLmModel.init(self, Axis(Vocab, vocab_size), key=key)
 
@@ -128,8 +149,10 @@ class LlamaConfig(LmConfig):
         return float(self.num_layers * per_layer + 2 * d * vocab_size)
 
 
-def _linear(In, Out, *, key: PRNGKeyArray, init_scale: float = 1.0) -> hnn.Linear:
-    return hnn.Linear.init(In=In, Out=Out, key=key, use_bias=False, init_scale=init_scale)
+def _linear(
+    In, Out, *, key: PRNGKeyArray, init_scale: float = 1.0, use_bias: bool = False
+) -> hnn.Linear:
+    return hnn.Linear.init(In=In, Out=Out, key=key, use_bias=use_bias, init_scale=init_scale)
 
 
 class LlamaAttention(eqx.Module):
@@ -146,20 +169,16 @@ class LlamaAttention(eqx.Module):
     @staticmethod
     def init(config: LlamaConfig, *, key: PRNGKeyArray) -> LlamaAttention:
         k_q, k_k, k_v, k_o = jax.random.split(key, 4)
-        c = config
+        c, bias = config, config.use_bias
         q_norm = k_norm = None
         if c.qk_norm:
-            q_norm, k_norm = (
-                rms_norm(c.HeadSize, c.rms_norm_eps),
-                rms_norm(c.HeadSize, c.rms_norm_eps),
-            )
+            q_norm, k_norm = c.make_norm(c.HeadSize), c.make_norm(c.HeadSize)
+        out_scale = 1 / math.sqrt(2 * c.num_layers)
         return LlamaAttention(
-            _linear(c.Embed, (c.Heads, c.HeadSize), key=k_q),
-            _linear(c.Embed, (c.KvHeads, c.HeadSize), key=k_k),
-            _linear(c.Embed, (c.KvHeads, c.HeadSize), key=k_v),
-            _linear(
-                (c.Heads, c.HeadSize), c.Embed, key=k_o, init_scale=1 / math.sqrt(2 * c.num_layers)
-            ),
+            _linear(c.Embed, (c.Heads, c.HeadSize), key=k_q, use_bias=bias),
+            _linear(c.Embed, (c.KvHeads, c.HeadSize), key=k_k, use_bias=bias),
+            _linear(c.Embed, (c.KvHeads, c.HeadSize), key=k_v, use_bias=bias),
+            _linear((c.Heads, c.HeadSize), c.Embed, key=k_o, init_scale=out_scale, use_bias=bias),
             q_norm,
             k_norm,
             config,
@@ -173,12 +192,27 @@ class LlamaAttention(eqx.Module):
         k = apply_rotary(k, positions, self.config.rope)
         return name_activation((q, k, v), "qkv")
 
-    def __call__(self, x: NamedArray, segment_ids: NamedArray | None = None) -> NamedArray:
+    def __call__(
+        self,
+        x: NamedArray,
+        segment_ids: NamedArray | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> NamedArray:
+        """``key`` drops out attention probabilities (``attn_pdrop``)."""
         q, k, v = self._qkv(x, hax.arange(x.resolve_axis(Position)))
         k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
         c = self.config
         out = causal_attention(
-            q, k, v, backend=c.attn_backend, segment_ids=segment_ids, splash_blocks=c.splash_blocks
+            q,
+            k,
+            v,
+            backend=c.attn_backend,
+            segment_ids=segment_ids,
+            splash_blocks=c.splash_blocks,
+            flash_block=c.flash_block,
+            dropout_rate=c.attn_pdrop,
+            key=key,
         )
         return self.o_proj(name_activation(out, "attn_out"))
 
@@ -190,56 +224,81 @@ class LlamaAttention(eqx.Module):
 
 
 class LlamaMlp(eqx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU with the default ``silu``."""
 
     gate_proj: hnn.Linear
     up_proj: hnn.Linear
     down_proj: hnn.Linear
+    act: str = eqx.field(static=True)
 
     @staticmethod
     def init(config: LlamaConfig, *, key: PRNGKeyArray) -> LlamaMlp:
         k_gate, k_up, k_down = jax.random.split(key, 3)
-        c = config
+        c, bias = config, config.use_bias
+        down_scale = 1 / math.sqrt(2 * c.num_layers)
         return LlamaMlp(
-            _linear(c.Embed, c.Mlp, key=k_gate),
-            _linear(c.Embed, c.Mlp, key=k_up),
-            _linear(c.Mlp, c.Embed, key=k_down, init_scale=1 / math.sqrt(2 * c.num_layers)),
+            _linear(c.Embed, c.Mlp, key=k_gate, use_bias=bias),
+            _linear(c.Embed, c.Mlp, key=k_up, use_bias=bias),
+            _linear(c.Mlp, c.Embed, key=k_down, init_scale=down_scale, use_bias=bias),
+            c.activation_function,
         )
 
     def __call__(self, x: NamedArray) -> NamedArray:
         gate, up = name_activation((self.gate_proj(x), self.up_proj(x)), "mlp_up")
-        return self.down_proj(hnn.silu(gate) * up)
+        return self.down_proj(activation(self.act)(gate) * up)
 
 
 class LlamaBlock(eqx.Module):
-    """Pre-norm block: x + attn(rms(x)), then x + mlp(rms(x))."""
+    """Pre-norm block: x + attn(rms(x)), then x + mlp(rms(x)); with ``hybrid_norm`` the
+    outputs are normed too: x + rms(attn(rms(x))), then x + rms(mlp(rms(x)))."""
 
     input_norm: hnn.RmsNorm
     attn: LlamaAttention
     post_attn_norm: hnn.RmsNorm
     mlp: LlamaMlp
+    attn_out_norm: hnn.RmsNorm | None
+    mlp_out_norm: hnn.RmsNorm | None
+    config: LlamaConfig = eqx.field(static=True)
 
     @staticmethod
     def init(config: LlamaConfig, *, key: PRNGKeyArray) -> LlamaBlock:
         k_attn, k_mlp = jax.random.split(key)
-        eps = config.rms_norm_eps
+        c = config
+        out_norms = (c.make_norm(c.Embed), c.make_norm(c.Embed)) if c.hybrid_norm else (None, None)
         return LlamaBlock(
-            rms_norm(config.Embed, eps),
+            c.make_norm(c.Embed),
             LlamaAttention.init(config, key=k_attn),
-            rms_norm(config.Embed, eps),
+            c.make_norm(c.Embed),
             LlamaMlp.init(config, key=k_mlp),
+            *out_norms,
+            config,
         )
 
-    def __call__(self, x: NamedArray, segment_ids: NamedArray | None = None) -> NamedArray:
-        x = x + taps.tap("attn_out", self.attn(self.input_norm(x), segment_ids))
+    def __call__(
+        self,
+        x: NamedArray,
+        segment_ids: NamedArray | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> NamedArray:
+        """``key`` (training) drives this block's dropout."""
+        k_probs, k_attn, k_mlp = split(key, 3)
+        rate = self.config.resid_pdrop
+        attn = taps.tap("attn_out", self.attn(self.input_norm(x), segment_ids, key=k_probs))
+        x = x + dropout(_maybe(self.attn_out_norm, attn), rate, k_attn)
         mlp_in = taps.tap("mlp_in", name_activation(self.post_attn_norm(x), "mlp_in"))
-        x = x + taps.tap("mlp_out", self.mlp(mlp_in))
+        mlp = taps.tap("mlp_out", self.mlp(mlp_in))
+        x = x + dropout(_maybe(self.mlp_out_norm, mlp), rate, k_mlp)
         return hax.auto_sharded(x)
 
     def decode(self, x: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
         attn, k, v = self.attn.decode(self.input_norm(x), cache.k, cache.v, start)
-        x = x + attn
-        return x + self.mlp(self.post_attn_norm(x)), KvCache(k, v)
+        x = x + _maybe(self.attn_out_norm, attn)
+        return x + _maybe(self.mlp_out_norm, self.mlp(self.post_attn_norm(x))), KvCache(k, v)
+
+
+def _maybe(norm: hnn.RmsNorm | None, x: NamedArray) -> NamedArray:
+    return x if norm is None else norm(x)
 
 
 class LlamaLmModel(LmModel):
@@ -250,6 +309,7 @@ class LlamaLmModel(LmModel):
     blocks: hnn.Stacked[LlamaBlock]
     norm: hnn.RmsNorm
     lm_head: hnn.Linear | None
+    embed_norm: hnn.RmsNorm | None = None  # input_embedding_norm
 
     @staticmethod
     def init(config: LlamaConfig, Vocab: Axis, *, key: PRNGKeyArray) -> LlamaLmModel:
@@ -262,8 +322,9 @@ class LlamaLmModel(LmModel):
         lm_head = None
         if not config.tie_word_embeddings:
             lm_head = _linear(config.Embed, Vocab, key=k_head)
+        embed_norm = config.make_norm(config.Embed) if config.input_embedding_norm else None
         return LlamaLmModel(
-            config, embed, blocks, rms_norm(config.Embed, config.rms_norm_eps), lm_head
+            config, embed, blocks, config.make_norm(config.Embed), lm_head, embed_norm
         )
 
     @property
@@ -277,12 +338,19 @@ class LlamaLmModel(LmModel):
         segment_ids: NamedArray | None = None,
         key: PRNGKeyArray | None = None,
     ) -> NamedArray:
-        x = hax.auto_sharded(self.embed_tokens.embed(tokens))
-        unroll = self.config.scan_unroll
-        if taps.active():  # activation statistics asked for: each layer's, as scan outputs
-            x = taps.scan_layers(self.blocks, x, segment_ids, unroll=unroll)
-        else:
-            x = self.blocks.fold(x, segment_ids, unroll=unroll)
+        c = self.config
+        x = _maybe(self.embed_norm, hax.auto_sharded(self.embed_tokens.embed(tokens)))
+        k_embed, k_layers = split(key if c.dropout_active else None, 2)
+        x = dropout(x, c.embed_pdrop, k_embed)
+        per_layer = layer_inputs(c.num_layers, key=k_layers)
+        x = run_layers(
+            self.blocks,
+            x,
+            segment_ids,
+            scan=c.scan_layers,
+            unroll=c.scan_unroll,
+            per_layer=per_layer,
+        )
         return taps.tap("final", self.norm(x))
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
@@ -294,7 +362,7 @@ class LlamaLmModel(LmModel):
         def layer(x, block, layer_cache):
             return block.decode(x, layer_cache, start)
 
-        x = self.embed_tokens.embed(tokens)
+        x = _maybe(self.embed_norm, self.embed_tokens.embed(tokens))
         x, cache = hax.scan(layer, self.config.Layers)(x, self.blocks.stacked, cache)
         return self.norm(x), cache
 

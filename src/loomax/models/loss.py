@@ -34,6 +34,7 @@ def next_token_loss(
     z_loss_weight: float = 0.0,
     segment_ids: NamedArray | None = None,
     vocab_block_size: int | None = None,
+    key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(sum of token losses, number of tokens)`` for predicting each next token.
 
@@ -42,8 +43,9 @@ def next_token_loss(
     splits the vocabulary, so at most ``[block_size, vocab_block_size]`` logits exist. ``z_loss_weight > 0`` adds
     ``z_loss_weight * logsumexp(logits)**2`` per token (keeps the softmax normaliser near 1).
     ``segment_ids`` keep attention within packed documents (see ``segment_ids_from_eos``).
+    ``key`` (the train step's) drives the model's dropout; None (evaluation) drops nothing.
     """
-    hidden = model.hidden_states(tokens, segment_ids=segment_ids)
+    hidden = model.hidden_states(tokens, segment_ids=segment_ids, key=key)
     targets, weights = next_token_targets(tokens)
     w = model.lm_head_weight().rearrange((Vocab, Embed)).array
     h = hidden.rearrange((..., Embed)).array.reshape(-1, w.shape[1])

@@ -1,0 +1,76 @@
+"""Running the stack of blocks: scanned (``model.scan_layers: true``) or unrolled.
+
+The parameters are stacked on ``layers`` either way (``haliax.nn.Stacked``), so checkpoints,
+HF export and every tool that reads weights see one layout. A block is called as
+``block(x, segment_ids, key=..., layer=...)``: ``key`` (one per layer, split from the
+step's key) only while dropout can act, ``layer`` (the block's index) only for models that
+ask for it. Unrolled, each block is its own straight-line code under the same remat policy
+(compile time grows with depth; no loop carries the layers' activations).
+"""
+
+from __future__ import annotations
+
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import PRNGKeyArray
+
+from loomax.models import taps
+from loomax.models.axes import Layers
+
+CARRY = f"scan({Layers})__carry"
+"""The checkpoint name of a layer's input (as Haliax's layer scan names it)."""
+INPUT = f"scan({Layers})__input"
+"""The checkpoint name of a layer's sliced inputs (its parameters, as Haliax names them)."""
+
+
+def layer_inputs(
+    num_layers: int, *, key: PRNGKeyArray | None = None, layer_index: bool = False
+) -> dict[str, jax.Array]:
+    """The per-layer arguments of the blocks, each with a leading ``layers`` dimension:
+    ``key`` (split from ``key``) when given, ``layer`` (0, 1, ...) when ``layer_index``."""
+    out = {}
+    if key is not None:
+        out["key"] = jax.random.split(key, num_layers)
+    if layer_index:
+        out["layer"] = jnp.arange(num_layers, dtype=jnp.int32)
+    return out
+
+
+def run_layers(
+    blocks: hnn.Stacked,
+    x: NamedArray,
+    segment_ids: NamedArray | None,
+    *,
+    scan: bool = True,
+    unroll: int | bool = 1,
+    per_layer: dict[str, jax.Array] | None = None,
+) -> NamedArray:
+    """``x`` through every block in order; ``per_layer`` (from ``layer_inputs``) is sliced
+    per block. With activation statistics asked for (``taps``) the blocks are scanned (all
+    unrolled when ``scan`` is false), since taps records them as scan outputs."""
+    per_layer = per_layer or {}
+    if taps.active():
+        unroll = unroll if scan else True
+        return taps.scan_layers(blocks, x, segment_ids, unroll=unroll, **per_layer)
+    if scan:
+        return blocks.fold(x, segment_ids, unroll=unroll, **per_layer)
+    return _unrolled(blocks, x, segment_ids, per_layer)
+
+
+def _unrolled(
+    blocks: hnn.Stacked,
+    x: NamedArray,
+    segment_ids: NamedArray | None,
+    per_layer: dict[str, jax.Array],
+) -> NamedArray:
+    def layer(carry, block, segment_ids, extra):
+        carry = jax.tree.map(lambda a: checkpoint_name(a, CARRY), carry)
+        return block(carry, segment_ids, **extra)
+
+    call = blocks.gradient_checkpointing.checkpoint(CARRY, INPUT, layer)
+    for i, block in enumerate(blocks.unstacked()):
+        x = call(x, block, segment_ids, {name: v[i] for name, v in per_layer.items()})
+    return x
