@@ -98,6 +98,8 @@ class TrainerConfig:
     """Split parameters by fsdp_axis too (FSDP); false = keep them whole on every device, split only gradients and optimizer state (ZeRO-2)."""
     offload_optimizer_state: bool = False
     """Keep the optimizer state in pinned host memory between steps, moved to the devices only for the update (frees its device memory)."""
+    offload_optimizer_update: bool = False
+    """With offload_optimizer_state: run the optimizer update on the host too, so the state never enters device memory (gradients go out, updates come back)."""
     tensor_parallel_axes: list[str] = field(default_factory=lambda: ["mlp", "heads", "kv_heads"])
     """Logical axes split over `model` (tensor parallelism; only matters when mesh.model > 1)."""
     axis_resources: dict[str, str | list[str] | None] = field(default_factory=dict)
@@ -187,6 +189,11 @@ class TrainerConfig:
             raise ValueError(
                 "trainer.offload_optimizer_state: not with trainer.diloco (whose optimizer "
                 "state holds every worker's parameters); set one of them"
+            )
+        if self.offload_optimizer_update and not self.offload_optimizer_state:
+            raise ValueError(
+                "trainer.offload_optimizer_update: needs trainer.offload_optimizer_state: true "
+                "(the update runs where the state rests)"
             )
         if self.diloco is not None and self.num_train_steps % self.diloco.inner_steps:
             logger.warning(

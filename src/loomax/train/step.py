@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 import optax
+from jax.experimental.compute_on import compute_on
 
 from loomax.models import taps
 from loomax.train.loss_metrics import add_sums, metric_values, split_loss, zero_sums
@@ -121,6 +122,7 @@ def make_train_step(
     freeze: Sequence[str] = (),
     grad_mapping: Mapping[str, Any] | None = None,
     offload_optimizer_state: bool = False,
+    update_on_host: bool = False,
     activation_stats: bool = False,
 ) -> Callable[[TrainerState, Any], tuple[TrainerState, Metrics]]:
     """Build the pure step. Gradients are of the mean loss over the whole batch.
@@ -133,7 +135,8 @@ def make_train_step(
     optimizer mapping) gradients, and their accumulator, are laid out by it: reduce-scattered
     to where the optimizer state rests rather than all-reduced to where parameters do. With
     ``offload_optimizer_state`` the state comes in from host memory and is moved to the
-    devices for the update (the jit's output shardings put it back). With
+    devices for the update (the jit's output shardings put it back); with ``update_on_host``
+    too, the update itself runs on the host and only the gradients and updates cross. With
     ``activation_stats`` the forward pass's activation statistics (``loomax.models.taps``)
     join the metrics as ``activations/<where>/<stat>`` (averaged over microbatches).
     """
@@ -191,14 +194,20 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
         params = trainable_params(state.model, freeze)
         opt_state = state.opt_state
-        if offload_optimizer_state:
-            opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
-        updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
+        if update_on_host:
+            updates, opt_state = _update_on_host(optimizer, grads, opt_state, params, loss)
+        else:
+            if offload_optimizer_state:
+                opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
+            updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
         model = eqx.apply_updates(state.model, updates)
         metrics: Metrics = {"train/loss": loss, "optim/grad_norm": optax.tree.norm(grads)}
         for name, value in metric_values(sums).items():  # activations/... keep their name
             metrics[name if name.startswith("activations/") else f"train/{name}"] = value
-        metrics.update(optimizer_state_metrics(opt_state))
+        reported = optimizer_state_metrics(opt_state)
+        metrics.update(
+            jax.device_put(reported, jax.memory.Space.Device) if update_on_host else reported
+        )
         if lr_schedule is not None:
             metrics["optim/learning_rate"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
         context = StepContext(state.step, state.model, grads, updates, loss, model)
@@ -210,6 +219,35 @@ def make_train_step(
         return TrainerState(state.step + 1, model, opt_state, key, new_extras), metrics
 
     return train_step
+
+
+def _update_on_host(
+    optimizer: optax.GradientTransformationExtraArgs,
+    grads: Any,
+    host_state: Any,
+    params: Any,
+    loss: jax.Array,
+) -> tuple[Any, Any]:
+    """The optimizer's update computed by the host, where ``host_state`` rests.
+
+    The gradients, parameters and loss go to host memory, the update runs there (XLA's
+    host compute, ``compute_on("device_host")``) and only the updates come back: the
+    optimizer state never occupies device memory.
+    """
+
+    def update(grads, state, params, loss):
+        # on the host, its own memory is the default space: operands and constants agree
+        grads, state, params, loss = jax.device_put(
+            (grads, state, params, loss), jax.memory.Space.Device
+        )
+        return optimizer.update(grads, state, params, value=loss)
+
+    to_host = lambda tree: jax.device_put(tree, jax.memory.Space.Host)  # noqa: E731
+    with compute_on("device_host"):
+        updates, host_state = jax.jit(update)(
+            to_host(grads), host_state, to_host(params), to_host(loss)
+        )
+    return jax.device_put(updates, jax.memory.Space.Device), host_state
 
 
 def optimizer_state_metrics(opt_state: Any) -> Metrics:

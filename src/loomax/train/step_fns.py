@@ -84,6 +84,12 @@ class JittedSteps:
             )
             metrics = NamedSharding(mesh, PartitionSpec("replica"))  # one value per worker
         else:
+            if self.config.offload_optimizer_update and mesh.devices.flat[0].platform == "gpu":
+                raise ConfigError(
+                    "trainer.offload_optimizer_update: XLA's GPU compiler cannot build an update "
+                    "on the host (it fails in layout assignment); on GPUs use "
+                    "trainer.offload_optimizer_state alone"
+                )
             mappings = self.runtime.mappings
             step = make_train_step(
                 self.loss_fn,
@@ -96,6 +102,7 @@ class JittedSteps:
                 freeze=self.config.freeze,
                 grad_mapping=mappings.optimizer if mappings.zero2 else None,
                 offload_optimizer_state=self.config.offload_optimizer_state,
+                update_on_host=self.config.offload_optimizer_update,
                 activation_stats=activation_stats,
             )
             metrics = replicated(mesh)
