@@ -63,5 +63,24 @@ def test_a_cpu_host_with_libtpu_starts_jax_without_tpu_noise():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["cpu", "cpu"]
-    for noise in ("Unable to initialize backend", "TPU_", "libtpu", "jellyfish"):
+    for noise in ("Unable to initialize backend", "TPU_", "libtpu", "jellyfish", "CUDA", "cuda"):
         assert noise not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_gpu_plugin_without_its_gpu_is_left_out(monkeypatch):
+    """JAX's CUDA plugin (the test extra, for GPU topologies) on a host without an NVIDIA GPU:
+    JAX starts on the CPU only; with the GPU present, CUDA stays in."""
+    from loomax import jax_setup
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setitem(sys.modules, "jax", None)  # as if JAX were not imported yet
+    monkeypatch.setattr(jax_setup, "has_tpu_chips", lambda: False)
+    monkeypatch.setattr(jax_setup, "_gpu_platforms", lambda: ["cuda"])
+    monkeypatch.setattr(jax_setup.importlib.util, "find_spec", lambda name: None)  # no libtpu
+    monkeypatch.setattr(jax_setup, "has_gpus", lambda platform="cuda": False)
+    assert jax_setup.choose_platforms() == "cpu"
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+    monkeypatch.delenv("JAX_PLATFORMS")
+    monkeypatch.setattr(jax_setup, "has_gpus", lambda platform="cuda": True)
+    assert jax_setup.choose_platforms() is None  # every installed accelerator is present
+    assert "JAX_PLATFORMS" not in os.environ

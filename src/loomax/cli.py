@@ -29,7 +29,7 @@ COMMANDS = {
     "(eval prepare: render lm-eval tasks into local files)",
     "launch": "run a loomax command on a TPU pod, GPU hosts, SLURM or N local processes",
     "schedule": "print a config's learning-rate phases and plot them",
-    "compile": "compile the run's step for a TPU topology here: memory per chip, fits?, est. MFU",
+    "compile": "compile the run's step for TPUs or GPUs here: memory per device, fits?, est. MFU",
     "plan": "rank sharding strategies for a topology by compiling each; write the best overlay",
     "ladder": "a family of model sizes with scaling-law budgets (dry-run|run|results|benchmark)",
     "control": "ask a running job's control server: RUN_DIR status|stop|save|save_and_stop|abort",

@@ -1,8 +1,11 @@
 """JAX settings: the platforms JAX may start, and what a run applies when it starts.
 
-``choose_platforms`` (applied when ``loomax`` is imported) keeps JAX from starting its TPU
-backend on a host with libtpu installed but no TPU chip, where libtpu would print its
-probes and JAX "Unable to initialize backend 'tpu'". ``trainer.jax_compilation_cache_dir``
+``choose_platforms`` (applied when ``loomax`` is imported) keeps JAX from starting an
+accelerator backend whose hardware this host lacks: TPU where libtpu is installed but no TPU
+chip is attached (libtpu would print its probes and JAX "Unable to initialize backend
+'tpu'"), CUDA where JAX's CUDA plugin is installed but no NVIDIA GPU is (the plugin would
+print "Unable to load CUDA" and its traceback). Compiling for TPU or GPU topologies needs
+neither backend: ``jax.experimental.topologies`` makes compile-only devices directly. ``trainer.jax_compilation_cache_dir``
 (or ``JAX_COMPILATION_CACHE_DIR``) keeps compiled steps across restarts, so a job
 relaunched after a preemption skips its compile; ``trainer.jax_config`` sets arbitrary
 ``jax.config`` options by name.
@@ -10,6 +13,7 @@ relaunched after a preemption skips its compile; ``trainer.jax_config`` sets arb
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import logging
 import os
@@ -53,18 +57,32 @@ def has_tpu_chips() -> bool:
     return any(os.path.exists(p) for p in TPU_DEVICE_FILES)
 
 
-def choose_platforms() -> str | None:
-    """Without TPU chips, start JAX on the other platforms only (GPU plugins installed, CPU).
+def has_gpus(platform: str = "cuda") -> bool:
+    """Whether this host shows GPUs of ``platform`` (``cuda``: NVIDIA's device files, or
+    WSL's ``/dev/dxg``; ``rocm``: ``/dev/kfd``)."""
+    return any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES.get(platform, ()))
 
-    Applies where the platforms are not chosen already (``JAX_PLATFORMS``) and libtpu is
-    installed; returns the platforms set, or None. Compiling for a TPU topology
-    (``loomax compile``) needs no TPU backend: libtpu serves it directly.
+
+GPU_DEVICE_FILES = {"cuda": ("/dev/nvidia[0-9]*", "/dev/dxg"), "rocm": ("/dev/kfd",)}
+"""Where a host shows its GPUs to processes (globs)."""
+
+
+def choose_platforms() -> str | None:
+    """Start JAX on the platforms whose hardware is present: leave TPU out without TPU
+    chips, and a GPU plugin's platform out without that GPU; keep CPU.
+
+    Applies where the platforms are not chosen already (``JAX_PLATFORMS``) and an
+    accelerator JAX would try (libtpu, a CUDA or ROCm plugin) is installed without its
+    hardware; returns the platforms set, or None. Compiling for a TPU or GPU topology
+    (``loomax compile``) needs no such backend: libtpu and the CUDA plugin serve it directly.
     """
-    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+    if os.environ.get("JAX_PLATFORMS") or has_tpu_chips():
         return None
-    if has_tpu_chips():
-        return None
-    platforms = ",".join([*_gpu_platforms(), "cpu"])
+    installed = _gpu_platforms()
+    present = [p for p in installed if has_gpus(p)]
+    if importlib.util.find_spec("libtpu") is None and present == installed:
+        return None  # every installed accelerator has its hardware: JAX's own choice
+    platforms = ",".join([*present, "cpu"])
     jax = sys.modules.get("jax")
     if jax is None:
         os.environ["JAX_PLATFORMS"] = platforms  # read when JAX is imported; JAX stays unloaded

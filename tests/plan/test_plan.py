@@ -12,6 +12,7 @@ from loomax.plan.candidates import (
     as_flags,
     mesh_strategies,
     nested,
+    offload_variants,
     remat_variants,
 )
 from loomax.plan.report import best, overlay_yaml, plan_table
@@ -103,3 +104,45 @@ def test_plan_on_a_tpu_topology_in_child_processes(repo_root):
     ranked = compile_all(config, topology, candidates, config_args=args, progress=False)
     assert [r.result.fits for r in ranked] == [True, True], [r.error for r in ranked]
     assert ranked[1].result.state_bytes > 3 * ranked[0].result.state_bytes  # dp vs fsdp
+
+
+def test_offload_variants_place_the_optimizer_state_each_other_way():
+    config = parse_config(TrainLmConfig, None, [])
+    base = mesh_strategies(8)[0]
+    variants = {c.label.removeprefix(base.label + " "): c for c in offload_variants(base, config)}
+    assert set(variants) == {"offload-opt", "offload-opt host-update"}
+    host = variants["offload-opt host-update"].apply(config).trainer
+    assert host.offload_optimizer_state and host.offload_optimizer_update
+    # from a run that offloads, the way back applies too (no update on the host without state)
+    offloaded = variants["offload-opt host-update"]
+    back = {c.label.rsplit(" ", 1)[-1]: c for c in offload_variants(offloaded, config)}
+    assert not back["no-offload"].apply(config).trainer.offload_optimizer_state
+
+
+@pytest.mark.parametrize("others_fit", [False, True])
+def test_plan_tries_offloading_the_best_and_ranks_it_with_the_others(monkeypatch, others_fit):
+    """The search's last round: the best candidate with its optimizer state in host memory.
+    Ranked with the rest, it comes first where only it fits, and after every candidate that
+    fits without it otherwise (XLA's estimate leaves out the host's part)."""
+    from loomax.plan import search as search_module
+    from loomax.plan.compile import CompileResult
+    from loomax.plan.search import Ranked
+
+    def fake_compile_all(config, topology, candidates, **_):
+        out = []
+        for i, c in enumerate(candidates):
+            offloads = bool(c.overrides.get("trainer.offload_optimizer_state"))
+            fits = offloads or others_fit
+            result = CompileResult("local", 8, {}, "cpu", 100, total_bytes=90 if fits else 101 + i)
+            result.fits, result.est_step_s = fits, (0.5 if offloads else 1.0 + i)
+            out.append(Ranked(c, result))
+        return out
+
+    monkeypatch.setattr(search_module, "compile_all", fake_compile_all)
+    config = parse_config(TrainLmConfig, None, [])
+    ranked = search(config, get_topology("local"), max_candidates=24, progress=False)
+    labels = [r.candidate.label for r in ranked]
+    offloaded = [i for i, label in enumerate(labels) if "offload-opt" in label]
+    assert len(offloaded) == 2 and len(labels) <= 24
+    assert all(labels[i].startswith(labels[0].split(" offload-opt")[0]) for i in offloaded)
+    assert offloaded == ([0, 1] if not others_fit else [len(labels) - 2, len(labels) - 1])

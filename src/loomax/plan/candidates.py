@@ -1,4 +1,5 @@
-"""The strategies ``loomax plan`` tries: mesh shape and mappings, microbatches, remat policy.
+"""The strategies ``loomax plan`` tries: mesh shape and mappings, microbatches, remat policy
+and where the optimizer state rests (device or host memory).
 
 A candidate is a set of config overrides (``section.key -> value``) on top of the run;
 applied, it is an ordinary ``TrainLmConfig`` that ``loomax train`` would run the same way.
@@ -86,6 +87,41 @@ REMAT_CANDIDATES = (
 """``(label, model.gradient_checkpointing, model.remat_save)`` of the remat policies a plan
 tries: full remat, layer inputs offloaded to host, none, and each of the first two keeping
 attention's inputs and results (``SAVE_ATTENTION``: attention is not recomputed)."""
+
+
+OFFLOAD_CANDIDATES = (
+    ("no-offload", False, False),
+    ("offload-opt", True, False),
+    ("offload-opt host-update", True, True),
+)
+"""``(label, trainer.offload_optimizer_state, trainer.offload_optimizer_update)``: the optimizer
+state on the devices, in host memory streamed to them for the update, or in host memory and
+updated there."""
+
+
+def offload_variants(base: Candidate, config: TrainLmConfig) -> list[Candidate]:
+    """``base`` with each other placement of the optimizer state (``OFFLOAD_CANDIDATES``);
+    none for a DiLoCo run (which cannot offload)."""
+    if config.trainer.diloco is not None:
+        return []
+    over, trainer = base.overrides, config.trainer
+    own = (
+        over.get("trainer.offload_optimizer_state", trainer.offload_optimizer_state),
+        over.get("trainer.offload_optimizer_update", trainer.offload_optimizer_update),
+    )
+    out = []
+    for name, state, update in OFFLOAD_CANDIDATES:
+        if (state, update) != own:
+            keys = [
+                ("trainer.offload_optimizer_state", state),
+                ("trainer.offload_optimizer_update", update),
+            ]
+            # in an order each step of ``apply_overrides`` validates: no update without state
+            rest = {k: v for k, v in over.items() if k not in dict(keys)}
+            out.append(
+                Candidate(f"{base.label} {name}", {**rest, **dict(keys[:: 1 if state else -1])})
+            )
+    return out
 
 
 def remat_of(candidate: Candidate, config: TrainLmConfig) -> tuple:

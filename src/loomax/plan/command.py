@@ -1,7 +1,7 @@
 """``loomax compile`` and ``loomax plan``: the command lines.
 
-Bad input (an unknown topology, a mesh that does not divide the chips, libtpu missing, a
-config error) stops with exit code 2 and a clear message before anything compiles;
+Bad input (an unknown topology, a mesh that does not divide the chips or GPUs, libtpu or
+JAX's CUDA plugin missing, a config error) stops with exit code 2 and a clear message before anything compiles;
 ``compile`` exits 1 when the step does not fit.
 """
 
@@ -16,10 +16,13 @@ from pathlib import Path
 
 from loomax.config import ConfigError
 from loomax.errors import UserError
+from loomax.plan.gpus import GPUS
 
 TOPOLOGY_HELP = (
-    "TPU topology to compile for, e.g. v5p:4x4x8 (128 chips), v5e:2x2, v4:4x4x4, v6e:8x8, "
-    "2xv5p:4x4x4 (two slices), or local (the devices present; needs no libtpu)"
+    "TPU or GPU topology to compile for: a TPU slice, e.g. v5p:4x4x8 (128 chips), v5e:2x2, "
+    "v4:4x4x4, v6e:8x8, 2xv5p:4x4x4 (two slices; needs libtpu, the tpu extra); GPU hosts "
+    f"NAME:G or NAME:HxG, NAME one of {', '.join(GPUS)}, e.g. h100:8 (one host of 8), "
+    "h200:4x8 (4 hosts of 8; needs the gpu-plan extra); or local (the devices present)"
 )
 
 
@@ -37,13 +40,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def _prepare(args: argparse.Namespace, rest: list[str], load: Callable):
     """The run config and the topology, checked before any compile."""
-    from loomax.plan.topology import TopologyError, get_topology, parse_topology_name
+    from loomax.plan.topology import TopologyError, check_topology_name, get_topology
 
-    if args.topology != "local":
-        try:
-            parse_topology_name(args.topology)
-        except TopologyError as e:
-            raise UserError(str(e)) from e
+    try:
+        check_topology_name(args.topology)
+    except TopologyError as e:
+        raise UserError(str(e)) from e
     if args.measure and args.topology != "local":
         raise UserError("--measure times real steps: it needs --topology local")
     from loomax.plan.worker import setup_compile_only
@@ -67,17 +69,19 @@ def _prepare(args: argparse.Namespace, rest: list[str], load: Callable):
 
 
 COMPILE_DESCRIPTION = (
-    "Compile the run's real train step for a TPU topology (or the local devices) with "
-    "abstract arrays, and report memory per chip, FITS / DOES NOT FIT, FLOPs per step and "
-    "an estimated step time and MFU (XLA's cost model, plus a lower bound for each Pallas "
-    "kernel XLA does not cost; not a measurement). Exits 1 when the step does not fit."
+    "Compile the run's real train step for a TPU or GPU topology (or the local devices) "
+    "with abstract arrays, and report memory per chip or GPU, FITS / DOES NOT FIT, FLOPs "
+    "per step and an estimated step time and MFU (TPU: XLA's cost model, plus a lower bound "
+    "for each Pallas kernel XLA does not cost; GPU: a roofline lower bound; never a "
+    "measurement). Exits 1 when the step does not fit."
 )
 PLAN_DESCRIPTION = (
     "Compile the strategies a researcher would try (mesh data x model x replica, FSDP or "
     "data parallel, tensor parallel, microbatches, gradient checkpointing incl. offload and "
-    "kept attention activations) for a topology, rank them by estimated step time (XLA's "
-    "cost model plus Pallas kernels' lower bounds, not a measurement) and write the best "
-    "as a YAML overlay for loomax train."
+    "kept attention activations) for a TPU or GPU topology, rank those that fit by "
+    "estimated step time (TPU: XLA's cost model plus Pallas kernels' lower bounds; GPU: a "
+    "roofline lower bound; not a measurement) and write the best as a YAML overlay for "
+    "loomax train."
 )
 
 
@@ -100,7 +104,7 @@ def compile_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: 
     try:
         if args.topology == "local":
             result = compile_run(config, topology, measure_steps=args.measure)
-        else:  # in a child process: libtpu's compiler may abort on a program it cannot lower
+        else:  # in a child process: XLA's TPU or GPU compiler may abort on a program
             result = compile_isolated(_config_args(args, rest), args.topology)
     except CompileCrash as e:
         raise UserError(str(e)) from e
@@ -126,7 +130,7 @@ def plan_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: Cal
     args, rest = parser.parse_known_args(list(argv))
     config, topology = _prepare(args, rest, load)
     from loomax.plan.compile import compile_run
-    from loomax.plan.report import ESTIMATE_NOTE, best, overlay_yaml, plan_json, plan_table
+    from loomax.plan.report import best, estimate_note, overlay_yaml, plan_json, plan_table
     from loomax.plan.search import search
 
     jobs = args.jobs or (1 if args.topology == "local" else default_jobs())
@@ -145,7 +149,7 @@ def plan_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: Cal
         f"{len(ranked)} candidates for {args.topology} ({topology.num_devices} devices), best first:"
     )
     print(plan_table(ranked))
-    print(f"note: {ESTIMATE_NOTE}")
+    print(f"note: {estimate_note([r.result for r in ranked])}")
     out = Path(args.out or f"plan-{_slug(args.topology)}.yaml")
     out.with_suffix(".json").write_text(json.dumps(plan_json(ranked), indent=2) + "\n")
     choice = best(ranked)

@@ -5,6 +5,9 @@ shard sizes; the step time is an *estimate*: XLA's cost model (``optimal_seconds
 by the loop trip counts XLA's cost analysis leaves out, see ``loomax.plan.flops``) for what
 XLA compiles, plus a lower bound for each Pallas kernel (a custom call XLA counts as almost
 free): its FLOPs at the chip's peak or its bytes at HBM bandwidth, whichever is longer.
+Where XLA has no cost model (GPUs compiled without a GPU: ``cost_analysis()`` is None) the
+step time is a roofline, a lower bound: the executed matmul FLOPs at the device's peak or
+the bytes of the program's arguments, results and temporaries at its HBM bandwidth.
 Never a measurement; the MFU it implies is only as good as that model.
 """
 
@@ -34,7 +37,7 @@ class CompileResult:
     mesh: dict[str, int]
     chip: str | None
     hbm_bytes: int | None
-    """Memory of one device (None: unknown)."""
+    """Memory a run may use on one device (None: unknown)."""
     state_bytes: int = 0
     """Parameters, optimizer state and extras: the sum of this device's shards."""
     batch_bytes: int = 0
@@ -63,6 +66,14 @@ class CompileResult:
     measured_step_s: float | None = None
     error: str | None = None
     notes: list[str] = field(default_factory=list)
+    platform: str = "tpu"
+    """The devices' platform: ``tpu``, ``gpu`` or ``cpu``."""
+    memory_fraction: float | None = None
+    """The part of the device's memory ``hbm_bytes`` is (GPUs: JAX preallocates 75%)."""
+    compiled: bool = True
+    """False where the step was not compiled (its state alone cannot fit)."""
+    estimate: str = "cost model"
+    """How ``est_step_s`` was found: ``cost model`` (XLA's) or ``roofline`` (a lower bound)."""
 
     @property
     def over_bytes(self) -> int:
@@ -91,7 +102,15 @@ def compile_run(
             topology.chip.name if topology.chip else str(topology.devices[0].device_kind),
             topology.hbm_per_device,
             notes=list(built.notes),
+            platform=topology.platform,
+            memory_fraction=topology.memory_fraction,
         )
+        if topology.platform == "gpu" and config.model.attn_backend == "auto":
+            result.notes.append(
+                "attention compiled with the pure-JAX backend auto picks without a GPU here "
+                "(cuDNN's fused attention needs cuDNN and a GPU to compile); on the GPUs, auto "
+                "uses cuDNN where it can serve"
+            )
         result.params = config.model.param_count(built.vocab_size)
         result.tokens_per_step = math.prod(built.batch.shape)
         result.microbatches = trainer.num_microbatches
@@ -100,6 +119,8 @@ def compile_run(
         )
         result.state_bytes = _shard_bytes(built.state)
         result.batch_bytes = _shard_bytes(built.batch)
+        if _state_alone_exceeds(result, topology):
+            return result
         start = time.perf_counter()
         traced = built.trace()
         count = count_step(traced.jaxpr)
@@ -126,6 +147,23 @@ def compile_run(
     return result
 
 
+def _state_alone_exceeds(result: CompileResult, topology: Topology) -> bool:
+    """Whether the state and batch alone exceed a GPU's usable memory: then the step cannot
+    fit and is not compiled (XLA's GPU compiler, unlike the TPU one, would build the whole
+    program before its size is known); ``result`` says so."""
+    if topology.platform != "gpu" or topology.chip is None or not result.hbm_bytes:
+        return False
+    need = result.state_bytes + result.batch_bytes
+    if need <= result.hbm_bytes:
+        return False
+    result.fits, result.total_bytes, result.compiled = False, need, False
+    result.notes.append(
+        "not compiled: the state and batch alone exceed the memory a run may use on one GPU "
+        "(temporaries not counted)"
+    )
+    return True
+
+
 def _no_cache_writes(topology: Topology):
     """Keep programs for compile-only devices out of the persistent compilation cache (this
     host could never load them back)."""
@@ -140,9 +178,12 @@ def _no_cache_writes(topology: Topology):
 
 
 def _shard_bytes(tree) -> int:
-    """Bytes of this device's shard of every array in ``tree`` (ShapeDtypeStructs with shardings)."""
+    """Bytes of this device's shard of every array in ``tree`` (ShapeDtypeStructs with shardings)
+    that rests in device memory (offloaded state, in pinned host memory, is not counted)."""
     total = 0
     for leaf in jax.tree.leaves(tree):
+        if leaf.sharding is not None and leaf.sharding.memory_kind == "pinned_host":
+            continue
         shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding else leaf.shape
         total += math.prod(shape) * leaf.dtype.itemsize
     return total
@@ -155,6 +196,11 @@ def _memory(result: CompileResult, compiled) -> None:
         return
     result.temp_bytes = stats.temp_size_in_bytes
     result.host_bytes = stats.host_temp_size_in_bytes + stats.host_argument_size_in_bytes
+    if stats.host_argument_size_in_bytes:  # state offloaded by trainer.offload_optimizer_state
+        result.notes.append(
+            f"{stats.host_argument_size_in_bytes / 2**20:,.2f} MiB of state rest in host memory: "
+            "the step-time estimate leaves out their transfers and any update run on the host"
+        )
     result.total_bytes = (
         stats.argument_size_in_bytes
         + stats.output_size_in_bytes
@@ -183,6 +229,9 @@ def _estimate(result: CompileResult, compiled, topology: Topology, count: StepCo
         cost = cost[0] if cost else {}
     devices = topology.num_devices
     per_device = count.dot_flops / devices
+    if not cost:
+        _roofline(result, compiled, topology, per_device)
+        return
     counted = float(cost.get("flops", 0.0) or 0.0)
     scale = max(1.0, per_device / counted) if counted > 0 else 1.0
     optimal = float(cost.get("optimal_seconds", -1.0) or -1.0)
@@ -211,6 +260,31 @@ def _estimate(result: CompileResult, compiled, topology: Topology, count: StepCo
             f"bound of Pallas kernels XLA does not cost ({', '.join(names)}): their FLOPs at peak "
             "or bytes at HBM bandwidth"
         )
+
+
+def _roofline(result: CompileResult, compiled, topology: Topology, flops: float) -> None:
+    """Step time without a cost model: a lower bound, the longer of ``flops`` (this device's
+    executed matmul FLOPs) at its peak and, at its HBM bandwidth, the bytes it must move at
+    least: every argument read and every result and temporary buffer written once."""
+    peak = topology.peak_per_device
+    bandwidth = topology.chip.hbm_bandwidth if topology.chip else None
+    stats = compiled.memory_analysis()
+    moved = 0
+    if stats is not None:
+        moved = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    times = {
+        "matmul FLOPs at peak": flops / peak if peak else 0.0,
+        "bytes at HBM bandwidth": moved / bandwidth if bandwidth else 0.0,
+    }
+    bound = max(times, key=times.get)
+    if times[bound] <= 0:
+        return
+    result.estimate, result.est_step_s = "roofline", times[bound]
+    if peak:
+        result.est_mfu = result.model_flops / (result.est_step_s * peak * topology.num_devices)
+    result.notes.append(
+        f"XLA has no cost model for compile-only {result.chip} devices: roofline bound by {bound}"
+    )
 
 
 _UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

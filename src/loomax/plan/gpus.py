@@ -14,8 +14,10 @@ bandwidth, L2, clock, compute capability); the names and sizes are listed in
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import shutil
 from dataclasses import dataclass
 
 from loomax.errors import UserError
@@ -134,14 +136,28 @@ def memory_fraction() -> float:
 
 
 def check_cuda_plugin() -> None:
-    """Raise ``UserError`` naming the extra to install when JAX's CUDA plugin is missing."""
-    import importlib.util
-
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    """Raise ``UserError`` naming the extra to install when JAX's CUDA plugin, or the
+    ``ptxas`` it compiles with, is missing."""
+    missing = [
+        what
+        for what, there in (
+            ("JAX's CUDA plugin", _installed("jax_plugins.xla_cuda12")),
+            ("ptxas", _installed("nvidia.cuda_nvcc") or shutil.which("ptxas") is not None),
+        )
+        if not there
+    ]
+    if missing:
         raise UserError(
-            "compiling for a GPU topology needs JAX's CUDA plugin (no GPU needed): "
+            f"compiling for a GPU topology needs {' and '.join(missing)} (no GPU needed): "
             "pip install 'loomax[gpu-plan]'"
         )
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing
+        return False
 
 
 def gpu_devices(name: str) -> tuple[list, GpuSpec, int]:

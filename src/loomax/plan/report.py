@@ -15,6 +15,19 @@ ESTIMATE_NOTE = (
     "(scaled by loop trip counts; Pallas kernels at their FLOPs' or bytes' lower bound), "
     "not measurements"
 )
+ROOFLINE_NOTE = (
+    "step time is a roofline lower bound, not a measurement or a cost model: the executed "
+    "matmul FLOPs at the GPU's dense bf16 peak or the bytes of the step's arguments, results "
+    "and temporaries at its HBM bandwidth, whichever is longer (no communication, no kernel "
+    "below peak); MFU is an upper bound"
+)
+
+
+def estimate_note(results: list[CompileResult | None]) -> str:
+    """What the estimates of ``results`` are: XLA's cost model, or a roofline lower bound."""
+    if any(r is not None and r.estimate == "roofline" for r in results):
+        return ROOFLINE_NOTE
+    return ESTIMATE_NOTE
 
 
 def gib(n: int | None) -> str:
@@ -30,21 +43,30 @@ def verdict(result: CompileResult) -> str:
         return "UNKNOWN (device memory size not known)"
     if result.fits:
         return "FITS"
+    if not result.compiled:
+        return f"DOES NOT FIT (the state and batch alone are over by {gib(result.over_bytes)})"
     return f"DOES NOT FIT (over by {gib(result.over_bytes)})"
 
 
 def compile_text(result: CompileResult) -> str:
     """The report of ``loomax compile``."""
     mesh = " x ".join(f"{k} {v}" for k, v in result.mesh.items())
+    device = "GPU" if result.platform == "gpu" else "chip"
+    limit = gib(result.hbm_bytes) if result.hbm_bytes else "unknown"
+    if result.memory_fraction is not None and result.hbm_bytes:
+        limit += (
+            f" ({result.memory_fraction:.0%} of {gib(int(result.hbm_bytes / result.memory_fraction))}:"
+            " XLA_PYTHON_CLIENT_MEM_FRACTION)"
+        )
     lines = [
         f"topology {result.topology}: {result.devices} x {result.chip}, mesh {mesh}",
         f"model: {result.params / 1e6:,.1f}M parameters, {result.tokens_per_step:,} tokens/step "
         f"in {result.microbatches} microbatch(es)",
-        "memory per chip:",
+        f"memory per {device}:",
         f"  state (params + optimizer) {gib(result.state_bytes):>12}",
         f"  batch                      {gib(result.batch_bytes):>12}",
-        f"  temporaries                {gib(result.temp_bytes):>12}",
-        f"  total (XLA)                {gib(result.total_bytes):>12}  of {gib(result.hbm_bytes) if result.hbm_bytes else 'unknown'}",
+        f"  temporaries                {gib(result.temp_bytes) if result.compiled else 'not compiled':>12}",
+        f"  total (XLA)                {gib(result.total_bytes):>12}  of {limit}",
     ]
     if result.host_bytes:
         lines.append(f"  offloaded to host          {gib(result.host_bytes):>12}")
@@ -54,18 +76,25 @@ def compile_text(result: CompileResult) -> str:
         f"{result.step_flops:.3e} executed matmuls (with remat)"
     )
     if result.est_step_s is not None:
-        mfu = f", MFU {result.est_mfu:.1%}" if result.est_mfu is not None else ""
         tps = result.tokens_per_step / result.est_step_s
-        lines.append(
-            f"estimated step time {fmt_seconds(result.est_step_s)} ({tps:,.0f} tokens/s){mfu}  [estimate]"
-        )
+        if result.estimate == "roofline":
+            mfu = f", MFU <= {result.est_mfu:.1%}" if result.est_mfu is not None else ""
+            lines.append(
+                f"step time >= {fmt_seconds(result.est_step_s)} (<= {tps:,.0f} tokens/s){mfu}"
+                "  [roofline lower bound]"
+            )
+        else:
+            mfu = f", MFU {result.est_mfu:.1%}" if result.est_mfu is not None else ""
+            lines.append(
+                f"estimated step time {fmt_seconds(result.est_step_s)} ({tps:,.0f} tokens/s){mfu}  [estimate]"
+            )
     if result.measured_step_s is not None:
         lines.append(f"measured step time {fmt_seconds(result.measured_step_s)} (median)")
     lines.append(f"compile time {result.compile_s:.1f} s")
     if result.error:
         lines.append(result.error)
     lines += [f"note: {n}" for n in result.notes]
-    lines.append(f"note: {ESTIMATE_NOTE}")
+    lines.append(f"note: {estimate_note([result])}")
     return "\n".join(lines)
 
 
@@ -96,7 +125,7 @@ def plan_table(ranked: list[Ranked]) -> str:
             if res.fits
             else "?"
             if res.fits is None
-            else f"no, +{res.over_bytes / 2**30:.1f} GiB"
+            else f"no, {'' if res.compiled else 'state '}+{res.over_bytes / 2**30:.1f} GiB"
         )
         mfu = f"{res.est_mfu:.1%}" if res.est_mfu is not None and res.fits is not False else "-"
         step = fmt_seconds(res.est_step_s) if res.fits is not False else "-"
@@ -106,9 +135,10 @@ def plan_table(ranked: list[Ranked]) -> str:
             else "-"
         )
         rows.append(
-            f"{i:>2}  {r.candidate.label:<{w}} {_g(res.state_bytes):>10} {_g(res.temp_bytes):>10} "
-            f"{_g(res.total_bytes):>10}  {fits:<20} {step:>10} {mfu:>8} {kernels:>7} "
-            f"{res.compile_s:>7.1f}s"
+            f"{i:>2}  {r.candidate.label:<{w}} {_g(res.state_bytes):>10} "
+            f"{_g(res.temp_bytes) if res.compiled else '-':>10} {_g(res.total_bytes):>10}  "
+            f"{fits:<20} {step:>10} {mfu:>8} {kernels:>7} "
+            + (f"{res.compile_s:>7.1f}s" if res.compiled else f"{'-':>8}")
         )
     return "\n".join(rows)
 
@@ -134,8 +164,14 @@ def overlay_yaml(choice: Ranked, run: str, topology: str, count: int) -> str:
     flags = " ".join(as_flags(choice.candidate.overrides))
     head = [
         f"# loomax plan for {topology}: best of {count} candidates for {run}",
-        f"# strategy: {choice.candidate.label}; per chip {gib(res.total_bytes)} of {gib(res.hbm_bytes)}"
-        + (f"; estimated MFU {res.est_mfu:.1%} ({ESTIMATE_NOTE})" if res.est_mfu else ""),
+        f"# strategy: {choice.candidate.label}; per {'GPU' if res.platform == 'gpu' else 'chip'} "
+        f"{gib(res.total_bytes)} of {gib(res.hbm_bytes)}"
+        + (
+            f"; estimated MFU {'at most ' if res.estimate == 'roofline' else ''}"
+            f"{res.est_mfu:.1%} ({estimate_note([res])})"
+            if res.est_mfu
+            else ""
+        ),
         "# use: loomax train --config_path RUN.yaml --overlay THIS_FILE",
         f"# (the same as the flags {flags}),",
         "# or copy these keys into the run's trainer and model sections",

@@ -1,9 +1,11 @@
 """``loomax plan``'s search: compile every candidate, rank them by estimated step time.
 
-Three rounds, as a researcher would go: every mesh shape and mapping with the run's own
+Four rounds, as a researcher would go: every mesh shape and mapping with the run's own
 remat policy and batch split; then, for the two best so far, the other remat policies;
-then, for the two best after that, 2, 4 or 8 microbatches. Candidates compile in parallel (``jobs``), each in its own child process
-when the run's flags are given (a compiler crash then costs one candidate).
+then, for the two best after that, 2, 4 or 8 microbatches; then, for the best, the optimizer
+state in host memory (streamed, or updated there; two candidates are kept for this round).
+Candidates compile in parallel (``jobs``), each in its own child process when the run's
+flags are given (a compiler crash then costs one candidate).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from tqdm import tqdm
 
 from loomax.lm.config import TrainLmConfig
 from loomax.plan.candidates import (
+    OFFLOAD_CANDIDATES,
     Candidate,
     as_flags,
     mesh_strategies,
     microbatch_variants,
+    offload_variants,
     remat_of,
     remat_variants,
     run_default,
@@ -45,14 +49,19 @@ class Ranked:
         r = self.result
         if r is None:
             return (3, 0.0)
-        if r.fits is False:
-            return (2, r.over_bytes)
-        return (0 if r.fits else 1, r.est_step_s if r.est_step_s is not None else float("inf"))
+        if r.fits is False:  # by how much; those whose state alone exceeds (not compiled) last
+            return (2, r.over_bytes) if r.compiled else (2.5, r.over_bytes)
+        # XLA's cost model leaves out host transfers and host compute: a candidate that offloads
+        # the optimizer state comes after every one that fits as well without
+        offloads = bool(self.candidate.overrides.get("trainer.offload_optimizer_state"))
+        est = r.est_step_s if r.est_step_s is not None else float("inf")
+        return (0 if r.fits else 1, offloads, est)
 
     @property
     def refine_key(self) -> tuple:
         """Which candidates to vary next: those that fit, then those that failed to compile
-        (unknown: another policy may compile and fit), then by how much the rest exceed."""
+        (unknown: another policy may compile and fit), then by how much the rest exceed
+        (last those whose state alone exceeds: no remat policy or batch split helps them)."""
         key = self.sort_key
         return (1, 0.0) if key[0] == 3 else (2, key[1]) if key[0] == 2 else key
 
@@ -135,17 +144,22 @@ def search(
     common = {"jobs": jobs, "progress": progress, "config_args": config_args}
     ranked = compile_all(config, topology, first, desc="strategies", **common)
     budget = max_candidates - len(first)
+    reserved = min(len(OFFLOAD_CANDIDATES) - 1, budget)  # the best's optimizer-state offloads
+    budget -= reserved
     for desc, variants in (
         ("remat policies", remat_variants),
         ("microbatches", microbatch_variants),
+        ("host offload", offload_variants),
     ):
+        if variants is offload_variants:
+            budget += reserved
         # the best so far, even failed ones (another remat policy may be what they need);
         # for microbatches, the best of each remat policy (one may crash or not fit alone)
         best = sorted(ranked, key=lambda r: r.refine_key)
         if variants is microbatch_variants:
             best = list({_policy(r.candidate, config): r for r in reversed(best)}.values())[::-1]
             best.sort(key=lambda r: r.refine_key)
-        best = best[:refine]
+        best = best[: 1 if variants is offload_variants else refine]
         more = []
         for r in best:
             for c in variants(r.candidate, config):

@@ -1,8 +1,10 @@
-"""TPU topologies by name (``v5p:4x4x8``) or ``local``: their devices and what one chip offers.
+"""Topologies by name: TPU slices (``v5p:4x4x8``), GPU hosts (``h100:4x8``, see
+``loomax.plan.gpus``) or ``local``: their devices and what one device offers.
 
-The devices of a named topology are compile-only devices made by libtpu
-(``jax.experimental.topologies``): nothing runs on them, but ``jax.jit(...).lower().compile()``
-on a mesh of them compiles the real TPU program, on any host.
+The devices of a named topology are compile-only devices made by libtpu or JAX's CUDA
+plugin (``jax.experimental.topologies``): nothing runs on them, but
+``jax.jit(...).lower().compile()`` on a mesh of them compiles the real TPU or GPU program,
+on any host.
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ import jax
 
 from loomax.errors import UserError
 from loomax.jax_setup import has_tpu_chips
+from loomax.plan.gpus import (
+    GPU_FORMS,
+    gpu_devices,
+    is_gpu_topology,
+    memory_fraction,
+    parse_gpu_topology,
+)
 
 GiB = 1024**3
 
@@ -53,7 +62,7 @@ _NAME = re.compile(r"^(?:(\d+)x)?(v4|v5p|v5e|v6e):(\d+(?:x\d+)*)$")
 VALID_FORMS = (
     "valid forms: v4:AxBxC, v5p:AxBxC, v5e:AxB, v6e:AxB (chips along each side, e.g. v5p:4x4x8 "
     "= 128 chips, v5e:2x2 = 4 chips), optionally NxNAME for N slices (e.g. 2xv5p:4x4x4), "
-    "or local (the devices of this machine)"
+    "or local (the devices of this machine); " + GPU_FORMS
 )
 
 
@@ -70,6 +79,13 @@ class Topology:
     chip: ChipSpec | None
     devices_per_chip: int = 1
     num_slices: int = 1
+    memory_fraction: float | None = None
+    """The part of each device's memory a run may use (GPUs: JAX preallocates 75%)."""
+
+    @property
+    def platform(self) -> str:
+        """``tpu``, ``gpu`` or ``cpu``: the platform of the devices."""
+        return str(self.devices[0].platform)
 
     @property
     def num_devices(self) -> int:
@@ -77,8 +93,11 @@ class Topology:
 
     @property
     def hbm_per_device(self) -> int | None:
-        """Memory of one device (a chip, or a TensorCore where a chip shows two)."""
-        return self.chip.hbm_bytes // self.devices_per_chip if self.chip else _local_memory()
+        """Memory a run may use on one device (a chip, or a TensorCore where a chip shows
+        two; on a GPU, JAX's part of it: ``memory_fraction``)."""
+        if not self.chip:
+            return _local_memory()
+        return int(self.chip.hbm_bytes * (self.memory_fraction or 1.0)) // self.devices_per_chip
 
     @property
     def peak_per_device(self) -> float | None:
@@ -148,10 +167,26 @@ def check_libtpu() -> None:
         ) from e
 
 
+def check_topology_name(name: str) -> None:
+    """Raise ``TopologyError`` (saying what is valid) unless ``name`` is ``local``, a TPU
+    topology or a GPU topology; compiles nothing and needs neither libtpu nor the plugin."""
+    if name == "local":
+        return
+    if is_gpu_topology(name):
+        try:
+            parse_gpu_topology(name)
+        except UserError as e:
+            raise TopologyError(str(e)) from e
+        return
+    parse_topology_name(name)
+
+
 def get_topology(name: str) -> Topology:
     """The devices of topology ``name`` (``local``: ``jax.devices()``); errors before any compile."""
     if name == "local":
         return Topology("local", list(jax.devices()), None)
+    if is_gpu_topology(name):
+        return _gpu_topology(name)
     slices, generation, dims = parse_topology_name(name)
     check_libtpu()
     from jax.experimental import topologies
@@ -171,6 +206,18 @@ def get_topology(name: str) -> Topology:
     devices = list(desc.devices)
     chips = len({(getattr(d, "slice_index", 0), tuple(d.coords)) for d in devices})
     return Topology(name, devices, CHIPS[generation], max(1, len(devices) // chips), slices)
+
+
+def _gpu_topology(name: str) -> Topology:
+    """Compile-only GPUs of ``name`` (``h100:4x8``): the plugin's devices, the GPU's memory
+    (of which a run may use ``memory_fraction()``), peak and bandwidth."""
+    fraction = memory_fraction()
+    try:
+        devices, spec, _hosts = gpu_devices(name)
+    except UserError as e:
+        raise TopologyError(str(e)) from e
+    chip = ChipSpec(spec.description, spec.memory_bytes, spec.peak_bf16, spec.bandwidth)
+    return Topology(name, devices, chip, memory_fraction=fraction)
 
 
 def _local_memory() -> int | None:

@@ -1,6 +1,6 @@
 """Compile one configuration in a child process, so a compiler crash costs one candidate.
 
-libtpu's compiler can abort the whole process on programs it cannot lower (a failed
+libtpu's (or XLA's GPU) compiler can abort the whole process on programs it cannot lower (a failed
 CHECK, SIGABRT); ``compile_isolated`` runs ``python -m loomax.plan.worker`` and turns such
 a crash into a reported error. The child prints its ``CompileResult`` as JSON, last.
 """
@@ -24,8 +24,9 @@ class CompileCrash(RuntimeError):
 
 
 def setup_compile_only(topology: str) -> None:
-    """JAX settings for compiling for a named topology: CPU backend only (the TPU devices
-    are compile-only) and no persistent compilation cache (it cannot hold TPU programs here)."""
+    """JAX settings for compiling for a named topology: CPU backend only (the TPU or GPU
+    devices are compile-only) and no persistent compilation cache (it cannot hold their
+    programs here)."""
     if topology == "local":
         return
     import jax

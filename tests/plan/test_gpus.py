@@ -1,0 +1,159 @@
+"""`loomax compile` / `loomax plan` for GPU topologies, on a host without a GPU: tiny GPT-2 and
+Llama compiled for `h100:8` through the trainer's own code path, FSDP's state per GPU, a
+model that cannot fit, bad input, and the ranked plan."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("cuda_plugin")  # in the test extra: fails, not skips
+
+from loomax.cli import main  # noqa: E402
+from loomax.config import parse_config  # noqa: E402
+from loomax.lm.config import TrainLmConfig  # noqa: E402
+from loomax.plan import gpus  # noqa: E402
+from loomax.plan.build import built_step  # noqa: E402
+from loomax.plan.compile import _shard_bytes, compile_run  # noqa: E402
+from loomax.plan.gpus import GPUS, parse_gpu_topology  # noqa: E402
+from loomax.plan.report import compile_text, plan_table  # noqa: E402
+from loomax.plan.search import search  # noqa: E402
+from loomax.plan.topology import TopologyError, check_topology_name, get_topology  # noqa: E402
+
+TINY = {
+    "gpt2": ["--model.type", "gpt2", "--model.hidden_dim", "64", "--model.num_heads", "4"],
+    "llama": [
+        "--model.type",
+        "llama",
+        "--model.hidden_dim",
+        "64",
+        "--model.intermediate_dim",
+        "128",
+    ],
+}
+COMMON = [
+    "--model.seq_len", "64", "--model.num_layers", "2", "--model.vocab_size", "512",
+    "--trainer.train_batch_size", "8", "--trainer.mp", "p=f32,c=bfloat16",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def cuda_plugin() -> None:
+    """JAX's CUDA plugin and ptxas are in the `test` extra (`gpu-plan`): fail, don't skip."""
+    gpus.check_cuda_plugin()
+
+
+def tiny(model: str, *extra: str) -> TrainLmConfig:
+    return parse_config(TrainLmConfig, None, [*TINY[model], *COMMON, *extra])
+
+
+@functools.cache
+def compiled(model: str, topology: str = "h100:8", *extra: str):
+    """``compile_run`` of a tiny model, once per module (each GPU compile takes seconds)."""
+    return compile_run(tiny(model, *extra), get_topology(topology))
+
+
+def test_gpu_topology_names():
+    assert parse_gpu_topology("h100:8") == ("h100", 1, 8)
+    assert parse_gpu_topology("A100-80G:4x8") == ("a100-80g", 4, 8)
+    for bad in ("h900:8", "h100:0", "h100:8x", "b200", "h100-8"):
+        with pytest.raises(TopologyError, match="h100, h200, a100-80g, b200"):
+            check_topology_name(bad)
+
+
+def test_an_unknown_gpu_lists_the_known_ones_before_any_compile(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compile", "--topology", "h900:8", "--model.vocab_size", "512"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown topology 'h900:8'" in err and "h100, h200, a100-80g, b200" in err
+
+
+def test_a_mesh_that_does_not_divide_the_gpus_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compile", "--topology", "h100:2x8", "--trainer.mesh.model", "3"])
+    assert exit_info.value.code == 2
+    assert "do not divide the 16 devices (topology h100:2x8)" in capsys.readouterr().err
+
+
+def test_the_plugin_missing_names_the_extra(monkeypatch):
+    monkeypatch.setattr(gpus, "_installed", lambda module: False)
+    monkeypatch.setattr(gpus.shutil, "which", lambda name: None)
+    with pytest.raises(TopologyError, match=r"CUDA plugin and ptxas .*'loomax\[gpu-plan\]'"):
+        get_topology("h100:8")
+
+
+def test_the_topologies_are_the_gpus_of_their_spec_sheets(monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    for name, spec in GPUS.items():
+        topology = get_topology(f"{name}:2x4")
+        assert topology.num_devices == 8 and topology.platform == "gpu"
+        assert {d.process_index for d in topology.devices} == {0, 1}  # two hosts
+        assert topology.hbm_per_device == int(0.75 * spec.memory_bytes)  # JAX's default part
+        assert topology.peak_per_device == spec.peak_bf16
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    assert get_topology("h100:8").hbm_per_device == int(0.9 * GPUS["h100"].memory_bytes)
+
+
+@pytest.mark.slow  # seconds each: the module goes early in `make test`, not in its tail
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_tiny_models_compile_for_eight_h100s(model):
+    result = compiled(model)
+    assert result.devices == 8 and result.mesh == {"replica": 1, "data": 8, "model": 1}
+    assert result.platform == "gpu" and result.chip == "NVIDIA H100 80GB HBM3"
+    assert result.fits is True and result.error is None and result.compiled
+    assert 0 < result.temp_bytes < result.total_bytes < result.hbm_bytes
+    assert result.memory_fraction == 0.75
+    # the roofline: executed matmul FLOPs at peak, or the moved bytes at HBM bandwidth
+    assert result.estimate == "roofline"
+    spec = GPUS["h100"]
+    assert result.est_step_s >= result.step_flops / 8 / spec.peak_bf16
+    assert result.est_step_s >= result.total_bytes / spec.bandwidth * 0.99
+    assert 0 < result.est_mfu <= 1
+    text = compile_text(result)
+    assert "memory per GPU:" in text and "of 59.74 GiB (75% of 79.65 GiB" in text
+    assert "[roofline lower bound]" in text and "FITS" in text
+
+
+def test_fsdp_over_eight_gpus_holds_an_eighth_of_the_replicated_state():
+    fsdp = compiled("llama")
+    with built_step(
+        tiny("llama", "--trainer.fsdp_axis", "null"), get_topology("h100:8").devices
+    ) as b:
+        replicated = _shard_bytes(b.state)
+    # every parameter has an embed axis (64, split 8 ways); scalars (step, count, key) repeat
+    assert abs(replicated - 8 * fsdp.state_bytes) <= 8 * 64, (replicated, fsdp.state_bytes)
+
+
+def test_llama_8b_on_one_a100_does_not_fit(repo_root):
+    config = parse_config(
+        TrainLmConfig, repo_root / "config" / "llama_8b.yaml", ["--trainer.train_batch_size", "1"]
+    )
+    result = compile_run(config, get_topology("a100-80g:1"))
+    assert result.fits is False and not result.compiled  # refused before compiling
+    assert result.state_bytes > 80 * 2**30  # 12 bytes per parameter, unsharded
+    text = compile_text(result)
+    assert "8,030.3M parameters" in text and "DOES NOT FIT" in text
+
+
+def test_plan_ranks_the_gpu_candidates_that_fit(monkeypatch):
+    """The run's own strategy (FSDP over 8, compiled above: reused) and plain data parallel
+    (compiled here), ranked by their roofline step time."""
+    config = tiny("llama")
+
+    def compile_once(candidate_config, topology):
+        if candidate_config == config:
+            return compiled("llama")
+        return compile_run(candidate_config, topology)
+
+    monkeypatch.setattr("loomax.plan.search.compile_run", compile_once)
+    ranked = search(config, get_topology("h100:8"), max_candidates=2, progress=False)
+    assert sorted(r.candidate.label for r in ranked) == ["dp 8x1", "fsdp 8x1 (the run's)"]
+    assert all(r.result and r.result.fits for r in ranked)
+    steps = [r.result.est_step_s for r in ranked]
+    assert steps == sorted(steps)
+    dp = next(r.result for r in ranked if r.candidate.label == "dp 8x1")
+    assert dp.state_bytes > 7 * compiled("llama").state_bytes  # parameters and moments whole
+    table = plan_table(ranked)
+    assert "fsdp 8x1 (the run's)" in table and "yes" in table
