@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
-from loomax.models import taps
+from loomax.models import offload, taps
 from loomax.models.attention import cached_attention, causal_attention
 from loomax.models.axes import Embed, Heads, HeadSize, KeyPosition, Layers, Mlp, Position, Vocab
 from loomax.models.config import KvCache, LmConfig, LmModel
@@ -316,7 +316,7 @@ class Gpt2LmModel(LmModel):
 
         c = self.config
         per_layer = layer_inputs(c.num_layers, layer_index=c.scale_attn_by_inverse_layer_idx)
-        x, cache = hax.scan(layer, c.Layers)(x, self.blocks.stacked, cache, per_layer)
+        x, cache = offload.scan(layer, c.Layers)(x, self.blocks.stacked, cache, per_layer)
         return self.ln_final(x), cache
 
     def lm_head_weight(self) -> NamedArray:

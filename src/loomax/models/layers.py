@@ -6,6 +6,12 @@ HF export and every tool that reads weights see one layout. A block is called as
 step's key) only while dropout can act, ``layer`` (the block's index) only for models that
 ask for it. Unrolled, each block is its own straight-line code under the same remat policy
 (compile time grows with depth; no loop carries the layers' activations).
+
+Parameters may rest in host memory (``trainer.offload_params``: the stacked blocks' arrays
+in pinned host memory): the stack is then scanned by ``offload.scan``, which moves each
+block's slice to the devices inside the loop, in the forward pass and again in the backward
+pass (the move is part of the rematerialized block), so one layer's weights at a time
+occupy device memory, and their gradients go back to host memory the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from haliax import NamedArray
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import PRNGKeyArray
 
-from loomax.models import taps
+from loomax.config import ConfigError
+from loomax.models import offload, taps
 from loomax.models.axes import Layers
 
 CARRY = f"scan({Layers})__carry"
@@ -50,13 +57,24 @@ def run_layers(
 ) -> NamedArray:
     """``x`` through every block in order; ``per_layer`` (from ``layer_inputs``) is sliced
     per block. With activation statistics asked for (``taps``) the blocks are scanned (all
-    unrolled when ``scan`` is false), since taps records them as scan outputs."""
+    unrolled when ``scan`` is false), since taps records them as scan outputs. A stack in
+    host memory is scanned by ``offload.scan`` (not unrolled: a ``ConfigError``)."""
     per_layer = per_layer or {}
     if taps.active():
         unroll = unroll if scan else True
         return taps.scan_layers(blocks, x, segment_ids, unroll=unroll, **per_layer)
+    if scan and offload.any_on_host(blocks.stacked):
+        call = lambda carry, block, *a, **kw: (block(carry, *a, **kw), None)  # noqa: E731
+        remat = blocks.gradient_checkpointing
+        scanned = offload.scan(call, blocks.Block, remat=remat, unroll=unroll)
+        return scanned(x, blocks.stacked, segment_ids, **per_layer)[0]
     if scan:
         return blocks.fold(x, segment_ids, unroll=unroll, **per_layer)
+    if offload.any_on_host(blocks.stacked):
+        raise ConfigError(
+            "trainer.offload_params: needs model.scan_layers true (the unrolled stack would "
+            "slice host memory outside the loop)"
+        )
     return _unrolled(blocks, x, segment_ids, per_layer)
 
 

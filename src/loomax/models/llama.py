@@ -19,7 +19,7 @@ import jax
 from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
-from loomax.models import taps
+from loomax.models import offload, taps
 from loomax.models.attention import cached_attention, causal_attention
 from loomax.models.axes import (
     Embed,
@@ -363,7 +363,7 @@ class LlamaLmModel(LmModel):
             return block.decode(x, layer_cache, start)
 
         x = _maybe(self.embed_norm, self.embed_tokens.embed(tokens))
-        x, cache = hax.scan(layer, self.config.Layers)(x, self.blocks.stacked, cache)
+        x, cache = offload.scan(layer, self.config.Layers)(x, self.blocks.stacked, cache)
         return self.norm(x), cache
 
     def lm_head_weight(self) -> NamedArray:

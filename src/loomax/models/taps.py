@@ -22,6 +22,8 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 
+from loomax.models import offload
+
 STATS = ("mean", "std", "absmax", "rms", "near_zero")
 """What ``tap`` records of an activation."""
 
@@ -85,7 +87,8 @@ def record(name: str, stats: dict[str, jax.Array]) -> None:
 
 def scan_layers(blocks: hax.nn.Stacked, x, *args, unroll: int | bool | None = None, **kwargs):
     """``blocks.fold(x, *args)`` that also records, per layer, what the blocks tap and the
-    residual stream after each block (``layer_<i>/<name>/<stat>``). Same remat policy."""
+    residual stream after each block (``layer_<i>/<name>/<stat>``). Same remat policy; a
+    stack in host memory is fetched a layer at a time (``offload.scan``)."""
 
     def layer(carry, block, *extra, **kw):
         with collect() as recorded:
@@ -95,7 +98,7 @@ def scan_layers(blocks: hax.nn.Stacked, x, *args, unroll: int | bool | None = No
 
     size = blocks.Block.size
     steps = size if unroll is True else 1 if unroll in (None, False) else int(unroll)
-    out, per_layer = hax.scan(
+    out, per_layer = offload.scan(
         layer, blocks.Block, remat=blocks.gradient_checkpointing, unroll=steps
     )(x, blocks.stacked, *args, **kwargs)
     stack = _stack()

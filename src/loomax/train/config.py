@@ -100,6 +100,8 @@ class TrainerConfig:
     """Keep the optimizer state in pinned host memory between steps, moved to the devices only for the update (frees its device memory)."""
     offload_optimizer_update: bool = False
     """With offload_optimizer_state: run the optimizer update on the host too, so the state never enters device memory (gradients go out, updates come back)."""
+    offload_params: bool = False
+    """Keep the stacked layers' parameters in pinned host memory, fetched to the devices one layer at a time in the forward and backward passes (updated on the host with offload_optimizer_update)."""
     tensor_parallel_axes: list[str] = field(default_factory=lambda: ["mlp", "heads", "kv_heads"])
     """Logical axes split over `model` (tensor parallelism; only matters when mesh.model > 1)."""
     axis_resources: dict[str, str | list[str] | None] = field(default_factory=dict)
@@ -189,6 +191,11 @@ class TrainerConfig:
             raise ValueError(
                 "trainer.offload_optimizer_state: not with trainer.diloco (whose optimizer "
                 "state holds every worker's parameters); set one of them"
+            )
+        if self.offload_params and self.diloco is not None:
+            raise ValueError(
+                "trainer.offload_params: not with trainer.diloco (whose workers keep their own "
+                "parameters on the devices); set one of them"
             )
         if self.offload_optimizer_update and not self.offload_optimizer_state:
             raise ValueError(

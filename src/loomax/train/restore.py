@@ -131,7 +131,7 @@ class StateBuilder:
         key = jax.random.PRNGKey(self.config.seed)
         with self.runtime.mesh_context():
             shapes = jax.eval_shape(init, key)
-            shardings = state_shardings(self.runtime, shapes, offload_optimizer_state=self._offload)
+            shardings = self._shardings(shapes)
             fresh = functools.partial(jax.jit(init, out_shardings=shardings), key)
 
             def start() -> TrainerState:  # the state of a run that resumes nothing
@@ -153,9 +153,7 @@ class StateBuilder:
         key = jax.random.PRNGKey(self.config.seed)
         with self.runtime.mesh_context():
             shapes = jax.eval_shape(self._init_fn(init_model), key)
-        shardings = state_shardings(  # outside: the devices may be compile-only
-            self.runtime, shapes, offload_optimizer_state=self._offload
-        )  # outside: the devices may be compile-only
+        shardings = self._shardings(shapes)  # outside: the devices may be compile-only
 
         def place(sharding, node):  # node: a ShapeDtypeStruct, or a NamedArray holding one
             return jax.tree.map(
@@ -167,7 +165,21 @@ class StateBuilder:
 
     @property
     def _offload(self) -> bool:
-        return self.config.offload_optimizer_state
+        return self.config.offload_optimizer_state or self.config.offload_params
+
+    def _reading(self, shardings: TrainerState) -> TrainerState:
+        """Where arrays are read to: device memory (then moved where they rest, if offloaded)."""
+        if not self._offload:
+            return shardings
+        return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+
+    def _shardings(self, shapes: TrainerState) -> TrainerState:
+        return state_shardings(
+            self.runtime,
+            shapes,
+            offload_optimizer_state=self.config.offload_optimizer_state,
+            offload_params=self.config.offload_params,
+        )
 
     def _init_fn(self, init_model: Callable[[jax.Array], eqx.Module]) -> Callable:
         policy = self.config.policy
@@ -192,9 +204,7 @@ class StateBuilder:
             return None
         path = config.load_checkpoint_path or own
         check_checkpoint_owner(config, list_checkpoints(path), checkpointer.run_id)
-        reading = shardings  # arrays are read into device memory, then moved where they rest
-        if self._offload:
-            reading = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+        reading = self._reading(shardings)
         found = load_latest(path, shapes, reading, fall_back=config.load_checkpoint is None)
         if found is None:
             if config.load_checkpoint:
@@ -229,7 +239,8 @@ class StateBuilder:
 
     def _initialize_from(self, shapes, shardings, fresh) -> TrainerState:
         path = self.config.initialize_from
-        found = load_latest(path, shapes, shardings, fall_back=False, prefix="model")
+        reading = self._reading(shardings)
+        found = load_latest(path, shapes, reading, fall_back=False, prefix="model")
         if found is None:
             raise MissingFileError(f"trainer.initialize_from: no complete checkpoint at {path}")
         checkpoint, loaded, missing = found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -14,7 +15,7 @@ import jmp
 import optax
 from jax.experimental.compute_on import compute_on
 
-from loomax.models import taps
+from loomax.models import offload, taps
 from loomax.train.loss_metrics import add_sums, metric_values, split_loss, zero_sums
 from loomax.train.state import TrainerState
 
@@ -123,6 +124,7 @@ def make_train_step(
     grad_mapping: Mapping[str, Any] | None = None,
     offload_optimizer_state: bool = False,
     update_on_host: bool = False,
+    offload_params: bool = False,
     activation_stats: bool = False,
 ) -> Callable[[TrainerState, Any], tuple[TrainerState, Metrics]]:
     """Build the pure step. Gradients are of the mean loss over the whole batch.
@@ -137,16 +139,31 @@ def make_train_step(
     ``offload_optimizer_state`` the state comes in from host memory and is moved to the
     devices for the update (the jit's output shardings put it back); with ``update_on_host``
     too, the update itself runs on the host and only the gradients and updates cross. With
+    ``offload_params`` the model's stacked layers come in from host memory: the forward and
+    backward passes fetch them one layer at a time (``loomax.models.offload.scan``, which
+    also casts them for compute), their gradients go back to host memory, and the update
+    runs on the host (``update_on_host``: there the parameters are updated where they rest)
+    or, streamed, on the devices (the jit's output shardings put them back); microbatches'
+    gradients are accumulated on the devices. With
     ``activation_stats`` the forward pass's activation statistics (``loomax.models.taps``)
     join the metrics as ``activations/<where>/<stat>`` (averaged over microbatches).
     """
 
+    def cast_for_compute(model):
+        if not offload_params:
+            return mp.cast_to_compute(model), contextlib.nullcontext()
+        # host-resident arrays are cast one layer at a time, once fetched
+        on_device = mp.cast_to_compute(eqx.filter(model, offload.on_host, inverse=True))
+        model = eqx.combine(on_device, eqx.filter(model, offload.on_host))
+        return model, offload.casting(mp.cast_to_compute)
+
     def loss_sum(trained, frozen, batch, key):
-        model = mp.cast_to_compute(eqx.combine(trained, frozen))
+        model, fetching = cast_for_compute(eqx.combine(trained, frozen))
         if not activation_stats:
-            total, weight, sums = split_loss(loss_fn(model, batch, key=key))
+            with fetching:
+                total, weight, sums = split_loss(loss_fn(model, batch, key=key))
             return total, (weight, sums)
-        with taps.collect() as recorded:
+        with fetching, taps.collect() as recorded:
             total, weight, sums = split_loss(loss_fn(model, batch, key=key))
         stats = {k: (v * weight, weight) for k, v in taps.flatten(recorded).items()}
         return total, (weight, {**sums, **stats})
@@ -180,6 +197,7 @@ def make_train_step(
         def body(carry, xs):
             total, weight, sums, grads = carry
             (t, (w, s)), g = grad_fn(trained, frozen, *xs)
+            g = _on_device(g) if offload_params else g  # accumulated on the devices
             return (total + t, weight + w, add_sums(sums, s), jax.tree.map(jnp.add, grads, g)), None
 
         f32 = jnp.zeros((), jnp.float32)
@@ -191,17 +209,28 @@ def make_train_step(
         key, step_key = jax.random.split(state.key)
         total, weight, sums, grads = sum_and_grads(state.model, batch, step_key)
         loss = total / weight
-        grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
-        params = trainable_params(state.model, freeze)
-        opt_state = state.opt_state
-        if update_on_host:
-            updates, opt_state = _update_on_host(optimizer, grads, opt_state, params, loss)
+        before, opt_state = state.model, state.opt_state
+        if offload_params and update_on_host:  # parameters updated where they rest
+            params = trainable_params(before, freeze)
+            out = _update_params_on_host(optimizer, grads, weight, opt_state, params, loss)
+            grad_norm, grads, updates, new_params, opt_state = out
+            rest = eqx.filter(before, trainable_mask(before, freeze), inverse=True)
+            model = _placed_like(eqx.combine(new_params, rest), before)
+            grad_norm, grads, updates, before = _on_device((grad_norm, grads, updates, before))
         else:
-            if offload_optimizer_state:
-                opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
-            updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
-        model = eqx.apply_updates(state.model, updates)
-        metrics: Metrics = {"train/loss": loss, "optim/grad_norm": optax.tree.norm(grads)}
+            if offload_params:  # streamed: the model and its gradients on the devices to update
+                grads, before = _on_device((grads, before))
+            grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
+            params = trainable_params(before, freeze)
+            if update_on_host:
+                updates, opt_state = _update_on_host(optimizer, grads, opt_state, params, loss)
+            else:
+                if offload_optimizer_state:
+                    opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
+                updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
+            model = eqx.apply_updates(before, updates)
+            grad_norm = optax.tree.norm(grads)
+        metrics: Metrics = {"train/loss": loss, "optim/grad_norm": grad_norm}
         for name, value in metric_values(sums).items():  # activations/... keep their name
             metrics[name if name.startswith("activations/") else f"train/{name}"] = value
         reported = optimizer_state_metrics(opt_state)
@@ -210,7 +239,8 @@ def make_train_step(
         )
         if lr_schedule is not None:
             metrics["optim/learning_rate"] = jnp.asarray(lr_schedule(state.step), jnp.float32)
-        context = StepContext(state.step, state.model, grads, updates, loss, model)
+        after = _on_device(model) if offload_params else model  # hooks see device arrays
+        context = StepContext(state.step, before, grads, updates, loss, after)
         if jit_hooks:
             metrics[TRACED] = tuple(_run_jit_hook(hook, context) for hook in jit_hooks)
         new_extras = dict(state.extras)
@@ -248,6 +278,50 @@ def _update_on_host(
             to_host(grads), host_state, to_host(params), to_host(loss)
         )
     return jax.device_put(updates, jax.memory.Space.Device), host_state
+
+
+def _update_params_on_host(
+    optimizer: optax.GradientTransformationExtraArgs,
+    grads: Any,
+    weight: jax.Array,
+    host_state: Any,
+    params: Any,
+    loss: jax.Array,
+) -> tuple[jax.Array, Any, Any, Any, Any]:
+    """``trainer.offload_params`` with the update on the host: the gradient sums (the
+    stacked layers' already in host memory) are divided by the batch weight, their norm
+    taken, the optimizer's update computed and applied, all by the host. Returns the norm,
+    the gradients, the updates, the new parameters (all in host memory) and the state."""
+
+    def update(grads, weight, state, params, loss):
+        grads, weight, state, params, loss = jax.device_put(
+            (grads, weight, state, params, loss), jax.memory.Space.Device
+        )  # on the host, its own memory is the default space
+        grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
+        updates, state = optimizer.update(grads, state, params, value=loss)
+        return optax.tree.norm(grads), grads, updates, eqx.apply_updates(params, updates), state
+
+    to_host = lambda tree: jax.device_put(tree, jax.memory.Space.Host)  # noqa: E731
+    with compute_on("device_host"):
+        return jax.jit(update)(
+            to_host(grads), to_host(weight), host_state, to_host(params), to_host(loss)
+        )
+
+
+def _on_device(tree: Any) -> Any:
+    """``tree`` with its host-resident arrays moved to device memory."""
+    return jax.tree.map(
+        lambda x: jax.device_put(x, jax.memory.Space.Device) if offload.on_host(x) else x, tree
+    )
+
+
+def _placed_like(tree: Any, like: Any) -> Any:
+    """``tree`` (host-resident) with the arrays that rest on the devices in ``like`` moved there."""
+    return jax.tree.map(
+        lambda x, ref: x if offload.on_host(ref) else jax.device_put(x, jax.memory.Space.Device),
+        tree,
+        like,
+    )
 
 
 def optimizer_state_metrics(opt_state: Any) -> Metrics:

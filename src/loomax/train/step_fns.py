@@ -103,11 +103,17 @@ class JittedSteps:
                 grad_mapping=mappings.optimizer if mappings.zero2 else None,
                 offload_optimizer_state=self.config.offload_optimizer_state,
                 update_on_host=self.config.offload_optimizer_update,
+                offload_params=self.config.offload_params,
                 activation_stats=activation_stats,
             )
             metrics = replicated(mesh)
-        offload = self.config.offload_optimizer_state
-        out = (state_shardings(self.runtime, state, offload_optimizer_state=offload), metrics)
+        shardings = state_shardings(
+            self.runtime,
+            state,
+            offload_optimizer_state=self.config.offload_optimizer_state,
+            offload_params=self.config.offload_params,
+        )
+        out = (shardings, metrics)
         self._step_fns[key] = self.runtime.jit(step, out_shardings=out, donate_argnums=0)
         return self._step_fns[key]
 
