@@ -110,9 +110,18 @@ def test_offload_variants_place_the_optimizer_state_each_other_way():
     config = parse_config(TrainLmConfig, None, [])
     base = mesh_strategies(8)[0]
     variants = {c.label.removeprefix(base.label + " "): c for c in offload_variants(base, config)}
-    assert set(variants) == {"offload-opt", "offload-opt host-update"}
+    assert set(variants) == {"offload-opt", "offload-opt host-update", "offload-all host-update"}
     host = variants["offload-opt host-update"].apply(config).trainer
     assert host.offload_optimizer_state and host.offload_optimizer_update
+    assert not host.offload_params
+    everything = variants["offload-all host-update"].apply(config).trainer
+    assert everything.offload_params and everything.offload_optimizer_update
+    on_gpus = {
+        c.label.removeprefix(base.label + " ") for c in offload_variants(base, config, "gpu")
+    }
+    assert on_gpus == {"offload-opt"}  # XLA's GPU compiler builds no update on the host
+    unrolled = parse_config(TrainLmConfig, None, ["--model.scan_layers", "false"])
+    assert "offload-all" not in " ".join(c.label for c in offload_variants(base, unrolled))
     # from a run that offloads, the way back applies too (no update on the host without state)
     offloaded = variants["offload-opt host-update"]
     back = {c.label.rsplit(" ", 1)[-1]: c for c in offload_variants(offloaded, config)}
@@ -132,6 +141,7 @@ def test_plan_tries_offloading_the_best_and_ranks_it_with_the_others(monkeypatch
         out = []
         for i, c in enumerate(candidates):
             offloads = bool(c.overrides.get("trainer.offload_optimizer_state"))
+            offloads |= bool(c.overrides.get("trainer.offload_params"))
             fits = offloads or others_fit
             result = CompileResult("local", 8, {}, "cpu", 100, total_bytes=90 if fits else 101 + i)
             result.fits, result.est_step_s = fits, (0.5 if offloads else 1.0 + i)
@@ -142,7 +152,8 @@ def test_plan_tries_offloading_the_best_and_ranks_it_with_the_others(monkeypatch
     config = parse_config(TrainLmConfig, None, [])
     ranked = search(config, get_topology("local"), max_candidates=24, progress=False)
     labels = [r.candidate.label for r in ranked]
-    offloaded = [i for i, label in enumerate(labels) if "offload-opt" in label]
-    assert len(offloaded) == 2 and len(labels) <= 24
-    assert all(labels[i].startswith(labels[0].split(" offload-opt")[0]) for i in offloaded)
-    assert offloaded == ([0, 1] if not others_fit else [len(labels) - 2, len(labels) - 1])
+    offloaded = [i for i, label in enumerate(labels) if "offload-" in label]
+    assert len(offloaded) == 3 and len(labels) <= 24
+    assert all(labels[i].startswith(labels[0].split(" offload-")[0]) for i in offloaded)
+    n = len(labels)
+    assert offloaded == ([0, 1, 2] if not others_fit else [n - 3, n - 2, n - 1])

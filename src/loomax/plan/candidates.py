@@ -89,38 +89,45 @@ tries: full remat, layer inputs offloaded to host, none, and each of the first t
 attention's inputs and results (``SAVE_ATTENTION``: attention is not recomputed)."""
 
 
-OFFLOAD_CANDIDATES = (
-    ("no-offload", False, False),
-    ("offload-opt", True, False),
-    ("offload-opt host-update", True, True),
+OFFLOAD_KEYS = (
+    "trainer.offload_params",
+    "trainer.offload_optimizer_state",
+    "trainer.offload_optimizer_update",
 )
-"""``(label, trainer.offload_optimizer_state, trainer.offload_optimizer_update)``: the optimizer
-state on the devices, in host memory streamed to them for the update, or in host memory and
-updated there."""
+"""The trainer keys that place state in host memory, in an order each step of
+``apply_overrides`` validates when switching them on (no update on the host without the state)."""
+
+OFFLOAD_CANDIDATES = (
+    ("no-offload", (False, False, False)),
+    ("offload-opt", (False, True, False)),
+    ("offload-opt host-update", (False, True, True)),
+    ("offload-all host-update", (True, True, True)),
+)
+"""``(label, values of OFFLOAD_KEYS)``: the optimizer state on the devices, in host memory
+streamed to them for the update, or in host memory and updated there; and the stacked layers'
+parameters in host memory too, each layer moved to the devices in the layer scan."""
 
 
-def offload_variants(base: Candidate, config: TrainLmConfig) -> list[Candidate]:
-    """``base`` with each other placement of the optimizer state (``OFFLOAD_CANDIDATES``);
-    none for a DiLoCo run (which cannot offload)."""
+def offload_variants(
+    base: Candidate, config: TrainLmConfig, platform: str = "tpu"
+) -> list[Candidate]:
+    """``base`` with each other placement of the state (``OFFLOAD_CANDIDATES``); none for a
+    DiLoCo run (which cannot offload), no parameter offload for unrolled layers, and no
+    update on the host for GPUs (XLA's GPU compiler cannot build one: the run refuses it)."""
     if config.trainer.diloco is not None:
         return []
     over, trainer = base.overrides, config.trainer
-    own = (
-        over.get("trainer.offload_optimizer_state", trainer.offload_optimizer_state),
-        over.get("trainer.offload_optimizer_update", trainer.offload_optimizer_update),
-    )
+    own = tuple(over.get(k, getattr(trainer, k.split(".", 1)[1])) for k in OFFLOAD_KEYS)
+    scanned = over.get("model.scan_layers", config.model.scan_layers)
     out = []
-    for name, state, update in OFFLOAD_CANDIDATES:
-        if (state, update) != own:
-            keys = [
-                ("trainer.offload_optimizer_state", state),
-                ("trainer.offload_optimizer_update", update),
-            ]
-            # in an order each step of ``apply_overrides`` validates: no update without state
-            rest = {k: v for k, v in over.items() if k not in dict(keys)}
-            out.append(
-                Candidate(f"{base.label} {name}", {**rest, **dict(keys[:: 1 if state else -1])})
-            )
+    for name, values in OFFLOAD_CANDIDATES:
+        if values == own or (values[0] and not scanned) or (values[2] and platform == "gpu"):
+            continue
+        keys = list(zip(OFFLOAD_KEYS, values, strict=True))
+        rest = {k: v for k, v in over.items() if k not in OFFLOAD_KEYS}
+        # switched on in dependency order, off in the reverse
+        ordered = dict(keys if values[1] else keys[::-1])
+        out.append(Candidate(f"{base.label} {name}", {**rest, **ordered}))
     return out
 
 
@@ -133,7 +140,7 @@ def remat_of(candidate: Candidate, config: TrainLmConfig) -> tuple:
     )
 
 
-def remat_variants(base: Candidate, config: TrainLmConfig) -> list[Candidate]:
+def remat_variants(base: Candidate, config: TrainLmConfig, **_: object) -> list[Candidate]:
     """``base`` with each other remat policy of ``REMAT_CANDIDATES``."""
     own = remat_of(base, config)
     out = []
@@ -148,7 +155,7 @@ def remat_variants(base: Candidate, config: TrainLmConfig) -> list[Candidate]:
     return out
 
 
-def microbatch_variants(base: Candidate, config: TrainLmConfig) -> list[Candidate]:
+def microbatch_variants(base: Candidate, config: TrainLmConfig, **_: object) -> list[Candidate]:
     """``base`` with 2, 4 or 8 microbatches (``per_device_parallelism``) where the batch per
     device allows."""
     batch = config.trainer.batch_schedule.sizes[0]

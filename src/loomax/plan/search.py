@@ -20,6 +20,7 @@ from tqdm import tqdm
 from loomax.lm.config import TrainLmConfig
 from loomax.plan.candidates import (
     OFFLOAD_CANDIDATES,
+    OFFLOAD_KEYS,
     Candidate,
     as_flags,
     mesh_strategies,
@@ -52,8 +53,8 @@ class Ranked:
         if r.fits is False:  # by how much; those whose state alone exceeds (not compiled) last
             return (2, r.over_bytes) if r.compiled else (2.5, r.over_bytes)
         # XLA's cost model leaves out host transfers and host compute: a candidate that offloads
-        # the optimizer state comes after every one that fits as well without
-        offloads = bool(self.candidate.overrides.get("trainer.offload_optimizer_state"))
+        # (optimizer state or parameters) comes after every one that fits as well without
+        offloads = any(self.candidate.overrides.get(k) for k in OFFLOAD_KEYS)
         est = r.est_step_s if r.est_step_s is not None else float("inf")
         return (0 if r.fits else 1, offloads, est)
 
@@ -144,7 +145,7 @@ def search(
     common = {"jobs": jobs, "progress": progress, "config_args": config_args}
     ranked = compile_all(config, topology, first, desc="strategies", **common)
     budget = max_candidates - len(first)
-    reserved = min(len(OFFLOAD_CANDIDATES) - 1, budget)  # the best's optimizer-state offloads
+    reserved = min(len(OFFLOAD_CANDIDATES) - 1, budget)  # the best's offload variants
     budget -= reserved
     for desc, variants in (
         ("remat policies", remat_variants),
@@ -162,7 +163,7 @@ def search(
         best = best[: 1 if variants is offload_variants else refine]
         more = []
         for r in best:
-            for c in variants(r.candidate, config):
+            for c in variants(r.candidate, config, platform=topology.platform):
                 if _key(c) not in seen and len(more) < budget:
                     seen.add(_key(c))
                     more.append(c)
