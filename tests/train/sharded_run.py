@@ -94,9 +94,10 @@ def run(
     )
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
-    trainer.add_hook(ActivationStatsHook(every=STEPS))  # the last step: statistics, sharded
     activations: dict[str, float] = {}
-    trainer.add_hook(lambda info: activations.update(_activations(info)), every=STEPS)
+    if distributed is None:  # the mesh runs: the last step's activation statistics, sharded
+        trainer.add_hook(ActivationStatsHook(every=STEPS))
+        trainer.add_hook(lambda info: activations.update(_activations(info)), every=STEPS)
     if sigterm_at is not None and jax.process_index() == jax.process_count() - 1:
         trainer.add_hook(lambda info: info.step == sigterm_at and os.kill(os.getpid(), SIGTERM))
     state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
