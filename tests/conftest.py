@@ -257,6 +257,12 @@ def lm_eval_tasks():
 
 
 @pytest.fixture(scope="session")
+def plan_runs():
+    """tests/support/plan_runs.py (tiny run configs for the compile tests, compiled once)."""
+    return _support("plan_runs")
+
+
+@pytest.fixture(scope="session")
 def processes_support():
     """tests/support/processes.py (children killed together, stderr shown, port retries)."""
     return _support("processes")

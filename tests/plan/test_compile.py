@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -10,37 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.usefixtures("libtpu")  # in the test extra: fails, not skips, without it
 
-from loomax.config import parse_config  # noqa: E402
 from loomax.lm.config import TrainLmConfig  # noqa: E402
-from loomax.plan.compile import compile_run  # noqa: E402
-from loomax.plan.topology import get_topology  # noqa: E402
-
-TINY = {
-    "gpt2": ["--model.type", "gpt2", "--model.hidden_dim", "64", "--model.num_heads", "4"],
-    "llama": [
-        "--model.type",
-        "llama",
-        "--model.hidden_dim",
-        "64",
-        "--model.intermediate_dim",
-        "128",
-    ],
-}
-COMMON = [
-    "--model.seq_len", "64", "--model.num_layers", "2", "--model.vocab_size", "512",
-    "--trainer.train_batch_size", "8", "--trainer.mp", "p=f32,c=bfloat16",
-]  # fmt: skip
-
-
-def tiny(model: str, *extra: str) -> TrainLmConfig:
-    return parse_config(TrainLmConfig, None, [*TINY[model], *COMMON, *extra])
-
-
-@functools.cache
-def compiled(model: str, topology: str, *extra: str):
-    """``compile_run`` of ``tiny(model, *extra)`` on ``topology``, once per module: the
-    fsdp test and a parametrized case compile the same program (~20 s for libtpu)."""
-    return compile_run(tiny(model, *extra), get_topology(topology))
 
 
 def hand_state_bytes(config: TrainLmConfig, fsdp_ways: int) -> int:
@@ -64,9 +33,9 @@ def hand_state_bytes(config: TrainLmConfig, fsdp_ways: int) -> int:
         pytest.param("llama", "v5e:2x2", marks=pytest.mark.slow),
     ],
 )
-def test_tiny_models_compile_and_state_bytes_match_hand_count(model, topology):
-    config = tiny(model)
-    result = compiled(model, topology)
+def test_tiny_models_compile_and_state_bytes_match_hand_count(model, topology, plan_runs):
+    config = plan_runs.tiny(model)
+    result = plan_runs.compiled(model, topology)
     assert result.devices == 4 and result.mesh == {"replica": 1, "data": 4, "model": 1}
     assert result.fits is True and result.error is None
     assert 0 < result.total_bytes < result.hbm_bytes
@@ -78,20 +47,20 @@ def test_tiny_models_compile_and_state_bytes_match_hand_count(model, topology):
     assert result.est_step_s > 0 and 0 < result.est_mfu <= 1
 
 
-def test_fsdp_over_four_chips_holds_a_quarter_of_the_replicated_state():
-    fsdp = compiled("llama", "v5e:2x2")
-    replicated = compiled("llama", "v5e:2x2", "--trainer.fsdp_axis", "null")
-    assert replicated.state_bytes - hand_state_bytes(tiny("llama"), 1) <= 64
+def test_fsdp_over_four_chips_holds_a_quarter_of_the_replicated_state(plan_runs):
+    fsdp = plan_runs.compiled("llama", "v5e:2x2")
+    replicated = plan_runs.compiled("llama", "v5e:2x2", "--trainer.fsdp_axis", "null")
+    assert replicated.state_bytes - hand_state_bytes(plan_runs.tiny("llama"), 1) <= 64
     assert abs(replicated.state_bytes - 4 * fsdp.state_bytes) <= 4 * 64
 
 
-def test_splash_kernels_are_counted_from_their_math_not_as_free():
+def test_splash_kernels_are_counted_from_their_math_not_as_free(plan_runs):
     """auto attention on TPU is the splash kernel; XLA's cost model sees its calls as
     almost free, so the estimate adds each call's lower bound, and the FLOPs count the
     visible causal pairs: forward (4 per pair and head dimension, twice: once more when the
     backward recomputes the layer), dq (6) and dkv (8)."""
     seq, layers, batch, heads, head = 256, 2, 8, 4, 16
-    result = compiled(
+    result = plan_runs.compiled(
         "llama", "v5p:2x2x1", "--model.seq_len", str(seq), "--model.num_heads", str(heads),
         "--model.splash_block_q", "128", "--model.splash_block_kv", "128",
     )  # fmt: skip

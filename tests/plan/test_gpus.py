@@ -4,8 +4,6 @@ model that cannot fit, bad input, and the ranked plan."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 pytestmark = pytest.mark.usefixtures("cuda_plugin")  # in the test extra: fails, not skips
@@ -21,22 +19,6 @@ from loomax.plan.report import compile_text, plan_table  # noqa: E402
 from loomax.plan.search import search  # noqa: E402
 from loomax.plan.topology import TopologyError, check_topology_name, get_topology  # noqa: E402
 
-TINY = {
-    "gpt2": ["--model.type", "gpt2", "--model.hidden_dim", "64", "--model.num_heads", "4"],
-    "llama": [
-        "--model.type",
-        "llama",
-        "--model.hidden_dim",
-        "64",
-        "--model.intermediate_dim",
-        "128",
-    ],
-}
-COMMON = [
-    "--model.seq_len", "64", "--model.num_layers", "2", "--model.vocab_size", "512",
-    "--trainer.train_batch_size", "8", "--trainer.mp", "p=f32,c=bfloat16",
-]  # fmt: skip
-
 
 @pytest.fixture(scope="session")
 def cuda_plugin() -> None:
@@ -44,14 +26,7 @@ def cuda_plugin() -> None:
     gpus.check_cuda_plugin()
 
 
-def tiny(model: str, *extra: str) -> TrainLmConfig:
-    return parse_config(TrainLmConfig, None, [*TINY[model], *COMMON, *extra])
-
-
-@functools.cache
-def compiled(model: str, topology: str = "h100:8", *extra: str):
-    """``compile_run`` of a tiny model, once per module (each GPU compile takes seconds)."""
-    return compile_run(tiny(model, *extra), get_topology(topology))
+H100S = "h100:8"
 
 
 def test_gpu_topology_names():
@@ -98,8 +73,8 @@ def test_the_topologies_are_the_gpus_of_their_spec_sheets(monkeypatch):
 
 @pytest.mark.slow  # seconds each: the module goes early in `make test`, not in its tail
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
-def test_tiny_models_compile_for_eight_h100s(model):
-    result = compiled(model)
+def test_tiny_models_compile_for_eight_h100s(model, plan_runs):
+    result = plan_runs.compiled(model, H100S)
     assert result.devices == 8 and result.mesh == {"replica": 1, "data": 8, "model": 1}
     assert result.platform == "gpu" and result.chip == "NVIDIA H100 80GB HBM3"
     assert result.fits is True and result.error is None and result.compiled
@@ -116,10 +91,10 @@ def test_tiny_models_compile_for_eight_h100s(model):
     assert "[roofline lower bound]" in text and "FITS" in text
 
 
-def test_fsdp_over_eight_gpus_holds_an_eighth_of_the_replicated_state():
-    fsdp = compiled("llama")
+def test_fsdp_over_eight_gpus_holds_an_eighth_of_the_replicated_state(plan_runs):
+    fsdp = plan_runs.compiled("llama", H100S)
     with built_step(
-        tiny("llama", "--trainer.fsdp_axis", "null"), get_topology("h100:8").devices
+        plan_runs.tiny("llama", "--trainer.fsdp_axis", "null"), get_topology(H100S).devices
     ) as b:
         replicated = _shard_bytes(b.state)
     # every parameter has an embed axis (64, split 8 ways); scalars (step, count, key) repeat
@@ -137,23 +112,25 @@ def test_llama_8b_on_one_a100_does_not_fit(repo_root):
     assert "8,030.3M parameters" in text and "DOES NOT FIT" in text
 
 
-def test_plan_ranks_the_gpu_candidates_that_fit(monkeypatch):
+def test_plan_ranks_the_gpu_candidates_that_fit(monkeypatch, plan_runs):
     """The run's own strategy (FSDP over 8, compiled above: reused) and plain data parallel
     (compiled here), ranked by their roofline step time."""
-    config = tiny("llama")
+    config = plan_runs.tiny("llama")
 
     def compile_once(candidate_config, topology):
         if candidate_config == config:
-            return compiled("llama")
+            return plan_runs.compiled("llama", H100S)
         return compile_run(candidate_config, topology)
 
     monkeypatch.setattr("loomax.plan.search.compile_run", compile_once)
-    ranked = search(config, get_topology("h100:8"), max_candidates=2, progress=False)
+    ranked = search(config, get_topology(H100S), max_candidates=2, progress=False)
     assert sorted(r.candidate.label for r in ranked) == ["dp 8x1", "fsdp 8x1 (the run's)"]
     assert all(r.result and r.result.fits for r in ranked)
     steps = [r.result.est_step_s for r in ranked]
     assert steps == sorted(steps)
     dp = next(r.result for r in ranked if r.candidate.label == "dp 8x1")
-    assert dp.state_bytes > 7 * compiled("llama").state_bytes  # parameters and moments whole
+    assert (
+        dp.state_bytes > 7 * plan_runs.compiled("llama", H100S).state_bytes
+    )  # parameters and moments whole
     table = plan_table(ranked)
     assert "fsdp 8x1 (the run's)" in table and "yes" in table

@@ -25,8 +25,14 @@ def leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def test_offloaded_state_rests_on_the_host_and_trains_identically(tiny, tmp_path):
-    base_losses, base = run(tiny, tmp_path / "base")
+@pytest.fixture(scope="module")
+def baseline(tiny, tmp_path_factory):
+    """The losses and final state of 3 steps without any offload (the tests' reference)."""
+    return run(tiny, tmp_path_factory.mktemp("base"))
+
+
+def test_offloaded_state_rests_on_the_host_and_trains_identically(tiny, tmp_path, baseline):
+    base_losses, base = baseline
     losses, final = run(
         tiny, tmp_path / "off", offload_optimizer_state=True,
         checkpointer=CheckpointerConfig(fixed_steps=[2]),
@@ -48,9 +54,9 @@ def test_offloaded_state_rests_on_the_host_and_trains_identically(tiny, tmp_path
         np.testing.assert_array_equal(a, b)
 
 
-def test_update_on_the_host_trains_identically(tiny, tmp_path):
+def test_update_on_the_host_trains_identically(tiny, tmp_path, baseline):
     """``offload_optimizer_update``: the update runs where the state rests (XLA host compute)."""
-    base_losses, base = run(tiny, tmp_path / "base")
+    base_losses, base = baseline
     settings = {"offload_optimizer_state": True, "offload_optimizer_update": True}
     losses, final = run(tiny, tmp_path / "host", **settings)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(final.opt_state)} == {"pinned_host"}
@@ -123,11 +129,11 @@ def on_host(final):
 
 
 @pytest.mark.parametrize("on_the_host", [False, True], ids=["streamed", "host-update"])
-def test_offloaded_params_train_identically_and_resume(tiny, tmp_path, on_the_host):
+def test_offloaded_params_train_identically_and_resume(tiny, tmp_path, on_the_host, baseline):
     """``offload_params``: the stacked layers rest in host memory and each is fetched inside
     the layer scan; losses and the final state are those of the run without it, bit for bit,
     also across a resume (the embeddings and the final norm stay on the devices)."""
-    base_losses, base = run(tiny, tmp_path / "base")
+    base_losses, base = baseline
     settings = {"offload_params": True}
     if on_the_host:
         settings |= {"offload_optimizer_state": True, "offload_optimizer_update": True}
