@@ -23,7 +23,7 @@ HOOKS = {
     "console": {"every": 2},
     "control": {"port": 0},
     "divergence": {"patience": 3},
-    "downstream_eval": {"every": 4, "tasks": ["contract_mc"], "default_tasks": False, "limit": 2},
+    "downstream_eval": {"every": 8, "tasks": ["contract_mc"], "default_tasks": False, "limit": 2},
     "dump_gradients": {"steps": [4]},
     "early_stopping": {"patience": 5},
     "ema": {"decay": 0.9, "use_for_eval": True},
@@ -43,7 +43,7 @@ HOOKS = {
     "speed": {"every": 2},
     "stability": {"window": 4, "every": 2, "min_history": 2},
     "step_programs": {},
-    "textgen": {"every": 4, "prompts": ["def "], "max_new_tokens": 4},
+    "textgen": {"every": 8, "prompts": ["def "], "max_new_tokens": 4},
     "wandb_cancel": {"check_seconds": 60},  # no wandb run here: it says so and stays off
 }
 
@@ -61,14 +61,20 @@ def built_in_types() -> dict[str, type[HookConfig]]:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
-def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
+def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus, lm_eval_tasks):
     built_in = set(built_in_types())
     assert set(HOOKS) == built_in, "add new hook types to HOOKS"
     run_dir = tmp_path / "run"
     other = tmp_path / "other.jsonl"  # a second validation set
     docs = [{"text": f"class C{i}:\n    value = {i} * 3\n"} for i in range(100)]
     other.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
-    tasks = write_multiple_choice_task(tmp_path / "tasks", "contract_mc")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    rows = [
+        {"question": "value =", "choices": [" 3", " C"], "answer": 0},
+        {"question": "class", "choices": [" C1:", " = 3"], "answer": 0},
+    ]  # two questions about the tiny corpus
+    lm_eval_tasks.write_task(tasks, "contract_mc", rows, **lm_eval_tasks.MULTIPLE_CHOICE)
     config = {
         "data": {
             "train": [{"urls": [str(tiny_corpus)]}],
@@ -143,32 +149,6 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus):
     saved = [run_dir / "config.yaml", run_dir / "checkpoints" / "step-8" / "config.yaml"]
     saved += [run_dir / "checkpoints" / "step-8" / "metadata.json", run_dir / "hparams.json"]
     assert all("s3cr3t" not in path.read_text() for path in saved)  # notify's URL is secret
-
-
-def write_multiple_choice_task(root, name: str):
-    """A two-question lm-eval multiple-choice task over a local JSONL (no network)."""
-    root.mkdir(parents=True, exist_ok=True)
-    rows = [
-        {"question": "value =", "choices": [" 3", " C"], "answer": 0},
-        {"question": "class", "choices": [" C1:", " = 3"], "answer": 0},
-    ]
-    (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    spec = {
-        "task": name,
-        "dataset_path": "json",
-        "dataset_kwargs": {
-            "data_files": {"test": str(root / f"{name}.jsonl")},
-            "cache_dir": str(root / "datasets_cache"),
-        },
-        "test_split": "test",
-        "output_type": "multiple_choice",
-        "doc_to_text": "{{question}}",
-        "doc_to_choice": "{{choices}}",
-        "doc_to_target": "{{answer}}",
-        "metric_list": [{"metric": "acc"}],
-    }
-    (root / f"{name}.yaml").write_text(json.dumps(spec))
-    return root
 
 
 STATEFUL = {

@@ -5,8 +5,8 @@ Run configs are ``config/*.yaml`` and ``config/bench/*.yaml``; ``config/data`` a
 runs are ``quickstart.yaml`` resized). Each config is read as shipped (its vocabulary size
 known without a flag or a download), then compiled with its own model type, attention
 backend, remat policy, precision, loss, document masks and hooks, at a size that compiles in
-seconds: two layers, one sequence per chip, at most 512 positions and a residual stream of
-at most 256 (libtpu takes minutes for the full widths; bench/README.md has those figures).
+seconds: two layers, one sequence per chip, at most 512 positions, a vocabulary of 4096
+and a residual stream of at most 256 (libtpu takes minutes for the full widths; bench/README.md has those figures).
 
 ``llama_8b.yaml`` (offload, splash, document mask, FSDP) is the case Haliax's own offload
 policy broke: it also offloads each layer's slice of the sharded parameters, and libtpu's
@@ -43,6 +43,7 @@ def small(config: TrainLmConfig) -> list[str]:
     """Flags that shrink ``config`` to a quick compile and keep its structure."""
     model = config.model
     flags = ["--model.num_layers", "2", "--trainer.train_batch_size", "4"]
+    flags += ["--model.vocab_size", "4096"]  # its own is checked as shipped (vocab_size_of)
     flags += ["--model.seq_len", str(min(model.seq_len, 512))]
     if model.hidden_dim > 256:
         flags += ["--model.hidden_dim", "256", "--model.num_heads", "4"]
