@@ -12,8 +12,7 @@ from loomax.cli import main  # noqa: E402
 from loomax.config import parse_config  # noqa: E402
 from loomax.lm.config import TrainLmConfig  # noqa: E402
 from loomax.plan import gpus  # noqa: E402
-from loomax.plan.build import built_step  # noqa: E402
-from loomax.plan.compile import _shard_bytes, compile_run  # noqa: E402
+from loomax.plan.compile import compile_run  # noqa: E402
 from loomax.plan.gpus import GPUS, parse_gpu_topology  # noqa: E402
 from loomax.plan.report import compile_text, plan_table  # noqa: E402
 from loomax.plan.search import search  # noqa: E402
@@ -27,6 +26,8 @@ def cuda_plugin() -> None:
 
 
 H100S = "h100:8"
+REPLICATED = ("--trainer.mesh.data", "8", "--trainer.fsdp_axis", "null")
+"""Plain data parallel over the 8 GPUs (what ``loomax plan`` calls ``dp 8x1``)."""
 
 
 def test_gpu_topology_names():
@@ -93,12 +94,11 @@ def test_tiny_models_compile_for_eight_h100s(model, plan_runs):
 
 def test_fsdp_over_eight_gpus_holds_an_eighth_of_the_replicated_state(plan_runs):
     fsdp = plan_runs.compiled("llama", H100S)
-    with built_step(
-        plan_runs.tiny("llama", "--trainer.fsdp_axis", "null"), get_topology(H100S).devices
-    ) as b:
-        replicated = _shard_bytes(b.state)
+    replicated = plan_runs.compiled("llama", H100S, *REPLICATED)
+    assert replicated.fits and replicated.compiled
     # every parameter has an embed axis (64, split 8 ways); scalars (step, count, key) repeat
-    assert abs(replicated - 8 * fsdp.state_bytes) <= 8 * 64, (replicated, fsdp.state_bytes)
+    gap = replicated.state_bytes - 8 * fsdp.state_bytes
+    assert abs(gap) <= 8 * 64, (replicated.state_bytes, fsdp.state_bytes)
 
 
 def test_llama_8b_on_one_a100_does_not_fit(repo_root):
@@ -113,13 +113,15 @@ def test_llama_8b_on_one_a100_does_not_fit(repo_root):
 
 
 def test_plan_ranks_the_gpu_candidates_that_fit(monkeypatch, plan_runs):
-    """The run's own strategy (FSDP over 8, compiled above: reused) and plain data parallel
-    (compiled here), ranked by their roofline step time."""
+    """The run's own strategy (FSDP over 8) and plain data parallel, ranked by their roofline
+    step time (both compiled once for the tests above, and reused)."""
     config = plan_runs.tiny("llama")
 
     def compile_once(candidate_config, topology):
-        if candidate_config == config:
-            return plan_runs.compiled("llama", H100S)
+        # the run's own names its mesh (data 8): the program of data -1 on 8 GPUs
+        for named, flags in ((("--trainer.mesh.data", "8"), ()), (REPLICATED, REPLICATED)):
+            if candidate_config == plan_runs.tiny("llama", *named):
+                return plan_runs.compiled("llama", H100S, *flags)
         return compile_run(candidate_config, topology)
 
     monkeypatch.setattr("loomax.plan.search.compile_run", compile_once)
