@@ -128,22 +128,12 @@ def reference(config: DiLoCoConfig, workers: int, optimizer, steps: int = STEPS)
         updates, opt_state = optimizer.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state, value
 
-    shared = list(flat)
-    local = [list(flat) for _ in range(workers)]
-    states = [optimizer.init(params) for _ in range(workers)]
-    momentum = [jnp.zeros_like(x) for x in flat]
     lr, mu = config.outer_learning_rate, config.outer_momentum
-    losses: list[list[float]] = [[] for _ in range(workers)]
-    batches = loader().iter_from(0)
-    for step in range(1, steps + 1):
-        rows = np.split(next(batches), workers)
-        for w in range(workers):
-            p, states[w], value = inner(jax.tree.unflatten(treedef, local[w]), states[w], rows[w])
-            local[w] = jax.tree.leaves(p)
-            losses[w].append(float(value))
-        fragment = config.synced_at(step)
-        if fragment is None:
-            continue
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def sync(shared, local, momentum, fragment: int):
+        """The outer step of ``fragment``'s pieces: one program per fragment (traced once)."""
+        shared, momentum, local = list(shared), list(momentum), [list(w) for w in local]
         for piece in plan[fragment]:
             i, axis = piece.leaf, layer_axis[piece.leaf]
             part = [slice(None)] * shared[i].ndim
@@ -160,6 +150,23 @@ def reference(config: DiLoCoConfig, workers: int, optimizer, steps: int = STEPS)
             shared[i] = shared[i].at[part].set(new)
             for w in range(workers):
                 local[w][i] = local[w][i].at[part].set(new)
+        return shared, local, momentum
+
+    shared = list(flat)
+    local = [list(flat) for _ in range(workers)]
+    states = [optimizer.init(params) for _ in range(workers)]
+    momentum = [jnp.zeros_like(x) for x in flat]
+    losses: list[list[float]] = [[] for _ in range(workers)]
+    batches = loader().iter_from(0)
+    for step in range(1, steps + 1):
+        rows = np.split(next(batches), workers)
+        for w in range(workers):
+            p, states[w], value = inner(jax.tree.unflatten(treedef, local[w]), states[w], rows[w])
+            local[w] = jax.tree.leaves(p)
+            losses[w].append(float(value))
+        fragment = config.synced_at(step)
+        if fragment is not None:
+            shared, local, momentum = sync(shared, local, momentum, fragment)
     return {"losses": losses, "shared": shared, "local": local}
 
 
