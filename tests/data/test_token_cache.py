@@ -205,6 +205,27 @@ def test_failed_task_resumes_to_the_same_cache(ray_cluster, corpus, tmp_path):
     assert_same_cache(cache, reference)
 
 
+def test_a_rerun_task_returns_its_recorded_shard_and_tokenizes_nothing(corpus, tmp_path):
+    """Ray reruns a task lost with its node, which may have died after recording its shard:
+    the rerun returns that entry (same piece) instead of tokenizing the shard again."""
+    import dataclasses
+
+    from loomax.data.token_cache.tasks import PieceJob, build_piece
+
+    url = f"memory://{tmp_path.name}-rerun"
+    build(corpus, url)
+    recorded = Directory(url).child("ledger").read_json("0.json")
+    job = PieceJob(
+        position=0, shard=corpus.shards[0], root_url=url, fingerprint=recorded["fingerprint"],
+        tokenizer_sha256="", bos_id=None, max_documents=None, holdout_fraction=0.0,
+        holdout_seed=0, skip_bad_records=False, before_piece=fail_on(corpus.shards[0].name),
+    )  # fmt: skip
+    assert build_piece(job, corpus.tokenizer.read_text()) == recorded  # before_piece not called
+    other = dataclasses.replace(job, fingerprint="other settings")
+    with pytest.raises(RuntimeError, match="fails on purpose"):  # not this build's: tokenized
+        build_piece(other, corpus.tokenizer.read_text())
+
+
 def test_a_cache_of_the_old_split_rule_is_refused(corpus, tmp_path):
     """Format 1 held documents out by a hash of the shard's path: such a cache is not reused."""
     url = f"memory://{tmp_path.name}-old"

@@ -57,12 +57,22 @@ def _tokenizer(sha256: str, text: str) -> Tokenizer:
 
 
 def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
-    """Tokenizes one shard into a new piece, then records it in the ledger; returns the entry."""
+    """Tokenizes one shard into a new piece, then records it in the ledger; returns the entry.
+
+    A shard already recorded for this build is not tokenized again: its entry is returned.
+    (Ray reruns a task lost with its node, and the node may have died after the task
+    recorded its shard; the entry names a complete piece.)"""
+    root = Directory(job.root_url)
+    recorded = root.child("ledger").read_json(f"{job.position}.json")
+    if recorded and (recorded.get("fingerprint"), recorded.get("name")) == (
+        job.fingerprint,
+        job.shard.name,
+    ):
+        return recorded
     if job.before_piece is not None:
         job.before_piece(job.shard)
     tokenizer = _tokenizer(job.tokenizer_sha256, tokenizer_json)
     bos = np.array([] if job.bos_id is None else [job.bos_id], dtype=np.int32)
-    root = Directory(job.root_url)
     attempt = uuid.uuid4().hex[:12]  # a task left running by a killed driver writes elsewhere
     writers = {
         split: PieceWriter(piece_dir(root, job.position, attempt, split))
