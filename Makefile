@@ -14,7 +14,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 # 345 s -> 284 s.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test lint format bench bench-cpu bench-gpu gpu-wheels bench-levanter bench-checkpoint docs install clean
+.PHONY: demo test test-all lint format bench bench-cpu bench-gpu gpu-wheels bench-levanter bench-checkpoint docs install clean
 
 # Installs go through uv (from PyPI into the venv): it fetches and unpacks wheels in
 # parallel: well under a minute for what pip takes about three. uv reads no pip.conf, so it is
@@ -48,6 +48,11 @@ demo: $(STAMP)
 # (each worker compiles, collects and builds its session fixtures on its own).
 TEST_WORKERS ?= 2
 test: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not heavy"
+
+# Everything, the `heavy` tests too (left out of `make test` to keep CI under 8 minutes).
+test-all: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

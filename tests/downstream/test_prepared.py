@@ -142,6 +142,7 @@ def test_missing_or_damaged_prepared_task_names_the_task_and_the_command(prepare
         check_prepared(tmp_path, ["tiny_mc"])
 
 
+@pytest.mark.heavy  # heavy: the CLI over prepare_tasks, which the tests above run in-process
 def test_loomax_eval_prepare_command(tasks_dir, tmp_path, capsys):
     from loomax.cli import main
 
