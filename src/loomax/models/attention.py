@@ -27,6 +27,7 @@ Keys may have fewer heads than queries (grouped-query attention: a ``kv_heads`` 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import haliax as hax
 import jax
@@ -37,6 +38,9 @@ from loomax.config import ConfigError
 from loomax.models.axes import Heads, HeadSize, KeyPosition, KvHeads, Position
 from loomax.models.dropout import dropout
 from loomax.models.flash import acc_dtype, flash_attention, visible_mask
+
+if TYPE_CHECKING:  # models.config imports this module
+    from loomax.models.config import LmConfig
 from loomax.models.splash import mesh_platform, splash_attention, splash_unsupported_reason
 
 BACKENDS = ("auto", "vanilla", "blockwise", "splash", "xla", "cudnn")
@@ -133,6 +137,32 @@ def resolve_backend(
     if reason is None:
         return "cudnn"
     return "blockwise" if seq_len > BLOCKWISE_FROM else "vanilla"
+
+
+def model_attention(
+    config: LmConfig,
+    q: NamedArray,
+    k: NamedArray,
+    v: NamedArray,
+    segment_ids: NamedArray | None = None,
+    *,
+    key: jax.Array | None = None,
+) -> NamedArray:
+    """``causal_attention`` of ``q`` over ``k`` and ``v`` (all on ``position``; the keys and
+    values are renamed to ``key_position`` here) with a model config's backend, blocks and
+    attention dropout (``attn_backend``, ``splash_blocks``, ``flash_block``, ``attn_pdrop``)."""
+    k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
+    return causal_attention(
+        q,
+        k,
+        v,
+        backend=config.attn_backend,
+        segment_ids=segment_ids,
+        splash_blocks=config.splash_blocks,
+        flash_block=config.flash_block,
+        dropout_rate=config.attn_pdrop,
+        key=key,
+    )
 
 
 def causal_attention(

@@ -17,7 +17,7 @@ from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
 from loomax.models import offload, taps
-from loomax.models.attention import cached_attention, causal_attention
+from loomax.models.attention import cached_attention, model_attention
 from loomax.models.axes import Embed, Heads, HeadSize, KeyPosition, Layers, Mlp, Position, Vocab
 from loomax.models.config import KvCache, LmConfig, LmModel
 from loomax.models.dropout import dropout, split
@@ -146,19 +146,7 @@ class Gpt2Attention(eqx.Module):
         qkv = self.qkv(x)
         qkv = name_activation(qkv, "qkv")
         q, k, v = _scaled(qkv["qkv", 0], layer), qkv["qkv", 1], qkv["qkv", 2]
-        k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
-        c = self.config
-        out = causal_attention(
-            q,
-            k,
-            v,
-            backend=c.attn_backend,
-            segment_ids=segment_ids,
-            splash_blocks=c.splash_blocks,
-            flash_block=c.flash_block,
-            dropout_rate=c.attn_pdrop,
-            key=key,
-        )
+        out = model_attention(self.config, q, k, v, segment_ids, key=key)
         return self.out(name_activation(out, "attn_out"))
 
     def decode(self, x: NamedArray, cache_k, cache_v, start, layer: jax.Array | None = None):

@@ -20,7 +20,7 @@ from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
 from loomax.models import offload, taps
-from loomax.models.attention import cached_attention, causal_attention
+from loomax.models.attention import cached_attention, model_attention
 from loomax.models.axes import (
     Embed,
     Heads,
@@ -201,19 +201,7 @@ class LlamaAttention(eqx.Module):
     ) -> NamedArray:
         """``key`` drops out attention probabilities (``attn_pdrop``)."""
         q, k, v = self._qkv(x, hax.arange(x.resolve_axis(Position)))
-        k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
-        c = self.config
-        out = causal_attention(
-            q,
-            k,
-            v,
-            backend=c.attn_backend,
-            segment_ids=segment_ids,
-            splash_blocks=c.splash_blocks,
-            flash_block=c.flash_block,
-            dropout_rate=c.attn_pdrop,
-            key=key,
-        )
+        out = model_attention(self.config, q, k, v, segment_ids, key=key)
         return self.o_proj(name_activation(out, "attn_out"))
 
     def decode(self, x: NamedArray, cache_k, cache_v, start):
