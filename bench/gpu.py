@@ -134,14 +134,18 @@ def section_attention(args) -> dict:
 
     def run(backend, q, k, v, cot, seg, dtype):
         kv_axis = "kv_heads" if k.shape[2] != q.shape[2] else "heads"
+        # cudnn-packed: cuDNN's packed-sequence kernel (rows have 3 documents, limit 8);
+        # cudnn-packed-over: a limit of 2, so the batch takes the dense-mask branch
+        documents = {"cudnn-packed": 8, "cudnn-packed-over": 2}.get(backend, 0)
 
         def f(qa, ka, va):
             out = causal_attention(
                 hax.named(qa, ("batch", "position", "heads", "head_size")),
                 hax.named(ka, ("batch", "key_position", kv_axis, "head_size")),
                 hax.named(va, ("batch", "key_position", kv_axis, "head_size")),
-                backend=backend,
+                backend="cudnn" if documents else backend,
                 segment_ids=seg,
+                cudnn_documents=documents,
             ).array
             return jnp.sum(out.astype(jnp.float32) * cot), out
 
@@ -151,7 +155,7 @@ def section_attention(args) -> dict:
 
     cases, ok, t0 = [], True, time.perf_counter()
     backends = ["cudnn", "xla", "blockwise"] if on_gpu else ["xla", "blockwise"]
-    for masked in (False, True):
+    for masked in (False, True) if args.attention_cases == "all" else (True,):
         for kv_heads in (H, KV):
             name = f"{'documents' if masked else 'causal'}/{'mha' if kv_heads == H else 'gqa'}"
             q, k, v, cot = inputs(kv_heads, D, T, seed=len(cases))
@@ -159,7 +163,8 @@ def section_attention(args) -> dict:
             want, _ = run("vanilla", q, k, v, cot, seg, jnp.float32)
             row = {"case": name, "shape": f"B{B} T{T} H{H} KV{kv_heads} D{D} bf16"}
             results = {}
-            for backend in backends:
+            extra = ["cudnn-packed", "cudnn-packed-over"] if on_gpu and masked else []
+            for backend in backends + extra:
                 print(f"attention {name} {backend} ({time.perf_counter() - t0:.1f} s)", flush=True)
                 got, _ = run(backend, q, k, v, cot, seg, half)
                 results[backend] = got
@@ -168,25 +173,31 @@ def section_attention(args) -> dict:
                     n: round(e, 5) for n, e in zip(("out", "dq", "dk", "dv"), errs, strict=True)
                 }
                 ok &= max(errs) < tolerance
-            if "cudnn" in results:
-                errs = [
-                    _rel_err(a, b) for a, b in zip(results["cudnn"], results["xla"], strict=True)
-                ]
-                row["cudnn_vs_xla"] = round(max(errs), 5)
-                ok &= max(errs) < tolerance
+            for other in ("cudnn", *extra):
+                if other in results:
+                    errs = [
+                        _rel_err(a, b) for a, b in zip(results[other], results["xla"], strict=True)
+                    ]
+                    row[f"{other}_vs_xla"] = round(max(errs), 5)
+                    ok &= max(errs) < tolerance
             cases.append(row)
             save_partial(args, {"ok": bool(ok), "tolerance": tolerance, "cases": cases})
 
     # auto: which cases cuDNN cannot serve, and that auto then still runs (on another backend)
     capability = gpu_compute_capability()
     fallbacks = []
-    for label, dtype, head_size, seq, masked in (
-        ("float32", jnp.float32, D, T, False),
-        ("head size 12", half, 12, T, False),
-        ("head size 320", half, 320, 256, False),
-        ("documents, odd seq", half, D, T - 1, True),
-        ("supported (bf16, causal)", half, D, T, False),
-    ):
+    fallback_cases = (
+        ()
+        if args.attention_cases != "all"
+        else (
+            ("float32", jnp.float32, D, T, False),
+            ("head size 12", half, 12, T, False),
+            ("head size 320", half, 320, 256, False),
+            ("documents, odd seq", half, D, T - 1, True),
+            ("supported (bf16, causal)", half, D, T, False),
+        )
+    )
+    for label, dtype, head_size, seq, masked in fallback_cases:
         print(f"attention fallback {label} ({time.perf_counter() - t0:.1f} s)", flush=True)
         q, k, v, cot = inputs(H, head_size, seq, seed=99)
         seg = segments(seq, 99) if masked else None
@@ -268,6 +279,7 @@ def section_attention(args) -> dict:
 
 
 def _bench(args, config_path: str, overrides: list[str], profile: bool) -> dict:
+    """``loomax bench`` of a shipped config with ``overrides``, traced when ``profile``."""
     from loomax.benchmark import run_benchmark
     from loomax.callbacks.profiler import summarize_trace
     from loomax.config import parse_config
@@ -279,7 +291,7 @@ def _bench(args, config_path: str, overrides: list[str], profile: bool) -> dict:
     result["config"] = f"{config_path} {' '.join(overrides)}"
     if result.get("profile_dir"):
         try:
-            result["profile"] = summarize_trace(profile_dir)
+            result["profile"] = summarize_trace(profile_dir, top=24)
         except Exception as e:  # noqa: BLE001 - the timings stand without it
             result["profile_error"] = f"{type(e).__name__}: {e}"
     return result
@@ -327,7 +339,48 @@ def llama_overrides(args, *extra: str) -> list[str]:
 
 
 NO_TRITON_GEMM = "--xla_gpu_enable_triton_gemm=false"
+REMAT = ["--model.gradient_checkpointing", "true"]
+PAD128 = ["--model.cross_entropy_vocab_multiple", "128"]
 GPT2_VARIANTS = {  # name: (overrides beyond gpt2_overrides, extra XLA flags, profile?)
+    "gpt2-ntg-remat-pad128": ([*REMAT, *PAD128], NO_TRITON_GEMM, True),
+    "gpt2-ntg-save-attn": (
+        [*REMAT, *PAD128, "--model.remat_save", "[qkv,attn_out]"],
+        NO_TRITON_GEMM,
+        False,
+    ),
+    "gpt2-ntg-save-dots": (
+        [*REMAT, *PAD128, "--model.remat_save", "[qkv,attn_out,mlp_up]"],
+        NO_TRITON_GEMM,
+        False,
+    ),
+    "gpt2-ntg-unscanned": (
+        ["--model.gradient_checkpointing", "false", "--model.scan_layers", "false", *PAD128],
+        NO_TRITON_GEMM,
+        False,
+    ),
+    "gpt2-ntg-unscanned-remat": (
+        [*REMAT, "--model.scan_layers", "false", *PAD128],
+        NO_TRITON_GEMM,
+        False,
+    ),
+    "gpt2-ntg-unscanned-b64": (
+        [
+            "--model.gradient_checkpointing",
+            "false",
+            "--model.scan_layers",
+            "false",
+            *PAD128,
+            "--trainer.train_batch_size",
+            "64",
+        ],
+        NO_TRITON_GEMM,
+        False,
+    ),
+    "gpt2-ntg-b64-pad128": (
+        [*REMAT, *PAD128, "--trainer.train_batch_size", "64"],
+        NO_TRITON_GEMM,
+        False,
+    ),
     "gpt2-ntg-remat": (["--model.gradient_checkpointing", "true"], NO_TRITON_GEMM, True),
     "gpt2-ntg-remat-unroll": (
         ["--model.gradient_checkpointing", "true", "--model.scan_unroll", "true"],
@@ -368,6 +421,28 @@ GPT2_VARIANTS = {  # name: (overrides beyond gpt2_overrides, extra XLA flags, pr
     ),
 }
 LLAMA_VARIANTS = {
+    "llama1b-packed": (
+        ["--model.gradient_checkpointing", "false", "--model.cudnn_packed_documents", "16"],
+        "",
+        True,
+    ),
+    "llama1b-unscanned": (
+        ["--model.gradient_checkpointing", "false", "--model.scan_layers", "false"],
+        "",
+        True,
+    ),
+    "llama1b-unscanned-packed": (
+        [
+            "--model.gradient_checkpointing",
+            "false",
+            "--model.scan_layers",
+            "false",
+            "--model.cudnn_packed_documents",
+            "16",
+        ],
+        "",
+        False,
+    ),
     "llama1b-ntg": (["--model.gradient_checkpointing", "false"], NO_TRITON_GEMM, True),
     "llama1b-ntg-unroll": (
         ["--model.gradient_checkpointing", "false", "--model.scan_unroll", "true"],
@@ -393,7 +468,7 @@ def section_bench(args) -> dict:
     return _bench(args, "config/llama_1b.yaml", llama_overrides(args, *extra), profile)
 
 
-def section_torch(args) -> dict:
+def section_torch(args, batch: int = GPT2_BATCH) -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
@@ -407,7 +482,7 @@ def section_torch(args) -> dict:
         str(args.warmup),
     ]
     cmd += (
-        ["--batch", str(GPT2_BATCH)]
+        ["--batch", str(batch)]
         if not args.smoke
         else ["--batch", "4", "--dim", "64", "--layers", "2", "--heads", "4", "--seq", "128"]
     )
@@ -574,6 +649,7 @@ CHILDREN = {
     "env": section_env,
     "attention": section_attention,
     "torch-gpt2": section_torch,
+    "torch-gpt2-b64": lambda args: section_torch(args, batch=64),
     "train": section_train,
     "resume": section_resume,
 }
@@ -603,9 +679,20 @@ PLAN = [
     ("attention", 150),
     ("gpt2-ntg-remat", 150),
     ("torch-gpt2", 200),
+    ("gpt2-ntg-remat-pad128", 120),
+    ("gpt2-ntg-save-attn", 120),
+    ("gpt2-ntg-save-dots", 120),
+    ("gpt2-ntg-unscanned", 120),
+    ("gpt2-ntg-unscanned-remat", 120),
     ("llama1b", 240),
+    ("llama1b-packed", 200),
+    ("llama1b-unscanned", 200),
+    ("llama1b-unscanned-packed", 200),
+    ("gpt2-ntg-unscanned-b64", 120),
     ("train", 200),
     ("resume", 150),
+    ("gpt2-ntg-b64-pad128", 150),
+    ("torch-gpt2-b64", 200),
     ("gpt2", 180),
     ("gpt2-remat", 150),
     ("gpt2-xla-attn", 150),
@@ -645,6 +732,8 @@ def run_child(name: str, args, out_dir: Path, limit: float) -> dict:
         str(args.steps),
         "--warmup",
         str(args.warmup),
+        "--attention-cases",
+        args.attention_cases,
     ]
     if args.smoke:
         cmd.append("--smoke")
@@ -686,12 +775,16 @@ def child_main(args) -> None:
     sys.exit(1 if "error" in result else 0)
 
 
-def best_gpt2(results: dict) -> dict:
-    """The fastest GPT-2 124M variant of the run at vocab 50257 (the torch side's), with its name."""
+def best_gpt2(results: dict, b64: bool = False) -> dict:
+    """The fastest GPT-2 124M variant of the run at vocab 50257 (the torch side's), with its
+    name: at batch 32, or with ``b64`` at batch 64 (the ``-b64`` variants)."""
     runs = [
         dict(r, name=n)
         for n, r in results.items()
-        if n in GPT2_VARIANTS and "tokens_per_second" in r and "v50304" not in n
+        if n in GPT2_VARIANTS
+        and "tokens_per_second" in r
+        and "v50304" not in n
+        and ("-b64" in n) == b64
     ]
     return max(runs, key=lambda r: r["tokens_per_second"], default={})
 
@@ -739,12 +832,13 @@ def table(results: dict) -> str:
         else:
             what = r.get("error", "")[:200]
         lines.append(f"{name:22} {r.get('status', '-'):10} {fmt(r.get('seconds')):>6}  {what}")
-    torch_r, jax_r = results.get("torch-gpt2", {}), best_gpt2(results)
-    if "tokens_per_second" in torch_r and "tokens_per_second" in jax_r:
-        lines.append(
-            f"loomax GPT-2 ({jax_r['name']}) / torch.compile: "
-            f"{jax_r['tokens_per_second'] / torch_r['tokens_per_second']:.3f}x"
-        )
+    for torch_name, b64 in (("torch-gpt2", False), ("torch-gpt2-b64", True)):
+        torch_r, jax_r = results.get(torch_name, {}), best_gpt2(results, b64)
+        if "tokens_per_second" in torch_r and "tokens_per_second" in jax_r:
+            lines.append(
+                f"loomax GPT-2 ({jax_r['name']}) / torch.compile ({torch_name}): "
+                f"{jax_r['tokens_per_second'] / torch_r['tokens_per_second']:.3f}x"
+            )
     return "\n".join(lines)
 
 
@@ -756,6 +850,12 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="toy sizes: check the script (CPU too)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per benchmark")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--attention-cases",
+        choices=("all", "documents"),
+        default="all",
+        help="the attention section's cases: all, or only those with document masks",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--limit", type=float, default=None, help=argparse.SUPPRESS)
@@ -794,12 +894,15 @@ def main() -> None:
         results[name] = run_child(name, args, out_dir, min(limit, left))
         path.write_text(json.dumps(results, indent=1, default=str))
         print(f"    {results[name]['status']} in {results[name]['seconds']} s", flush=True)
-    torch_r, jax_r = results.get("torch-gpt2", {}), best_gpt2(results)
-    if "tokens_per_second" in torch_r and jax_r.get("peak_gflops"):  # the same FLOPs count
-        torch_r["mfu"] = round(
-            torch_r["tokens_per_second"] * jax_r["flops_per_token"] / (jax_r["peak_gflops"] * 1e9),
-            4,
-        )
+    for torch_name, b64 in (("torch-gpt2", False), ("torch-gpt2-b64", True)):
+        torch_r, jax_r = results.get(torch_name, {}), best_gpt2(results, b64)
+        if "tokens_per_second" in torch_r and jax_r.get("peak_gflops"):  # the same FLOPs count
+            torch_r["mfu"] = round(
+                torch_r["tokens_per_second"]
+                * jax_r["flops_per_token"]
+                / (jax_r["peak_gflops"] * 1e9),
+                4,
+            )
     path.write_text(json.dumps(results, indent=1, default=str))
     print(table(results))
     print(f"results: {path}")

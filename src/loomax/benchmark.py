@@ -65,6 +65,7 @@ def run_benchmark(
             z_loss_weight=model_config.z_loss_weight,
             eos_id=vocab_size - 1 if model_config.document_mask else None,
             vocab_block_size=model_config.cross_entropy_vocab_block_size,
+            vocab_multiple=model_config.cross_entropy_vocab_multiple,
         ),
         run_id=setup_process(trainer_config),
         lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps),

@@ -71,6 +71,26 @@ def test_z_loss_value_and_gradients_match_plain(block):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("multiple", [8, 128])
+def test_padded_vocabulary_matches_plain(multiple):
+    """The head padded to a multiple of rows (101 -> 104 or 128), the padding masked: the
+    value, both gradients and the primal-only path equal the plain loss, and the weight's
+    gradient keeps the vocabulary's 101 rows."""
+    h, w, t, m = problem()
+    z = 1e-3
+    ref, ref_grads = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
+
+    def fused(h, w):
+        return fused_cross_entropy_sum(h, w, t, m, 16, z, None, multiple)
+
+    np.testing.assert_allclose(fused(h, w), ref, rtol=1e-5)
+    val, grads = jax.value_and_grad(fused, argnums=(0, 1))(h, w)
+    np.testing.assert_allclose(val, ref, rtol=1e-5)
+    assert grads[1].shape == w.shape
+    for got, want in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("block,vocab_block", [(8, 16), (37, 101), (16, 7)])
 def test_vocab_blocks_match_plain(block, vocab_block):
     h, w, t, m = problem()

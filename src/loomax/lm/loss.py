@@ -16,6 +16,7 @@ def lm_loss(
     z_loss_weight: float = 0.0,
     eos_id: int | None = None,
     vocab_block_size: int | None = None,
+    vocab_multiple: int = 1,
 ):
     """The trainer's loss: next-token cross-entropy on a ``[batch, position]`` token array.
 
@@ -35,6 +36,7 @@ def lm_loss(
             z_loss_weight=z_loss_weight,
             segment_ids=segments,
             vocab_block_size=vocab_block_size,
+            vocab_multiple=vocab_multiple,
             key=key,
         )
 
@@ -57,4 +59,5 @@ def model_lm_loss(config: TrainLmConfig, *, training: bool = True):
         z_loss_weight=z_loss,
         eos_id=eos,
         vocab_block_size=model.cross_entropy_vocab_block_size,
+        vocab_multiple=model.cross_entropy_vocab_multiple,
     )

@@ -36,6 +36,7 @@ from haliax import NamedArray
 
 from loomax.config import ConfigError
 from loomax.models.axes import Heads, HeadSize, KeyPosition, KvHeads, Position
+from loomax.models.cudnn_packed import cudnn_document_attention
 from loomax.models.dropout import dropout
 from loomax.models.flash import acc_dtype, flash_attention, visible_mask
 
@@ -162,6 +163,7 @@ def model_attention(
         flash_block=config.flash_block,
         dropout_rate=config.attn_pdrop,
         key=key,
+        cudnn_documents=config.cudnn_packed_documents,
     )
 
 
@@ -176,6 +178,7 @@ def causal_attention(
     flash_block: int = FLASH_BLOCK,
     dropout_rate: float = 0.0,
     key: jax.Array | None = None,
+    cudnn_documents: int = 0,
 ) -> NamedArray:
     """Scaled dot-product causal self-attention.
 
@@ -184,7 +187,9 @@ def causal_attention(
     Scores and softmax are in at least float32; the result has ``q``'s axes and dtype.
     ``flash_block`` is the ``blockwise`` backend's block. With ``key`` and a positive
     ``dropout_rate`` the probabilities are dropped out, which only ``vanilla`` forms:
-    ``auto`` then means ``vanilla``, another backend raises ``ConfigError``.
+    ``auto`` then means ``vanilla``, another backend raises ``ConfigError``. On ``cudnn``
+    with ``segment_ids``, ``cudnn_documents > 0`` attends through cuDNN's packed-sequence
+    kernel when no row has more documents than that (``models/cudnn_packed.py``).
     """
     drop = None
     if key is not None and dropout_rate > 0:
@@ -213,7 +218,7 @@ def causal_attention(
     elif backend == "splash":
         out = splash_attention(qa, ka, va, seg, scale, *splash_blocks)
     elif backend in ("xla", "cudnn"):
-        out = _jax_attention(qa, ka, va, seg, backend)
+        out = _jax_attention(qa, ka, va, seg, backend, cudnn_documents)
     else:
         raise ValueError(f"model.attn_backend must be one of {BACKENDS}, got {backend!r}")
     return _from_array(out, q, batch_axes)
@@ -297,10 +302,13 @@ def _attend(q, k, v, q_start, q_seg, k_seg, drop=None):
 
 
 # ------------------------------------------------------------------ jax.nn (xla / cudnn)
-def _jax_attention(q, k, v, seg, implementation):
+def _jax_attention(q, k, v, seg, implementation, cudnn_documents=0):
     B, K, G, T, D = q.shape
     qj = q.reshape(B, K * G, T, D).transpose(0, 2, 1, 3)  # [B, T, N, D], heads kv-major
     kj, vj = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if implementation == "cudnn" and seg is not None and cudnn_documents > 0:
+        out = cudnn_document_attention(qj, kj, vj, seg, cudnn_documents)
+        return out.transpose(0, 2, 1, 3).reshape(B, K, G, T, D)
     mask = None
     if seg is not None:
         mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # [B, 1, T, S]

@@ -43,6 +43,8 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Tokens per block of the fused LM head + softmax (bounds logits memory); null = plain full logits."""
     cross_entropy_vocab_block_size: int | None = None
     """Also split the vocabulary into blocks of this many entries (logits at most [tokens block, vocab block]); null = whole."""
+    cross_entropy_vocab_multiple: int = 128
+    """Pad the fused LM head to a multiple of this many vocabulary rows (masked; aligned matmul shapes); 1 = none."""
     z_loss_weight: float = 0.0
     """Weight of the z-loss, the mean squared log-partition of the logits; 0 = off."""
     attn_backend: str = "auto"
@@ -53,6 +55,8 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Key/value block of the splash kernel (a multiple of 128; seq_len must be a multiple of it)."""
     document_mask: bool = False
     """Attention stays within each packed document (documents end at the tokenizer's EOS)."""
+    cudnn_packed_documents: int = 0
+    """On cuDNN, document masks via its packed-sequence kernel for rows of at most this many documents (more: dense mask); 0 = dense mask."""
     scan_unroll: int | bool = 1
     """Layers per iteration of the layer loop; true = all (no loop). Parameters stay stacked either way."""
     scan_layers: bool = True
@@ -88,6 +92,15 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
             raise ValueError(
                 "model.cross_entropy_vocab_block_size must be positive and needs model.cross_entropy_block_size, "
                 f"got {vocab_block} with cross_entropy_block_size {self.cross_entropy_block_size}"
+            )
+        if self.cudnn_packed_documents < 0:
+            raise ConfigError(
+                f"model.cudnn_packed_documents must be >= 0, got {self.cudnn_packed_documents}"
+            )
+        if self.cross_entropy_vocab_multiple < 1:
+            raise ConfigError(
+                "model.cross_entropy_vocab_multiple must be >= 1, "
+                f"got {self.cross_entropy_vocab_multiple}"
             )
         if not isinstance(self.scan_unroll, bool) and self.scan_unroll < 1:
             raise ValueError(

@@ -34,13 +34,16 @@ def next_token_loss(
     z_loss_weight: float = 0.0,
     segment_ids: NamedArray | None = None,
     vocab_block_size: int | None = None,
+    vocab_multiple: int = 1,
     key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(sum of token losses, number of tokens)`` for predicting each next token.
 
     ``block_size`` tokens at a time go through the fused LM head and softmax; ``None``
     computes full logits (the reference path, used in tests); ``vocab_block_size`` also
-    splits the vocabulary, so at most ``[block_size, vocab_block_size]`` logits exist. ``z_loss_weight > 0`` adds
+    splits the vocabulary, so at most ``[block_size, vocab_block_size]`` logits exist;
+    ``vocab_multiple`` pads the fused head's rows to a multiple of it (masked out of the
+    softmax), which gives the matmuls aligned shapes. ``z_loss_weight > 0`` adds
     ``z_loss_weight * logsumexp(logits)**2`` per token (keeps the softmax normaliser near 1).
     ``segment_ids`` keep attention within packed documents (see ``segment_ids_from_eos``).
     ``key`` (the train step's) drives the model's dropout; None (evaluation) drops nothing.
@@ -57,7 +60,7 @@ def next_token_loss(
         total = plain_cross_entropy_sum(h, w, t, m, z_loss_weight)
     else:
         total = fused_cross_entropy_sum(
-            h, w.astype(h.dtype), t, m, block_size, z_loss_weight, vocab_block_size
+            h, w.astype(h.dtype), t, m, block_size, z_loss_weight, vocab_block_size, vocab_multiple
         )
     return total, jnp.sum(m)
 
@@ -123,14 +126,28 @@ def logits_stats(h: jax.Array, w: jax.Array, block_size: int) -> dict[str, jax.A
     return {"mean": mean, "std": std, "absmax": peak, "rms": rms, "near_zero": near / count}
 
 
-def _block_loss(h_b, w, t_b, m_b, z_loss_weight):
+def _padded_rows(w: jax.Array, multiple: int) -> jax.Array:
+    """``w [V, d]`` with zero rows appended up to a multiple of ``multiple`` rows."""
+    pad = (-w.shape[0]) % multiple
+    return jnp.pad(w, ((0, pad), (0, 0))) if pad else w
+
+
+def _head_logits(h_b: jax.Array, w: jax.Array, vocab: int) -> jax.Array:
+    """``h_b @ w.T`` in the accumulation dtype, the columns past ``vocab`` (padding) at -inf."""
     logits = jnp.dot(h_b, w.T, preferred_element_type=_acc(h_b.dtype))
+    if w.shape[0] == vocab:
+        return logits
+    return jnp.where(jnp.arange(w.shape[0]) < vocab, logits, -jnp.inf)
+
+
+def _block_loss(h_b, w, t_b, m_b, z_loss_weight, vocab):
+    logits = _head_logits(h_b, w, vocab)
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, t_b[:, None], axis=-1)[:, 0]
     return jnp.sum((lse - picked + z_loss_weight * lse**2) * m_b)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def fused_cross_entropy_sum(
     h: jax.Array,
     w: jax.Array,
@@ -139,6 +156,7 @@ def fused_cross_entropy_sum(
     block_size: int,
     z_loss_weight: float = 0.0,
     vocab_block_size: int | None = None,
+    vocab_multiple: int = 1,
 ) -> jax.Array:
     """``sum_i weights_i * (CE(h_i @ w.T, targets_i) + z * lse_i**2)`` over token blocks.
 
@@ -146,9 +164,12 @@ def fused_cross_entropy_sum(
     vocab]`` logits exist at a time, or ``[block_size, vocab_block_size]`` with vocabulary
     blocks (an online logsumexp over them, then a second pass for the gradient). Under
     differentiation the gradient is computed block by block in the forward pass, so
-    neither the logits nor the softmax are ever stored whole.
+    neither the logits nor the softmax are ever stored whole. Without vocabulary blocks,
+    ``w`` is padded with zero rows to a multiple of ``vocab_multiple`` (their logits masked).
     """
-    return _fused_forward(h, w, targets, weights, block_size, z_loss_weight, vocab_block_size)
+    return _fused_forward(
+        h, w, targets, weights, block_size, z_loss_weight, vocab_block_size, vocab_multiple
+    )
 
 
 def _vocab_chunks(w: jax.Array, vocab_block: int):
@@ -197,15 +218,19 @@ def _chunked_grads(h_b, chunks, ids, vocab, t_b, m_b, lse, z_loss_weight):
     return dh.astype(h_b.dtype), dw.reshape(-1, h_b.shape[1])[:vocab]
 
 
-def _fused_forward(h, w, targets, weights, block_size, z_loss_weight, vocab_block_size=None):
-    block = min(block_size, h.shape[0])
+def _fused_forward(
+    h, w, targets, weights, block_size, z_loss_weight, vocab_block_size=None, vocab_multiple=1
+):
+    block, vocab = min(block_size, h.shape[0]), w.shape[0]
     if vocab_block_size is not None:
         chunks, ids = _vocab_chunks(w, vocab_block_size)
+    else:
+        w = _padded_rows(w, vocab_multiple)
 
     def body(total, xs):
         h_b, t_b, m_b = xs
         if vocab_block_size is None:
-            return total + _block_loss(h_b, w, t_b, m_b, z_loss_weight), None
+            return total + _block_loss(h_b, w, t_b, m_b, z_loss_weight, vocab), None
         lse, picked = _chunked_lse_and_picked(h_b, chunks, ids, w.shape[0], t_b)
         return total + jnp.sum((lse - picked + z_loss_weight * lse**2) * m_b), None
 
@@ -214,41 +239,43 @@ def _fused_forward(h, w, targets, weights, block_size, z_loss_weight, vocab_bloc
     return total
 
 
-def _fused_fwd(h, w, targets, weights, block_size, z_loss_weight, vocab_block_size):
-    block = min(block_size, h.shape[0])
+def _fused_fwd(h, w, targets, weights, block_size, z_loss_weight, vocab_block_size, vocab_multiple):
+    block, vocab = min(block_size, h.shape[0]), w.shape[0]
     acc = _acc(h.dtype)
     if vocab_block_size is not None:
         chunks, ids = _vocab_chunks(w, vocab_block_size)
+    head = w if vocab_block_size is not None else _padded_rows(w, vocab_multiple)
 
     def body(dw, xs):
         h_b, t_b, m_b = xs
         if vocab_block_size is not None:
-            lse, picked = _chunked_lse_and_picked(h_b, chunks, ids, w.shape[0], t_b)
-            dh_b, dw_b = _chunked_grads(h_b, chunks, ids, w.shape[0], t_b, m_b, lse, z_loss_weight)
+            lse, picked = _chunked_lse_and_picked(h_b, chunks, ids, vocab, t_b)
+            dh_b, dw_b = _chunked_grads(h_b, chunks, ids, vocab, t_b, m_b, lse, z_loss_weight)
             return dw + dw_b, (dh_b, lse - picked + z_loss_weight * lse**2)
-        logits = jnp.dot(h_b, w.T, preferred_element_type=acc)
+        logits = _head_logits(h_b, head, vocab)
         peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
         exp = jnp.exp(logits - peak)  # the only pass of exp over [block, vocab]
         norm = jnp.sum(exp, axis=-1, keepdims=True)
         picked = jnp.take_along_axis(logits, t_b[:, None], axis=-1)
         lse = peak + jnp.log(norm)
         token_loss = (lse - picked + z_loss_weight * lse**2)[:, 0]
-        is_target = jnp.arange(w.shape[0], dtype=t_b.dtype)[None, :] == t_b[:, None]
+        is_target = jnp.arange(head.shape[0], dtype=t_b.dtype)[None, :] == t_b[:, None]
         softmax_scale = m_b[:, None] * (1 + 2 * z_loss_weight * lse) / norm
         dlogits = (exp * softmax_scale - jnp.where(is_target, m_b[:, None], 0.0)).astype(h.dtype)
-        dh_b = jnp.dot(dlogits, w, preferred_element_type=acc).astype(h.dtype)
+        dh_b = jnp.dot(dlogits, head, preferred_element_type=acc).astype(h.dtype)
         dw = dw + jnp.dot(dlogits.T, h_b, preferred_element_type=acc)
         return dw, (dh_b, token_loss)
 
     xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block))
-    dw, (dh, token_loss) = jax.lax.scan(body, jnp.zeros(w.shape, acc), xs)
+    dw, (dh, token_loss) = jax.lax.scan(body, jnp.zeros(head.shape, acc), xs)
+    dw = dw[:vocab]
     dh = dh.reshape(-1, h.shape[1])[: h.shape[0]]
     token_loss = token_loss.reshape(-1)[: h.shape[0]]
     total = jnp.sum(token_loss * weights)
     return total, (dh, dw.astype(w.dtype), targets, token_loss)
 
 
-def _fused_bwd(block_size, z_loss_weight, vocab_block_size, residuals, g):
+def _fused_bwd(block_size, z_loss_weight, vocab_block_size, vocab_multiple, residuals, g):
     dh, dw, targets, token_loss = residuals
     zero_targets = jnp.zeros(targets.shape, jax.dtypes.float0)
     return (dh * g.astype(dh.dtype), dw * g.astype(dw.dtype), zero_targets, token_loss * g)

@@ -116,6 +116,7 @@ def loss_of(config: TrainLmConfig) -> tuple[object, str | None]:
         z_loss_weight=model.z_loss_weight,
         eos_id=0,
         vocab_block_size=model.cross_entropy_vocab_block_size,
+        vocab_multiple=model.cross_entropy_vocab_multiple,
     )
     return loss, "document mask compiled with a stand-in EOS id (tokenizer not local)"
 

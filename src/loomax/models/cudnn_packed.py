@@ -1,0 +1,75 @@
+"""Document-masked attention through cuDNN's packed-sequence kernels (NVIDIA GPUs).
+
+``jax.nn.dot_product_attention`` takes a document mask only as a dense ``[B, 1, T, T]``
+bias, which cuDNN reads for every head and tile. cuDNN can instead attend within packed
+segments given their lengths and offsets (JAX's ``q_seqlen``/``q_offsets``, the "THD"
+layout), skipping every tile across a document boundary. Those tensors have a static
+number of documents per row, ``max_docs`` (``model.cudnn_packed_documents``): a batch in
+which some row holds more runs the dense-mask kernel instead (``lax.cond``), so the result
+never depends on the limit. A document is a run of equal segment ids; ids that come back
+after another document (``A B A``) are separate documents here, as in every packed batch
+``segment_ids_from_eos`` makes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def document_runs(seg: jax.Array, max_docs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(lengths [B, max_docs], offsets [B, max_docs + 1], runs [B])`` of the runs of equal
+    ids in each row of ``seg [B, T]``, in the form JAX's cuDNN packed layout takes: each run's
+    length and start, -1 past a row's runs (the offsets' last column is always -1: JAX
+    compacts the non-negative entries of all rows, so an end marker would shift the next
+    row's segments against their lengths). ``runs`` is the
+    number of runs per row; where it exceeds ``max_docs`` the first two describe only the
+    first ``max_docs`` runs (``cudnn_document_attention`` then uses the dense mask)."""
+    new_run = jnp.concatenate(
+        [jnp.ones_like(seg[:, :1], jnp.int32), (seg[:, 1:] != seg[:, :-1]).astype(jnp.int32)],
+        axis=1,
+    )
+    run = jnp.cumsum(new_run, axis=1) - 1  # [B, T]: index of each position's run
+    runs = run[:, -1] + 1
+    j = jnp.arange(max_docs + 1, dtype=jnp.int32)
+    starts = jnp.sum(run[:, None, :] < j[None, :, None], axis=-1, dtype=jnp.int32)
+    lengths = jnp.where(j[None, :-1] < runs[:, None], starts[:, 1:] - starts[:, :-1], -1)
+    offsets = jnp.where(j[None, :] < runs[:, None], starts, -1)
+    return lengths.astype(jnp.int32), offsets.astype(jnp.int32), runs
+
+
+def cudnn_document_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array, max_docs: int
+) -> jax.Array:
+    """Causal attention within documents, ``q [B, T, N, D]``, ``k, v [B, T, K, D]`` (bf16 or
+    fp16, K dividing N): cuDNN's packed kernel when every row has at most ``max_docs``
+    documents, else cuDNN with the dense mask."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_sdpa
+
+    lengths, offsets, runs = document_runs(seg, max_docs)
+    scale = 1 / math.sqrt(q.shape[-1])
+
+    def packed(q, k, v):
+        return cudnn_sdpa(
+            q,
+            k,
+            v,
+            q_seqlen=lengths,
+            kv_seqlen=lengths,
+            q_offsets=offsets,
+            kv_offsets=offsets,
+            scale=scale,
+            mask_type=MaskType.PADDING_CAUSAL,
+            qkv_layout="BTNH",
+        )
+
+    def dense(q, k, v):
+        mask = (seg[:, :, None] == seg[:, None, :])[:, None]
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True, implementation="cudnn"
+        )
+
+    return jax.lax.cond(jnp.max(runs) <= max_docs, packed, dense, q, k, v)
