@@ -89,6 +89,7 @@ def test_prepared_tasks_score_as_the_originals_without_their_files(lm, tasks_dir
         evaluate_tasks(lm, ["tiny_mc"], include_path=source, include_defaults=False)
 
 
+@pytest.mark.heavy  # heavy: lm-eval's own arc_easy; the tiny prepared tasks above check the same serving path
 def test_builtin_task_is_served_from_the_prepared_set_offline(lm, tmp_path, lm_eval_tasks):
     """lm-eval's own ``arc_easy`` (its prompts and metrics) over documents in a prepared set
     written as prepare writes it from the hub: evaluation never reaches the hub."""
