@@ -131,7 +131,9 @@ def run_benchmark(
             shutil.rmtree(scratch, ignore_errors=True)
     if profile_dir:  # a trace that cannot be taken leaves the timings standing
         try:
-            jax.profiler.start_trace(profile_dir, create_perfetto_trace=True)
+            from loomax.callbacks.profiler import start_trace
+
+            start_trace(profile_dir)
             try:
                 timed(state, PROFILE_STEPS)
             finally:

@@ -27,6 +27,30 @@ def test_trace_of_steps_is_written(tiny, tmp_path):
     assert sum(summary["by_category"].values()) == pytest.approx(summary["busy_ms"], rel=1e-3)
 
 
+def python_calls_traced(directory, name: str) -> int:
+    """How many of the Perfetto trace's events under ``directory`` are Python calls of ``name``."""
+    import gzip
+    import json
+
+    (trace,) = directory.rglob("*.trace.json.gz")
+    events = json.loads(gzip.open(trace).read())["traceEvents"]
+    return sum(name in event.get("name", "") for event in events)
+
+
+@pytest.mark.parametrize("python_tracer", [False, True])
+def test_python_calls_are_traced_only_when_asked(tiny, tmp_path, python_tracer):
+    """JAX's Python tracer is off by default (it made one traced step of the hook contract
+    test stop 12 s late); ``python_tracer: true`` records every Python call."""
+    trainer = tiny.trainer(tmp_path, steps=3)
+    directory = tmp_path / "profile"
+    trainer.add_hook(
+        ProfilerHook(directory=str(directory), wait=1, active=1, python_tracer=python_tracer)
+    )
+    trainer.train(tiny.init(trainer), tiny.batches())
+    calls = python_calls_traced(directory, "training_steps")  # the loop's generator, in Python
+    assert (calls > 0) == python_tracer
+
+
 def test_a_repeating_schedule_with_memory_profiles_on_the_chosen_processes(tiny, tmp_path, caplog):
     trainer = tiny.trainer(tmp_path, steps=7)
     hook = ProfilerHook(

@@ -6,6 +6,10 @@ times (0: until the run ends): a cycle waits ``wait`` steps, then traces ``warmu
 trace is TensorBoard's (``*.xplane.pb``) and Perfetto's (``*.trace.json.gz``, whose
 path is logged with how to open it) under ``steps-<first>-<last>/``; ``memory_profile`` adds a
 device memory profile at the end of each cycle there. Only the listed ``processes`` trace.
+JAX's Python tracer (every Python call, for host-side overhead) is off unless
+``python_tracer`` asks for it: with it on, a traced step in which Python is busy (tracing or
+compiling a program) writes a large trace and stops slowly (12 s for one tiny step in the
+hook contract test).
 """
 
 from __future__ import annotations
@@ -23,6 +27,14 @@ from loomax.train.hooks import Hook, StepInfo
 logger = logging.getLogger(__name__)
 
 PERFETTO_UI = "https://ui.perfetto.dev"
+
+
+def start_trace(directory: str | Path, *, python_tracer: bool = False) -> None:
+    """``jax.profiler.start_trace`` into ``directory`` with a Perfetto trace, and JAX's Python
+    tracer only when ``python_tracer`` (device and host activity are traced either way)."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 1 if python_tracer else 0
+    jax.profiler.start_trace(str(directory), create_perfetto_trace=True, profiler_options=options)
 
 
 @hook_type("profiler")
@@ -52,6 +64,8 @@ class ProfilerHook(Hook):
         """Also write a device memory profile (pprof) at the end of each traced cycle."""
         directory: str | None = None
         """Where the traces go; null = <run_dir>/profile."""
+        python_tracer: bool = False
+        """Also trace every Python call (host-side overhead; large traces, slow to stop)."""
 
         def __post_init__(self):
             self.check_positive("active")
@@ -126,7 +140,7 @@ class ProfilerHook(Hook):
         self._first, self._last = self.window(cycle)
         self._out = self.directory / f"steps-{self._first}-{self._last}"
         self._out.mkdir(parents=True, exist_ok=True)
-        jax.profiler.start_trace(str(self._out), create_perfetto_trace=True)
+        start_trace(self._out, python_tracer=self.config.python_tracer)
         self.active = True
         logger.info("profiling steps %d to %d into %s", self._first, self._last, self._out)
 
