@@ -110,7 +110,7 @@ def ledger_nodes(cache: Path) -> list[str]:
     return [json.loads(p.read_text())["node"] for p in sorted((cache / "ledger").glob("*.json"))]
 
 
-@pytest.mark.heavy  # heavy: the killed-worker test below also builds a cache over both nodes
+@pytest.mark.heavy  # heavy: two Ray nodes; tests/data's one-node Ray tests build the same kind of cache
 def test_cache_command_spreads_the_shards_over_both_nodes(two_nodes, many_shards, tmp_path):
     cache_dir = tmp_path / "cache"
     command = [
