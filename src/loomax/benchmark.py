@@ -15,7 +15,8 @@ import numpy as np
 
 from loomax._xla_flags import hlo_fingerprint, library_calls
 from loomax.config import ConfigError
-from loomax.lm import TrainLmConfig, lm_loss
+from loomax.lm import TrainLmConfig
+from loomax.lm.loss import lm_loss_for
 from loomax.peak_flops import measure_matmul_flops, total_peak_flops
 from loomax.tracking import NoopTrackerConfig
 from loomax.train import Trainer, setup_process
@@ -60,13 +61,7 @@ def run_benchmark(
     trainer = Trainer(
         trainer_config,
         config.optimizer.build(trainer_config.num_train_steps),
-        lm_loss(
-            model_config.cross_entropy_block_size,
-            z_loss_weight=model_config.z_loss_weight,
-            eos_id=vocab_size - 1 if model_config.document_mask else None,
-            vocab_block_size=model_config.cross_entropy_vocab_block_size,
-            vocab_multiple=model_config.cross_entropy_vocab_multiple,
-        ),
+        lm_loss_for(model_config, eos_id=vocab_size - 1 if model_config.document_mask else None),
         run_id=setup_process(trainer_config),
         lr_schedule=config.optimizer.lr_scheduler(trainer_config.num_train_steps),
     )

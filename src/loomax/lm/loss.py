@@ -8,6 +8,7 @@ from loomax.lm.config import TrainLmConfig
 from loomax.models import next_token_loss
 from loomax.models.attention import segment_ids_from_eos
 from loomax.models.axes import Batch, Position
+from loomax.models.config import LmConfig
 
 
 def lm_loss(
@@ -43,6 +44,18 @@ def lm_loss(
     return loss_fn
 
 
+def lm_loss_for(model: LmConfig, *, eos_id: int | None = None, z_loss_weight: float | None = None):
+    """``lm_loss`` with ``model``'s cross-entropy settings (blocks, vocabulary padding, and its
+    z-loss unless ``z_loss_weight`` is given), attention kept within documents at ``eos_id``."""
+    return lm_loss(
+        model.cross_entropy_block_size,
+        z_loss_weight=model.z_loss_weight if z_loss_weight is None else z_loss_weight,
+        eos_id=eos_id,
+        vocab_block_size=model.cross_entropy_vocab_block_size,
+        vocab_multiple=model.cross_entropy_vocab_multiple,
+    )
+
+
 def model_lm_loss(config: TrainLmConfig, *, training: bool = True):
     """``lm_loss`` as ``config.model`` asks (block size, document masking with the tokenizer's EOS,
     and z-loss when ``training``: evaluation reports the plain cross-entropy)."""
@@ -53,11 +66,4 @@ def model_lm_loss(config: TrainLmConfig, *, training: bool = True):
         from loomax.data.tokenizer import eos_id, load_tokenizer
 
         eos = eos_id(load_tokenizer(prepare_tokenizer(config.data)))
-    z_loss = model.z_loss_weight if training else 0.0
-    return lm_loss(
-        model.cross_entropy_block_size,
-        z_loss_weight=z_loss,
-        eos_id=eos,
-        vocab_block_size=model.cross_entropy_vocab_block_size,
-        vocab_multiple=model.cross_entropy_vocab_multiple,
-    )
+    return lm_loss_for(model, eos_id=eos, z_loss_weight=None if training else 0.0)

@@ -308,11 +308,11 @@ def _jax_attention(q, k, v, seg, implementation, cudnn_documents=0):
     kj, vj = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     if implementation == "cudnn" and seg is not None and cudnn_documents > 0:
         out = cudnn_document_attention(qj, kj, vj, seg, cudnn_documents)
-        return out.transpose(0, 2, 1, 3).reshape(B, K, G, T, D)
-    mask = None
-    if seg is not None:
-        mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # [B, 1, T, S]
-    out = jax.nn.dot_product_attention(
-        qj, kj, vj, mask=mask, is_causal=True, implementation=implementation
-    )
+    else:
+        mask = None
+        if seg is not None:
+            mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # [B, 1, T, S]
+        out = jax.nn.dot_product_attention(
+            qj, kj, vj, mask=mask, is_causal=True, implementation=implementation
+        )
     return out.transpose(0, 2, 1, 3).reshape(B, K, G, T, D)

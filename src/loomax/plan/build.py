@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from loomax.config import ConfigError
 from loomax.lm.config import TrainLmConfig
-from loomax.lm.loss import lm_loss, model_lm_loss
+from loomax.lm.loss import lm_loss_for, model_lm_loss
 from loomax.lm.weights import initial_model
 from loomax.mesh import batch_sharding
 from loomax.tracking import NoopTrackerConfig
@@ -111,14 +111,9 @@ def loss_of(config: TrainLmConfig) -> tuple[object, str | None]:
     model = config.model
     if not model.document_mask or local_tokenizer(config) is not None:
         return model_lm_loss(config), None
-    loss = lm_loss(
-        model.cross_entropy_block_size,
-        z_loss_weight=model.z_loss_weight,
-        eos_id=0,
-        vocab_block_size=model.cross_entropy_vocab_block_size,
-        vocab_multiple=model.cross_entropy_vocab_multiple,
-    )
-    return loss, "document mask compiled with a stand-in EOS id (tokenizer not local)"
+    return lm_loss_for(
+        model, eos_id=0
+    ), "document mask compiled with a stand-in EOS id (tokenizer not local)"
 
 
 @contextlib.contextmanager
