@@ -77,13 +77,26 @@ def _block_scores(q_b, k_b, qp, kp, qs, ks, scale):
     return s, mask
 
 
+def _tie_to_queries(q_b, *rest):
+    """``(q_b, *rest)`` through an optimisation barrier, so that JAX sees the block's mask
+    inputs (segments, positions) as depending on the queries.
+
+    Inside a differentiated ``lax.scan`` over layers the segments are loop-invariant, and
+    JAX hoists whatever depends only on them out of the layer loop, evaluated for every
+    (query block, key block) pair at once: the masks and the constants they select
+    between, O(seq^2) stacked buffers (5.3 GiB at 4,096 positions) where flash attention
+    should need O(seq). The barrier keeps that work inside the blocks, where it is cheap.
+    """
+    return jax.lax.optimization_barrier((q_b, *rest))
+
+
 def _flash_forward(q, k, v, seg, scale, block):
     qb, kb, vb, sb, pb, T = _flash_blocks(q, k, v, seg, block)
     acc = acc_dtype(q.dtype)
     neg = jnp.finfo(acc).min
 
     def per_query_block(xs):
-        q_b, qs, qp = xs
+        q_b, qs, qp = _tie_to_queries(*xs)
 
         def per_key_block(carry, ys):
             m, total, o = carry
