@@ -366,6 +366,12 @@ GPT2_VARIANTS = {  # name: (overrides beyond gpt2_overrides, extra XLA flags, pr
         NO_TRITON_GEMM,
         False,
     ),
+    # XLA's cuDNN layer-norm rewrite (norm fusions are part of what is left in the profile)
+    "gpt2-ntg-unscanned-cudnn-ln": (
+        UNSCANNED,
+        f"{NO_TRITON_GEMM} --xla_gpu_enable_cudnn_layer_norm=true",
+        False,
+    ),
     "gpt2-ntg-unscanned-b64": (
         [*UNSCANNED, *PAD128, "--trainer.train_batch_size", "64"],
         NO_TRITON_GEMM,
@@ -670,6 +676,7 @@ PLAN = [  # the measured best of each model first, then what the next GPU sessio
     ("resume", 150),
     ("gpt2-unscanned", 120),
     ("gpt2-ntg-unscanned-ce16k", 120),
+    ("gpt2-ntg-unscanned-cudnn-ln", 120),
     ("gpt2-ntg-unscanned-b64", 120),
     ("torch-gpt2-b64", 200),
     ("llama1b-ntg-unscanned", 200),
