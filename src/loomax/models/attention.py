@@ -47,8 +47,10 @@ from loomax.models.splash import mesh_platform, splash_attention, splash_unsuppo
 BACKENDS = ("auto", "vanilla", "blockwise", "splash", "xla", "cudnn")
 QUERY_BLOCK = 128
 """Query block of the ``vanilla`` backend."""
-FLASH_BLOCK = 128
-"""Default query and key block of the ``blockwise`` backend (``model.flash_attention_block_size``)."""
+FLASH_BLOCK = 256
+"""Default query and key block of the ``blockwise`` backend (``model.flash_attention_block_size``):
+on the CPU a Llama step at 4,096-8,192 positions ran 1.3-1.4x faster than with 128, and
+512 slower than 128 (bench/README.md, "Attention backends")."""
 SPLASH_BLOCKS = (512, 512)
 """Default query and key blocks of the ``splash`` backend (``model.splash_block_q/kv``)."""
 BLOCKWISE_FROM = 2048
