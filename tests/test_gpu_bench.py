@@ -18,7 +18,6 @@ def run_gpu_script(repo_root, tmp_path, *args: str) -> subprocess.CompletedProce
     )
 
 
-@pytest.mark.heavy  # heavy: bench/gpu.py at toy sizes (its own GPU run checks it)
 @pytest.mark.slow
 def test_attention_section_at_toy_sizes(repo_root, tmp_path):
     proc = run_gpu_script(repo_root, tmp_path, "--smoke", "--only", "attention", "--budget", "400")

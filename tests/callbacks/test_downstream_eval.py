@@ -137,7 +137,7 @@ def test_metrics_of_lm_eval_results():
     }
 
 
-@pytest.mark.heavy  # heavy: tests/downstream/test_prepared.py checks the same message from task_manager
+@pytest.mark.slow
 def test_unprepared_builtin_task_fails_when_built(tokenizer, tasks_dir, tmp_path):
     """lm-eval's own tasks are read only from a prepared set: one missing from it stops the
     run when the hook is built (before any compile), naming the command that makes it."""

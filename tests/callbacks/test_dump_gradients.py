@@ -77,7 +77,6 @@ def test_listed_steps_are_written_whole_or_only_the_chosen_parameters(tiny, tmp_
         DumpGradientsHook(run_dir=run_dir)
 
 
-@pytest.mark.heavy  # heavy: the one-process test checks what is written; this one adds the gather across processes
 @pytest.mark.slow
 def test_two_processes_write_the_whole_gradient(tmp_path, processes_support):
     worker = Path(__file__).with_name("dump_gradients_worker.py")

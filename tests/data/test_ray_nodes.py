@@ -110,7 +110,6 @@ def ledger_nodes(cache: Path) -> list[str]:
     return [json.loads(p.read_text())["node"] for p in sorted((cache / "ledger").glob("*.json"))]
 
 
-@pytest.mark.heavy  # heavy: two Ray nodes; tests/data's one-node Ray tests build the same kind of cache
 def test_cache_command_spreads_the_shards_over_both_nodes(two_nodes, many_shards, tmp_path):
     cache_dir = tmp_path / "cache"
     command = [
@@ -138,7 +137,6 @@ def test_cache_command_spreads_the_shards_over_both_nodes(two_nodes, many_shards
     np.testing.assert_array_equal(TokenCache.open(cache)["train"].as_numpy(), many_shards.tokens)
 
 
-@pytest.mark.heavy  # heavy: test_token_cache.py checks that a task Ray reruns returns its recorded shard; the other Ray tests build caches on a real cluster
 def test_killed_worker_node_still_gives_the_whole_cache(two_nodes, corpus, tmp_path):
     cache, marks = tmp_path / "cache", tmp_path / "marks"
     marks.mkdir()

@@ -47,7 +47,6 @@ def ray_tmp() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.mark.heavy  # heavy: tests/data/test_ray_nodes.py runs a real two-node Ray cluster
 @pytest.mark.slow
 def test_head_on_process_0_and_the_other_host_joins(tmp_path, processes_support, ray_tmp):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "RAY_TMPDIR": str(ray_tmp)}

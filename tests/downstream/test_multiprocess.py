@@ -23,7 +23,6 @@ def env(devices: int) -> dict[str, str]:
     return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
 
 
-@pytest.mark.heavy  # heavy: single-process scoring (tests/downstream) and the multi-process training tests cover its parts
 @pytest.mark.slow
 def test_two_processes_score_as_one(tasks_dir, tokenizer_path, tmp_path, processes_support):
     single = subprocess.run(

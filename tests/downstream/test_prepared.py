@@ -89,7 +89,7 @@ def test_prepared_tasks_score_as_the_originals_without_their_files(lm, tasks_dir
         evaluate_tasks(lm, ["tiny_mc"], include_path=source, include_defaults=False)
 
 
-@pytest.mark.heavy  # heavy: lm-eval's own arc_easy; the tiny prepared tasks above check the same serving path
+@pytest.mark.slow
 def test_builtin_task_is_served_from_the_prepared_set_offline(lm, tmp_path, lm_eval_tasks):
     """lm-eval's own ``arc_easy`` (its prompts and metrics) over documents in a prepared set
     written as prepare writes it from the hub: evaluation never reaches the hub."""
@@ -143,7 +143,7 @@ def test_missing_or_damaged_prepared_task_names_the_task_and_the_command(prepare
         check_prepared(tmp_path, ["tiny_mc"])
 
 
-@pytest.mark.heavy  # heavy: the CLI over prepare_tasks, which the tests above run in-process
+@pytest.mark.slow
 def test_loomax_eval_prepare_command(tasks_dir, tmp_path, capsys):
     from loomax.cli import main
 

@@ -184,7 +184,6 @@ def test_bad_size_is_named(tiny_ladder, capsys):
     assert "--size 7M is not one of ladder.sizes" in capsys.readouterr().err
 
 
-@pytest.mark.heavy  # heavy: the dry-run, benchmark and rung-config tests cover its parts
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_three_tiny_sizes_end_to_end(tiny_ladder, capsys):

@@ -49,7 +49,7 @@ def slurm(*argv: str) -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
 
 
-@pytest.mark.heavy  # heavy: installs and starts SLURM; the local and SSH launch tests run the same launcher core
+@pytest.mark.slow
 def test_a_launched_job_trains_two_tasks_and_slurm_reports_it_done(
     tmp_path, data_args, launch_env, slurm_cluster
 ):

@@ -64,7 +64,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.heavy  # heavy: tests/launch/test_local.py runs the same launcher core (relaunch after a killed worker); this one adds sshd
 def test_two_hosts_over_ssh_train_and_a_killed_worker_is_relaunched(
     tmp_path, data_args, launch_env, ssh_server
 ):

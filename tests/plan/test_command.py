@@ -70,7 +70,6 @@ def test_missing_libtpu_names_the_extra(monkeypatch):
         topology_module.get_topology("v5e:2x2")
 
 
-@pytest.mark.heavy  # heavy: tests/plan/test_gpus.py checks the same refusal; test_shipped_configs compiles llama_8b
 @requires_libtpu
 @pytest.mark.slow
 def test_llama_8b_on_one_v5e_chip_does_not_fit(tmp_path, repo_root):

@@ -90,7 +90,6 @@ def test_plan_ranks_candidates_and_its_overlay_trains(tmp_path, repo_root):
     assert result["final_loss"] > 0
 
 
-@pytest.mark.heavy  # heavy: the child-process compile path; test_command and test_shipped_configs compile in-process
 @requires_libtpu
 @pytest.mark.slow
 def test_plan_on_a_tpu_topology_in_child_processes(repo_root):

@@ -88,7 +88,6 @@ def test_resume_in_the_middle_of_a_period_is_exact(suite):
     assert run["resumed_digest"] == run["digest"]  # workers, inner and outer states: bitwise
 
 
-@pytest.mark.heavy  # heavy: the one-process suite checks DiLoCo against its reference step for step
 @pytest.mark.slow
 def test_two_processes_equal_one_process_with_the_same_devices(suite, tmp_path, processes_support):
     def scenario(processes):

@@ -173,7 +173,6 @@ def test_checkpoint_from_two_processes_reshards_onto_other_meshes(two_process_ru
         assert loaded["digest"] == results[0]["digest"]
 
 
-@pytest.mark.heavy  # heavy: tests/train/test_control.py and the launch tests cover stops agreed across processes
 @pytest.mark.slow
 def test_sigterm_on_one_process_stops_all_at_the_same_step(tmp_path, processes_support):
     run_dir, results = run_two_processes(

@@ -79,7 +79,7 @@ def test_loomax_plan_tries_zero2():
     assert run_default(own, 8).label.startswith("zero2 8x1")
 
 
-@pytest.mark.heavy  # heavy: the CPU memory test checks ZeRO-2's sharded state; this one reads a TPU compile
+@pytest.mark.slow
 def test_tpu_program_reduce_scatters_the_gradients(libtpu):
     """Compiled for v5e:2x2 (libtpu on the CPU host): ZeRO-2's gradients go through XLA's
     all-reduce-scatter fusions (each chip gets the quarter it updates); data parallel's do not."""

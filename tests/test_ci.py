@@ -1,0 +1,60 @@
+"""CI runs every test: `.ci/run` is `make test`, and `make test` deselects nothing."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import tomllib
+
+DESELECTING = {
+    "-m",
+    "-k",
+    "--deselect",
+    "--ignore",
+    "--ignore-glob",
+    "--lf",
+    "--last-failed",
+    "--sw",
+    "--stepwise",
+    "-x",
+    "--exitfirst",
+    "--maxfail",
+}
+"""pytest options that leave tests out (or stop before they run)."""
+
+
+def pytest_options(line: str) -> set[str]:
+    return {arg.split("=")[0] for arg in shlex.split(line) if arg.startswith("-")}
+
+
+def make_dry_run(repo_root, target: str) -> list[str]:
+    """The command lines `make TARGET` would run (make -n: nothing runs)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "PYTEST"))}
+    done = subprocess.run(
+        ["make", "-n", target], cwd=repo_root, capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_ci_runs_make_test_and_nothing_else(repo_root):
+    commands = [
+        line.strip()
+        for line in (repo_root / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith(("#", "set ", "cd "))
+    ]
+    assert commands == ["make test"]
+
+
+def test_make_test_deselects_no_test(repo_root):
+    runs = [line for line in make_dry_run(repo_root, "test") if " -m pytest" in line]
+    assert len(runs) == 1, runs
+    assert not pytest_options(runs[0].split(" -m pytest", 1)[1]) & DESELECTING, runs[0]
+    config = tomllib.loads((repo_root / "pyproject.toml").read_text())["tool"]["pytest"]
+    assert not pytest_options(config["ini_options"]["addopts"]) & DESELECTING
+
+
+def test_make_test_fast_leaves_out_only_the_slow_tests(repo_root):
+    runs = [line for line in make_dry_run(repo_root, "test-fast") if " -m pytest" in line]
+    assert len(runs) == 1 and runs[0].endswith('-m "not slow"'), runs
