@@ -277,6 +277,10 @@ def print_table(summaries: dict[str, dict], ratio: float | None) -> None:
             f"{fmt(s['mfu'], '7.4f')}"
         )
     log("(medians over rounds; compile s = wall time of the first step, including one execution)")
+    log(
+        "(MFLOP/tok: each side's own count: Loomax's counts causal attention as half the score "
+        "matrix, Levanter's the full square plus the mask; compare tokens/s, not mfu)"
+    )
     if ratio is not None:
         log(f"loomax / levanter tokens/s: {ratio:.3f}")
     log()

@@ -49,9 +49,10 @@ def test_bench_prints_json_line(tmp_path):
     # which CPU kernel libraries the compiled step calls, and a fingerprint of its HLO
     assert set(result["hlo_library_calls"]) == {"onednn", "xnn", "ynn"}
     assert len(result["hlo_fingerprint"]) == 12 and "xla_flags" in result
-    assert result["flops_per_token"] == 3 * (
-        2 * 32 * 96 + 2 * 32 * 32 + 4 * 32 * 128 + 4 * 32 * 32 + 2 * 32 * 100
-    )
+    # causal attention as half the score matrix (2 x seq x d), the full square under its own key
+    dense = 2 * 32 * 96 + 2 * 32 * 32 + 4 * 32 * 128 + 2 * 32 * 100
+    assert result["flops_per_token"] == 3 * (dense + 2 * 32 * 32)
+    assert result["flops_per_token_full_attention"] == 3 * (dense + 4 * 32 * 32)
 
 
 def test_bench_needs_vocab_size(tmp_path):

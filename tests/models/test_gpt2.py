@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import equinox as eqx
 import haliax as hax
 import jax
@@ -10,7 +12,11 @@ import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
 
+from loomax.config import parse_config
+from loomax.lm.config import TrainLmConfig
 from loomax.models import Gpt2Config, next_token_loss
+
+REPO = Path(__file__).resolve().parents[2]
 
 TINY = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=4)
 VOCAB = 61
@@ -72,10 +78,19 @@ def test_untied_head_adds_vocab_by_embed():
 
 
 def test_flops_per_token_by_hand():
+    """Causal attention counts half the score matrix (2 x seq x d a layer for QK^T and PV)."""
     config = Gpt2Config(seq_len=256, hidden_dim=256, num_layers=4, num_heads=4)
     d, s, v = 256, 256, 50257
-    expected = 4 * (6 * d * d + 2 * d * d + 16 * d * d + 4 * s * d) + 2 * d * v
+    expected = 4 * (6 * d * d + 2 * d * d + 16 * d * d + 2 * s * d) + 2 * d * v
     assert config.flops_per_token(v) == expected
+    assert config.flops_per_token(v, causal=False) == expected + 4 * 2 * s * d  # the full square
+
+
+def test_bench_gpt2_tiny_counts_causal_attention_as_half():
+    """``loomax bench --config_path config/bench/gpt2_tiny.yaml`` reports 3 x forward."""
+    config = parse_config(TrainLmConfig, REPO / "config/bench/gpt2_tiny.yaml").model
+    assert 3 * config.flops_per_token(config.vocab_size) == 97_641_984
+    assert 3 * config.flops_per_token(config.vocab_size, causal=False) == 99_214_848
 
 
 def test_causal(model):

@@ -119,6 +119,18 @@ def test_remat_policies_do_not_change_gradients(default_grads, policy):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
 
 
+def test_flops_per_token_counts_causal_attention_as_half():
+    """Llama-1B's shape (GQA, head_dim 64): attention 2 x seq x (heads x head_dim) a layer."""
+    c = LlamaConfig(
+        seq_len=4096, hidden_dim=2048, intermediate_dim=8192, num_layers=16, num_heads=32,
+        num_kv_heads=8, head_dim=64,
+    )  # fmt: skip
+    v, s, d, m, q, kv = 50257, 4096, 2048, 8192, 32 * 64, 8 * 64
+    dense = 2 * d * (2 * q + 2 * kv) + 2 * 3 * d * m
+    assert c.flops_per_token(v) == 16 * (dense + 2 * s * q) + 2 * d * v
+    assert c.flops_per_token(v, causal=False) - c.flops_per_token(v) == 16 * 2 * s * q
+
+
 def test_bad_config_names_the_key():
     with pytest.raises(ValueError, match="model.num_kv_heads"):
         LlamaConfig(num_heads=4, num_kv_heads=3, hidden_dim=32)

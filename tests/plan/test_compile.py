@@ -67,4 +67,20 @@ def test_splash_kernels_are_counted_from_their_math_not_as_free(plan_runs):
     pairs = seq * (seq + 1) / 2
     assert result.kernel_flops == layers * batch * heads * head * pairs * (2 * 4 + 6 + 8)
     assert 0 < result.est_kernel_s < result.est_step_s
-    assert any("lower bound of Pallas kernels" in n and "splash_mha_fwd" in n for n in result.notes)
+    assert any(
+        "Pallas kernels XLA does not cost" in n and "splash_mha_fwd" in n and "65% of peak" in n
+        for n in result.notes
+    )
+
+
+def test_kernels_are_charged_below_peak():
+    """A compute-bound kernel takes its FLOPs at 65% of peak, not at peak; a memory-bound one
+    its bytes at HBM bandwidth."""
+    from loomax.plan.compile import KERNEL_PEAK_FRACTION, kernel_seconds
+    from loomax.plan.flops import KernelCall
+
+    assert KERNEL_PEAK_FRACTION == 0.65
+    compute = KernelCall("splash_mha_fwd", flops=6.5e14, bytes=1e9)
+    assert kernel_seconds(compute, peak=1e15, bandwidth=1e12) == 1.0
+    memory = KernelCall("splash_mha_fwd", flops=1e9, bytes=2e12)
+    assert kernel_seconds(memory, peak=1e15, bandwidth=1e12) == 2.0

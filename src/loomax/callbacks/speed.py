@@ -18,7 +18,8 @@ class SpeedMonitorHook(Hook):
     Measured from the moment the first step (which includes compilation) finished, then
     from one log to the next: both ends are moments a step was seen to finish, so it is
     the device's real rate. ``flops_per_token`` is per training token (forward and
-    backward); with ``peak_flops`` (all devices together) MFU is logged too.
+    backward; the run passes 3 x ``LmConfig.flops_per_token``, causal attention counted as
+    half the score matrix); with ``peak_flops`` (all devices together) MFU is logged too.
     """
 
     @dataclass(frozen=True)

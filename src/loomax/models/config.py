@@ -171,8 +171,13 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
         """A freshly initialised model with a vocabulary of ``vocab_size``."""
 
     @abc.abstractmethod
-    def flops_per_token(self, vocab_size: int) -> float:
-        """Forward-pass FLOPs per token (multiply by 3 for a training step)."""
+    def flops_per_token(self, vocab_size: int, *, causal: bool = True) -> float:
+        """Forward-pass FLOPs per token (multiply by 3 for a training step), what MFU counts.
+
+        Causal attention counts the attended half of the score matrix (``2 x seq x q`` a layer
+        for QK^T and PV together, ``q`` the query heads times head size), as MaxText and the
+        published MFU figures do; ``causal=False`` counts the full square (``4 x seq x q``).
+        """
 
     def param_count(self, vocab_size: int) -> int:
         """Number of parameters, computed without allocating them."""

@@ -92,9 +92,10 @@ class Gpt2Config(LmConfig):
     def build(self, vocab_size: int, *, key: PRNGKeyArray) -> Gpt2LmModel:
         return Gpt2LmModel.init(self, Axis(Vocab, vocab_size), key=key)
 
-    def flops_per_token(self, vocab_size: int) -> float:
+    def flops_per_token(self, vocab_size: int, *, causal: bool = True) -> float:
         d, m, s = self.hidden_dim, self.hidden_dim * self.mlp_ratio, self.seq_len
-        per_layer = 2 * d * 3 * d + 2 * d * d + 2 * 2 * d * m + 2 * 2 * s * d  # qkv, out, mlp, attn
+        attn = (2 if causal else 4) * s * d  # QK^T and PV: the causal half, or the full square
+        per_layer = 2 * d * 3 * d + 2 * d * d + 2 * 2 * d * m + attn  # qkv, out, mlp, attn
         return float(self.num_layers * per_layer + 2 * d * vocab_size)
 
 

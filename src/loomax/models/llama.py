@@ -141,11 +141,12 @@ class LlamaConfig(LmConfig):
     def build(self, vocab_size: int, *, key: PRNGKeyArray) -> LlamaLmModel:
         return LlamaLmModel.init(self, Axis(Vocab, vocab_size), key=key)
 
-    def flops_per_token(self, vocab_size: int) -> float:
+    def flops_per_token(self, vocab_size: int, *, causal: bool = True) -> float:
         d, m, s = self.hidden_dim, self.intermediate_dim, self.seq_len
         q = self.num_heads * self.head_size
         kv = self.kv_heads * self.head_size
-        per_layer = 2 * d * (2 * q + 2 * kv) + 2 * 3 * d * m + 2 * 2 * s * q  # qkvo, mlp, attn
+        attn = (2 if causal else 4) * s * q  # QK^T and PV: the causal half, or the full square
+        per_layer = 2 * d * (2 * q + 2 * kv) + 2 * 3 * d * m + attn  # qkvo, mlp, attn
         return float(self.num_layers * per_layer + 2 * d * vocab_size)
 
 

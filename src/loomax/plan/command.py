@@ -71,15 +71,15 @@ def _prepare(args: argparse.Namespace, rest: list[str], load: Callable):
 COMPILE_DESCRIPTION = (
     "Compile the run's real train step for a TPU or GPU topology (or the local devices) "
     "with abstract arrays, and report memory per chip or GPU, FITS / DOES NOT FIT, FLOPs "
-    "per step and an estimated step time and MFU (TPU: XLA's cost model, plus a lower bound "
-    "for each Pallas kernel XLA does not cost; GPU: a roofline lower bound; never a "
+    "per step and an estimated step time and MFU (TPU: XLA's cost model, plus each Pallas "
+    "kernel XLA does not cost at an assumed share of peak; GPU: a roofline lower bound; never a "
     "measurement). Exits 1 when the step does not fit."
 )
 PLAN_DESCRIPTION = (
     "Compile the strategies a researcher would try (mesh data x model x replica, FSDP or "
     "data parallel, tensor parallel, microbatches, gradient checkpointing incl. offload and "
     "kept attention activations) for a TPU or GPU topology, rank those that fit by "
-    "estimated step time (TPU: XLA's cost model plus Pallas kernels' lower bounds; GPU: a "
+    "estimated step time (TPU: XLA's cost model plus Pallas kernels at an assumed share of peak; GPU: a "
     "roofline lower bound; not a measurement) and write the best as a YAML overlay for "
     "loomax train."
 )

@@ -7,13 +7,13 @@ import re
 import yaml
 
 from loomax.plan.candidates import Candidate, as_flags, nested
-from loomax.plan.compile import CompileResult
+from loomax.plan.compile import KERNEL_PEAK_FRACTION, CompileResult
 from loomax.plan.search import Ranked
 
 ESTIMATE_NOTE = (
     "step time and MFU are estimates from XLA's cost model for the compiled program "
-    "(scaled by loop trip counts; Pallas kernels at their FLOPs' or bytes' lower bound), "
-    "not measurements"
+    "(scaled by loop trip counts; Pallas kernels' FLOPs at an assumed "
+    f"{KERNEL_PEAK_FRACTION:.0%} of peak or their bytes at HBM bandwidth), not measurements"
 )
 ROOFLINE_NOTE = (
     "step time is a roofline lower bound, not a measurement or a cost model: the executed "
@@ -72,7 +72,7 @@ def compile_text(result: CompileResult) -> str:
         lines.append(f"  offloaded to host          {gib(result.host_bytes):>12}")
     lines.append(verdict(result))
     lines.append(
-        f"FLOPs/step: {result.model_flops:.3e} model (3 x forward), "
+        f"FLOPs/step: {result.model_flops:.3e} model (3 x forward, causal attention as half), "
         f"{result.step_flops:.3e} executed matmuls (with remat)"
     )
     if result.est_step_s is not None:
@@ -106,7 +106,7 @@ def fmt_seconds(s: float | None) -> str:
 
 def plan_table(ranked: list[Ranked]) -> str:
     """Candidates as ranked, one row each; ``kernels`` is the share of the estimated step
-    time that is Pallas kernels' lower bound."""
+    time that is Pallas kernels' (``loomax.plan.compile.kernel_seconds``)."""
     w = max([34, *(len(r.candidate.label) for r in ranked)])
     header = (
         f"{'#':>2}  {'strategy':<{w}} {'state':>10} {'temp':>10} {'total':>10}  "
