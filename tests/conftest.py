@@ -274,12 +274,46 @@ def ray_nodes_support():
     return _support("ray_nodes")
 
 
+def require_test_extra(module: str, needed_for: str) -> None:
+    """Fail, don't skip, where ``module`` (installed by the `test` extra) is missing: a
+    missing package must not turn the tests that need it into silent skips."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        pytest.fail(
+            f"{needed_for} needs the Python module {module}, which the test extra installs: "
+            "pip install -e '.[test]'",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def require_extra():
+    """``require_test_extra`` itself (for the test that checks it fails)."""
+    return require_test_extra
+
+
 @pytest.fixture(scope="session")
 def libtpu() -> None:
     """libtpu is in the `test` extra (compiling for TPU topologies): without it, fail, don't skip."""
-    import importlib.util
+    require_test_extra("libtpu", "compiling for TPU topologies")
 
-    assert importlib.util.find_spec("libtpu") is not None, (
-        "compiling for TPU topologies needs libtpu, which the test extra installs: "
-        "pip install -e '.[test]'"
-    )
+
+@pytest.fixture(scope="session")
+def needs_lm_eval() -> None:
+    """lm-eval is in the `test` extra (tests/downstream, the downstream hook): fail, don't skip."""
+    require_test_extra("lm_eval", "running lm-eval's evaluator")
+
+
+@pytest.fixture(scope="session")
+def needs_transformers() -> None:
+    """transformers and torch are in the `test` extra (tests/hf): fail, don't skip."""
+    require_test_extra("torch", "comparing with transformers")
+    require_test_extra("transformers", "comparing with transformers")
+
+
+@pytest.fixture(scope="session")
+def needs_hf_backend(needs_lm_eval, needs_transformers) -> None:
+    """lm-eval's `hf` backend (transformers, and accelerate, which it imports) is in the
+    `test` extra: fail, don't skip."""
+    require_test_extra("accelerate", "lm-eval's hf backend")

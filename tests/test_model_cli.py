@@ -117,9 +117,8 @@ def test_load_for_inference_returns_the_trained_weights_and_config(run):
         np.testing.assert_array_equal(a, np.asarray(b, np.float32))
 
 
-def test_eval_tasks_on_a_trainer_checkpoint(run, tmp_path, capsys):
+def test_eval_tasks_on_a_trainer_checkpoint(run, tmp_path, capsys, needs_lm_eval):
     """``loomax eval --tasks`` (lm-eval, tests/downstream has the rest) with the run's tokenizer."""
-    pytest.importorskip("lm_eval")
     root, _, _ = run
     rows = [
         {"question": "def f", "choices": ["(x):", " ]]] ((("], "answer": 0},

@@ -101,3 +101,23 @@ def _gpu_platforms() -> list[str]:
         return []
     names = [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
     return [p for p in ("cuda", "rocm") if any(p in n for n in names)]
+
+
+def process_index_before_backend() -> int:
+    """This process's index, read without starting JAX's backend where none runs yet.
+
+    ``jax.distributed``'s process id, else JAX's own answer once its backend runs, else 0.
+    The checks a run makes before its data build ask this: the backend starts threads, and
+    Ray, started for the data, forks its daemons, which beside those threads may deadlock
+    (JAX warns so). A multi-host run without ``jax.distributed`` (libtpu's own) reads 0 on
+    every host until its backend starts: use it only where any process may act.
+    """
+    from jax._src import distributed, xla_bridge
+
+    if distributed.global_state.client is not None:
+        return distributed.global_state.process_id
+    if xla_bridge.backends_are_initialized():
+        import jax
+
+        return jax.process_index()
+    return 0

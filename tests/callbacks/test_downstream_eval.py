@@ -15,7 +15,8 @@ from loomax.data.tokenizer import train_bpe_tokenizer
 from loomax.errors import UserError
 from loomax.train import HookConfig, HookContext
 
-pytest.importorskip("lm_eval")
+# in the test extra: fails, not skips, without it
+pytestmark = pytest.mark.usefixtures("needs_lm_eval")
 
 
 @pytest.fixture(scope="module")

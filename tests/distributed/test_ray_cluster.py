@@ -63,3 +63,48 @@ def test_no_address_and_no_auto_start_is_an_error(no_ray):
     with pytest.raises(ConfigError, match="auto_start_cluster"):
         with ray_session(RayConfig(auto_start_cluster=False)):
             pass
+
+
+START_THEN_STOP = """
+import sys
+from jax._src import xla_bridge
+import loomax.train_lm as train_lm
+
+build = train_lm.build_lm_datasets
+
+def build_then_stop(*args, **kwargs):  # the run up to its data, then no further
+    build(*args, **kwargs)
+    print("JAX backend started before the data:", xla_bridge.backends_are_initialized())
+    raise SystemExit(0)
+
+train_lm.build_lm_datasets = build_then_stop
+from loomax.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_loomax_train_starts_ray_before_jax_and_quietly(tmp_path, tiny_corpus):
+    """`loomax train` up to its data build, whose token cache starts a local Ray: Ray forks
+    its daemons before JAX starts threads (JAX's "os.fork() was called" warning), and
+    Ray's notice of its default token authentication stays off the console."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    args = ["train", "--data.train", json.dumps([{"urls": [str(tiny_corpus)]}])]
+    args += ["--data.tokenizer_vocab_size", "300", "--data.cache_dir", str(tmp_path / "cache")]
+    args += ["--trainer.run_dir", str(tmp_path / "run"), "--trainer.ray.num_cpus", "1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    done = subprocess.run(
+        [sys.executable, "-c", START_THEN_STOP, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "JAX backend started before the data: False" in done.stdout
+    assert "Started a local Ray instance" in done.stderr  # the fork this is about happened
+    assert "os.fork()" not in done.stderr, done.stderr[-3000:]
+    assert "Token authentication" not in done.stderr, done.stderr[-3000:]

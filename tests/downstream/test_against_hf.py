@@ -11,9 +11,8 @@ from loomax.data.tokenizer import EOS_TOKEN, load_tokenizer
 from loomax.downstream import evaluate_tasks, lm_eval_model
 from loomax.hf import export_hf, special_token_ids
 
-pytest.importorskip("lm_eval")
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # lm-eval's hf backend imports it
+# in the test extra: fails, not skips, without it
+pytestmark = pytest.mark.usefixtures("needs_hf_backend")
 
 TASKS = ["tiny_mc", "tiny_ppl"]
 

@@ -13,7 +13,8 @@ import pytest
 
 from loomax.distributed.net import free_port
 
-pytest.importorskip("lm_eval")
+# in the test extra: fails, not skips, without it
+pytestmark = pytest.mark.usefixtures("needs_lm_eval")
 
 WORKER = Path(__file__).with_name("multiprocess_run.py")
 

@@ -12,7 +12,8 @@ from loomax.downstream import evaluate_tasks, lm_eval_model, task_manager
 from loomax.downstream.prepared import check_prepared, prepare_tasks
 from loomax.errors import UserError
 
-pytest.importorskip("lm_eval")
+# in the test extra: fails, not skips, without it
+pytestmark = pytest.mark.usefixtures("needs_lm_eval")
 
 
 def arc_rows(mc: list[dict]) -> list[dict]:

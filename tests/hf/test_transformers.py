@@ -42,7 +42,7 @@ TOLERANCE = {"gpt2-gelu-layer-scaled": 1e-5, "llama-bias-gelu": 1e-5}
 
 
 @pytest.fixture(scope="module")
-def torch():
+def torch(needs_transformers):  # in the test extra: fails, not skips, without it
     """torch, imported where it is used: at collection it would cost every xdist worker ~7 s."""
     import torch
 

@@ -21,20 +21,29 @@ def test_second_train_call_does_not_see_the_first_calls_decisions(tmp_path, proc
     # `loomax ladder run` trains several models in the same processes: the stop process 1
     # asked for in the first call (and the first call's per-step decisions, still in the
     # coordination service) must not stop, or break, the second.
+    # Neither run is given a run id: the processes agree on process 0's, which for the
+    # second is the one its run dir records (a rerun of the same command continues it).
     def scenario(processes):
+        (processes.directory / "runs" / "second").mkdir(parents=True)
+        (processes.directory / "runs" / "second" / "run_id").write_text("recorded-7\n")
         port = free_port("")
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         for i in range(2):
             args = [str(i), "2", str(port), str(processes.directory / "runs")]
             processes.start(f"process{i}", [sys.executable, str(WORKER), *args], env)
         outputs = processes.wait(timeout=600)
-        return [json.loads(outputs[f"process{i}"].strip().splitlines()[-1]) for i in range(2)]
+        first_record = (processes.directory / "runs" / "first" / "run_id").read_text()
+        return [
+            json.loads(outputs[f"process{i}"].strip().splitlines()[-1]) for i in range(2)
+        ], first_record
 
-    results = processes_support.run_scenario(tmp_path, scenario)
+    results, first_record = processes_support.run_scenario(tmp_path, scenario)
     (first0, second0), (first1, second1) = results
     assert first0 == first1 and first0["final_step"] in (2, 3)  # process 0 learns of it at 2 or 3
     assert "asked by the test" in first0["stop_reason"]
-    assert second0 == second1 == {"final_step": 4, "stop_reason": None}
+    assert second0 == second1 == {"final_step": 4, "stop_reason": None, "run_id": "recorded-7"}
+    assert first0["run_id"] != "recorded-7"  # process 0's clock, the same on both
+    assert first_record == first0["run_id"] + "\n"  # recorded, for a rerun to continue
 
 
 class FakeClient:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -15,15 +16,15 @@ from loomax.lm import lm_loss
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig
 from loomax.tracking import NoopTrackerConfig
-from loomax.train import Hook, Trainer, TrainerConfig, check_restore_sources
+from loomax.train import Hook, Trainer, TrainerConfig, check_restore_sources, process, setup_process
 from loomax.train.restore import CheckpointOwnerError
 
 MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=1, num_heads=2)
 VOCAB, BATCH = 48, 4
 
 
-def make_trainer(run_dir, steps=8, run_id=None, **checkpointer):
-    config = TrainerConfig(
+def make_config(run_dir, steps=8, run_id=None, **checkpointer):
+    return TrainerConfig(
         num_train_steps=steps,
         train_batch_size=BATCH,
         run_dir=str(run_dir),
@@ -32,8 +33,17 @@ def make_trainer(run_dir, steps=8, run_id=None, **checkpointer):
         progress_bar=False,
         checkpointer=CheckpointerConfig(**{"keep": [KeepPolicy(every=2)], **checkpointer}),
     )
-    opt = AdamConfig(learning_rate=3e-3, warmup=0)
-    return Trainer(config, opt.build(steps), lm_loss(), lr_schedule=opt.lr_scheduler(steps))
+
+
+def trainer_for(config, run_id=None):
+    opt, steps = AdamConfig(learning_rate=3e-3, warmup=0), config.num_train_steps
+    return Trainer(
+        config, opt.build(steps), lm_loss(), lr_schedule=opt.lr_scheduler(steps), run_id=run_id
+    )
+
+
+def make_trainer(run_dir, steps=8, run_id=None, **checkpointer):
+    return trainer_for(make_config(run_dir, steps, run_id, **checkpointer))
 
 
 def train(trainer):
@@ -122,6 +132,51 @@ def test_runs_sharing_a_base_path_do_not_resume_each_other(tmp_path):
     told = make_trainer(tmp_path / "c", steps=6, run_id="c")
     told.config = dataclasses.replace(told.config, load_checkpoint_path=shared)
     assert train(told).step == 6 and told.restored_from.run_id == "a"
+
+
+class Crash(Hook):
+    """Kills the run (an exception out of the loop) at step ``step``."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step(self, info):
+        if info.step == self.step:
+            raise RuntimeError("killed by the test")
+
+
+def test_the_same_command_again_resumes_its_run(tmp_path, monkeypatch):
+    """``trainer.run_dir`` and a shared ``checkpointer.base_path``, no ``run_id``: the same
+    command started again (a new process) continues its run, exactly; a command with
+    another run dir is another run and is still refused."""
+    shared = str(tmp_path / "shared")
+    policy = {"base_path": shared, "fixed_steps": [4], "async_save": False, "save_at_end": False}
+    config = make_config(tmp_path / "run", steps=8, **policy)
+
+    def start(config):  # as `loomax train` does, in a fresh process
+        monkeypatch.setattr(process, "_shared_run_ids", {})
+        run_id = setup_process(config)
+        check_restore_sources(config, shared, run_id)
+        return trainer_for(config, run_id)
+
+    first = start(config)
+    first.add_hook(Crash(6))
+    with pytest.raises(RuntimeError, match="killed by the test"):
+        train(first)
+    assert steps(shared)[-1] == 4  # the newest before the crash
+    again = start(config)
+    assert again.run_id == first.run_id
+    final = train(again)
+    assert again.restored_from.step == 4 and final.step == 8
+    whole = trainer_for(make_config(tmp_path / "whole", steps=8, save_at_end=False), "whole")
+    expected = train(whole).state.model
+    for got, want in zip(
+        jax.tree.leaves(final.state.model), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    other = make_config(tmp_path / "other", steps=8, **policy)
+    with pytest.raises(CheckpointOwnerError, match=rf"another run \({first.run_id}, newest step 8"):
+        start(other)
 
 
 def test_append_run_id_keeps_runs_apart(tmp_path):

@@ -1,9 +1,10 @@
 """Worker for the stop/save/eval agreement test: two ``Trainer.train`` calls in one multi-process job.
 
-  python two_trains_run.py ID COUNT PORT RUN_ROOT     # prints [{"final_step", "stop_reason"}, ...]
+  python two_trains_run.py ID COUNT PORT RUN_ROOT     # prints [{"final_step", "stop_reason", "run_id"}, ...]
 
 As ``loomax ladder run`` does, every process trains two models one after the other. In the
-first, the last process asks for a stop at step 2; the second must run all its steps.
+first, the last process asks for a stop at step 2; the second must run all its steps. Neither
+is given a run id: every process takes process 0's (the second's run dir may record one).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def train_once(pid: int, count: int, port: int, run_dir: str, stop_at: int | Non
         trainer.add_hook(stop, every=1)
     final = trainer.train(pt.initial_state(trainer), pt.batches(pid, STEPS))
     trainer.finish()
-    return {"final_step": final.step, "stop_reason": trainer.stop_reason}
+    return {"final_step": final.step, "stop_reason": trainer.stop_reason, "run_id": trainer.run_id}
 
 
 def main() -> None:

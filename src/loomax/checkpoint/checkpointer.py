@@ -27,6 +27,7 @@ from loomax.checkpoint.serialize import snapshot, write_snapshot
 from loomax.config import ConfigError
 from loomax.distributed import barrier, coordination_client
 from loomax.errors import UserError
+from loomax.jax_setup import process_index_before_backend
 from loomax.storage import Directory, to_url
 
 logger = logging.getLogger(__name__)
@@ -303,8 +304,9 @@ def _newest_complete(directory: Directory) -> str:
 
 def check_writable(directory: Directory | str) -> None:
     """Raise ``ConfigError`` naming ``trainer.checkpointer.base_path`` if ``directory`` (or
-    URL) cannot be written; process 0 checks, before any work that would be lost."""
-    if jax.process_index() == 0:
+    URL) cannot be written; process 0 checks, before any work that would be lost (and
+    before JAX's backend starts: ``process_index_before_backend``)."""
+    if process_index_before_backend() == 0:
         directory = directory if isinstance(directory, Directory) else Directory(directory)
         try:
             directory.check_writable()

@@ -116,12 +116,14 @@ class DistributedConfig:
 def coordination_client():
     """The JAX coordination-service client of a multi-process run; None with one process.
 
-    Its key-value store and barriers work off the main thread and need no devices.
+    Its key-value store and barriers work off the main thread and need no devices. Without
+    ``jax.distributed`` this asks nothing of JAX's backend, so a one-process run starts
+    no JAX threads here (Ray, started later for the data, forks its daemons safely).
     """
-    if jax.process_count() == 1:
-        return None
     from jax._src.distributed import global_state
 
+    if global_state.client is None or jax.process_count() == 1:
+        return None
     return global_state.client
 
 

@@ -3,12 +3,17 @@
 The token cache is built by Ray tasks, on the cluster named by ``RayConfig.address`` (or
 ``RAY_ADDRESS``), or on a local cluster started here. An address nobody answers at fails in
 seconds (``check_reachable``) instead of Ray's minutes of waiting. Ray is imported only
-inside the functions that use it, so importing this module does not import Ray.
+inside the functions that use it, so importing this module does not import Ray. Ray's
+notice that a new local cluster uses token authentication, its default, is kept off the
+console. A local start forks Ray's daemons (running Python between fork and exec), so a
+run starts it before JAX's backend runs threads: the checks before the data build read
+the process index with ``loomax.jax_setup.process_index_before_backend``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +22,8 @@ from loomax.config import ConfigError
 from loomax.distributed.net import check_tcp
 
 _RAY_CLIENT_PORT = 10001  # the Ray client port of a ray://host address that names none
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+_DEFAULT_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster."
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ def init_ray(config: RayConfig) -> bool:
                 "no Ray cluster to join: set ray.address (or RAY_ADDRESS), or set "
                 "ray.auto_start_cluster: true to start a local one"
             )
+        quiet_default_auth_notice()
         ray.init(
             address="local",
             num_cpus=config.num_cpus,
@@ -70,6 +78,22 @@ def init_ray(config: RayConfig) -> bool:
     except ConnectionError as e:
         raise ConnectionError(f"cannot join the Ray cluster at {address!r}: {e}") from e
     return True
+
+
+class _DropDefaultAuthNotice(logging.Filter):
+    """Drops Ray's warning that a new local cluster uses token authentication: that is its
+    default and asks nothing of the user. Every other record (the warning that a cluster
+    runs *without* authentication among them) passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_DEFAULT_AUTH_NOTICE)
+
+
+def quiet_default_auth_notice() -> None:
+    """Keep Ray's default-authentication notice off the console (once per process)."""
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
+    if not any(isinstance(f, _DropDefaultAuthNotice) for f in logger.filters):
+        logger.addFilter(_DropDefaultAuthNotice())
 
 
 @contextlib.contextmanager

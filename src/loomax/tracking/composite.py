@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from loomax.jax_setup import process_index_before_backend
 from loomax.tracking.base import Tracker, TrackerConfig
 from loomax.tracking.noop import NoopTracker
 
@@ -47,7 +48,7 @@ def check_trackers(config: TrackerConfig | Sequence[TrackerConfig]) -> None:
     """Raise a ``UserError`` now if a tracker ``build_tracker`` would make on this process
     lacks its package or credentials (``TrackerConfig.check_available``), before any
     expensive work."""
-    if jax.process_index() != 0:
+    if process_index_before_backend() != 0:  # no JAX threads before Ray forks
         return
     for c in [config] if isinstance(config, TrackerConfig) else config:
         c.check_available()

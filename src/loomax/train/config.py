@@ -45,7 +45,7 @@ class TrainerConfig:
     mp: str = "f32"
     """jmp precision policy, e.g. f32 or p=f32,c=bfloat16 (params, compute, output)."""
     run_id: str | None = None
-    """Name of the run; null = a timestamp."""
+    """Name of the run; null = the one run_dir records (a rerun continues it), else a timestamp."""
     run_dir: str | None = None
     """Where the run writes its files; null = runs/<run_id>."""
     log_every: int = 10

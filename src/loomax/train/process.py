@@ -4,6 +4,10 @@
 joins the other processes of a multi-process run (``jax.distributed``) before anything
 touches the devices, names the run the same way on every process and, with
 ``trainer.log_dir``, writes each process's Python log to a file of its own.
+
+A run with no ``trainer.run_id`` is named by its run directory when that records one
+(``<run_dir>/run_id``, written by the ``Trainer`` once the run's state is made), so the
+same command started again continues the same run; else by process 0's clock.
 """
 
 from __future__ import annotations
@@ -14,12 +18,17 @@ from pathlib import Path
 
 import jax
 
+from loomax.atomic_files import replace_text
 from loomax.config import ConfigError
 from loomax.distributed import broadcast_str
 from loomax.jax_setup import apply_jax_settings
 from loomax.train.config import TrainerConfig
 
-_shared_run_id: str | None = None
+RUN_ID_FILE = "run_id"
+"""``<run_dir>/run_id``: the id of the run that last trained in that run directory."""
+
+_shared_run_ids: dict[str | None, str] = {}
+"""The run id agreed in this process, by ``trainer.run_dir`` (each agreed once)."""
 
 
 def setup_process(config: TrainerConfig) -> str:
@@ -28,16 +37,17 @@ def setup_process(config: TrainerConfig) -> str:
     Call it before building the ``Trainer`` (and pass it the returned ``run_id``) whenever
     the run may span several processes. Safe to call more than once.
     """
-    global _shared_run_id
     apply_jax_settings(config.jax_compilation_cache_dir, config.jax_config)
     config.distributed.initialize()  # before anything touches the devices
     check_accelerator(config)
     run_id = config.run_id
     if run_id is None:
-        # every process must name the run alike: process 0's clock decides
-        if _shared_run_id is None:
-            _shared_run_id = broadcast_str("run_id", time.strftime("%Y%m%d-%H%M%S"))
-        run_id = _shared_run_id
+        # every process must name the run alike: process 0's run dir, else its clock, decides
+        if config.run_dir not in _shared_run_ids:
+            proposal = recorded_run_id(config.run_dir) or time.strftime("%Y%m%d-%H%M%S")
+            key = f"run_id/{config.run_dir}"
+            _shared_run_ids[config.run_dir] = broadcast_str(key, proposal)
+        run_id = _shared_run_ids[config.run_dir]
     if config.log_dir is not None:
         log_to_file(Path(config.log_dir) / f"{run_id}.process-{jax.process_index()}.log")
     return run_id
@@ -75,12 +85,29 @@ def log_to_file(path: Path) -> logging.Handler:
     return handler
 
 
-def local_run_id() -> str:
-    """A timestamp run id for a one-process run that was given none (a multi-process run
-    must share one: ``setup_process``, or ``trainer.run_id``)."""
+def local_run_id(run_dir: str | Path | None = None) -> str:
+    """The id of a one-process run that was given none: the one ``run_dir`` records, else a
+    timestamp (a multi-process run must share one: ``setup_process``, or ``trainer.run_id``)."""
     if jax.process_count() > 1:
         raise ValueError(
             "a multi-process Trainer needs a run id every process shares: pass "
             "run_id=setup_process(config) (loomax.train.process) or set trainer.run_id"
         )
-    return time.strftime("%Y%m%d-%H%M%S")
+    return recorded_run_id(run_dir) or time.strftime("%Y%m%d-%H%M%S")
+
+
+def recorded_run_id(run_dir: str | Path | None) -> str | None:
+    """The run id ``run_dir`` records (``RUN_ID_FILE``), or None (no run dir, no record)."""
+    if run_dir is None:
+        return None
+    path = Path(run_dir) / RUN_ID_FILE
+    if not path.is_file():
+        return None
+    return path.read_text(encoding="utf-8").strip() or None
+
+
+def record_run_id(run_dir: str | Path, run_id: str) -> None:
+    """Record in ``run_dir`` that run ``run_id`` trains there (replacing an older record)."""
+    if recorded_run_id(run_dir) != run_id:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        replace_text(Path(run_dir) / RUN_ID_FILE, run_id + "\n")

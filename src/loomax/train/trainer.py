@@ -27,7 +27,7 @@ from loomax.train.epochs import Epochs
 from loomax.train.hook_set import HookSet
 from loomax.train.hooks import FnHook, Hook, StepInfo
 from loomax.train.loop import TrainingLoop
-from loomax.train.process import check_accelerator, local_run_id
+from loomax.train.process import check_accelerator, local_run_id, record_run_id
 from loomax.train.restore import StateBuilder
 from loomax.train.saving import checkpoint_payload
 from loomax.train.state import TrainerState
@@ -76,8 +76,11 @@ class Trainer(TrainingLoop, JittedSteps):
         self.loss_fn = loss_fn
         self.lr_schedule = lr_schedule
         self.runtime = MeshRuntime.create(config.mesh, config.axis_mappings(), devices)
-        self.run_id = run_id or config.run_id or local_run_id()
+        chosen_dir = run_dir or config.run_dir
+        self.run_id = run_id or config.run_id or local_run_id(chosen_dir)
         self.run_dir = config.run_path(self.run_id, run_dir)
+        self._records_run_id = chosen_dir is not None
+        """A run dir given (not ``runs/<run_id>``) records the run id, for a rerun to reuse."""
         self.batch_schedule = config.batch_schedule
         self.epochs = Epochs(epoch_size, self.batch_schedule) if epoch_size else None
         """Epoch boundaries (``epoch_size`` sequences make an epoch), or None when unknown."""
@@ -167,6 +170,8 @@ class Trainer(TrainingLoop, JittedSteps):
             self.config, self.runtime, self._state_optimizer(), self.hook_set.extras
         )
         restored = builder.restore(init_model, self.checkpointer, initial_weights)
+        if self._records_run_id and jax.process_index() == 0:  # this run trains there now
+            record_run_id(self.run_dir, self.run_id)
         self.restored_from = restored.checkpoint
         self._restored_hook_states = restored.hook_states
         self._train_seconds = restored.train_seconds
