@@ -30,11 +30,11 @@ LOOMAX_BIN = Path(sys.executable).parent / "loomax"
 
 
 @pytest.fixture(scope="module")
-def ssh_server(tmp_path_factory):
+def ssh_server(tmp_path_factory, require_extra):
     """(port, directory with client_key and commands.log) of a running SSH server."""
     if shutil.which("ssh") is None:
         pytest.skip("no ssh client on PATH")
-    pytest.importorskip("asyncssh", reason="the test SSH server needs asyncssh (the test extra)")
+    require_extra("asyncssh", "the test SSH server")
     directory = tmp_path_factory.mktemp("sshd")
     server = subprocess.Popen(
         [sys.executable, str(HERE / "ssh_server.py"), str(directory)],
