@@ -291,3 +291,97 @@ def test_a_damaged_piece_met_in_assembly_is_refused_in_one_line(corpus, tmp_path
     chunk.write_bytes(bytes(data))
     with pytest.raises(TokenCacheDamaged, match=f"a piece under {cache / 'pieces'} is damaged"):
         make(corpus, cache)
+
+
+# ---------------------------------------------------------------------- damaged inputs
+def damaged_sources(directory: Path) -> dict[str, tuple[Path, str]]:
+    """A truncated .jsonl.gz, a truncated parquet file and a .jsonl with a bad line, each
+    with what the error says about it."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(200)]
+    lines = "".join(records)
+    gz = directory / "cut.jsonl.gz"
+    gz.write_bytes(gzip.compress(lines.encode(), mtime=0)[:-40])
+    parquet = directory / "cut.parquet"
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(100)]}), parquet)
+    parquet.write_bytes(parquet.read_bytes()[:-20])
+    bad = directory / "bad.jsonl"
+    bad.write_text("".join(records[:3]) + '{"text": "cut\n' + "".join(records[3:]))
+    return {
+        "truncated-gzip": (gz, r"cut\.jsonl\.gz: cannot read after line \d+ .*: replace it"),
+        "truncated-parquet": (parquet, r"cut\.parquet: not a readable parquet file .*: replace it"),
+        "bad-json-line": (bad, r"bad\.jsonl, line 4: invalid JSON .*skip_bad_records: true"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["truncated-gzip", "truncated-parquet", "bad-json-line"])
+def test_a_damaged_source_file_is_named_by_the_tokenizer_pass_and_the_build(corpus, tmp_path, kind):
+    from loomax.data import DataConfig
+    from loomax.data.dataset import prepare_tokenizer
+    from loomax.errors import UserError
+
+    path, said = damaged_sources(tmp_path)[kind]
+    config = DataConfig(
+        train=[SourceConfig(urls=[str(path)])], cache_dir=str(tmp_path / "c"),
+        tokenizer_vocab_size=300,
+    )  # fmt: skip
+    with pytest.raises(UserError, match=said) as error:
+        prepare_tokenizer(config)
+    one_line(error.value)
+    with pytest.raises(TokenCacheError, match=said) as error:
+        build_token_cache(source_shards(config.train[0]), corpus.tokenizer, tmp_path / "cache")
+    one_line(error.value)
+    assert not (tmp_path / "cache" / "meta.json").exists()
+
+
+def test_a_damaged_trained_tokenizer_is_trained_again(corpus, tmp_path, caplog):
+    from loomax.data import DataConfig
+    from loomax.data.dataset import prepare_tokenizer
+
+    config = DataConfig(
+        train=[SourceConfig(urls=[str(corpus.root / "s{0..2}.jsonl")])],
+        cache_dir=str(tmp_path), tokenizer_vocab_size=300,
+    )  # fmt: skip
+    path = prepare_tokenizer(config)
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])
+    with caplog.at_level(logging.WARNING):
+        assert prepare_tokenizer(config) == path
+    assert f"{path} is damaged: training it again" in caplog.text
+    assert path.read_bytes() == good
+
+
+def test_loomax_cache_on_a_damaged_cache_ends_in_one_line(corpus, tmp_path):
+    """`loomax cache` as a process: a cache whose meta.json and build.json are both damaged
+    (whose settings it held is unknown) is refused in one line naming the file and the fix."""
+    import subprocess
+    import sys
+
+    from loomax.data import DataConfig
+    from loomax.data.dataset import build_caches
+
+    source = {"urls": [str(corpus.root / "s{0..2}.jsonl")]}
+    config = DataConfig(
+        train=[SourceConfig(**source)], tokenizer=str(corpus.tokenizer), cache_dir=str(tmp_path)
+    )
+    [info], _ = build_caches(config, corpus.tokenizer, progress=False)
+    cache = Path(info.url.removeprefix("file://"))
+    (cache / "meta.json").write_bytes(b"\x00" * 64)
+    (cache / "build.json").write_text("{")
+    proc = subprocess.run(
+        [sys.executable, "-m", "loomax.cli", "cache", "--data.train", json.dumps([source]),
+         "--data.tokenizer", str(corpus.tokenizer), "--data.cache_dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    [line] = [x for x in proc.stderr.splitlines() if "error" in x]
+    assert line == (
+        f"loomax cache: error: token cache: {cache / 'meta.json'} is damaged (not JSON); "
+        f"delete {cache} {FIX} (or `loomax train`, which rebuilds a damaged cache it finds "
+        "before training)"
+    )
