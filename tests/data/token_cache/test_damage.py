@@ -385,3 +385,19 @@ def test_loomax_cache_on_a_damaged_cache_ends_in_one_line(corpus, tmp_path):
         f"delete {cache} {FIX} (or `loomax train`, which rebuilds a damaged cache it finds "
         "before training)"
     )
+
+
+def test_an_array_of_another_shape_is_refused_where_no_sizes_are_recorded(corpus, tmp_path):
+    """memory:// (like gs://) lists no sizes: a `zarr.json` rewritten with another shape is
+    found by its shape, against meta.json's count."""
+    from loomax.storage import Directory
+
+    url = f"memory://{tmp_path.name}-shape"
+    make(corpus, url)
+    assert set(TokenCache.open(url).meta["files"].values()) == {None}
+    tokens = Directory(url).child("train", "tokens")
+    metadata = tokens.read_json("zarr.json")
+    metadata["shape"] = [metadata["shape"][0] - 5]
+    tokens.write_json("zarr.json", metadata)
+    with pytest.raises(TokenCacheDamaged, match=r"train/tokens is damaged \(shape \[\d+\], meta"):
+        TokenCache.open(url)["train"]
