@@ -238,12 +238,12 @@ def test_a_cache_of_the_old_split_rule_is_refused(corpus, tmp_path):
         "settings": meta["settings"] | {"format": 1},
     }
     root.write_json("meta.json", old)
-    with pytest.raises(TokenCacheError, match=r"has format 1, this version reads 2; rebuild"):
+    with pytest.raises(TokenCacheError, match=r"has format 1, this version reads 3; rebuild"):
         TokenCache.open(url)
-    with pytest.raises(TokenCacheError, match=r"other settings \(format: cache 1, now 2\)"):
+    with pytest.raises(TokenCacheError, match=r"other settings \(format: cache 1, now 3\)"):
         build(corpus, url, holdout_fraction=0.2)
     assert build(corpus, url, holdout_fraction=0.2, overwrite=True).shards_tokenized == NUM_SHARDS
-    assert TokenCache.open(url).meta["format"] == 2
+    assert TokenCache.open(url).meta["format"] == 3
 
 
 def test_other_settings_are_refused_or_overwritten(ray_cluster, corpus, tmp_path):

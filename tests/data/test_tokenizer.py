@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, models
 from loomax.data import load_tokenizer, train_bpe_tokenizer
 from loomax.data import tokenizer as tokenizer_module
 from loomax.data.tokenizer import EOS_TOKEN, encode_documents, eos_id
+from loomax.errors import BadFileError
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -53,6 +54,25 @@ def test_load_from_file_or_folder(trained: tuple[Tokenizer, Path]) -> None:
     text = CORPUS[3]
     for where in (path, str(path), path.parent):
         assert load_tokenizer(where).encode(text).ids == tokenizer.encode(text).ids
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncated", "overwritten", "emptied"], ids=["truncated", "overwritten", "emptied"]
+)
+def test_a_damaged_tokenizer_file_is_a_one_line_user_error(
+    trained: tuple[Tokenizer, Path], tmp_path: Path, damage: str
+) -> None:
+    good = trained[1].read_bytes()
+    bad = {
+        "truncated": good[: len(good) // 2],
+        "overwritten": good[:100] + b"\xff\x00garbage" + good[110:],
+        "emptied": b"",
+    }[damage]
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(bad)
+    with pytest.raises(BadFileError, match=rf"tokenizer: {path} is not a readable tokenizer") as e:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(e.value) and "replace it with a good copy" in str(e.value)
 
 
 def test_missing_path_is_named(tmp_path: Path) -> None:

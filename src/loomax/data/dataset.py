@@ -43,11 +43,13 @@ from loomax.data.sources import (
 )
 from loomax.data.token_cache import (
     TokenCache,
+    TokenCacheDamaged,
     TokenCacheInfo,
     build_token_cache,
     cache_fingerprint,
     is_held_out,
 )
+from loomax.data.token_cache.layout import META_FILE
 from loomax.data.token_cache.reader import TokenSplit
 from loomax.data.tokenizer import (
     eos_id,
@@ -57,8 +59,8 @@ from loomax.data.tokenizer import (
 )
 from loomax.data.windows import SplitWindows, TokenWindows
 from loomax.distributed import RayConfig, barrier, coordination_client
-from loomax.errors import DataSourceError
-from loomax.storage import local_path, to_url
+from loomax.errors import BadFileError, DataSourceError
+from loomax.storage import Directory, local_path, to_url
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +136,9 @@ def prepare_tokenizer(config: DataConfig) -> Path:
     if holdout_fraction(config) > 0:  # trained without the held-out documents
         record["holdout"] = {"fraction": holdout_fraction(config), "seed": HOLDOUT_SEED}
     path = tokenizer_cache_dir(config.cache_dir) / f"bpe-{fingerprint(record)}" / "tokenizer.json"
+    if path.is_file() and not _loads(path):  # damaged; trained here, so train it again
+        logger.warning("the BPE tokenizer %s is damaged: training it again", path)
+        path.unlink()
     if not path.is_file():
         start = time.perf_counter()
         shards = [source_shards(source) for source in config.train]
@@ -167,6 +172,14 @@ def prepare_tokenizer(config: DataConfig) -> Path:
                 "; ".join(examples),
             )
     return path
+
+
+def _loads(path: Path) -> bool:
+    """Whether `path` loads as a tokenizer."""
+    try:
+        return load_tokenizer(path) is not None
+    except BadFileError:
+        return False
 
 
 def tokenizer_documents(config: DataConfig) -> Iterator[str]:
@@ -245,7 +258,7 @@ def build_lm_datasets(
     """The tokenizer and the train and validation windows of ``config`` for ``seq_len``.
 
     With several JAX processes only process 0 trains the tokenizer and builds the caches;
-    the others wait for it and then open them.
+    the others wait for it and then open them. Alone, a cache a read here finds damaged is rebuilt.
     """
     primary = coordination_client() is None or _process_index() == 0
     tokenizer_path = prepare_tokenizer(config) if primary else None
@@ -259,8 +272,22 @@ def build_lm_datasets(
         train_infos, validation_infos = build_caches(
             config, tokenizer_path, ray=ray, progress=False
         )
-    tokenizer = load_tokenizer(tokenizer_path)
+    known = (config, seq_len, load_tokenizer(tokenizer_path), tokenizer_path)
+    try:
+        return _lm_datasets(*known, train_infos, validation_infos)
+    except TokenCacheDamaged as error:  # a read met damage: rebuild, when alone
+        if coordination_client() is not None:
+            raise
+        logger.warning("%s; rebuilding it", error)
+        Directory(error.root).delete(first=META_FILE)
+    return _lm_datasets(*known, *build_caches(config, tokenizer_path, ray=ray))
 
+
+def _lm_datasets(
+    config: DataConfig, seq_len: int, tokenizer: Tokenizer, tokenizer_path: str | Path,
+    train_infos: list[TokenCacheInfo], validation_infos: list[TokenCacheInfo],
+) -> LmDatasets:  # fmt: skip
+    """`build_lm_datasets` once the caches are built: their windows, read or opened."""
     splits = [TokenCache.open(info.url)["train"] for info in train_infos]
     if config.validation:
         train = [SplitWindows(split, seq_len) for split in splits]

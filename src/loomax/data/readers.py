@@ -58,12 +58,19 @@ Reject = Callable[..., None]
 """`reject(where, why, count=1)`: raise DataSourceError for a bad record, or count it as skipped."""
 
 
+BAD_RECORD_FIX = "fix the record, or set `data.skip_bad_records: true` to skip bad ones"
+"""What a bad-record error says to do."""
+
+DAMAGED_FILE_FIX = "the file is damaged or not what its name says: replace it or leave it out"
+"""What an unreadable-file error says to do."""
+
+
 def rejecter(skip_bad_records: bool, stats: ReadStats) -> Reject:
     """A `Reject` that raises, or with `skip_bad_records` counts the records in `stats`."""
 
     def reject(where: str, why: str, count: int = 1) -> None:
         if not skip_bad_records:
-            raise DataSourceError(f"data source: {where}: {why}")
+            raise DataSourceError(f"data source: {where}: {why}; {BAD_RECORD_FIX}")
         stats.skip(where, why, count)
 
     return reject
@@ -125,7 +132,7 @@ def _read_txt(url: str, compression: str | None, text_key: str, reject: Reject) 
             data = _open_bytes(raw, compression).read()
         except Exception as error:
             raise DataSourceError(
-                f"data source: {url}: cannot read ({describe_error(error)})"
+                f"data source: {url}: cannot read ({describe_error(error)}); {DAMAGED_FILE_FIX}"
             ) from error
     try:
         text = data.decode("utf-8")
@@ -179,7 +186,8 @@ def _numbered_lines(file: IO[bytes], url: str) -> Iterator[tuple[int, bytes]]:
             line = file.readline()
         except Exception as error:
             raise DataSourceError(
-                f"data source: {url}: cannot read after line {number} ({describe_error(error)})"
+                f"data source: {url}: cannot read after line {number} ({describe_error(error)}); "
+                f"{DAMAGED_FILE_FIX}"
             ) from error
         if not line:
             return
@@ -196,7 +204,8 @@ def _read_parquet(url: str, text_key: str, reject: Reject) -> Iterator[str]:
             parquet = pq.ParquetFile(raw)
         except Exception as error:
             raise DataSourceError(
-                f"data source: {url}: not a readable parquet file ({describe_error(error)})"
+                f"data source: {url}: not a readable parquet file ({describe_error(error)}); "
+                f"{DAMAGED_FILE_FIX}"
             ) from error
         rows = parquet.metadata.num_rows
         problem = _column_problem(parquet.schema_arrow, text_key)
@@ -213,7 +222,8 @@ def _read_parquet(url: str, text_key: str, reject: Reject) -> Iterator[str]:
                 return
             except Exception as error:
                 raise DataSourceError(
-                    f"data source: {url}, row {row}: cannot read ({describe_error(error)})"
+                    f"data source: {url}, row {row}: cannot read ({describe_error(error)}); "
+                    f"{DAMAGED_FILE_FIX}"
                 ) from error
             for value in batch.column(0).to_pylist():
                 if value is None:

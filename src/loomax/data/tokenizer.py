@@ -12,7 +12,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from loomax.atomic_files import replace_path
-from loomax.errors import DataSourceError, MissingFileError
+from loomax.errors import BadFileError, DataSourceError, MissingFileError
 
 EOS_TOKEN = "<|endoftext|>"
 """End-of-document token of the tokenizers trained here (id 0)."""
@@ -59,9 +59,17 @@ def train_bpe_tokenizer(
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Loads a tokenizer from a tokenizer.json file (or a folder holding one).
 
-    Raises like `resolve_tokenizer_path` if there is no such file.
+    Raises like `resolve_tokenizer_path` if there is no such file, and `BadFileError`
+    naming the file if it is not a tokenizer (truncated, overwritten, another format).
     """
-    return Tokenizer.from_file(str(resolve_tokenizer_path(path)))
+    file = resolve_tokenizer_path(path)
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as error:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        raise BadFileError(
+            f"tokenizer: {file} is not a readable tokenizer.json ({' '.join(str(error).split())}); "
+            "replace it with a good copy, or leave `data.tokenizer` out to train a BPE"
+        ) from error
 
 
 def resolve_tokenizer_path(path: str | Path) -> Path:

@@ -3,8 +3,9 @@
 `build_token_cache` builds (or resumes) one; `TokenCache.open` reads a finished one.
 Modules, one job each: `layout` (what is stored where, the arrays), `settings` (what a
 cache depends on, its fingerprint), `tasks` (one shard into one piece: what a Ray task
-runs), `ledger` (the build's state at the cache URL), `assemble` (pieces into flat
-splits), `build` (the orchestration), `reader` (reading a finished cache; no Ray).
+runs), `ledger` (the build's state at the cache URL), `damage` (finding damaged
+files), `assemble` (pieces into flat splits), `build` (the orchestration), `reader`
+(reading a finished cache; no Ray).
 The names below are imported on first use, so a Ray worker importing `tasks` does not
 import `build` (and JAX through `loomax.distributed`).
 """
@@ -16,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from loomax.data.token_cache.build import build_token_cache
-    from loomax.data.token_cache.layout import TokenCacheError, is_held_out
+    from loomax.data.token_cache.layout import TokenCacheDamaged, TokenCacheError, is_held_out
     from loomax.data.token_cache.reader import TokenCache
     from loomax.data.token_cache.settings import TokenCacheInfo, cache_fingerprint
 
 _EXPORTS = {
     "TokenCache": "loomax.data.token_cache.reader",
+    "TokenCacheDamaged": "loomax.data.token_cache.layout",
     "TokenCacheError": "loomax.data.token_cache.layout",
     "TokenCacheInfo": "loomax.data.token_cache.settings",
     "build_token_cache": "loomax.data.token_cache.build",
@@ -31,6 +33,7 @@ _EXPORTS = {
 
 __all__ = [
     "TokenCache",
+    "TokenCacheDamaged",
     "TokenCacheError",
     "TokenCacheInfo",
     "build_token_cache",

@@ -5,32 +5,36 @@ shard's tokens to a piece of its own and then records the shard in the ledger. O
 ledger holds every shard needed, the driver copies the pieces into one flat array per
 split (`assemble`) and writes `meta.json` last. An interrupted build (driver killed, a
 task failed) resumes from the ledger (`ledger`): rerunning it tokenizes only the shards
-the ledger lacks, and the result is the same, token for token. See `layout` for what is
-stored where.
+the ledger lacks, and the result is the same, token for token. A complete cache whose
+files are no longer those it was written with (`damage.find_damage`) is rebuilt from its
+sources, which the fingerprint has just checked. See `layout` for what is stored where.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from loomax.data.cache import fingerprint
 from loomax.data.sources import Shard
 from loomax.data.token_cache.assemble import assemble_splits
+from loomax.data.token_cache.damage import find_damage, reading, stored_files
 from loomax.data.token_cache.layout import FORMAT_VERSION, META_FILE, TokenCacheError
 from loomax.data.token_cache.ledger import claim, delete_pieces, entry_tokens, read_ledger
 from loomax.data.token_cache.settings import BuildPlan, SplitInfo, TokenCacheInfo, cache_settings
 from loomax.data.token_cache.tasks import PieceJob, build_piece
-from loomax.data.tokenizer import bos_id, eos_id, resolve_tokenizer_path
+from loomax.data.tokenizer import bos_id, eos_id, load_tokenizer, resolve_tokenizer_path
 from loomax.distributed import RayConfig, ray_session
 from loomax.errors import DataSourceError
 from loomax.storage import Directory, to_url
+
+logger = logging.getLogger(__name__)
 
 
 def build_token_cache(
@@ -70,7 +74,7 @@ def build_token_cache(
     if not shards:
         raise DataSourceError("token cache: no shards to tokenize")
     tokenizer_file = resolve_tokenizer_path(tokenizer_path)
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer = load_tokenizer(tokenizer_file)
     settings = cache_settings(
         shards,
         tokenizer_file,
@@ -93,6 +97,11 @@ def build_token_cache(
         skip_bad_records=skip_bad_records,
     )
     meta, tokenized = claim(build, overwrite), []
+    problem = None if meta is None else find_damage(build.root, meta)
+    if problem is not None:  # same settings, sources just fingerprinted: safe to rebuild
+        logger.warning("token cache %s is damaged (%s): rebuilding it", build.root, problem)
+        build.root.delete(first=META_FILE)
+        meta = claim(build, overwrite)
     if meta is None:
         ledger = read_ledger(build)
         before = set(ledger)
@@ -241,13 +250,15 @@ def _finish(build: BuildPlan, ledger: dict[int, dict]) -> dict:
     used = build.shards_used(ledger)
     assert used is not None, "every shard used is in the ledger"
     entries = [ledger[position] for position in range(used)]
+    with reading(build.root, f"a piece under {build.root.child('pieces')}"):
+        splits = assemble_splits(build, entries)
     meta = {
         "format": FORMAT_VERSION,
         "fingerprint": build.key,
         "settings": build.settings,
         "tokenizer": str(build.tokenizer_file),
         **build.token_ids,
-        "splits": assemble_splits(build, entries),
+        "splits": splits,
         "shards": {
             "total": len(build.shards),
             "used": used,
@@ -255,6 +266,7 @@ def _finish(build: BuildPlan, ledger: dict[int, dict]) -> dict:
         },
         "documents_skipped": sum(entry["skipped"] for entry in entries),
         "skipped_examples": [e for entry in entries for e in entry["skipped_examples"]][:10],
+        "files": stored_files(build.root, list(splits)),
     }
     build.root.write_json(META_FILE, meta)
     return meta

@@ -10,7 +10,8 @@ shard's position in the list given to the build):
                                     each followed by EOS (and preceded by BOS if `bos`)
     <split>/offsets                 int64 [num_documents + 1]: document d is
                                     tokens[offsets[d]:offsets[d + 1]]
-    meta.json                       written last: the cache is complete when it exists
+    meta.json                       written last: the cache is complete when it exists;
+                                    it lists the files of the splits (and their sizes)
 
 The splits are `train`, and `validation` when `holdout_fraction > 0`: a document is
 held out when a hash of (shard position, index in the shard, seed) falls below the
@@ -28,10 +29,11 @@ import tensorstore as ts
 from loomax.errors import UserError
 from loomax.storage import CONTEXT, Directory
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Bump when the layout or meaning of the cache changes, so old caches are refused.
 
-2: the validation hold-out hashes the shard's position, not its name (a path)."""
+2: the validation hold-out hashes the shard's position, not its name (a path).
+3: every chunk carries a CRC-32C, missing chunks fail reads, meta.json lists the files."""
 
 META_FILE = "meta.json"
 """Written last; marks the cache as complete and records what it holds."""
@@ -48,6 +50,14 @@ READ_CHUNK = 1 << 16
 
 class TokenCacheError(UserError, RuntimeError):
     """A token cache that cannot be built or read: incomplete, built otherwise, or a shard failed."""
+
+
+class TokenCacheDamaged(TokenCacheError):
+    """A file of a token cache is truncated, overwritten or missing; `root` is the cache's URL."""
+
+    def __init__(self, message: str, root: str) -> None:
+        super().__init__(message)
+        self.root = root
 
 
 def split_names(holdout_fraction: float) -> tuple[str, ...]:
@@ -80,6 +90,7 @@ def array_spec(url: str, dtype: str | None = None, size: int | None = None) -> d
         "driver": "zarr3",
         "kvstore": url.rstrip("/") + "/",
         "store_data_equal_to_fill_value": True,  # token 0 is a real token: store every chunk
+        "fill_missing_data_reads": False,  # so a missing chunk fails instead of reading zeros
     }
     if dtype is None:
         return spec
@@ -99,6 +110,7 @@ def array_spec(url: str, dtype: str | None = None, size: int | None = None) -> d
                     "codecs": [
                         {"name": "bytes", "configuration": {"endian": "little"}},
                         {"name": "zstd", "configuration": {"level": 1}},
+                        {"name": "crc32c"},  # an overwritten byte fails the read
                     ],
                     "index_codecs": [
                         {"name": "bytes", "configuration": {"endian": "little"}},

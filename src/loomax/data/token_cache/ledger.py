@@ -2,19 +2,26 @@
 
 `build.json` says which settings the place belongs to; `ledger/<i>.json` which shards are
 done. Both are checked against the build's fingerprint, so entries of other settings
-never count. Pieces are deleted once the cache is complete.
+never count. Pieces are deleted once the cache is complete. Damage is mended where that
+is safe: an entry that does not parse, or whose piece is gone, does not count (its shard
+is tokenized again), and a `meta.json` that does not parse beside a `build.json` of
+these settings is deleted (the cache is rebuilt); otherwise it is refused with the fix.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import tensorstore as ts
 
-from loomax.data.token_cache.layout import BUILD_FILE, META_FILE, TokenCacheError
+from loomax.data.token_cache.damage import DAMAGED, damaged, read_record
+from loomax.data.token_cache.layout import BUILD_FILE, META_FILE, TokenCacheError, split_names
 from loomax.data.token_cache.settings import BuildPlan
 from loomax.storage import CONTEXT, Directory, join, local_path
+
+logger = logging.getLogger(__name__)
 
 
 def claim(build: BuildPlan, overwrite: bool) -> dict | None:
@@ -24,7 +31,17 @@ def claim(build: BuildPlan, overwrite: bool) -> dict | None:
     anything that is not a token cache. Records the settings in `build.json`.
     """
     root = build.root
-    found = root.read_json(META_FILE) or root.read_json(BUILD_FILE)
+    meta, started = read_record(root, META_FILE), read_record(root, BUILD_FILE)
+    if meta is DAMAGED:
+        if started is DAMAGED or (started or {}).get("fingerprint") != build.key:
+            raise damaged(root, str(root.child(META_FILE)), "not JSON")
+        logger.warning("token cache %s: %s is not JSON: rebuilding the cache", root, META_FILE)
+        root.delete(first=META_FILE)
+        meta = started = None
+    if started is DAMAGED and meta is None:  # safe: ledger entries name their own settings
+        logger.warning("token cache %s: %s is not JSON: writing it again", root, BUILD_FILE)
+        started = {"fingerprint": build.key}
+    found = meta or started
     if found is None:
         if not _is_empty(root):
             raise TokenCacheError(
@@ -32,7 +49,8 @@ def claim(build: BuildPlan, overwrite: bool) -> dict | None:
                 f"(no {META_FILE} or {BUILD_FILE}); give an empty or new path"
             )
     elif found.get("fingerprint") == build.key:
-        return root.read_json(META_FILE)
+        if meta is not None:
+            return meta
     elif not overwrite:
         raise TokenCacheError(
             f"token cache: {root} was built with other settings "
@@ -72,23 +90,49 @@ def _difference(cached: dict, wanted: dict) -> str:
 
 
 def read_ledger(build: BuildPlan) -> dict[int, dict]:
-    """The ledger entries of this build (same fingerprint and shard name), by position."""
+    """The ledger entries of this build (same fingerprint and shard name), by position.
+
+    An entry that does not parse, or whose piece is not all there, is deleted: its shard is
+    tokenized again (a piece is written before its entry, so this is damage)."""
     store = ts.KvStore.open(join(build.root.url, "ledger") + "/", context=CONTEXT).result()
     keys = [key.decode() for key in store.list().result()]
     reads = [(key, store.read(key)) for key in keys if key.removesuffix(".json").isdigit()]
-    ledger = {}
+    pieces = set(build.root.child("pieces").keys())
+    ledger, damaged_keys = {}, []
     for key, read in reads:  # all reads are in flight at once
         result = read.result()
         position = int(key.removesuffix(".json"))
         if result.state != "value" or position >= len(build.shards):
             continue
-        entry = json.loads(bytes(result.value))
+        try:
+            entry = json.loads(bytes(result.value))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            logger.warning("token cache %s: ledger/%s is not JSON: retokenizing", build.root, key)
+            damaged_keys.append(key)
+            continue
         if (
             entry.get("fingerprint") == build.key
             and entry.get("name") == build.shards[position].name
         ):
+            if not _piece_is_there(build, entry, pieces):
+                logger.warning(
+                    "token cache %s: the piece of ledger/%s is gone: retokenizing", build.root, key
+                )
+                damaged_keys.append(key)
+                continue
             ledger[position] = entry
+    for key in damaged_keys:  # else a task would find and return the entry
+        store.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
     return ledger
+
+
+def _piece_is_there(build: BuildPlan, entry: dict, pieces: set[str]) -> bool:
+    """Whether every array of the entry's piece has its metadata (`zarr.json`) in `pieces`."""
+    return all(
+        f"{entry['position']}/{entry['piece']}/{split}/{array}/zarr.json" in pieces
+        for split in split_names(build.holdout["fraction"])
+        for array in ("tokens", "offsets")
+    )
 
 
 def entry_tokens(entry: dict) -> int:
