@@ -6,16 +6,17 @@ import pytest
 
 from loomax.config import ConfigError, parse_config
 from loomax.lm import TrainLmConfig
-from loomax.mesh import MeshConfig, make_axis_mappings
+from loomax.mesh import MESH_AXES, MeshConfig, make_axis_mappings
 from loomax.train import TrainerConfig
 
 
 def test_minus_one_fills_the_devices():
-    assert MeshConfig().resolve(8) == {"replica": 1, "data": 8, "model": 1}
-    assert MeshConfig(model=2).resolve(8) == {"replica": 1, "data": 4, "model": 2}
+    assert MeshConfig().resolve(8) == {"replica": 1, "data": 8, "context": 1, "model": 1}
+    assert MeshConfig(model=2).resolve(8) == {"replica": 1, "data": 4, "context": 1, "model": 2}
     assert MeshConfig(replica=2, data=2, model=-1).resolve(8) == {
         "replica": 2,
         "data": 2,
+        "context": 1,
         "model": 2,
     }
 
@@ -43,7 +44,24 @@ def test_default_mappings():
     m = make_axis_mappings()
     tp = {"mlp": "model", "heads": "model", "kv_heads": "model"}
     assert m.parameter == {"embed": "data", **tp}
-    assert m.compute == {"batch": ("replica", "data"), **tp}
+    assert m.compute == {"batch": ("replica", "data"), "position": "context", **tp}
+
+
+def test_context_axis_splits_the_sequence():
+    assert MeshConfig(data=2, context=4).resolve(8) == {
+        "replica": 1,
+        "data": 2,
+        "context": 4,
+        "model": 1,
+    }
+    assert MeshConfig(context=4).resolve(8)["data"] == 2
+    assert MESH_AXES == ("replica", "data", "context", "model")  # model innermost, then the ring
+    assert "position" not in make_axis_mappings(context_axis=None).compute
+    assert "position" not in make_axis_mappings().parameter
+    with pytest.raises(ValueError, match=r"trainer.mesh.context must be positive"):
+        MeshConfig(context=0)
+    with pytest.raises(ValueError, match="'position' is mapped twice"):
+        make_axis_mappings(context_axis="position", tensor_parallel_axes=["position"])
 
 
 def test_advanced_overrides():
