@@ -22,6 +22,7 @@ from loomax.models.attention import BACKENDS, FLASH_BLOCK, SPLASH_BLOCKS
 from loomax.models.dropout import check_rates
 from loomax.models.files import write_files
 from loomax.models.remat import check_remat, scan_policy
+from loomax.models.ring_attention import VARIANTS
 from loomax.models.splash import LANES, splash_unsupported_reason
 
 
@@ -69,8 +70,14 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Dropout rate on each attention and MLP output before it joins the residual stream, in training only; 0 = off."""
     attn_pdrop: float = 0.0
     """Dropout rate on attention probabilities, in training only (needs attn_backend auto or vanilla); 0 = off."""
+    context_parallel: str = "ring"
+    """Attention across a sequence split over trainer.mesh.context > 1: ring (K/V blocks passed around, O(seq/n) memory) or all_gather (K/V gathered whole)."""
 
     def __post_init__(self):
+        if self.context_parallel not in VARIANTS:
+            raise ConfigError(
+                f"model.context_parallel must be one of {VARIANTS}, got {self.context_parallel!r}"
+            )
         if self.attn_backend not in BACKENDS:
             raise ValueError(
                 f"model.attn_backend must be one of {BACKENDS}, got {self.attn_backend!r}"

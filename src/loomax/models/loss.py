@@ -16,6 +16,7 @@ from haliax import NamedArray
 from loomax.models import taps
 from loomax.models.axes import Embed, Position, Vocab
 from loomax.models.config import LmModel
+from loomax.models.sequence_layout import to_layout
 
 
 def next_token_targets(tokens: NamedArray) -> tuple[NamedArray, NamedArray]:
@@ -47,9 +48,15 @@ def next_token_loss(
     ``z_loss_weight * logsumexp(logits)**2`` per token (keeps the softmax normaliser near 1).
     ``segment_ids`` keep attention within packed documents (see ``segment_ids_from_eos``).
     ``key`` (the train step's) drives the model's dropout; None (evaluation) drops nothing.
+    With the sequence split over the context axis, tokens, documents, targets and weights
+    are put into its zig-zag layout (``models/sequence_layout.py``) before the model runs.
     """
-    hidden = model.hidden_states(tokens, segment_ids=segment_ids, key=key)
     targets, weights = next_token_targets(tokens)
+    # a sequence split over the context axis is laid out zig-zag; the loss, a sum, needs no undoing
+    tokens, targets, weights = to_layout(tokens), to_layout(targets), to_layout(weights)
+    if segment_ids is not None:
+        segment_ids = to_layout(segment_ids)
+    hidden = model.hidden_states(tokens, segment_ids=segment_ids, key=key)
     w = model.lm_head_weight().rearrange((Vocab, Embed)).array
     h = hidden.rearrange((..., Embed)).array.reshape(-1, w.shape[1])
     t = targets.array.reshape(-1)

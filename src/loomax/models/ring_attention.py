@@ -1,0 +1,141 @@
+"""Causal attention over a sequence split on the ``context`` mesh axis (context parallelism).
+
+Both variants run inside ``shard_map``: every device keeps its own queries (its two
+zig-zag chunks, ``models/sequence_layout.py``), batch rows and heads split as the compute
+mapping says.
+
+- ``ring``: the key/value blocks travel around the ring of n devices (``lax.ppermute``),
+  n - 1 hops; each device attends its queries to the block it holds, and the partial
+  results are combined with an online softmax (their log-sum-exps). The custom backward
+  sends the blocks around again with their dK/dV accumulators, which arrive back at their
+  owners after the last hop: no device ever holds more than one block of keys, values or
+  their gradients, forward or backward. Memory per device O(seq / n).
+- ``all_gather``: the keys and values (and their positions and document ids) are
+  all-gathered over the axis, then each device attends its queries to the whole sequence;
+  the backward reduce-scatters dK/dV. Simpler, one collective per layer; the gathered K/V
+  are O(seq) per device (small with grouped-query attention).
+
+The per-block kernel is the ``blockwise`` backend's (``models/flash.py``), with the true
+positions and document ids of queries and keys, so causal and document masks hold across
+the split. On TPU (splash) or GPU (cuDNN) the same ring would run their kernels per block;
+not done yet (docs/sharding.md).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from loomax.models.axes import Heads
+from loomax.models.flash import block_backward, block_forward, flash_attention_at
+from loomax.models.sequence_layout import context_axes, context_ways, zigzag_order
+from loomax.models.splash import concrete_mesh, mapped_axes
+
+VARIANTS = ("ring", "all_gather")
+"""``model.context_parallel``: how attention crosses a split sequence."""
+
+
+def context_parallel_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, seg, scale: float, block: int, variant: str
+) -> jax.Array:
+    """Causal attention of a sequence laid out over the context axes of the mesh in context.
+
+    ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]``, ``seg`` is ``[B, T]``
+    document ids or None, all in the zig-zag layout. Returns ``q``'s shape and dtype.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"model.context_parallel must be one of {VARIANTS}, got {variant!r}")
+    mesh, axes, ways = concrete_mesh(), context_axes(), context_ways()
+    B, K, G, T, _ = q.shape
+    positions = jnp.asarray(zigzag_order(T, ways), jnp.int32)
+    if seg is None:
+        seg = jnp.zeros((B, T), jnp.int32)
+    ctx = axes[0] if len(axes) == 1 else axes
+    batch, heads = mapped_axes(mesh, "batch", B), mapped_axes(mesh, Heads, K * G, K)
+    block = min(block, T // (2 * ways))  # a block never straddles two zig-zag chunks
+    if variant == "ring":
+        local = partial(ring_attention, scale=scale, block=block, axis=ctx, ways=ways)
+    else:
+        local = partial(all_gather_attention, scale=scale, block=block, axis=ctx)
+    q_spec, kv_spec = P(batch, heads, None, ctx), P(batch, heads, ctx)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, P(ctx), P(batch, ctx)),
+        out_specs=q_spec,
+        check_vma=False,  # the blockwise kernel's scans start from unvarying zeros
+    )(q, k, v, positions, seg)
+
+
+def all_gather_attention(q, k, v, pos, seg, *, scale: float, block: int, axis):
+    """This device's queries over the keys and values gathered from every device of ``axis``
+    (inside ``shard_map``; ``pos``/``seg`` are the local slots' true positions and documents)."""
+
+    def gather(x, dim):
+        return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+    k_pos, k_seg = gather(pos, 0), gather(seg, 1)
+    return flash_attention_at(q, gather(k, 2), gather(v, 2), pos, k_pos, seg, k_seg, scale, block)
+
+
+def ring_attention(q, k, v, pos, seg, *, scale: float, block: int, axis, ways: int):
+    """This device's queries over every device's keys and values, passed around the ring of
+    ``ways`` devices of ``axis`` (inside ``shard_map``)."""
+    return _ring(q, k, v, pos, seg, scale, block, axis, ways)
+
+
+def _hop(tree, axis, ways: int):
+    """Every device's ``tree`` to the next device of the ring."""
+    return jax.lax.ppermute(tree, axis, [(i, (i + 1) % ways) for i in range(ways)])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ring(q, k, v, pos, seg, scale, block, axis, ways):
+    return _ring_forward(q, k, v, pos, seg, scale, block, axis, ways)[0]
+
+
+def _ring_forward(q, k, v, pos, seg, scale, block, axis, ways):
+    out, lse = block_forward(q, k, v, pos, pos, seg, seg, scale, block)
+
+    def step(carry, _):
+        out, lse, held = carry
+        held = _hop(held, axis, ways)
+        k_h, v_h, pos_h, seg_h = held
+        o, lse_h = block_forward(q, k_h, v_h, pos, pos_h, seg, seg_h, scale, block)
+        new = jnp.logaddexp(lse, lse_h)
+        out = out * jnp.exp(lse - new)[..., None] + o * jnp.exp(lse_h - new)[..., None]
+        return (out, new, held), None
+
+    (out, lse, _), _ = jax.lax.scan(step, (out, lse, (k, v, pos, seg)), None, length=ways - 1)
+    return out.astype(q.dtype), lse
+
+
+def _ring_fwd(q, k, v, pos, seg, scale, block, axis, ways):
+    out, lse = _ring_forward(q, k, v, pos, seg, scale, block, axis, ways)
+    return out, (q, k, v, pos, seg, out, lse)
+
+
+def _ring_bwd(scale, block, axis, ways, residuals, g):
+    q, k, v, pos, seg, out, lse = residuals
+    delta = jnp.sum(g.astype(lse.dtype) * out.astype(lse.dtype), axis=-1)
+    dq, dk, dv = block_backward(q, k, v, pos, pos, seg, seg, scale, block, g, lse, delta)
+
+    def step(carry, _):
+        dq, held, grads = carry
+        held, grads = _hop((held, grads), axis, ways)  # a block travels with its dK/dV
+        k_h, v_h, pos_h, seg_h = held
+        dq_s, dk_s, dv_s = block_backward(
+            q, k_h, v_h, pos, pos_h, seg, seg_h, scale, block, g, lse, delta
+        )
+        return (dq + dq_s, held, (grads[0] + dk_s, grads[1] + dv_s)), None
+
+    init = (dq, (k, v, pos, seg), (dk, dv))
+    (dq, _, grads), _ = jax.lax.scan(step, init, None, length=ways - 1)
+    dk, dv = _hop(grads, axis, ways)  # the last hop brings each block's gradients home
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
