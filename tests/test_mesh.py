@@ -64,6 +64,21 @@ def test_context_axis_splits_the_sequence():
         make_axis_mappings(context_axis="position", tensor_parallel_axes=["position"])
 
 
+def test_context_split_checked_before_work():
+    with pytest.raises(ConfigError, match=r"model.seq_len \(1000\) must be a multiple of 2 x"):
+        parse_config(
+            TrainLmConfig,
+            None,
+            args=["--model.seq_len", "1000", "--trainer.mesh.context", "16"],
+        )
+    config = parse_config(
+        TrainLmConfig, None, args=["--model.seq_len", "1024", "--trainer.mesh.context", "4"]
+    )
+    assert config.trainer.mesh.context == 4 and config.model.context_parallel == "ring"
+    with pytest.raises(ConfigError, match="model.context_parallel must be one of"):
+        parse_config(TrainLmConfig, None, args=["--model.context_parallel", "ulysses"])
+
+
 def test_advanced_overrides():
     m = make_axis_mappings(
         fsdp_axis=["embed", "vocab"],

@@ -17,8 +17,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import haliax as hax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import jmp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from loomax.callbacks.eval import make_loss_evaluator  # noqa: E402
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
 from loomax.lm.loss import lm_loss_for  # noqa: E402
 from loomax.mesh import MeshConfig, make_axis_mappings  # noqa: E402
@@ -95,7 +97,8 @@ TRAIN_SEQ, VOCAB, STEPS, BATCH, EOS = 256, 64, 4, 4, 0
 
 
 def train_losses(mesh: MeshConfig, devices, variant: str = "ring") -> list[float]:
-    """Losses of a few steps of a tiny grouped-query Llama with document masks (EOS = 0)."""
+    """Losses of a few steps of a tiny grouped-query Llama with document masks (EOS = 0),
+    then the evaluation loss of the final weights on two batches."""
     model = LlamaConfig(
         seq_len=TRAIN_SEQ, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
         num_kv_heads=2, context_parallel=variant, cross_entropy_block_size=128,
@@ -116,8 +119,13 @@ def train_losses(mesh: MeshConfig, devices, variant: str = "ring") -> list[float
     state = trainer.initial_state(lambda key: model.build(VOCAB, key=key))
     tokens = np.random.default_rng(0).integers(0, VOCAB, 20 * TRAIN_SEQ, dtype=np.int32)
     loader = BatchLoader(TokenWindows(tokens, TRAIN_SEQ), BATCH, seed=0)
-    trainer.train(state, loader.iter_from(0, 0, 1))
-    return losses
+    final = trainer.train(state, loader.iter_from(0, 0, 1))
+    batches = [loader.batch(STEPS + i) for i in range(2)]
+    evaluate = make_loss_evaluator(
+        loss, batches, jmp.get_policy(config.mp), jit=trainer.runtime.jit,
+        prepare=trainer.runtime.shard_batch,
+    )  # fmt: skip
+    return [*losses, evaluate(final.state.model)["eval/loss"]]
 
 
 def train():

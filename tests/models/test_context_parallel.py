@@ -68,8 +68,8 @@ def train_runs():
 
 @pytest.mark.parametrize("variant", ["ring", "all_gather"])
 def test_split_training_gives_the_losses_of_one_device(train_runs, variant):
-    """4 steps of a tiny grouped-query Llama with document masks at 256 positions: data 2 x
-    context 4 (zig-zag tokens, rotary positions, documents, targets; the fused loss) against
-    one device."""
-    assert len(train_runs["one_device"]) == 4
+    """4 steps of a tiny grouped-query Llama with document masks at 256 positions, then an
+    evaluation of the final weights: data 2 x context 4 (zig-zag tokens, rotary positions,
+    documents, targets; the fused loss) against one device."""
+    assert len(train_runs["one_device"]) == 5  # 4 training losses, the eval loss
     np.testing.assert_allclose(train_runs[variant], train_runs["one_device"], rtol=TOLERANCE)

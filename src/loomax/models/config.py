@@ -206,6 +206,8 @@ class LmModel(eqx.Module):
         """Final (normed) activations, axes ``(..., position, embed)``.
 
         ``segment_ids`` (axes of ``tokens``) keep attention within each packed document.
+        With the sequence split over the context axis, ``tokens``, ``segment_ids`` and the
+        result are in its zig-zag layout (``models/sequence_layout.py`` ``to_layout``).
         """
 
     @abc.abstractmethod
