@@ -128,9 +128,40 @@ def train_losses(mesh: MeshConfig, devices, variant: str = "ring") -> list[float
     return [*losses, evaluate(final.state.model)["eval/loss"]]
 
 
+def loss_gradients(mesh: MeshConfig, devices) -> list[np.ndarray]:
+    """Gradients of the mean loss of the tiny Llama's initial weights on one batch."""
+    model = LlamaConfig(
+        seq_len=TRAIN_SEQ, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, cross_entropy_block_size=128,
+    )  # fmt: skip
+    runtime = MeshRuntime(mesh.build(devices), make_axis_mappings())
+    loss = lm_loss_for(model, eos_id=EOS)
+    params = model.build(VOCAB, key=jax.random.PRNGKey(0))
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (BATCH, TRAIN_SEQ), dtype=np.int32)
+
+    def mean_loss(params, tokens):
+        total, weight = loss(params, tokens)
+        return total / weight
+
+    with runtime.mesh_context():
+        grads = jax.jit(jax.grad(mean_loss))(params, runtime.shard_batch(tokens))
+    return [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+def gradient_error() -> float:
+    """Largest gradient difference, data 2 x context 4 against one device, relative to the
+    largest gradient entry of each parameter."""
+    one = loss_gradients(MeshConfig(data=1), jax.devices()[:1])
+    split = loss_gradients(MeshConfig(data=2, context=CONTEXT), jax.devices())
+    return max(
+        float(np.max(np.abs(a - b)) / np.max(np.abs(a))) for a, b in zip(one, split, strict=True)
+    )
+
+
 def train():
     devices = jax.devices()
     return {
+        "gradient_error": gradient_error(),
         "one_device": train_losses(MeshConfig(data=1), devices[:1]),
         "ring": train_losses(MeshConfig(data=2, context=CONTEXT), devices),
         "all_gather": train_losses(MeshConfig(data=2, context=CONTEXT), devices, "all_gather"),

@@ -73,3 +73,8 @@ def test_split_training_gives_the_losses_of_one_device(train_runs, variant):
     documents, targets; the fused loss) against one device."""
     assert len(train_runs["one_device"]) == 5  # 4 training losses, the eval loss
     np.testing.assert_allclose(train_runs[variant], train_runs["one_device"], rtol=TOLERANCE)
+
+
+def test_split_loss_gradients_equal_one_device(train_runs):
+    """Every parameter's gradient (Adam would hide a uniform scale error in the losses)."""
+    assert train_runs["gradient_error"] < TOLERANCE

@@ -54,7 +54,8 @@ def context_parallel_attention(
     if seg is None:
         seg = jnp.zeros((B, T), jnp.int32)
     ctx = axes[0] if len(axes) == 1 else axes
-    batch, heads = mapped_axes(mesh, "batch", B), mapped_axes(mesh, Heads, K * G, K)
+    batch = mapped_axes(mesh, "batch", B, keep_trivial=True)
+    heads = mapped_axes(mesh, Heads, K * G, K, keep_trivial=True)
     block = min(block, T // (2 * ways))  # a block never straddles two zig-zag chunks
     if variant == "ring":
         local = partial(ring_attention, scale=scale, block=block, axis=ctx, ways=ways)

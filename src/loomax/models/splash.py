@@ -160,17 +160,21 @@ def _mesh_axes(mesh, batch: int, kv_heads: int, heads: int):
     return mapped_axes(mesh, "batch", batch), mapped_axes(mesh, Heads, heads, kv_heads)
 
 
-def mapped_axes(mesh, logical: str, *sizes: int) -> str | tuple[str, ...] | None:
+def mapped_axes(
+    mesh, logical: str, *sizes: int, keep_trivial: bool = False
+) -> str | tuple[str, ...] | None:
     """The mesh axes the compute mapping in context sends ``logical`` to, as a
     ``PartitionSpec`` entry, where every one of ``sizes`` divides over them; else None
-    (that dimension whole on every device)."""
+    (that dimension whole on every device). Axes of one device in all count as None too,
+    unless ``keep_trivial`` (a ``shard_map`` that names every mesh axis it can needs no
+    reduction over the others in its backward pass)."""
     mapping = hax.partitioning.current_thread_local_mapping() or {}
     target = mapping.get(logical)
     if target is None:
         return None
     names = (target,) if isinstance(target, str) else tuple(target)
     ways = math.prod(mesh.shape[n] for n in names)
-    if ways == 1 or any(size % ways for size in sizes):
+    if (ways == 1 and not keep_trivial) or any(size % ways for size in sizes):
         return None
     return names[0] if len(names) == 1 else names
 
