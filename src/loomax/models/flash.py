@@ -39,7 +39,7 @@ def _split_blocks(x, block, axis):
     return jnp.moveaxis(x, axis, 0)
 
 
-def _merge_blocks(x, axis):
+def merge_blocks(x, axis):
     x = jnp.moveaxis(x, 0, axis)
     return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
 
@@ -75,13 +75,17 @@ def flash_attention_at(q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block:
     return out.astype(q.dtype)
 
 
-def _query_blocks(q, q_pos, q_seg, block):
+def query_blocks(q, q_pos, q_seg, block):
+    """``q [B, K, G, T, D]``, its positions and segments cut into blocks of ``block`` queries
+    (padded: padding sees no key)."""
     q = _split_blocks(_pad_to(q, block, 3), block, 3)
     q_seg = _split_blocks(_pad_to(q_seg, block, 1, value=-1), block, 1)
     return q, _split_blocks(_pad_to(q_pos, block, 0, value=-1), block, 0), q_seg
 
 
-def _key_blocks(k, v, k_pos, k_seg, block):
+def key_blocks(k, v, k_pos, k_seg, block):
+    """``k``/``v [B, K, T, D]``, their positions and segments cut into blocks of ``block`` keys
+    (padded: no query sees padding)."""
     k, v = _pad_to(k, block, 2), _pad_to(v, block, 2)
     k_seg = _split_blocks(_pad_to(k_seg, block, 1, value=-1), block, 1)
     k_pos = _split_blocks(_pad_to(k_pos, block, 0, value=LATE), block, 0)
@@ -113,21 +117,27 @@ def _tie_to_queries(q_b, *rest):
     return jax.lax.optimization_barrier((q_b, *rest))
 
 
-def block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int):
-    """``(out, lse)``: the attention output in the accumulation dtype (``[B, K, G, Tq, D]``)
-    and the log-sum-exp of each query's visible scores (``[B, K, G, Tq]``; a query that
-    sees no key gets the dtype's lowest value, and zeros)."""
-    Tq = q.shape[-2]
-    qb, qpb, qsb = _query_blocks(q, q_pos, q_seg, min(block, Tq))
-    kb, vb, kpb, ksb = _key_blocks(k, v, k_pos, k_seg, min(block, k.shape[-2]))
-    acc = acc_dtype(q.dtype)
+def forward_state(queries):
+    """The online softmax's start for blocked ``queries``: (running max, sum, output)."""
+    qb = queries[0]
+    acc = acc_dtype(qb.dtype)
+    shape = qb.shape[:-1]
+    return jnp.full(shape, jnp.finfo(acc).min, acc), jnp.zeros(shape, acc), jnp.zeros(qb.shape, acc)
+
+
+def forward_blocks(queries, state, keys, scale: float):
+    """The online softmax ``state`` of blocked ``queries`` (``query_blocks``) carried on over
+    blocked ``keys`` (``key_blocks``): attention over several key parts in turn equals
+    attention over them all."""
+    qb, qpb, qsb = queries
+    kb, vb, kpb, ksb = keys
+    acc = acc_dtype(qb.dtype)
     neg = jnp.finfo(acc).min
 
     def per_query_block(xs):
-        q_b, qs, qp = _tie_to_queries(*xs)
+        (q_b, qs, qp), init = _tie_to_queries(*xs[:3]), xs[3]
 
         def per_key_block(carry, ys):
-            m, total, o = carry
             k_b, v_b, ks, kp = ys
 
             def compute(carry):
@@ -145,32 +155,41 @@ def block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int)
             carry = jax.lax.cond(_any_visible(qp, kp), compute, lambda c: c, carry)
             return carry, None
 
-        shape = q_b.shape[:-1]
-        init = (jnp.full(shape, neg, acc), jnp.zeros(shape, acc), jnp.zeros(q_b.shape, acc))
-        (m, total, o), _ = jax.lax.scan(per_key_block, init, (kb, vb, ksb, kpb))
-        total = jnp.where(total == 0, 1.0, total)
-        return o / total[..., None], m + jnp.log(total)
+        state, _ = jax.lax.scan(per_key_block, init, (kb, vb, ksb, kpb))
+        return state
 
-    out, lse = jax.lax.map(per_query_block, (qb, qsb, qpb))
-    return _merge_blocks(out, 3)[..., :Tq, :], _merge_blocks(lse, 3)[..., :Tq]
+    return jax.lax.map(per_query_block, (qb, qsb, qpb, state))
 
 
-def block_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta):
-    """``(dq, dk, dv)`` in the accumulation dtype, of the attention whose (global) log-sum-exp
-    per query is ``lse`` and ``delta = sum(g * out, -1)``, for the keys given: summed over
-    the key parts a query sees, these are the whole gradients."""
-    acc = acc_dtype(q.dtype)
-    Tq, Tk = q.shape[-2], k.shape[-2]
-    bq, bk = min(block, Tq), min(block, Tk)
-    qb, qpb, qsb = _query_blocks(q, q_pos, q_seg, bq)
-    kb, vb, kpb, ksb = _key_blocks(k, v, k_pos, k_seg, bk)
-    gb = _split_blocks(_pad_to(g, bq, 3), bq, 3)
-    lb = _split_blocks(_pad_to(lse, bq, 3), bq, 3)
-    db = _split_blocks(_pad_to(delta, bq, 3), bq, 3)
+def finish(state):
+    """``(out, lse)`` blocks of a finished online softmax ``state``."""
+    m, total, o = state
+    total = jnp.where(total == 0, 1.0, total)
+    return o / total[..., None], m + jnp.log(total)
+
+
+def block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int):
+    """``(out, lse)``: the attention output in the accumulation dtype (``[B, K, G, Tq, D]``)
+    and the log-sum-exp of each query's visible scores (``[B, K, G, Tq]``; a query that
+    sees no key gets the dtype's lowest value, and zeros)."""
+    Tq = q.shape[-2]
+    queries = query_blocks(q, q_pos, q_seg, min(block, Tq))
+    keys = key_blocks(k, v, k_pos, k_seg, min(block, k.shape[-2]))
+    out, lse = finish(forward_blocks(queries, forward_state(queries), keys, scale))
+    return merge_blocks(out, 3)[..., :Tq, :], merge_blocks(lse, 3)[..., :Tq]
+
+
+def backward_blocks(queries, gb, lb, db, dq, keys, scale: float):
+    """``(dq, dk, dv)`` blocks, the accumulation dtype: ``dq`` (blocks like ``queries``)
+    carried on over blocked ``keys``, and those keys' dK/dV, for the attention whose (global)
+    log-sum-exp per query is ``lb`` and ``db = sum(g * out, -1)`` (``g``'s blocks ``gb``)."""
+    qb, qpb, qsb = queries
+    kb, vb, kpb, ksb = keys
+    acc = acc_dtype(qb.dtype)
 
     def per_query_block(carry, xs):
         dk, dv = carry
-        q_b, qs, qp, g_b, l_b, d_b = xs
+        q_b, qs, qp, g_b, l_b, d_b, dq_b = xs
 
         def per_key_block(dq, ys):
             k_b, v_b, ks, kp = ys
@@ -192,15 +211,31 @@ def block_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, de
             dq, dk_b, dv_b = jax.lax.cond(_any_visible(qp, kp), compute, skip, dq)
             return dq, (dk_b, dv_b)
 
-        dq, (dk_bs, dv_bs) = jax.lax.scan(
-            per_key_block, jnp.zeros(q_b.shape, acc), (kb, vb, ksb, kpb)
-        )
-        return (dk + dk_bs, dv + dv_bs), dq
+        dq_b, (dk_bs, dv_bs) = jax.lax.scan(per_key_block, dq_b, (kb, vb, ksb, kpb))
+        return (dk + dk_bs, dv + dv_bs), dq_b
 
     zeros = jnp.zeros(kb.shape, acc)
-    (dk, dv), dq = jax.lax.scan(per_query_block, (zeros, zeros), (qb, qsb, qpb, gb, lb, db))
-    dq = _merge_blocks(dq, 3)[..., :Tq, :]
-    return dq, _merge_blocks(dk, 2)[..., :Tk, :], _merge_blocks(dv, 2)[..., :Tk, :]
+    (dk, dv), dq = jax.lax.scan(per_query_block, (zeros, zeros), (qb, qsb, qpb, gb, lb, db, dq))
+    return dq, dk, dv
+
+
+def block_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta):
+    """``(dq, dk, dv)`` in the accumulation dtype, of the attention whose (global) log-sum-exp
+    per query is ``lse`` and ``delta = sum(g * out, -1)``, for the keys given: summed over
+    the key parts a query sees, these are the whole gradients."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    queries = query_blocks(q, q_pos, q_seg, min(block, Tq))
+    keys = key_blocks(k, v, k_pos, k_seg, min(block, Tk))
+    gb, lb, db = grad_blocks(g, lse, delta, min(block, Tq))
+    dq0 = jnp.zeros(queries[0].shape, acc_dtype(q.dtype))
+    dq, dk, dv = backward_blocks(queries, gb, lb, db, dq0, keys, scale)
+    dq = merge_blocks(dq, 3)[..., :Tq, :]
+    return dq, merge_blocks(dk, 2)[..., :Tk, :], merge_blocks(dv, 2)[..., :Tk, :]
+
+
+def grad_blocks(g, lse, delta, block: int):
+    """``g``, ``lse`` and ``delta`` in query blocks (as ``query_blocks`` cuts ``q``)."""
+    return tuple(_split_blocks(_pad_to(x, block, 3), block, 3) for x in (g, lse, delta))
 
 
 def _flash_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block):

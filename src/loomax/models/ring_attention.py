@@ -5,8 +5,8 @@ zig-zag chunks, ``models/sequence_layout.py``), batch rows and heads split as th
 mapping says.
 
 - ``ring``: the key/value blocks travel around the ring of n devices (``lax.ppermute``),
-  n - 1 hops; each device attends its queries to the block it holds, and the partial
-  results are combined with an online softmax (their log-sum-exps). The custom backward
+  n - 1 hops; each device attends its queries to the block it holds, the online softmax
+  (running max, sum and output per query block) carried on from hop to hop. The custom backward
   sends the blocks around again with their dK/dV accumulators, which arrive back at their
   owners after the last hop: no device ever holds more than one block of keys, values or
   their gradients, forward or backward. Memory per device O(seq / n).
@@ -30,7 +30,17 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from loomax.models.axes import Heads
-from loomax.models.flash import block_backward, block_forward, flash_attention_at
+from loomax.models.flash import (
+    backward_blocks,
+    finish,
+    flash_attention_at,
+    forward_blocks,
+    forward_state,
+    grad_blocks,
+    key_blocks,
+    merge_blocks,
+    query_blocks,
+)
 from loomax.models.sequence_layout import context_axes, context_ways, zigzag_order
 from loomax.models.splash import concrete_mesh, mapped_axes
 
@@ -99,19 +109,22 @@ def _ring(q, k, v, pos, seg, scale, block, axis, ways):
 
 
 def _ring_forward(q, k, v, pos, seg, scale, block, axis, ways):
-    out, lse = block_forward(q, k, v, pos, pos, seg, seg, scale, block)
+    """The online softmax carried around the ring: each hop's keys continue it where the
+    last left it, block by block (no per-hop partial outputs to combine)."""
+    T = q.shape[-2]
+    queries = query_blocks(q, pos, seg, block)
+    state = forward_blocks(
+        queries, forward_state(queries), key_blocks(k, v, pos, seg, block), scale
+    )
 
     def step(carry, _):
-        out, lse, held = carry
+        state, held = carry
         held = _hop(held, axis, ways)
-        k_h, v_h, pos_h, seg_h = held
-        o, lse_h = block_forward(q, k_h, v_h, pos, pos_h, seg, seg_h, scale, block)
-        new = jnp.logaddexp(lse, lse_h)
-        out = out * jnp.exp(lse - new)[..., None] + o * jnp.exp(lse_h - new)[..., None]
-        return (out, new, held), None
+        return (forward_blocks(queries, state, key_blocks(*held, block), scale), held), None
 
-    (out, lse, _), _ = jax.lax.scan(step, (out, lse, (k, v, pos, seg)), None, length=ways - 1)
-    return out.astype(q.dtype), lse
+    (state, _), _ = jax.lax.scan(step, (state, (k, v, pos, seg)), None, length=ways - 1)
+    out, lse = finish(state)
+    return merge_blocks(out, 3)[..., :T, :].astype(q.dtype), merge_blocks(lse, 3)[..., :T]
 
 
 def _ring_fwd(q, k, v, pos, seg, scale, block, axis, ways):
@@ -121,21 +134,27 @@ def _ring_fwd(q, k, v, pos, seg, scale, block, axis, ways):
 
 def _ring_bwd(scale, block, axis, ways, residuals, g):
     q, k, v, pos, seg, out, lse = residuals
-    delta = jnp.sum(g.astype(lse.dtype) * out.astype(lse.dtype), axis=-1)
-    dq, dk, dv = block_backward(q, k, v, pos, pos, seg, seg, scale, block, g, lse, delta)
+    T, acc = q.shape[-2], lse.dtype
+    delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)
+    queries = query_blocks(q, pos, seg, block)
+    gb, lb, db = grad_blocks(g, lse, delta, block)
+
+    def attend(dq, held):
+        dq, dk, dv = backward_blocks(queries, gb, lb, db, dq, key_blocks(*held, block), scale)
+        return dq, merge_blocks(dk, 2)[..., :T, :], merge_blocks(dv, 2)[..., :T, :]
+
+    dq, dk, dv = attend(jnp.zeros(queries[0].shape, acc), (k, v, pos, seg))
 
     def step(carry, _):
         dq, held, grads = carry
         held, grads = _hop((held, grads), axis, ways)  # a block travels with its dK/dV
-        k_h, v_h, pos_h, seg_h = held
-        dq_s, dk_s, dv_s = block_backward(
-            q, k_h, v_h, pos, pos_h, seg, seg_h, scale, block, g, lse, delta
-        )
-        return (dq + dq_s, held, (grads[0] + dk_s, grads[1] + dv_s)), None
+        dq, dk_s, dv_s = attend(dq, held)
+        return (dq, held, (grads[0] + dk_s, grads[1] + dv_s)), None
 
     init = (dq, (k, v, pos, seg), (dk, dv))
     (dq, _, grads), _ = jax.lax.scan(step, init, None, length=ways - 1)
     dk, dv = _hop(grads, axis, ways)  # the last hop brings each block's gradients home
+    dq = merge_blocks(dq, 3)[..., :T, :]
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
