@@ -66,15 +66,16 @@ def train_runs():
     return run_worker("train")
 
 
-@pytest.mark.parametrize("variant", ["ring", "all_gather"])
-def test_split_training_gives_the_losses_of_one_device(train_runs, variant):
+def test_split_training_gives_the_losses_of_one_device(train_runs):
     """4 steps of a tiny grouped-query Llama with document masks at 256 positions, then an
     evaluation of the final weights: data 2 x context 4 (zig-zag tokens, rotary positions,
-    documents, targets; the fused loss) against one device."""
+    documents, targets; the fused loss) against one device. The ring only: the attention
+    tests above hold both variants to one device, values and gradients."""
     assert len(train_runs["one_device"]) == 5  # 4 training losses, the eval loss
-    np.testing.assert_allclose(train_runs[variant], train_runs["one_device"], rtol=TOLERANCE)
+    np.testing.assert_allclose(train_runs["ring"], train_runs["one_device"], rtol=TOLERANCE)
 
 
 def test_split_loss_gradients_equal_one_device(train_runs):
-    """Every parameter's gradient (Adam would hide a uniform scale error in the losses)."""
+    """Every parameter's gradient of a tiny GPT-2 (its learned positions taken in the layout;
+    Adam would hide a uniform scale error in the Llama's losses)."""
     assert train_runs["gradient_error"] < TOLERANCE
