@@ -92,7 +92,22 @@ class MeshConfig:
         laid out by ``device_grid``."""
         devices = list(jax.devices() if devices is None else devices)
         sizes = self.resolve(len(devices))
-        return Mesh(device_grid([sizes[a] for a in MESH_AXES], devices), MESH_AXES)
+        grid = device_grid([sizes[a] for a in MESH_AXES], devices)
+        check_context_within_processes(grid)
+        return Mesh(grid, MESH_AXES)
+
+
+def check_context_within_processes(grid: np.ndarray) -> None:
+    """Raise ``ConfigError`` when a ``context`` group of the (replica, data, context, model)
+    ``grid`` spans processes: each process loads whole rows of its own share of the batch,
+    so the devices splitting one sequence must belong to one process."""
+    axis = MESH_AXES.index(CONTEXT_AXIS)
+    groups = np.moveaxis(grid, axis, -1).reshape(-1, grid.shape[axis])
+    if any(len({d.process_index for d in group}) > 1 for group in groups):
+        raise ConfigError(
+            f"trainer.mesh.context ({grid.shape[axis]}): a context group spans processes; "
+            "keep context within the devices of one process (not supported across processes yet)"
+        )
 
 
 def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarray:
