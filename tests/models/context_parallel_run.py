@@ -73,19 +73,21 @@ def attention():
     natural, seg = attention_inputs(np.arange(SEQ))
     (_, ref_out), ref_grads = attention_loss("ring")(*[natural[n] for n in "qkvw"], seg)
     order = zigzag_order(SEQ, CONTEXT)
-    runtime = MeshRuntime(MeshConfig(data=2, context=CONTEXT).build(), make_axis_mappings())
     laid, seg_l = attention_inputs(order)
     result = {}
-    for variant in ("ring", "all_gather"):
-        fn = attention_loss(variant, backend="blockwise")
+    cases = [("ring", 2, 1), ("all_gather", 2, 1), ("ring_tensor_parallel", 1, 2)]
+    for name, data, model in cases:
+        mesh = MeshConfig(data=data, context=CONTEXT, model=model).build()
+        runtime = MeshRuntime(mesh, make_axis_mappings())
+        fn = attention_loss(name.removesuffix("_tensor_parallel"), backend="blockwise")
         with runtime.mesh_context():
             args = [laid[n] for n in "qkvw"] + [seg_l]
             (_, out), grads = fn(*args)
             hlo = fn.lower(*args).compile().as_text()
         errors = {"out": float(jnp.max(jnp.abs(out.array - ref_out.array[:, order])))}
-        for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
-            errors[name] = float(jnp.max(jnp.abs(g.array - r.array[:, order])))
-        result[variant] = {
+        for grad_name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+            errors[grad_name] = float(jnp.max(jnp.abs(g.array - r.array[:, order])))
+        result[name] = {
             "errors": errors,
             "all_gathers": hlo.count(" all-gather("),
             "collective_permutes": hlo.count(" collective-permute("),

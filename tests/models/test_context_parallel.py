@@ -35,10 +35,11 @@ def attention_runs():
     return run_worker("attention")
 
 
-@pytest.mark.parametrize("variant", ["ring", "all_gather"])
+@pytest.mark.parametrize("variant", ["ring", "all_gather", "ring_tensor_parallel"])
 def test_split_attention_equals_one_device(attention_runs, variant):
     """Causal + document masks (documents crossing the shards) + grouped-query heads, data 2 x
-    context 4: output, dQ, dK and dV equal the unsplit attention's."""
+    context 4 (or context 4 x model 2, the heads split too): output, dQ, dK and dV equal the
+    unsplit attention's."""
     errors = attention_runs[variant]["errors"]
     assert set(errors) == {"out", "dq", "dk", "dv"}
     for name, error in errors.items():
@@ -49,6 +50,7 @@ def test_ring_never_gathers_keys_and_values(attention_runs):
     """The ring passes blocks (collective-permutes), forward and backward: no all-gather in the
     compiled gradient program; the all-gather variant has them (so the count can fail)."""
     assert attention_runs["ring"]["all_gathers"] == 0
+    assert attention_runs["ring_tensor_parallel"]["all_gathers"] == 0
     assert attention_runs["ring"]["collective_permutes"] > 0
     assert attention_runs["all_gather"]["all_gathers"] > 0
 
