@@ -131,8 +131,8 @@ def train_losses(mesh: MeshConfig, devices, variant: str = "ring") -> list[float
 
 
 def loss_gradients(mesh: MeshConfig, devices) -> list[np.ndarray]:
-    """Gradients of the mean loss of a tiny GPT-2's initial weights (learned positions) on one
-    batch, with document masks."""
+    """The logits (``model.logits``) and the gradients of the mean loss (with document masks)
+    of a tiny GPT-2's initial weights (learned positions) on one batch."""
     model = Gpt2Config(
         seq_len=TRAIN_SEQ, hidden_dim=32, num_layers=2, num_heads=4, cross_entropy_block_size=128
     )
@@ -145,14 +145,18 @@ def loss_gradients(mesh: MeshConfig, devices) -> list[np.ndarray]:
         total, weight = loss(params, tokens)
         return total / weight
 
+    def logits(params, tokens):
+        return params.logits(hax.named(tokens, (Batch, Position))).array
+
     with runtime.mesh_context():
         grads = jax.jit(jax.grad(mean_loss))(params, runtime.shard_batch(tokens))
-    return [np.asarray(g) for g in jax.tree.leaves(grads)]
+        out = jax.jit(logits)(params, runtime.shard_batch(tokens))
+    return [np.asarray(out)] + [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
 def gradient_error() -> float:
-    """Largest gradient difference, data 2 x context 4 against one device, relative to the
-    largest gradient entry of each parameter."""
+    """Largest difference of the logits and of each gradient, data 2 x context 4 against one
+    device, relative to the largest entry of each."""
     one = loss_gradients(MeshConfig(data=1), jax.devices()[:1])
     split = loss_gradients(MeshConfig(data=2, context=CONTEXT), jax.devices())
     return max(

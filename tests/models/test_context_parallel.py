@@ -77,7 +77,8 @@ def test_split_training_gives_the_losses_of_one_device(train_runs):
     np.testing.assert_allclose(train_runs["ring"], train_runs["one_device"], rtol=TOLERANCE)
 
 
-def test_split_loss_gradients_equal_one_device(train_runs):
+def test_split_loss_gradients_and_logits_equal_one_device(train_runs):
     """Every parameter's gradient of a tiny GPT-2 (its learned positions taken in the layout;
-    Adam would hide a uniform scale error in the Llama's losses)."""
+    Adam would hide a uniform scale error in the Llama's losses), and its logits, put back in
+    the tokens' order."""
     assert train_runs["gradient_error"] < TOLERANCE

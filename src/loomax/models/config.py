@@ -23,6 +23,7 @@ from loomax.models.dropout import check_rates
 from loomax.models.files import write_files
 from loomax.models.remat import check_remat, scan_policy
 from loomax.models.ring_attention import VARIANTS
+from loomax.models.sequence_layout import from_layout, to_layout
 from loomax.models.splash import LANES, splash_unsupported_reason
 
 
@@ -232,9 +233,12 @@ class LmModel(eqx.Module):
         segment_ids: hax.NamedArray | None = None,
         key: PRNGKeyArray | None = None,
     ) -> hax.NamedArray:
-        """Next-token logits, axes ``(..., position, vocab)``."""
-        hidden = self.hidden_states(tokens, segment_ids=segment_ids, key=key)
-        return hax.dot(hidden, self.lm_head_weight(), axis="embed")
+        """Next-token logits, axes ``(..., position, vocab)``, in the tokens' order (with the
+        sequence split over the context axis too: laid out for the model, then put back)."""
+        if segment_ids is not None:
+            segment_ids = to_layout(segment_ids)
+        hidden = self.hidden_states(to_layout(tokens), segment_ids=segment_ids, key=key)
+        return from_layout(hax.dot(hidden, self.lm_head_weight(), axis="embed"))
 
     def save(self, path, tokenizer=None) -> None:
         """Write config and weights to directory ``path`` (YAML and safetensors, no pickle),

@@ -74,3 +74,13 @@ def to_layout(x: NamedArray) -> NamedArray:
         return x
     order = jnp.asarray(zigzag_order(Pos.size, ways), jnp.int32)
     return hax.auto_sharded(x.take(Pos, hax.named(order, Pos)))
+
+
+def from_layout(x: NamedArray) -> NamedArray:
+    """``x`` (with a ``position`` axis in the layout) back in true order (``to_layout``'s inverse)."""
+    Pos = x.resolve_axis(Position)
+    ways = context_ways()
+    if ways == 1:
+        return x
+    slots = jnp.asarray(np.argsort(zigzag_order(Pos.size, ways)), jnp.int32)
+    return x.take(Pos, hax.named(slots, Pos))
