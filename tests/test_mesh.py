@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
 from loomax.config import ConfigError, parse_config
 from loomax.lm import TrainLmConfig
-from loomax.mesh import MeshConfig, make_axis_mappings
+from loomax.mesh import MESH_AXES, MeshConfig, check_context_within_processes, make_axis_mappings
 from loomax.train import TrainerConfig
 
 
 def test_minus_one_fills_the_devices():
-    assert MeshConfig().resolve(8) == {"replica": 1, "data": 8, "model": 1}
-    assert MeshConfig(model=2).resolve(8) == {"replica": 1, "data": 4, "model": 2}
+    assert MeshConfig().resolve(8) == {"replica": 1, "data": 8, "context": 1, "model": 1}
+    assert MeshConfig(model=2).resolve(8) == {"replica": 1, "data": 4, "context": 1, "model": 2}
     assert MeshConfig(replica=2, data=2, model=-1).resolve(8) == {
         "replica": 2,
         "data": 2,
+        "context": 1,
         "model": 2,
     }
 
@@ -43,7 +47,48 @@ def test_default_mappings():
     m = make_axis_mappings()
     tp = {"mlp": "model", "heads": "model", "kv_heads": "model"}
     assert m.parameter == {"embed": "data", **tp}
-    assert m.compute == {"batch": ("replica", "data"), **tp}
+    assert m.compute == {"batch": ("replica", "data"), "position": "context", **tp}
+
+
+def test_context_axis_splits_the_sequence():
+    assert MeshConfig(data=2, context=4).resolve(8) == {
+        "replica": 1,
+        "data": 2,
+        "context": 4,
+        "model": 1,
+    }
+    assert MeshConfig(context=4).resolve(8)["data"] == 2
+    assert MESH_AXES == ("replica", "data", "context", "model")  # model innermost, then the ring
+    assert "position" not in make_axis_mappings(context_axis=None).compute
+    assert "position" not in make_axis_mappings().parameter
+    with pytest.raises(ValueError, match=r"trainer.mesh.context must be positive"):
+        MeshConfig(context=0)
+    with pytest.raises(ValueError, match="'position' is mapped twice"):
+        make_axis_mappings(context_axis="position", tensor_parallel_axes=["position"])
+
+
+def test_context_groups_stay_within_a_process():
+    host = [SimpleNamespace(process_index=p, platform="cpu") for p in (0, 0, 1, 1)]
+    check_context_within_processes(np.array(host, dtype=object).reshape(2, 1, 2, 1))
+    with pytest.raises(ConfigError, match="a context group spans processes"):
+        check_context_within_processes(
+            np.array(host, dtype=object).reshape(1, 2, 2, 1).swapaxes(1, 2)
+        )
+
+
+def test_context_split_checked_before_work():
+    with pytest.raises(ConfigError, match=r"model.seq_len \(1000\) must be a multiple of 2 x"):
+        parse_config(
+            TrainLmConfig,
+            None,
+            args=["--model.seq_len", "1000", "--trainer.mesh.context", "16"],
+        )
+    config = parse_config(
+        TrainLmConfig, None, args=["--model.seq_len", "1024", "--trainer.mesh.context", "4"]
+    )
+    assert config.trainer.mesh.context == 4 and config.model.context_parallel == "ring"
+    with pytest.raises(ConfigError, match="model.context_parallel must be one of"):
+        parse_config(TrainLmConfig, None, args=["--model.context_parallel", "ulysses"])
 
 
 def test_advanced_overrides():

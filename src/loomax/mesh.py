@@ -1,11 +1,12 @@
 """The device mesh (``trainer.mesh``) and the axis mappings that place named axes on it.
 
-Mesh axes are ``replica`` (across slices or hosts), ``data`` and ``model``. The parameter
+Mesh axes are ``replica`` (across slices or hosts), ``data``, ``context`` (the sequence of
+every batch row split over devices: context parallelism) and ``model``. The parameter
 mapping says how parameters rest (FSDP: ``embed -> data``, tensor parallel axes ``-> model``);
 the optimizer mapping how optimizer state rests (as parameters, unless they are kept whole:
 ZeRO-2); the compute mapping says how activations are laid out
-(``batch -> (replica, data)``, tensor-parallel axes ``-> model``). Layers never name mesh
-axes: this module is the one place where logical names meet the mesh.
+(``batch -> (replica, data)``, ``position -> context``, tensor-parallel axes ``-> model``).
+Layers never name mesh axes: this module is the one place where logical names meet the mesh.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from loomax.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-MESH_AXES = ("replica", "data", "model")
+MESH_AXES = ("replica", "data", "context", "model")
 DATA_AXES = ("replica", "data")
+CONTEXT_AXIS = "context"
+"""The mesh axis the sequence (``position``) of activations is split over."""
 
 AxisResources = Mapping[str, str | Sequence[str] | None]
 
@@ -40,6 +43,8 @@ class MeshConfig:
     """Data-parallel (and FSDP) size; -1 = the devices left over."""
     model: int = 1
     """Tensor-parallel size: the tensor_parallel_axes are split this many ways."""
+    context: int = 1
+    """Context-parallel size: each sequence (the `position` axis) is split this many ways (model.context_parallel picks how attention crosses the split)."""
     auto: bool = False
     """Let `loomax train` choose the mesh and mappings at start: loomax plan's strategies, compiled for the devices present (the sizes above are then ignored)."""
 
@@ -52,7 +57,12 @@ class MeshConfig:
                 raise ValueError(f"trainer.mesh.{name} must be positive or -1, got {size}")
 
     def as_dict(self) -> dict[str, int]:
-        return {"replica": self.replica, "data": self.data, "model": self.model}
+        return {
+            "replica": self.replica,
+            "data": self.data,
+            "context": self.context,
+            "model": self.model,
+        }
 
     def resolve(self, num_devices: int) -> dict[str, int]:
         """The axis sizes for ``num_devices`` devices, with -1 filled in."""
@@ -78,18 +88,33 @@ class MeshConfig:
         return sizes
 
     def build(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """A ``Mesh`` with axes (replica, data, model) over ``devices`` (default: all),
+        """A ``Mesh`` with axes (replica, data, context, model) over ``devices`` (default: all),
         laid out by ``device_grid``."""
         devices = list(jax.devices() if devices is None else devices)
         sizes = self.resolve(len(devices))
-        return Mesh(device_grid([sizes[a] for a in MESH_AXES], devices), MESH_AXES)
+        grid = device_grid([sizes[a] for a in MESH_AXES], devices)
+        check_context_within_processes(grid)
+        return Mesh(grid, MESH_AXES)
+
+
+def check_context_within_processes(grid: np.ndarray) -> None:
+    """Raise ``ConfigError`` when a ``context`` group of the (replica, data, context, model)
+    ``grid`` spans processes: each process loads whole rows of its own share of the batch,
+    so the devices splitting one sequence must belong to one process."""
+    axis = MESH_AXES.index(CONTEXT_AXIS)
+    groups = np.moveaxis(grid, axis, -1).reshape(-1, grid.shape[axis])
+    if any(len({d.process_index for d in group}) > 1 for group in groups):
+        raise ConfigError(
+            f"trainer.mesh.context ({grid.shape[axis]}): a context group spans processes; "
+            "keep context within the devices of one process (not supported across processes yet)"
+        )
 
 
 def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarray:
-    """``devices`` as a (replica, data, model) array of ``shape``.
+    """``devices`` as a (replica, data, context, model) array of ``shape``.
 
     TPU devices follow the physical topology (``mesh_utils``): over several slices,
-    ``replica`` goes across slices (DCN) and every ``data`` x ``model`` group stays within
+    ``replica`` goes across slices (DCN) and every ``data`` x ``context`` x ``model`` group stays within
     one (ICI); within a slice, groups follow the torus's links. Other devices (CPU, GPU) are
     laid out in order, process-major, so each process's devices hold a contiguous slice of
     the batch (what ``make_array_from_process_local_data`` expects); so are TPU devices of a
@@ -104,11 +129,11 @@ def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarr
     if slices > 1 and shape[0] % slices:
         raise ConfigError(
             f"trainer.mesh.replica ({shape[0]}) must be a multiple of the {slices} slices, "
-            "so that data and model groups stay within a slice"
+            "so that data, context and model groups stay within a slice"
         )
     try:
         if slices > 1:
-            ici, dcn = [shape[0] // slices, *shape[1:]], [slices, 1, 1]
+            ici, dcn = [shape[0] // slices, *shape[1:]], [slices] + [1] * (len(shape) - 1)
             grid = mesh_utils.create_hybrid_device_mesh(
                 ici, dcn, devices, allow_split_physical_axes=True
             )
@@ -129,7 +154,7 @@ def _batch_contiguous_per_process(grid: np.ndarray) -> bool:
         mine = sorted(
             {
                 int(batch[r, d])
-                for (r, d, _), x in np.ndenumerate(grid)
+                for (r, d, *_), x in np.ndenumerate(grid)
                 if x.process_index == process
             }
         )
@@ -162,6 +187,7 @@ def make_axis_mappings(
     batch_axis: str = "batch",
     fsdp_axis: str | Sequence[str] | None = "embed",
     tensor_parallel_axes: Sequence[str] = ("mlp", "heads", "kv_heads"),
+    context_axis: str | None = "position",
     axis_resources: AxisResources | None = None,
     parameter_axis_resources: AxisResources | None = None,
     compute_axis_resources: AxisResources | None = None,
@@ -171,6 +197,8 @@ def make_axis_mappings(
 
     ``shard_params=False`` keeps parameters whole on every device while the optimizer state
     (and the gradients, inside the step) are still split by ``fsdp_axis`` (ZeRO-2).
+    ``context_axis`` (the sequence of activations) is split over the ``context`` mesh axis
+    in the compute mapping (a mesh axis of size 1 splits nothing).
 
     Raises ``ValueError`` when a logical axis is given two roles (e.g. both FSDP and
     tensor parallel) or one mapping sends two co-occurring roles to the same mesh axis.
@@ -182,6 +210,7 @@ def make_axis_mappings(
         ("batch_axis", [batch_axis]),
         ("fsdp_axis", fsdp),
         ("tensor_parallel_axes", tp),
+        ("context_axis", [context_axis] if context_axis else []),
     ):
         for name in names:
             if name in roles:
@@ -194,6 +223,8 @@ def make_axis_mappings(
     optimizer: dict = {**shared, **{name: "data" for name in fsdp}}
     parameter: dict = dict(optimizer) if shard_params else dict(shared)
     compute: dict = {**shared, batch_axis: DATA_AXES}
+    if context_axis:
+        compute[context_axis] = CONTEXT_AXIS
     for overrides in (axis_resources, parameter_axis_resources):
         parameter.update(_clean(overrides))
         optimizer.update(_clean(overrides))

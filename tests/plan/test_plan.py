@@ -10,6 +10,7 @@ from loomax.lm.config import TrainLmConfig
 from loomax.plan.candidates import (
     apply_overrides,
     as_flags,
+    context_strategies,
     mesh_strategies,
     nested,
     offload_variants,
@@ -27,7 +28,22 @@ def test_mesh_strategies_cover_fsdp_dp_and_tensor_parallel():
     assert labels[:2] == ["fsdp 8x1", "dp 8x1"]
     assert "fsdp tp2 4x2" in labels and "dp tp4 2x4" in labels and "fsdp tp8 1x8" in labels
     two_slices = mesh_strategies(8, num_slices=2)
-    assert two_slices[0].overrides["trainer.mesh"] == {"replica": 2, "data": 4, "model": 1}
+    assert two_slices[0].overrides["trainer.mesh"] == {
+        "replica": 2,
+        "data": 4,
+        "context": 1,
+        "model": 1,
+    }
+
+
+def test_long_sequences_get_context_parallel_candidates():
+    assert context_strategies(8, 1, 4096) == []
+    long = context_strategies(8, 1, 32768)
+    assert [c.label for c in long] == ["fsdp cp2 4x2", "fsdp cp4 2x4", "fsdp cp8 1x8"]
+    assert long[1].overrides["trainer.mesh"] == {"replica": 1, "data": 2, "context": 4, "model": 1}
+    assert [c.label for c in context_strategies(8, 1, 16388)] == ["fsdp cp2 4x2"]  # 16388 % 8
+    config = apply_overrides(parse_config(TrainLmConfig, None, []), long[1].overrides)
+    assert config.trainer.mesh.context == 4 and config.trainer.mesh.resolve(8)["data"] == 2
 
 
 def test_overrides_round_trip_through_flags_and_yaml():

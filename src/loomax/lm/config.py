@@ -8,6 +8,7 @@ import loomax.callbacks  # noqa: F401 - registers the hook types `trainer.hooks`
 from loomax.config import ConfigError
 from loomax.data import DataConfig
 from loomax.models import Gpt2Config, LmConfig
+from loomax.models.sequence_layout import check_split
 from loomax.optim import AdamConfig, OptimizerConfig
 from loomax.train import TrainerConfig
 
@@ -40,6 +41,16 @@ class TrainLmConfig:
     """Loop, batch, precision, logging and evaluation."""
     sample: SampleConfig = field(default_factory=SampleConfig)
     """What to generate once training is done."""
+
+    def __post_init__(self):
+        context = self.trainer.mesh.context
+        if context > 1:  # the sequence split over trainer.mesh.context: checked before any work
+            check_split(self.model.seq_len, context)
+            if self.model.attn_pdrop > 0:
+                raise ConfigError(
+                    "model.attn_pdrop > 0 is not supported with trainer.mesh.context > 1 "
+                    f"(got {context}): attention dropout needs the vanilla backend"
+                )
 
 
 def resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:

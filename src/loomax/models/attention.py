@@ -19,6 +19,11 @@ Backends (``attn_backend``):
   ``cudnn_unsupported_reason`` and ``splash_unsupported_reason`` say why a kernel cannot
   serve a case.
 
+When the compute mapping splits ``position`` over mesh axes of more than one device (the
+``context`` axis: ``trainer.mesh.context``), every backend gives way to context-parallel
+attention (``models/ring_attention.py``: ``ring`` or ``all_gather``, ``model.context_parallel``)
+on the sequence as ``models/sequence_layout.py`` lays it out.
+
 Every backend takes optional ``segment_ids`` (axes ``(..., position)``): a query only sees
 keys of its own segment, which keeps packed documents apart (see ``segment_ids_from_eos``).
 Keys may have fewer heads than queries (grouped-query attention: a ``kv_heads`` axis).
@@ -39,6 +44,8 @@ from loomax.models.axes import Heads, HeadSize, KeyPosition, KvHeads, Position
 from loomax.models.cudnn_packed import cudnn_document_attention
 from loomax.models.dropout import dropout
 from loomax.models.flash import acc_dtype, flash_attention, visible_mask
+from loomax.models.ring_attention import context_parallel_attention
+from loomax.models.sequence_layout import context_ways
 
 if TYPE_CHECKING:  # models.config imports this module
     from loomax.models.config import LmConfig
@@ -166,6 +173,7 @@ def model_attention(
         dropout_rate=config.attn_pdrop,
         key=key,
         cudnn_documents=config.cudnn_packed_documents,
+        context_parallel=config.context_parallel,
     )
 
 
@@ -181,6 +189,7 @@ def causal_attention(
     dropout_rate: float = 0.0,
     key: jax.Array | None = None,
     cudnn_documents: int = 0,
+    context_parallel: str = "ring",
 ) -> NamedArray:
     """Scaled dot-product causal self-attention.
 
@@ -192,6 +201,8 @@ def causal_attention(
     ``auto`` then means ``vanilla``, another backend raises ``ConfigError``. On ``cudnn``
     with ``segment_ids``, ``cudnn_documents > 0`` attends through cuDNN's packed-sequence
     kernel when no row has more documents than that (``models/cudnn_packed.py``).
+    With the sequence split over the context axis (``context_ways() > 1``), attention is
+    ``context_parallel`` (``ring`` or ``all_gather``) over the zig-zag layout instead.
     """
     drop = None
     if key is not None and dropout_rate > 0:
@@ -207,10 +218,15 @@ def causal_attention(
     seg = None
     if segment_ids is not None:
         seg = segment_ids.rearrange((*batch_axes, Position)).array.reshape(B, T)
+    scale = 1 / math.sqrt(qa.shape[-1])
+    if context_ways() > 1:
+        if drop is not None:
+            raise ConfigError("model.attn_pdrop > 0 is not supported with trainer.mesh.context > 1")
+        out = context_parallel_attention(qa, ka, va, seg, scale, flash_block, context_parallel)
+        return _from_array(out, q, batch_axes)
     backend = resolve_backend(
         backend, qa.dtype, T, qa.shape[-1], segments=seg is not None, splash_blocks=splash_blocks
     )
-    scale = 1 / math.sqrt(qa.shape[-1])
     if backend == "vanilla":
         out = _blocked_causal(qa * jnp.asarray(scale, qa.dtype), ka, va, seg, drop)
     elif backend == "blockwise":

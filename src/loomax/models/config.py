@@ -22,6 +22,8 @@ from loomax.models.attention import BACKENDS, FLASH_BLOCK, SPLASH_BLOCKS
 from loomax.models.dropout import check_rates
 from loomax.models.files import write_files
 from loomax.models.remat import check_remat, scan_policy
+from loomax.models.ring_attention import VARIANTS
+from loomax.models.sequence_layout import from_layout, to_layout
 from loomax.models.splash import LANES, splash_unsupported_reason
 
 
@@ -69,8 +71,14 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Dropout rate on each attention and MLP output before it joins the residual stream, in training only; 0 = off."""
     attn_pdrop: float = 0.0
     """Dropout rate on attention probabilities, in training only (needs attn_backend auto or vanilla); 0 = off."""
+    context_parallel: str = "ring"
+    """Attention across a sequence split over trainer.mesh.context > 1: ring (K/V blocks passed around, O(seq/n) memory) or all_gather (K/V gathered whole)."""
 
     def __post_init__(self):
+        if self.context_parallel not in VARIANTS:
+            raise ConfigError(
+                f"model.context_parallel must be one of {VARIANTS}, got {self.context_parallel!r}"
+            )
         if self.attn_backend not in BACKENDS:
             raise ValueError(
                 f"model.attn_backend must be one of {BACKENDS}, got {self.attn_backend!r}"
@@ -204,6 +212,8 @@ class LmModel(eqx.Module):
         """Final (normed) activations, axes ``(..., position, embed)``.
 
         ``segment_ids`` (axes of ``tokens``) keep attention within each packed document.
+        With the sequence split over the context axis, ``tokens``, ``segment_ids`` and the
+        result are in its zig-zag layout (``models/sequence_layout.py`` ``to_layout``).
         """
 
     @abc.abstractmethod
@@ -228,9 +238,12 @@ class LmModel(eqx.Module):
         segment_ids: hax.NamedArray | None = None,
         key: PRNGKeyArray | None = None,
     ) -> hax.NamedArray:
-        """Next-token logits, axes ``(..., position, vocab)``."""
-        hidden = self.hidden_states(tokens, segment_ids=segment_ids, key=key)
-        return hax.dot(hidden, self.lm_head_weight(), axis="embed")
+        """Next-token logits, axes ``(..., position, vocab)``, in the tokens' order (with the
+        sequence split over the context axis too: laid out for the model, then put back)."""
+        if segment_ids is not None:
+            segment_ids = to_layout(segment_ids)
+        hidden = self.hidden_states(to_layout(tokens), segment_ids=segment_ids, key=key)
+        return from_layout(hax.dot(hidden, self.lm_head_weight(), axis="embed"))
 
     def save(self, path, tokenizer=None) -> None:
         """Write config and weights to directory ``path`` (YAML and safetensors, no pickle),

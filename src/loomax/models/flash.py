@@ -2,6 +2,12 @@
 
 An online softmax over key blocks, with a custom backward pass that recomputes the scores
 block by block, so memory is O(seq), never O(seq^2), forward and backward.
+
+``flash_attention`` is self-attention over positions ``0..T-1``; ``flash_attention_at``
+takes the queries' and keys' positions and segments apart (queries and keys of different
+lengths, positions in any order), which the context-parallel attention uses for each
+device's part of a split sequence; ``block_forward`` / ``block_backward`` are its two
+halves, returning the log-sum-exp and taking it back, so partial results can be combined.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def acc_dtype(dtype) -> jnp.dtype:
@@ -32,7 +39,7 @@ def _split_blocks(x, block, axis):
     return jnp.moveaxis(x, axis, 0)
 
 
-def _merge_blocks(x, axis):
+def merge_blocks(x, axis):
     x = jnp.moveaxis(x, 0, axis)
     return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
 
@@ -46,28 +53,43 @@ def _pad_to(x, multiple, axis, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+LATE = np.iinfo(np.int32).max
+"""Position of padding keys: later than every query, so no query sees one."""
+
+
 def flash_attention(q, k, v, seg, scale: float, block: int):
     """Causal attention by blocks with an online softmax; O(seq) memory forward and backward.
 
     ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]``, ``seg`` is ``[B, T]``.
     """
-    return _flash_forward(q, k, v, seg, scale, block)[0]
+    pos = jnp.arange(q.shape[-2], dtype=jnp.int32)
+    return flash_attention_at(q, k, v, pos, pos, seg, seg, scale, block)
 
 
-def _flash_blocks(q, k, v, seg, block):
-    T = q.shape[-2]
-    q, k, v = _pad_to(q, block, 3), _pad_to(k, block, 2), _pad_to(v, block, 2)
-    seg = _pad_to(seg, block, 1, value=-1)  # padded keys match no real query
-    pos = jnp.arange(q.shape[3])
-    return (
-        _split_blocks(q, block, 3),
-        _split_blocks(k, block, 2),
-        _split_blocks(v, block, 2),
-        _split_blocks(seg, block, 1),
-        _split_blocks(pos, block, 0),
-        T,
-    )
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def flash_attention_at(q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int):
+    """Causal attention of ``q`` (``[B, K, G, Tq, D]`` at positions ``q_pos [Tq]``, segments
+    ``q_seg [B, Tq]``) over ``k``/``v`` (``[B, K, Tk, D]``, ``k_pos [Tk]``, ``k_seg [B, Tk]``):
+    a query sees the keys at or before its position in its own segment."""
+    out, _ = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block)
+    return out.astype(q.dtype)
+
+
+def query_blocks(q, q_pos, q_seg, block):
+    """``q [B, K, G, T, D]``, its positions and segments cut into blocks of ``block`` queries
+    (padded: padding sees no key)."""
+    q = _split_blocks(_pad_to(q, block, 3), block, 3)
+    q_seg = _split_blocks(_pad_to(q_seg, block, 1, value=-1), block, 1)
+    return q, _split_blocks(_pad_to(q_pos, block, 0, value=-1), block, 0), q_seg
+
+
+def key_blocks(k, v, k_pos, k_seg, block):
+    """``k``/``v [B, K, T, D]``, their positions and segments cut into blocks of ``block`` keys
+    (padded: no query sees padding)."""
+    k, v = _pad_to(k, block, 2), _pad_to(v, block, 2)
+    k_seg = _split_blocks(_pad_to(k_seg, block, 1, value=-1), block, 1)
+    k_pos = _split_blocks(_pad_to(k_pos, block, 0, value=LATE), block, 0)
+    return _split_blocks(k, block, 2), _split_blocks(v, block, 2), k_pos, k_seg
 
 
 def _block_scores(q_b, k_b, qp, kp, qs, ks, scale):
@@ -75,6 +97,11 @@ def _block_scores(q_b, k_b, qp, kp, qs, ks, scale):
     s = jnp.einsum("bkgqd,bksd->bkgqs", q_b, k_b, preferred_element_type=acc) * scale
     mask = visible_mask(qp, kp, qs, ks)
     return s, mask
+
+
+def _any_visible(qp, kp):
+    """Whether some key of a block can be visible to some query of a block (else skip it)."""
+    return jnp.min(kp) <= jnp.max(qp)
 
 
 def _tie_to_queries(q_b, *rest):
@@ -90,16 +117,27 @@ def _tie_to_queries(q_b, *rest):
     return jax.lax.optimization_barrier((q_b, *rest))
 
 
-def _flash_forward(q, k, v, seg, scale, block):
-    qb, kb, vb, sb, pb, T = _flash_blocks(q, k, v, seg, block)
-    acc = acc_dtype(q.dtype)
+def forward_state(queries):
+    """The online softmax's start for blocked ``queries``: (running max, sum, output)."""
+    qb = queries[0]
+    acc = acc_dtype(qb.dtype)
+    shape = qb.shape[:-1]
+    return jnp.full(shape, jnp.finfo(acc).min, acc), jnp.zeros(shape, acc), jnp.zeros(qb.shape, acc)
+
+
+def forward_blocks(queries, state, keys, scale: float):
+    """The online softmax ``state`` of blocked ``queries`` (``query_blocks``) carried on over
+    blocked ``keys`` (``key_blocks``): attention over several key parts in turn equals
+    attention over them all."""
+    qb, qpb, qsb = queries
+    kb, vb, kpb, ksb = keys
+    acc = acc_dtype(qb.dtype)
     neg = jnp.finfo(acc).min
 
     def per_query_block(xs):
-        q_b, qs, qp = _tie_to_queries(*xs)
+        (q_b, qs, qp), init = _tie_to_queries(*xs[:3]), xs[3]
 
         def per_key_block(carry, ys):
-            m, total, o = carry
             k_b, v_b, ks, kp = ys
 
             def compute(carry):
@@ -114,39 +152,44 @@ def _flash_forward(q, k, v, seg, scale, block):
                 )
                 return m_new, total, o
 
-            carry = jax.lax.cond(kp[0] <= qp[-1], compute, lambda c: c, carry)
+            carry = jax.lax.cond(_any_visible(qp, kp), compute, lambda c: c, carry)
             return carry, None
 
-        shape = q_b.shape[:-1]
-        init = (jnp.full(shape, neg, acc), jnp.zeros(shape, acc), jnp.zeros(q_b.shape, acc))
-        (m, total, o), _ = jax.lax.scan(per_key_block, init, (kb, vb, sb, pb))
-        total = jnp.where(total == 0, 1.0, total)
-        return (o / total[..., None]).astype(q.dtype), m + jnp.log(total)
+        state, _ = jax.lax.scan(per_key_block, init, (kb, vb, ksb, kpb))
+        return state
 
-    out, lse = jax.lax.map(per_query_block, (qb, sb, pb))
-    out = _merge_blocks(out, 3)[..., :T, :]
-    lse = _merge_blocks(lse, 3)[..., :T]
-    return out, lse
+    return jax.lax.map(per_query_block, (qb, qsb, qpb, state))
 
 
-def _flash_fwd(q, k, v, seg, scale, block):
-    out, lse = _flash_forward(q, k, v, seg, scale, block)
-    return out, (q, k, v, seg, out, lse)
+def finish(state):
+    """``(out, lse)`` blocks of a finished online softmax ``state``."""
+    m, total, o = state
+    total = jnp.where(total == 0, 1.0, total)
+    return o / total[..., None], m + jnp.log(total)
 
 
-def _flash_bwd(scale, block, residuals, g):
-    q, k, v, seg, out, lse = residuals
-    acc = acc_dtype(q.dtype)
-    T = q.shape[-2]
-    delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)  # [B, K, G, T]
-    qb, kb, vb, sb, pb, _ = _flash_blocks(q, k, v, seg, block)
-    gb = _split_blocks(_pad_to(g, block, 3), block, 3)
-    lb = _split_blocks(_pad_to(lse, block, 3), block, 3)
-    db = _split_blocks(_pad_to(delta, block, 3), block, 3)
+def block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int):
+    """``(out, lse)``: the attention output in the accumulation dtype (``[B, K, G, Tq, D]``)
+    and the log-sum-exp of each query's visible scores (``[B, K, G, Tq]``; a query that
+    sees no key gets the dtype's lowest value, and zeros)."""
+    Tq = q.shape[-2]
+    queries = query_blocks(q, q_pos, q_seg, min(block, Tq))
+    keys = key_blocks(k, v, k_pos, k_seg, min(block, k.shape[-2]))
+    out, lse = finish(forward_blocks(queries, forward_state(queries), keys, scale))
+    return merge_blocks(out, 3)[..., :Tq, :], merge_blocks(lse, 3)[..., :Tq]
+
+
+def backward_blocks(queries, gb, lb, db, dq, keys, scale: float):
+    """``(dq, dk, dv)`` blocks, the accumulation dtype: ``dq`` (blocks like ``queries``)
+    carried on over blocked ``keys``, and those keys' dK/dV, for the attention whose (global)
+    log-sum-exp per query is ``lb`` and ``db = sum(g * out, -1)`` (``g``'s blocks ``gb``)."""
+    qb, qpb, qsb = queries
+    kb, vb, kpb, ksb = keys
+    acc = acc_dtype(qb.dtype)
 
     def per_query_block(carry, xs):
         dk, dv = carry
-        q_b, qs, qp, g_b, l_b, d_b = xs
+        q_b, qs, qp, g_b, l_b, d_b, dq_b = xs
 
         def per_key_block(dq, ys):
             k_b, v_b, ks, kp = ys
@@ -165,20 +208,47 @@ def _flash_bwd(scale, block, residuals, g):
                 zeros = jnp.zeros(k_b.shape, acc)
                 return dq, zeros, zeros
 
-            dq, dk_b, dv_b = jax.lax.cond(kp[0] <= qp[-1], compute, skip, dq)
+            dq, dk_b, dv_b = jax.lax.cond(_any_visible(qp, kp), compute, skip, dq)
             return dq, (dk_b, dv_b)
 
-        dq, (dk_bs, dv_bs) = jax.lax.scan(
-            per_key_block, jnp.zeros(q_b.shape, acc), (kb, vb, sb, pb)
-        )
-        return (dk + dk_bs, dv + dv_bs), dq
+        dq_b, (dk_bs, dv_bs) = jax.lax.scan(per_key_block, dq_b, (kb, vb, ksb, kpb))
+        return (dk + dk_bs, dv + dv_bs), dq_b
 
     zeros = jnp.zeros(kb.shape, acc)
-    (dk, dv), dq = jax.lax.scan(per_query_block, (zeros, zeros), (qb, sb, pb, gb, lb, db))
-    dq = _merge_blocks(dq, 3)[..., :T, :].astype(q.dtype)
-    dk = _merge_blocks(dk, 2)[..., :T, :].astype(k.dtype)
-    dv = _merge_blocks(dv, 2)[..., :T, :].astype(v.dtype)
-    return dq, dk, dv, None
+    (dk, dv), dq = jax.lax.scan(per_query_block, (zeros, zeros), (qb, qsb, qpb, gb, lb, db, dq))
+    return dq, dk, dv
 
 
-flash_attention.defvjp(_flash_fwd, _flash_bwd)
+def block_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta):
+    """``(dq, dk, dv)`` in the accumulation dtype, of the attention whose (global) log-sum-exp
+    per query is ``lse`` and ``delta = sum(g * out, -1)``, for the keys given: summed over
+    the key parts a query sees, these are the whole gradients."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    queries = query_blocks(q, q_pos, q_seg, min(block, Tq))
+    keys = key_blocks(k, v, k_pos, k_seg, min(block, Tk))
+    gb, lb, db = grad_blocks(g, lse, delta, min(block, Tq))
+    dq0 = jnp.zeros(queries[0].shape, acc_dtype(q.dtype))
+    dq, dk, dv = backward_blocks(queries, gb, lb, db, dq0, keys, scale)
+    dq = merge_blocks(dq, 3)[..., :Tq, :]
+    return dq, merge_blocks(dk, 2)[..., :Tk, :], merge_blocks(dv, 2)[..., :Tk, :]
+
+
+def grad_blocks(g, lse, delta, block: int):
+    """``g``, ``lse`` and ``delta`` in query blocks (as ``query_blocks`` cuts ``q``)."""
+    return tuple(_split_blocks(_pad_to(x, block, 3), block, 3) for x in (g, lse, delta))
+
+
+def _flash_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block):
+    out, lse = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse)
+
+
+def _flash_bwd(scale, block, residuals, g):
+    q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse = residuals
+    delta = jnp.sum(g.astype(lse.dtype) * out.astype(lse.dtype), axis=-1)  # [B, K, G, Tq]
+    dq, dk, dv = block_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+flash_attention_at.defvjp(_flash_fwd, _flash_bwd)

@@ -25,6 +25,7 @@ from loomax.models.layers import layer_inputs, run_layers
 from loomax.models.mlp_activations import activation, check_activation
 from loomax.models.norms import layer_norm
 from loomax.models.remat import name_activation
+from loomax.models.sequence_layout import context_ways, layout_positions
 
 
 @LmConfig.register_subclass("gpt2")
@@ -274,7 +275,10 @@ class Gpt2LmModel(LmModel):
         c = self.config
         Pos = tokens.resolve_axis(Position)
         x = self.token_embeddings.embed(tokens)
-        x = x + self.position_embeddings.weight[Position, hax.dslice(0, Pos.size)]
+        if context_ways() > 1:  # the sequence laid out zig-zag: each slot's true position
+            x = x + self.position_embeddings.weight.take(Position, layout_positions(Pos))
+        else:
+            x = x + self.position_embeddings.weight[Position, hax.dslice(0, Pos.size)]
         k_embed, k_layers = split(key if c.dropout_active else None, 2)
         x = dropout(hax.auto_sharded(x), c.embed_pdrop, k_embed)
         per_layer = layer_inputs(

@@ -39,6 +39,7 @@ from loomax.models.mlp_activations import activation, check_activation
 from loomax.models.norms import rms_norm
 from loomax.models.remat import name_activation
 from loomax.models.rotary import DefaultRotary, RotaryConfig, apply_rotary
+from loomax.models.sequence_layout import layout_positions
 
 
 @LmConfig.register_subclass("llama")
@@ -201,7 +202,7 @@ class LlamaAttention(eqx.Module):
         key: PRNGKeyArray | None = None,
     ) -> NamedArray:
         """``key`` drops out attention probabilities (``attn_pdrop``)."""
-        q, k, v = self._qkv(x, hax.arange(x.resolve_axis(Position)))
+        q, k, v = self._qkv(x, layout_positions(x.resolve_axis(Position)))
         out = model_attention(self.config, q, k, v, segment_ids, key=key)
         return self.o_proj(name_activation(out, "attn_out"))
 

@@ -12,10 +12,13 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
+from jax.sharding import PartitionSpec as P
 
 from loomax.models import taps
 from loomax.models.axes import Embed, Position, Vocab
 from loomax.models.config import LmModel
+from loomax.models.sequence_layout import context_axes, context_ways, to_layout
+from loomax.models.splash import concrete_mesh, mapped_axes
 
 
 def next_token_targets(tokens: NamedArray) -> tuple[NamedArray, NamedArray]:
@@ -47,22 +50,64 @@ def next_token_loss(
     ``z_loss_weight * logsumexp(logits)**2`` per token (keeps the softmax normaliser near 1).
     ``segment_ids`` keep attention within packed documents (see ``segment_ids_from_eos``).
     ``key`` (the train step's) drives the model's dropout; None (evaluation) drops nothing.
+    With the sequence split over the context axis, tokens, documents, targets and weights
+    are put into its zig-zag layout (``models/sequence_layout.py``) before the model runs.
     """
-    hidden = model.hidden_states(tokens, segment_ids=segment_ids, key=key)
     targets, weights = next_token_targets(tokens)
+    # a sequence split over the context axis is laid out zig-zag; the loss, a sum, needs no undoing
+    tokens, targets, weights = to_layout(tokens), to_layout(targets), to_layout(weights)
+    if segment_ids is not None:
+        segment_ids = to_layout(segment_ids)
+    hidden = model.hidden_states(tokens, segment_ids=segment_ids, key=key)
     w = model.lm_head_weight().rearrange((Vocab, Embed)).array
-    h = hidden.rearrange((..., Embed)).array.reshape(-1, w.shape[1])
+    hidden = hidden.rearrange((..., Position, Embed))
+    h = hidden.array.reshape(-1, w.shape[1])
     t = targets.array.reshape(-1)
     m = weights.rearrange(targets.axes).array.reshape(-1)
     if taps.active():
         taps.record("logits", logits_stats(h, w, block_size or h.shape[0]))
+
+    def fused(h, w, t, m):
+        settings = (block_size, z_loss_weight, vocab_block_size, vocab_multiple)
+        return fused_cross_entropy_sum(h, w, t, m, *settings)
+
     if block_size is None:
         total = plain_cross_entropy_sum(h, w, t, m, z_loss_weight)
+    elif context_ways() > 1:
+        rows = [x.reshape(-1, hidden.resolve_axis(Position).size, *x.shape[1:]) for x in (h, t, m)]
+        total = per_device_sum(fused, w.astype(h.dtype), *rows)
     else:
-        total = fused_cross_entropy_sum(
-            h, w.astype(h.dtype), t, m, block_size, z_loss_weight, vocab_block_size, vocab_multiple
-        )
+        total = fused(h, w.astype(h.dtype), t, m)
     return total, jnp.sum(m)
+
+
+def per_device_sum(fn, w: jax.Array, *rows: jax.Array) -> jax.Array:
+    """``fn(*flattened rows, w)`` of each device's own tokens, summed over the devices.
+
+    ``rows`` are ``[B, T, ...]`` arrays laid out as the compute mapping splits ``batch`` and
+    ``position`` (over the context axes): each device runs ``fn`` on its own slots, so a
+    sequence split over the context axis is never gathered (the fused loss's scan over
+    token blocks would otherwise gather the hidden states); ``w`` is whole on every device.
+    """
+    mesh, ctx = concrete_mesh(), context_axes()
+    batch = mapped_axes(mesh, "batch", rows[0].shape[0], keep_trivial=True)
+    ctx_entry = ctx[0] if len(ctx) == 1 else ctx
+    split = tuple(a for part in (batch, ctx_entry) for a in _names(part))
+
+    def local(w, *rows):
+        flat = [x.reshape(-1, *x.shape[2:]) for x in rows]
+        return jax.lax.psum(fn(flat[0], w, *flat[1:]), split)
+
+    specs = [P(batch, ctx_entry)] * len(rows)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), *specs), out_specs=P(), check_vma=False)(
+        w, *rows
+    )
+
+
+def _names(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _acc(dtype) -> jnp.dtype:

@@ -40,7 +40,7 @@ def splash_unsupported_reason(seq_len: int, block_q: int, block_kv: int) -> str 
     return None
 
 
-def _concrete_mesh():
+def concrete_mesh():
     """The device mesh in context (``jax.set_mesh``), also inside ``jit``; None without one.
     (``jax.sharding.get_mesh`` refuses inside ``jit``; the abstract mesh has no devices.)"""
     from jax._src.mesh import get_concrete_mesh
@@ -51,7 +51,7 @@ def _concrete_mesh():
 
 def mesh_platform() -> str:
     """The platform of the devices being compiled for: the mesh in context, else the default."""
-    mesh = _concrete_mesh()
+    mesh = concrete_mesh()
     return next(iter(mesh.devices.flat if mesh is not None else jax.devices())).platform
 
 
@@ -69,7 +69,7 @@ def splash_attention(q, k, v, seg, scale: float, block_q: int, block_kv: int) ->
     local = functools.partial(
         _local, blocks=(min(block_q, T), min(block_kv, T)), interpret=mesh_platform() != "tpu"
     )
-    mesh = _concrete_mesh()
+    mesh = concrete_mesh()
     if mesh is None or mesh.size == 1:
         out = local(qh, k, v, seg)
     else:
@@ -157,19 +157,26 @@ def _kernel(heads: int, q_len: int, kv_len: int, block_q: int, block_kv: int, in
 def _mesh_axes(mesh, batch: int, kv_heads: int, heads: int):
     """Mesh axes for the batch and head dimensions: those of the compute mapping where the
     sizes divide, else None (that dimension whole on every device)."""
+    return mapped_axes(mesh, "batch", batch), mapped_axes(mesh, Heads, heads, kv_heads)
+
+
+def mapped_axes(
+    mesh, logical: str, *sizes: int, keep_trivial: bool = False
+) -> str | tuple[str, ...] | None:
+    """The mesh axes the compute mapping in context sends ``logical`` to, as a
+    ``PartitionSpec`` entry, where every one of ``sizes`` divides over them; else None
+    (that dimension whole on every device). Axes of one device in all count as None too,
+    unless ``keep_trivial`` (a ``shard_map`` that names every mesh axis it can needs no
+    reduction over the others in its backward pass)."""
     mapping = hax.partitioning.current_thread_local_mapping() or {}
-
-    def axes(logical: str, *sizes: int):
-        target = mapping.get(logical)
-        if target is None:
-            return None
-        names = (target,) if isinstance(target, str) else tuple(target)
-        ways = math.prod(mesh.shape[n] for n in names)
-        if ways == 1 or any(size % ways for size in sizes):
-            return None
-        return names[0] if len(names) == 1 else names
-
-    return axes("batch", batch), axes(Heads, heads, kv_heads)
+    target = mapping.get(logical)
+    if target is None:
+        return None
+    names = (target,) if isinstance(target, str) else tuple(target)
+    ways = math.prod(mesh.shape[n] for n in names)
+    if (ways == 1 and not keep_trivial) or any(size % ways for size in sizes):
+        return None
+    return names[0] if len(names) == 1 else names
 
 
 _PASSES = {"fwd": 4, "dq": 6, "dkv": 8, "bwd": 10}

@@ -54,7 +54,7 @@ def mesh_strategies(num_devices: int, num_slices: int = 1, max_model: int = 8) -
     while model <= min(max_model, per_slice):
         if per_slice % model == 0:
             data = per_slice // model
-            mesh = {"replica": num_slices, "data": data, "model": model}
+            mesh = {"replica": num_slices, "data": data, "context": 1, "model": model}
             tp = f" tp{model}" if model > 1 else ""
             shape = f"{num_slices}x{data}x{model}" if num_slices > 1 else f"{data}x{model}"
             fsdp = {
@@ -71,6 +71,36 @@ def mesh_strategies(num_devices: int, num_slices: int = 1, max_model: int = 8) -
                 zero2 = {**fsdp, "trainer.shard_params": False}
                 out.append(Candidate(f"zero2{tp} {shape}", zero2))
         model *= 2
+    return out
+
+
+CONTEXT_FROM = 16384
+"""Runs with sequences at least this long also try context parallelism (``context_strategies``)."""
+
+
+def context_strategies(
+    num_devices: int, num_slices: int, seq_len: int, max_context: int = 8
+) -> list[Candidate]:
+    """FSDP with each sequence split over ``context`` = 2, 4, 8 devices (ring attention),
+    where it divides the devices of a slice and ``seq_len`` cuts into its 2 x context
+    zig-zag chunks; none for sequences shorter than ``CONTEXT_FROM``."""
+    if seq_len < CONTEXT_FROM:
+        return []
+    per_slice = num_devices // num_slices
+    out = []
+    context = 2
+    while context <= min(max_context, per_slice):
+        if per_slice % context == 0 and seq_len % (2 * context) == 0:
+            data = per_slice // context
+            mesh = {"replica": num_slices, "data": data, "context": context, "model": 1}
+            shape = f"{num_slices}x{data}x{context}" if num_slices > 1 else f"{data}x{context}"
+            overrides = {
+                "trainer.mesh": mesh,
+                "trainer.fsdp_axis": "embed",
+                "trainer.shard_params": True,
+            }
+            out.append(Candidate(f"fsdp cp{context} {shape}", overrides))
+        context *= 2
     return out
 
 
@@ -181,6 +211,7 @@ def run_default(config: TrainLmConfig, num_devices: int) -> Candidate:
     fsdp = config.trainer.fsdp_axis
     kind = ("fsdp" if config.trainer.shard_params else "zero2") if fsdp else "dp"
     tp = f" tp{sizes['model']}" if sizes["model"] > 1 else ""
+    tp += f" cp{sizes['context']}" if sizes["context"] > 1 else ""
     return Candidate(
         f"{kind}{tp} {sizes['data']}x{sizes['model']} (the run's)",
         {

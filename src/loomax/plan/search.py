@@ -1,7 +1,7 @@
 """``loomax plan``'s search: compile every candidate, rank them by estimated step time.
 
 Four rounds, as a researcher would go: every mesh shape and mapping with the run's own
-remat policy and batch split; then, for the two best so far, the other remat policies;
+remat policy and batch split (at long sequence lengths, context parallelism first); then, for the two best so far, the other remat policies;
 then, for the two best after that, 2, 4 or 8 microbatches; then, for the best, the optimizer
 state in host memory (streamed, or updated there; two candidates are kept for this round).
 Candidates compile in parallel (``jobs``), each in its own child process when the run's
@@ -23,6 +23,7 @@ from loomax.plan.candidates import (
     OFFLOAD_KEYS,
     Candidate,
     as_flags,
+    context_strategies,
     mesh_strategies,
     microbatch_variants,
     offload_variants,
@@ -137,7 +138,8 @@ def search(
     ones that do not fit by how much they exceed, then those that failed to build."""
     first = [run_default(config, topology.num_devices)]
     seen = {_key(first[0])}
-    for c in mesh_strategies(topology.num_devices, topology.num_slices):
+    long = context_strategies(topology.num_devices, topology.num_slices, config.model.seq_len)
+    for c in [*long, *mesh_strategies(topology.num_devices, topology.num_slices)]:
         if _key(c) not in seen:
             seen.add(_key(c))
             first.append(c)

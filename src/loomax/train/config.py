@@ -87,7 +87,7 @@ class TrainerConfig:
     tracker: TrackerConfig | list[TrackerConfig] = field(default_factory=JsonlTrackerConfig)
     """Where metrics go: one tracker config (type: jsonl, wandb, tensorboard, noop) or a list of them."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    """Device mesh sizes: replica, data, model (one may be -1 to fill the devices), or {auto: true} to have loomax train choose."""
+    """Device mesh sizes: replica, data, context, model (one may be -1 to fill the devices), or {auto: true} to have loomax train choose."""
     force_strategy: str | None = None
     """Train with this one of loomax plan's strategies (e.g. zero2 8x1, fsdp tp2 4x2) instead of trainer.mesh and its mappings; null = as configured."""
     batch_axis: str = "batch"

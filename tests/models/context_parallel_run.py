@@ -1,0 +1,177 @@
+"""Worker for the context-parallel tests (8 fake CPU devices, a fresh process): prints JSON.
+
+python context_parallel_run.py attention   # ring / all_gather vs one device: values, grads, HLO
+python context_parallel_run.py train       # a tiny Llama: 1 device vs data 2 x context 4
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import haliax as hax  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jmp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from loomax.callbacks.eval import make_loss_evaluator  # noqa: E402
+from loomax.data import BatchLoader, TokenWindows  # noqa: E402
+from loomax.lm.loss import lm_loss_for  # noqa: E402
+from loomax.mesh import MeshConfig, make_axis_mappings  # noqa: E402
+from loomax.models import Gpt2Config, LlamaConfig  # noqa: E402
+from loomax.models.attention import causal_attention  # noqa: E402
+from loomax.models.axes import Batch, Heads, HeadSize, KeyPosition, KvHeads, Position  # noqa: E402
+from loomax.models.sequence_layout import zigzag_order  # noqa: E402
+from loomax.optim import AdamConfig  # noqa: E402
+from loomax.runtime import MeshRuntime  # noqa: E402
+from loomax.tracking import NoopTrackerConfig  # noqa: E402
+from loomax.train import Trainer, TrainerConfig  # noqa: E402
+
+SEQ, CONTEXT = 64, 4
+
+
+def attention_inputs(order):
+    """q (4 heads), k/v (2 kv heads), documents that cross the shard boundaries, output weights;
+    in true order, then taken to ``order``."""
+    rng = np.random.default_rng(0)
+    arrays = {
+        "q": rng.normal(size=(2, SEQ, 4, 8)),
+        "k": rng.normal(size=(2, SEQ, 2, 8)),
+        "v": rng.normal(size=(2, SEQ, 2, 8)),
+        "w": rng.normal(size=(2, SEQ, 4, 8)),
+    }
+    seg = np.stack([np.arange(SEQ) // 13, np.arange(SEQ) // 21])  # 8-token shards, longer docs
+    axes = {
+        "q": (Batch, Position, Heads, HeadSize),
+        "k": (Batch, KeyPosition, KvHeads, HeadSize),
+        "v": (Batch, KeyPosition, KvHeads, HeadSize),
+        "w": (Batch, Position, Heads, HeadSize),
+    }
+    named = {
+        n: hax.named(jnp.asarray(a[:, order], jnp.float32), axes[n]) for n, a in arrays.items()
+    }
+    return named, hax.named(jnp.asarray(seg[:, order], jnp.int32), (Batch, Position))
+
+
+def attention_loss(variant, backend="vanilla"):
+    def loss(q, k, v, w, seg):
+        out = causal_attention(
+            q, k, v, backend=backend, segment_ids=seg, flash_block=4, context_parallel=variant
+        )
+        return hax.sum(out * w).scalar(), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def attention():
+    natural, seg = attention_inputs(np.arange(SEQ))
+    (_, ref_out), ref_grads = attention_loss("ring")(*[natural[n] for n in "qkvw"], seg)
+    order = zigzag_order(SEQ, CONTEXT)
+    laid, seg_l = attention_inputs(order)
+    result = {}
+    cases = [("ring", 2, 1), ("all_gather", 2, 1), ("ring_tensor_parallel", 1, 2)]
+    for name, data, model in cases:
+        mesh = MeshConfig(data=data, context=CONTEXT, model=model).build()
+        runtime = MeshRuntime(mesh, make_axis_mappings())
+        fn = attention_loss(name.removesuffix("_tensor_parallel"), backend="blockwise")
+        with runtime.mesh_context():
+            args = [laid[n] for n in "qkvw"] + [seg_l]
+            (_, out), grads = fn(*args)
+            hlo = fn.lower(*args).compile().as_text()
+        errors = {"out": float(jnp.max(jnp.abs(out.array - ref_out.array[:, order])))}
+        for grad_name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+            errors[grad_name] = float(jnp.max(jnp.abs(g.array - r.array[:, order])))
+        result[name] = {
+            "errors": errors,
+            "all_gathers": hlo.count(" all-gather("),
+            "collective_permutes": hlo.count(" collective-permute("),
+        }
+    return result
+
+
+TRAIN_SEQ, VOCAB, STEPS, BATCH, EOS = 256, 64, 4, 4, 0
+
+
+def train_losses(mesh: MeshConfig, devices, variant: str = "ring") -> list[float]:
+    """Losses of a few steps of a tiny grouped-query Llama with document masks (EOS = 0),
+    then the evaluation loss of the final weights on two batches."""
+    model = LlamaConfig(
+        seq_len=TRAIN_SEQ, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, context_parallel=variant, cross_entropy_block_size=128,
+    )  # fmt: skip
+    config = TrainerConfig(
+        num_train_steps=STEPS,
+        train_batch_size=BATCH,
+        mesh=mesh,
+        progress_bar=False,
+        tracker=NoopTrackerConfig(),
+        run_dir=tempfile.mkdtemp(),
+    )
+    optimizer = AdamConfig(learning_rate=3e-3, warmup=0)
+    loss = lm_loss_for(model, eos_id=EOS)
+    trainer = Trainer(config, optimizer.build(STEPS), loss, run_id="cp", devices=devices)
+    losses: list[float] = []
+    trainer.add_hook(lambda info: losses.append(info.loss))
+    state = trainer.initial_state(lambda key: model.build(VOCAB, key=key))
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 20 * TRAIN_SEQ, dtype=np.int32)
+    loader = BatchLoader(TokenWindows(tokens, TRAIN_SEQ), BATCH, seed=0)
+    final = trainer.train(state, loader.iter_from(0, 0, 1))
+    batches = [loader.batch(STEPS + i) for i in range(2)]
+    evaluate = make_loss_evaluator(
+        loss, batches, jmp.get_policy(config.mp), jit=trainer.runtime.jit,
+        prepare=trainer.runtime.shard_batch,
+    )  # fmt: skip
+    return [*losses, evaluate(final.state.model)["eval/loss"]]
+
+
+def loss_gradients(mesh: MeshConfig, devices) -> list[np.ndarray]:
+    """The logits (``model.logits``) and the gradients of the mean loss (with document masks)
+    of a tiny GPT-2's initial weights (learned positions) on one batch."""
+    model = Gpt2Config(
+        seq_len=TRAIN_SEQ, hidden_dim=32, num_layers=2, num_heads=4, cross_entropy_block_size=128
+    )
+    runtime = MeshRuntime(mesh.build(devices), make_axis_mappings())
+    loss = lm_loss_for(model, eos_id=EOS)
+    params = model.build(VOCAB, key=jax.random.PRNGKey(0))
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (BATCH, TRAIN_SEQ), dtype=np.int32)
+
+    def mean_loss(params, tokens):
+        total, weight = loss(params, tokens)
+        return total / weight
+
+    def logits(params, tokens):
+        return params.logits(hax.named(tokens, (Batch, Position))).array
+
+    with runtime.mesh_context():
+        grads = jax.jit(jax.grad(mean_loss))(params, runtime.shard_batch(tokens))
+        out = jax.jit(logits)(params, runtime.shard_batch(tokens))
+    return [np.asarray(out)] + [np.asarray(g) for g in jax.tree.leaves(grads)]
+
+
+def gradient_error() -> float:
+    """Largest difference of the logits and of each gradient, data 2 x context 4 against one
+    device, relative to the largest entry of each."""
+    one = loss_gradients(MeshConfig(data=1), jax.devices()[:1])
+    split = loss_gradients(MeshConfig(data=2, context=CONTEXT), jax.devices())
+    return max(
+        float(np.max(np.abs(a - b)) / np.max(np.abs(a))) for a, b in zip(one, split, strict=True)
+    )
+
+
+def train():
+    devices = jax.devices()
+    return {
+        "gradient_error": gradient_error(),
+        "one_device": train_losses(MeshConfig(data=1), devices[:1]),
+        "ring": train_losses(MeshConfig(data=2, context=CONTEXT), devices),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps({"attention": attention, "train": train}[sys.argv[1]]()))
