@@ -36,8 +36,10 @@ def next_token_loss(
     vocab_block_size: int | None = None,
     vocab_multiple: int = 1,
     key: jax.Array | None = None,
+    aux_losses: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """``(sum of token losses, number of tokens)`` for predicting each next token.
+    """``(sum of token losses, number of tokens)`` for predicting each next token
+    (``next_token_loss_and_metrics`` without the metrics).
 
     ``block_size`` tokens at a time go through the fused LM head and softmax; ``None``
     computes full logits (the reference path, used in tests); ``vocab_block_size`` also
@@ -47,8 +49,38 @@ def next_token_loss(
     ``z_loss_weight * logsumexp(logits)**2`` per token (keeps the softmax normaliser near 1).
     ``segment_ids`` keep attention within packed documents (see ``segment_ids_from_eos``).
     ``key`` (the train step's) drives the model's dropout; None (evaluation) drops nothing.
+    ``aux_losses`` adds the model's own loss terms (``AuxOutputs.losses``, e.g. MoE balance
+    losses), each a per-token mean, so the sum gains ``number of tokens * term``.
     """
-    hidden = model.hidden_states(tokens, segment_ids=segment_ids, key=key)
+    (total, weight), _ = next_token_loss_and_metrics(
+        model,
+        tokens,
+        block_size=block_size,
+        z_loss_weight=z_loss_weight,
+        segment_ids=segment_ids,
+        vocab_block_size=vocab_block_size,
+        vocab_multiple=vocab_multiple,
+        key=key,
+        aux_losses=aux_losses,
+    )
+    return total, weight
+
+
+def next_token_loss_and_metrics(
+    model: LmModel,
+    tokens: NamedArray,
+    *,
+    block_size: int | None = 4096,
+    z_loss_weight: float = 0.0,
+    segment_ids: NamedArray | None = None,
+    vocab_block_size: int | None = None,
+    vocab_multiple: int = 1,
+    key: jax.Array | None = None,
+    aux_losses: bool = True,
+) -> tuple[tuple[jax.Array, jax.Array], dict[str, jax.Array]]:
+    """``((sum, number of tokens), metrics)``: ``next_token_loss`` and the model's metrics
+    (``AuxOutputs.metrics``; empty for a dense model), as a trainer's loss function returns."""
+    hidden, aux = model.hidden_states_and_aux(tokens, segment_ids=segment_ids, key=key)
     targets, weights = next_token_targets(tokens)
     w = model.lm_head_weight().rearrange((Vocab, Embed)).array
     h = hidden.rearrange((..., Embed)).array.reshape(-1, w.shape[1])
@@ -62,7 +94,11 @@ def next_token_loss(
         total = fused_cross_entropy_sum(
             h, w.astype(h.dtype), t, m, block_size, z_loss_weight, vocab_block_size, vocab_multiple
         )
-    return total, jnp.sum(m)
+    count = jnp.sum(m)
+    if aux_losses:
+        for term in aux.losses.values():
+            total = total + count * term.astype(total.dtype)
+    return (total, count), dict(aux.metrics)
 
 
 def _acc(dtype) -> jnp.dtype:
