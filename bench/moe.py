@@ -10,6 +10,7 @@ grouped-matmul forms on the MoE: ``--matmul ragged_dot`` shows what XLA:CPU's de
 lowering of ``ragged_dot`` costs.
 
     .venv/bin/python bench/moe.py [--batch 32] [--steps 5] [--rounds 3] [--matmul blocked]
+        [--block 64]
 """
 
 from __future__ import annotations
@@ -42,18 +43,18 @@ def gradient(config, batch: int):
     ids = jax.random.randint(jax.random.PRNGKey(1), (batch, config.seq_len), 0, VOCAB)
     tokens = hax.named(ids, ("batch", "position"))
 
-    @eqx.filter_jit
-    def grad(m, t):
-        def loss(m):
-            total, count = next_token_loss(m, t, block_size=config.cross_entropy_block_size)
-            return total / count
+    params, static = eqx.partition(model, eqx.is_array)
 
-        return eqx.filter_value_and_grad(loss)(m)
+    def loss(p, t):
+        total, count = next_token_loss(
+            eqx.combine(p, static), t, block_size=config.cross_entropy_block_size
+        )
+        return total / count
 
-    compiled = grad.lower(model, tokens).compile()
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile()
     flops = compiled.cost_analysis().get("flops", float("nan"))
-    jax.block_until_ready(grad(model, tokens))  # warm
-    return (lambda: jax.block_until_ready(grad(model, tokens))), flops, model
+    jax.block_until_ready(compiled(params, tokens))  # warm
+    return (lambda: jax.block_until_ready(compiled(params, tokens))), flops, model
 
 
 def main() -> None:
@@ -62,9 +63,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--matmul", default="blocked")
+    parser.add_argument(
+        "--block", type=int, default=None, help="matmul_block (default: the config's)"
+    )
     args = parser.parse_args()
     moe = model_config("moe_tiny")
-    moe = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, matmul=args.matmul))
+    block = args.block or moe.moe.matmul_block
+    moe = dataclasses.replace(
+        moe, moe=dataclasses.replace(moe.moe, matmul=args.matmul, matmul_block=block)
+    )
     configs = {"moe_tiny": moe, "llama_tiny": model_config("llama_tiny")}
     runs = {name: gradient(c, args.batch) for name, c in configs.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -75,7 +82,7 @@ def main() -> None:
                 step()
             times[name].append((time.perf_counter() - start) / args.steps)
     tokens = args.batch * moe.seq_len
-    out = {"batch": args.batch, "seq_len": moe.seq_len, "matmul": args.matmul}
+    out = {"batch": args.batch, "seq_len": moe.seq_len, "matmul": args.matmul, "block": block}
     for name, (_, flops, model) in runs.items():
         params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
         out[name] = {
