@@ -6,6 +6,7 @@ from loomax.models.llama import LlamaConfig, LlamaLmModel
 from loomax.models.loss import next_token_loss
 from loomax.models.mixtral import MixtralConfig, MixtralLmModel
 from loomax.models.moe import MoeConfig
+from loomax.models.olmoe import OlmoeConfig
 from loomax.models.qwen3_moe import Qwen3MoeConfig
 from loomax.models.rotary import RotaryConfig
 
@@ -20,6 +21,7 @@ __all__ = [
     "MixtralConfig",
     "MixtralLmModel",
     "MoeConfig",
+    "OlmoeConfig",
     "Qwen3MoeConfig",
     "RotaryConfig",
     "next_token_loss",
