@@ -107,3 +107,17 @@ def test_train_step_reports_router_metrics_under_moe(model):
 def test_moe_tiny_config_parses(repo_root):
     config = parse_config(TrainLmConfig, repo_root / "config" / "moe_tiny.yaml").model
     assert isinstance(config, MixtralConfig) and config.moe.num_experts > 1
+
+
+def test_qk_norm_over_heads_norms_the_whole_projection():
+    from loomax.models import LlamaConfig, OlmoeConfig
+
+    olmoe = OlmoeConfig(
+        seq_len=16, hidden_dim=16, intermediate_dim=8, num_layers=1, num_heads=4, num_kv_heads=2,
+        moe=MoeConfig(num_experts=2, num_experts_per_tok=1),
+    )  # fmt: skip
+    attn = jax.eval_shape(lambda: olmoe.build(VOCAB, key=jax.random.PRNGKey(0))).blocks
+    q_norm = attn.stacked.attn.q_norm.weight
+    assert [a.name for a in q_norm.axes] == ["layers", "heads", "head_size"]
+    with pytest.raises(ValueError, match="qk_norm_over_heads needs model.qk_norm"):
+        LlamaConfig(num_heads=4, hidden_dim=16, qk_norm_over_heads=True)

@@ -98,6 +98,8 @@ class LlamaConfig(LmConfig):
                 f"model.hidden_dim ({self.hidden_dim}) must be divisible by model.num_heads "
                 f"({self.num_heads}), or set model.head_dim"
             )
+        if self.qk_norm_over_heads and not self.qk_norm:
+            raise ValueError("model.qk_norm_over_heads needs model.qk_norm: true")
         if self.head_size % 2:
             raise ValueError(
                 f"model.head_dim must be even for rotary embeddings, got {self.head_size}"
