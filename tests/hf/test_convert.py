@@ -16,7 +16,7 @@ from loomax.config import ConfigError
 from loomax.hf import export_hf, load_hf, read_hf, special_token_ids
 from loomax.hf.gpt2 import from_hf_config as gpt2_from_hf
 from loomax.hf.gpt2 import hf_config as gpt2_hf_config
-from loomax.models import Gpt2Config, LlamaConfig
+from loomax.models import Gpt2Config, LlamaConfig, MixtralConfig, MoeConfig
 from loomax.models.rotary import Llama3Rotary
 
 from .hf_reference import gpt2_logits, llama_logits
@@ -191,3 +191,38 @@ def test_options_travel_in_config_json_and_dropout_stays_the_runs(tmp_path):
         ValueError, match="attention_bias .* and mlp_bias .* differ; model.use_bias"
     ):
         load_hf(tmp_path)
+
+
+MIXTRAL = MixtralConfig(
+    seq_len=32, hidden_dim=32, intermediate_dim=48, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=8, moe=MoeConfig(num_experts=3, num_experts_per_tok=2, load_balance_loss_weight=0.02),
+)  # fmt: skip
+
+
+def test_mixtral_writes_per_expert_tensors_and_reads_them_back(tmp_path):
+    model = randomized(MIXTRAL)
+    export_hf(model, tmp_path)
+    config, tensors = read_hf(tmp_path)
+    moe = "model.layers.1.block_sparse_moe."
+    assert tensors[moe + "gate.weight"].shape == (3, 32)
+    assert tensors[moe + "experts.2.w1.weight"].shape == (48, 32)  # [out, in]
+    assert tensors[moe + "experts.2.w2.weight"].shape == (32, 48)
+    np.testing.assert_array_equal(
+        tensors[moe + "experts.2.w3.weight"],
+        np.asarray(model.blocks.stacked.mlp.up.array[1, 2].T),  # (layers, experts, embed, mlp)
+    )
+    assert not any(".mlp." in name for name in tensors)
+    # HF's aux loss is k at balance, Loomax's 1: the coefficient scales by k
+    assert config["router_aux_loss_coef"] == pytest.approx(0.01)
+    assert load_hf(tmp_path).config == MIXTRAL
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("capacity_factor", 1.25), ("num_shared_experts", 1), ("score_function", "sigmoid"),
+     ("norm_topk_prob", False)],
+)  # fmt: skip
+def test_mixtral_export_names_the_moe_option_transformers_lacks(tmp_path, key, value):
+    config = dataclasses.replace(MIXTRAL, moe=dataclasses.replace(MIXTRAL.moe, **{key: value}))
+    with pytest.raises(ConfigError, match=f"export needs model.moe.{key}"):
+        export_hf(config.build(VOCAB, key=jax.random.PRNGKey(0)), tmp_path)

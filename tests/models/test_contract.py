@@ -19,7 +19,17 @@ import pytest
 import loomax
 from loomax.hf import export_hf, load_hf
 from loomax.hf.convert import FAMILIES
-from loomax.models import Gpt2Config, LlamaConfig, LmConfig, LmModel, next_token_loss
+from loomax.models import (
+    Gpt2Config,
+    LlamaConfig,
+    LmConfig,
+    LmModel,
+    MixtralConfig,
+    MoeConfig,
+    OlmoeConfig,
+    Qwen3MoeConfig,
+    next_token_loss,
+)
 from loomax.models.generate import sample_tokens
 
 VOCAB = 37
@@ -28,6 +38,34 @@ TINY: dict[str, LmConfig] = {
     "gpt2": Gpt2Config(seq_len=SEQ, hidden_dim=16, num_layers=2, num_heads=2),
     "llama": LlamaConfig(
         seq_len=SEQ, hidden_dim=16, intermediate_dim=32, num_layers=2, num_heads=4, num_kv_heads=2
+    ),
+    "mixtral": MixtralConfig(
+        seq_len=SEQ,
+        hidden_dim=16,
+        intermediate_dim=16,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        moe=MoeConfig(num_experts=4, num_experts_per_tok=2),
+    ),
+    "qwen3_moe": Qwen3MoeConfig(
+        seq_len=SEQ,
+        hidden_dim=16,
+        intermediate_dim=8,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        moe=MoeConfig(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
+    ),
+    "olmoe": OlmoeConfig(
+        seq_len=SEQ,
+        hidden_dim=16,
+        intermediate_dim=8,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        moe=MoeConfig(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
     ),
 }
 """A tiny config of every model type; a new type must add one here."""

@@ -121,7 +121,7 @@ def reference(config: DiLoCoConfig, workers: int, optimizer, steps: int = STEPS)
     @jax.jit
     def inner(p, opt_state, rows):
         def mean_loss(p):
-            total, weight = loss(eqx.combine(p, static), rows)
+            (total, weight), _ = loss(eqx.combine(p, static), rows)
             return total / weight
 
         value, grads = jax.value_and_grad(mean_loss)(p)

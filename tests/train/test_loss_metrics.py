@@ -18,7 +18,7 @@ def loss_with_metrics():
     base = lm_loss()
 
     def loss_fn(model, tokens, *, key=None):
-        total, weight = base(model, tokens, key=key)
+        (total, weight), _ = base(model, tokens, key=key)
         t = jnp.asarray(tokens, jnp.float32)
         metrics = {
             "token_mean": jnp.sum(t[:, 1:]) / weight,  # a mean: weighted like the loss

@@ -117,7 +117,7 @@ def nan_after(step_to_break):
     base = lm_loss()
 
     def loss_fn(model, tokens, *, key=None):
-        total, weight = base(model, tokens, key=key)
+        (total, weight), _ = base(model, tokens, key=key)
         poison = jnp.where(
             tokens[0, 0] == -1, jnp.nan, 0.0
         )  # the test sets a -1 token to break a step

@@ -65,7 +65,7 @@ def spiking_loss():
     base = lm_loss()
 
     def loss_fn(model, tokens, *, key=None):
-        total, weight = base(model, jnp.maximum(tokens, 0), key=key)
+        (total, weight), _ = base(model, jnp.maximum(tokens, 0), key=key)
         return total * jnp.where(tokens[0, 0] == SPIKE, 30.0, 1.0), weight
 
     return loss_fn

@@ -1,4 +1,4 @@
-"""Hugging Face interop: safetensors + config.json export and import (GPT-2, Llama)."""
+"""Hugging Face interop: safetensors + config.json export and import (GPT-2, Llama, Mixtral)."""
 
 from loomax.hf.convert import (
     check_hf,

@@ -3,7 +3,8 @@
 A ``Param`` says where a weight lives in the Loomax model and how its named axes lie in
 the HF tensor: ``dims`` lists the HF dimensions in order, each one axis name or a tuple of
 names flattened together (head-major, as HF lays out ``q_proj`` and GPT-2's ``c_attn``).
-Per-layer weights have ``{i}`` in their HF name and the ``layers`` axis in Loomax.
+Per-layer weights have ``{i}`` in their HF name and the ``layers`` axis in Loomax;
+per-expert weights (a mixture of experts) also ``{e}`` and the ``experts`` axis.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax
 import numpy as np
 
 from loomax.errors import BadFileError
-from loomax.models.axes import Layers
+from loomax.models.axes import Experts, Layers
 
 Dims = tuple[str | tuple[str, ...], ...]
 
@@ -33,13 +34,30 @@ class Param:
     def per_layer(self) -> bool:
         return "{i}" in self.hf_name
 
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.hf_name
+
+    def _stacked(self) -> tuple[str, ...]:
+        """The Loomax axes that HF splits into separate tensors (by ``{i}``, ``{e}``)."""
+        return ((Layers,) if self.per_layer else ()) + ((Experts,) if self.per_expert else ())
+
+    def _names(self, named) -> list[tuple[tuple[int, ...], str]]:
+        """``(index into the stacked axes, HF name)`` of every tensor of this weight."""
+        sizes = [named.resolve_axis(a).size for a in self._stacked()]
+        out = []
+        for index in np.ndindex(*sizes):
+            kw = dict(zip(("i", "e") if self.per_layer else ("e",), index, strict=False))
+            out.append((index, self.hf_name.format(**kw)))
+        return out
+
     def _order(self) -> tuple[str, ...]:
         return tuple(n for d in self.dims for n in ((d,) if isinstance(d, str) else d))
 
     def export(self, model) -> dict[str, np.ndarray]:
         """The HF tensor(s) of this weight (one per layer for per-layer weights)."""
         named = self.where(model)
-        order = ((Layers,) if self.per_layer else ()) + self._order()
+        order = self._stacked() + self._order()
         array = np.asarray(jax.device_get(named.rearrange(order).array))
         shape = [
             named.resolve_axis(d).size
@@ -47,20 +65,14 @@ class Param:
             else math.prod(named.resolve_axis(n).size for n in d)
             for d in self.dims
         ]
-        if not self.per_layer:
-            return {self.hf_name: array.reshape(shape)}
-        return {self.hf_name.format(i=i): array[i].reshape(shape) for i in range(array.shape[0])}
+        return {name: array[index].reshape(shape) for index, name in self._names(named)}
 
     def load(self, skeleton, tensors: dict[str, np.ndarray]) -> hax.NamedArray:
         """This weight rebuilt from HF ``tensors``, with the skeleton leaf's axes and dtype."""
         like = self.where(skeleton)
-        if self.per_layer:
-            n = like.resolve_axis(Layers).size
-            array = np.stack([_take(tensors, self.hf_name.format(i=i)) for i in range(n)])
-            order = (Layers,) + self._order()
-        else:
-            array = _take(tensors, self.hf_name)
-            order = self._order()
+        order = self._stacked() + self._order()
+        names = self._names(like)
+        array = np.stack([_take(tensors, name) for _, name in names])
         axes = tuple(like.resolve_axis(name) for name in order)
         want = tuple(a.size for a in axes)
         if math.prod(array.shape) != math.prod(want):

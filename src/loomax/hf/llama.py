@@ -24,6 +24,7 @@ TRAINING_KEYS = ("attention_dropout",)
 """config.json fields that are training settings, not architecture (a run may change them)."""
 _UNSUPPORTED = {
     "qk_norm": (True, "has no QK-norm"),
+    "qk_norm_over_heads": (True, "has no QK-norm"),
     "hybrid_norm": (True, "has no norms on the attention and MLP outputs"),
     "input_embedding_norm": (True, "has no norm on the embeddings"),
     "use_layer_norm_weight": (False, "has a learned scale in every RMSNorm"),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import haliax as hax
 
 from loomax.lm.config import TrainLmConfig
-from loomax.models import next_token_loss
 from loomax.models.attention import segment_ids_from_eos
 from loomax.models.axes import Batch, Position
 from loomax.models.config import LmConfig
+from loomax.models.loss import next_token_loss_and_metrics
 
 
 def lm_loss(
@@ -18,11 +18,15 @@ def lm_loss(
     eos_id: int | None = None,
     vocab_block_size: int | None = None,
     vocab_multiple: int = 1,
+    aux_losses: bool = True,
 ):
-    """The trainer's loss: next-token cross-entropy on a ``[batch, position]`` token array.
+    """The trainer's loss: next-token cross-entropy on a ``[batch, position]`` token array,
+    returned as ``((sum, tokens), metrics)`` with the model's metrics (``moe/...`` of an MoE
+    model; none for a dense one).
 
     With ``eos_id``, attention stays within the documents packed into each sequence. The
-    step's ``key`` reaches the model (its dropout); evaluation passes none.
+    step's ``key`` reaches the model (its dropout); evaluation passes none. ``aux_losses``
+    adds the model's own loss terms (MoE balance losses) to the sum.
     """
 
     def loss_fn(model, tokens, *, key=None):
@@ -30,7 +34,7 @@ def lm_loss(
             hax.named(tokens, (Batch, Position))
         )  # batch over (replica, data)
         segments = None if eos_id is None else segment_ids_from_eos(tokens, eos_id)
-        return next_token_loss(
+        return next_token_loss_and_metrics(
             model,
             tokens,
             block_size=block_size,
@@ -39,12 +43,19 @@ def lm_loss(
             vocab_block_size=vocab_block_size,
             vocab_multiple=vocab_multiple,
             key=key,
+            aux_losses=aux_losses,
         )
 
     return loss_fn
 
 
-def lm_loss_for(model: LmConfig, *, eos_id: int | None = None, z_loss_weight: float | None = None):
+def lm_loss_for(
+    model: LmConfig,
+    *,
+    eos_id: int | None = None,
+    z_loss_weight: float | None = None,
+    aux_losses: bool = True,
+):
     """``lm_loss`` with ``model``'s cross-entropy settings (blocks, vocabulary padding, and its
     z-loss unless ``z_loss_weight`` is given), attention kept within documents at ``eos_id``."""
     return lm_loss(
@@ -53,12 +64,14 @@ def lm_loss_for(model: LmConfig, *, eos_id: int | None = None, z_loss_weight: fl
         eos_id=eos_id,
         vocab_block_size=model.cross_entropy_vocab_block_size,
         vocab_multiple=model.cross_entropy_vocab_multiple,
+        aux_losses=aux_losses,
     )
 
 
 def model_lm_loss(config: TrainLmConfig, *, training: bool = True):
     """``lm_loss`` as ``config.model`` asks (block size, document masking with the tokenizer's EOS,
-    and z-loss when ``training``: evaluation reports the plain cross-entropy)."""
+    and z-loss and the model's auxiliary losses when ``training``: evaluation reports the
+    plain cross-entropy)."""
     model = config.model
     eos = None
     if model.document_mask:
@@ -66,4 +79,6 @@ def model_lm_loss(config: TrainLmConfig, *, training: bool = True):
         from loomax.data.tokenizer import eos_id, load_tokenizer
 
         eos = eos_id(load_tokenizer(prepare_tokenizer(config.data)))
-    return lm_loss_for(model, eos_id=eos, z_loss_weight=None if training else 0.0)
+    return lm_loss_for(
+        model, eos_id=eos, z_loss_weight=None if training else 0.0, aux_losses=training
+    )

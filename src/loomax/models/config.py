@@ -216,6 +216,16 @@ class LmModel(eqx.Module):
         result are in its zig-zag layout (``models/sequence_layout.py`` ``to_layout``).
         """
 
+    def hidden_states_and_aux(
+        self,
+        tokens: hax.NamedArray,
+        *,
+        segment_ids: hax.NamedArray | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[hax.NamedArray, AuxOutputs]:
+        """``hidden_states`` and the model's extra training terms (a dense model has none)."""
+        return self.hidden_states(tokens, segment_ids=segment_ids, key=key), AuxOutputs()
+
     @abc.abstractmethod
     def init_cache(self, batch_axes: tuple[hax.Axis, ...], max_len: int, dtype) -> KvCache:
         """An empty KV cache for decoding up to ``max_len`` positions."""
@@ -252,6 +262,16 @@ class LmModel(eqx.Module):
         (``with_tokenizer=True``: with the tokenizer)."""
         saved = SavedModel(self.config, self.Vocab.size)
         write_files(path, draccus.dump(saved), self, tokenizer)
+
+
+class AuxOutputs(eqx.Module):
+    """What a model returns beside its hidden states for training: ``losses`` (each already
+    times its coefficient, a per-token mean the objective adds; e.g. MoE balance losses) and
+    ``metrics`` (scalars reported under their own names, e.g. ``moe/...``). Empty for a
+    dense model, so the loss and the step treat every model alike."""
+
+    losses: dict[str, jax.Array] = eqx.field(default_factory=dict)
+    metrics: dict[str, jax.Array] = eqx.field(default_factory=dict)
 
 
 class KvCache(eqx.Module):

@@ -69,6 +69,8 @@ class LlamaConfig(LmConfig):
     """Use the token embedding matrix as the LM head."""
     qk_norm: bool = False
     """RMSNorm over head_size on queries and keys before rotary (as in OLMo 2 / Qwen 3)."""
+    qk_norm_over_heads: bool = False
+    """With qk_norm: one RMSNorm over the whole query (key) projection, all heads together (OLMoE), not per head."""
     initializer_range: float = 0.02
     """Standard deviation of the embedding initialisation."""
     activation_function: str = "silu"
@@ -97,6 +99,8 @@ class LlamaConfig(LmConfig):
                 f"model.hidden_dim ({self.hidden_dim}) must be divisible by model.num_heads "
                 f"({self.num_heads}), or set model.head_dim"
             )
+        if self.qk_norm_over_heads and not self.qk_norm:
+            raise ValueError("model.qk_norm_over_heads needs model.qk_norm: true")
         if self.head_size % 2:
             raise ValueError(
                 f"model.head_dim must be even for rotary embeddings, got {self.head_size}"
@@ -135,7 +139,7 @@ class LlamaConfig(LmConfig):
     def Layers(self) -> Axis:
         return Axis(Layers, self.num_layers)
 
-    def make_norm(self, axis: Axis) -> hnn.RmsNorm:
+    def make_norm(self, axis: Axis | tuple[Axis, ...]) -> hnn.RmsNorm:
         """An RMSNorm over ``axis`` as configured (epsilon, learned scale or none)."""
         return rms_norm(axis, self.rms_norm_eps, use_weight=self.use_layer_norm_weight)
 
@@ -173,7 +177,10 @@ class LlamaAttention(eqx.Module):
         k_q, k_k, k_v, k_o = jax.random.split(key, 4)
         c, bias = config, config.use_bias
         q_norm = k_norm = None
-        if c.qk_norm:
+        if c.qk_norm and c.qk_norm_over_heads:
+            q_norm = c.make_norm((c.Heads, c.HeadSize))
+            k_norm = c.make_norm((c.KvHeads, c.HeadSize))
+        elif c.qk_norm:
             q_norm, k_norm = c.make_norm(c.HeadSize), c.make_norm(c.HeadSize)
         out_scale = 1 / math.sqrt(2 * c.num_layers)
         return LlamaAttention(

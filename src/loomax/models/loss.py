@@ -39,8 +39,10 @@ def next_token_loss(
     vocab_block_size: int | None = None,
     vocab_multiple: int = 1,
     key: jax.Array | None = None,
+    aux_losses: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """``(sum of token losses, number of tokens)`` for predicting each next token.
+    """``(sum of token losses, number of tokens)`` for predicting each next token
+    (``next_token_loss_and_metrics`` without the metrics).
 
     ``block_size`` tokens at a time go through the fused LM head and softmax; ``None``
     computes full logits (the reference path, used in tests); ``vocab_block_size`` also
@@ -52,13 +54,43 @@ def next_token_loss(
     ``key`` (the train step's) drives the model's dropout; None (evaluation) drops nothing.
     With the sequence split over the context axis, tokens, documents, targets and weights
     are put into its zig-zag layout (``models/sequence_layout.py``) before the model runs.
+    ``aux_losses`` adds the model's own loss terms (``AuxOutputs.losses``, e.g. MoE balance
+    losses), each a per-token mean, so the sum gains ``number of tokens * term``.
     """
+    (total, weight), _ = next_token_loss_and_metrics(
+        model,
+        tokens,
+        block_size=block_size,
+        z_loss_weight=z_loss_weight,
+        segment_ids=segment_ids,
+        vocab_block_size=vocab_block_size,
+        vocab_multiple=vocab_multiple,
+        key=key,
+        aux_losses=aux_losses,
+    )
+    return total, weight
+
+
+def next_token_loss_and_metrics(
+    model: LmModel,
+    tokens: NamedArray,
+    *,
+    block_size: int | None = 4096,
+    z_loss_weight: float = 0.0,
+    segment_ids: NamedArray | None = None,
+    vocab_block_size: int | None = None,
+    vocab_multiple: int = 1,
+    key: jax.Array | None = None,
+    aux_losses: bool = True,
+) -> tuple[tuple[jax.Array, jax.Array], dict[str, jax.Array]]:
+    """``((sum, number of tokens), metrics)``: ``next_token_loss`` and the model's metrics
+    (``AuxOutputs.metrics``; empty for a dense model), as a trainer's loss function returns."""
     targets, weights = next_token_targets(tokens)
     # a sequence split over the context axis is laid out zig-zag; the loss, a sum, needs no undoing
     tokens, targets, weights = to_layout(tokens), to_layout(targets), to_layout(weights)
     if segment_ids is not None:
         segment_ids = to_layout(segment_ids)
-    hidden = model.hidden_states(tokens, segment_ids=segment_ids, key=key)
+    hidden, aux = model.hidden_states_and_aux(tokens, segment_ids=segment_ids, key=key)
     w = model.lm_head_weight().rearrange((Vocab, Embed)).array
     hidden = hidden.rearrange((..., Position, Embed))
     h = hidden.array.reshape(-1, w.shape[1])
@@ -78,7 +110,11 @@ def next_token_loss(
         total = per_device_sum(fused, w.astype(h.dtype), *rows)
     else:
         total = fused(h, w.astype(h.dtype), t, m)
-    return total, jnp.sum(m)
+    count = jnp.sum(m)
+    if aux_losses:
+        for term in aux.losses.values():
+            total = total + count * term.astype(total.dtype)
+    return (total, count), dict(aux.metrics)
 
 
 def per_device_sum(fn, w: jax.Array, *rows: jax.Array) -> jax.Array:

@@ -93,7 +93,7 @@ def scan_layers(blocks: hax.nn.Stacked, x, *args, unroll: int | bool | None = No
     def layer(carry, block, *extra, **kw):
         with collect() as recorded:
             out = block(carry, *extra, **kw)
-            tap("residual", out)
+            tap("residual", out[0] if isinstance(out, tuple) else out)  # (x, aux): MoE
         return out, recorded
 
     size = blocks.Block.size

@@ -111,6 +111,10 @@ def trainable_params(model: Any, freeze: Sequence[str] = ()) -> Any:
     return eqx.filter(model, trainable_mask(model, freeze))
 
 
+KEEP_NAMES = ("activations/", "moe/")
+"""Prefixes of loss metrics the step reports under their own name (not ``train/<name>``)."""
+
+
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -231,8 +235,8 @@ def make_train_step(
             model = eqx.apply_updates(before, updates)
             grad_norm = optax.tree.norm(grads)
         metrics: Metrics = {"train/loss": loss, "optim/grad_norm": grad_norm}
-        for name, value in metric_values(sums).items():  # activations/... keep their name
-            metrics[name if name.startswith("activations/") else f"train/{name}"] = value
+        for name, value in metric_values(sums).items():  # activations/..., moe/... keep their name
+            metrics[name if name.startswith(KEEP_NAMES) else f"train/{name}"] = value
         reported = optimizer_state_metrics(opt_state)
         metrics.update(
             jax.device_put(reported, jax.memory.Space.Device) if update_on_host else reported

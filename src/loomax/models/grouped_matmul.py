@@ -1,0 +1,117 @@
+"""Grouped matmul: rows sorted by group, each group times its own weight matrix.
+
+``grouped_matmul(x, w, group_sizes)`` is ``x[rows of g] @ w[g]`` for every group ``g``
+(``x`` is ``[m, k]`` with the rows of group 0 first, then group 1, ...; ``w`` is ``[G, k,
+n]``), the experts' matmul of a mixture-of-experts layer. Rows past ``sum(group_sizes)``
+come out as zeros. Every implementation does only the routed work:
+
+- ``ragged_dot`` (GPU): ``jax.lax.ragged_dot``, lowered to ``chlo.ragged_dot``;
+- ``megablox`` (TPU): the Pallas ``gmm`` kernel, rows padded to its row tile;
+- ``blocked`` (CPU, any backend): each group's rows padded to a multiple of ``block``
+  rows, the expert weights of every block gathered, one batched matmul over the blocks:
+  work = routed rows + at most ``block - 1`` padding rows per group. (XLA:CPU lowers
+  ``ragged_dot`` by masking ``x`` into ``[G, m, k]`` and contracting over all groups: G
+  times the work; it remains the reference the tests compare with.)
+
+``auto`` picks by the default backend: GPU ``ragged_dot``, TPU ``megablox``, else ``blocked``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("auto", "blocked", "ragged_dot", "megablox")
+"""The values of ``model.moe.matmul``."""
+DEFAULT_BLOCK = 64
+"""Rows per block of the ``blocked`` form."""
+MEGABLOX_TILE = 128
+"""Row, contraction and output tile of the megablox kernel (each dimension a multiple of it)."""
+
+
+def resolve(impl: str) -> str:
+    """The implementation ``impl`` names, ``auto`` resolved for the default backend."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"grouped matmul must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    return {"gpu": "ragged_dot", "tpu": "megablox"}.get(jax.default_backend(), "blocked")
+
+
+def grouped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    impl: str = "auto",
+    block: int = DEFAULT_BLOCK,
+) -> jax.Array:
+    """``[m, k]`` rows (sorted by group) times ``w [G, k, n]`` per group -> ``[m, n]``
+    in ``x``'s dtype (accumulated in at least float32)."""
+    impl = resolve(impl)
+    group_sizes = group_sizes.astype(jnp.int32)
+    if impl == "ragged_dot":
+        acc = jnp.promote_types(x.dtype, jnp.float32)
+        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=acc).astype(x.dtype)
+    if impl == "megablox":
+        return _megablox(x, w, group_sizes)
+    return blocked_grouped_matmul(x, w, group_sizes, block)
+
+
+def block_layout(group_sizes: jax.Array, m: int, block: int):
+    """Where each row goes when every group is padded to a multiple of ``block`` rows.
+
+    Returns ``(num_blocks, source, valid, block_group, dest, in_groups)``: ``source [num_blocks *
+    block]`` the row of ``x`` each padded slot holds (``valid`` false for padding),
+    ``block_group [num_blocks]`` each block's group, ``dest [m]`` each row's padded slot
+    (``in_groups`` false for rows past ``sum(group_sizes)``, which come out as zeros).
+    ``num_blocks = ceil(m / block) + G`` bounds the padded row count statically.
+    """
+    G = group_sizes.shape[0]
+    num_blocks = -(-m // block) + G
+    padded = -(-group_sizes // block) * block
+    ends, padded_ends = jnp.cumsum(group_sizes), jnp.cumsum(padded)
+    starts, padded_starts = ends - group_sizes, padded_ends - padded
+    slot = jnp.arange(num_blocks * block, dtype=jnp.int32)
+    slot_group = jnp.searchsorted(padded_ends, slot, side="right")
+    g = jnp.minimum(slot_group, G - 1)
+    offset = slot - padded_starts[g]
+    valid = (slot_group < G) & (offset < group_sizes[g])
+    source = jnp.where(valid, starts[g] + offset, 0)
+    block_group = g.reshape(num_blocks, block)[:, 0]
+    row = jnp.arange(m, dtype=jnp.int32)
+    row_group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), G - 1)
+    dest = padded_starts[row_group] + row - starts[row_group]
+    in_groups = row < ends[-1]
+    return num_blocks, source, valid, block_group, jnp.where(in_groups, dest, 0), in_groups
+
+
+def blocked_grouped_matmul(
+    x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int = DEFAULT_BLOCK
+) -> jax.Array:
+    """The ``blocked`` form: one batched matmul over ``block``-row blocks, each block
+    times its group's weights (gathered). Differentiable by ordinary autodiff: the
+    gathers transpose to scatter-adds, so the weight gradient is summed per group."""
+    m, k = x.shape
+    block = max(1, min(block, m))
+    num_blocks, source, valid, block_group, dest, in_groups = block_layout(group_sizes, m, block)
+    xb = jnp.where(valid[:, None], x[source], 0).reshape(num_blocks, block, k)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    yb = jnp.einsum("bik,bkn->bin", xb, w[block_group], preferred_element_type=acc)
+    y = yb.reshape(num_blocks * block, -1)[dest]
+    return jnp.where(in_groups[:, None], y, 0).astype(x.dtype)
+
+
+def _megablox(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The TPU Pallas kernel (interpreted off TPU, for tests); rows padded to its tile.
+    The kernel leaves rows outside every group unwritten: they are zeroed here."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    m = x.shape[0]
+    pad = (-m) % MEGABLOX_TILE
+    xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    tiling = tuple(min(MEGABLOX_TILE, d) for d in (xp.shape[0], x.shape[1], w.shape[2]))
+    out = gmm(xp, w, group_sizes, acc, tiling, interpret=jax.default_backend() != "tpu")
+    in_groups = jnp.arange(m) < jnp.sum(group_sizes)
+    return jnp.where(in_groups[:, None], out[:m], 0).astype(x.dtype)

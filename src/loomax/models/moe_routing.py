@@ -1,0 +1,146 @@
+"""Routing of a mixture-of-experts layer: top-k choice, balance losses and router metrics.
+
+``route`` turns router logits into each token's k experts and their weights. Scores are a
+softmax over all experts (Mixtral, OLMoE, Qwen3-MoE) or per-expert sigmoids (DeepSeek-V3);
+the k highest are chosen (with an optional per-expert ``bias`` added for the choice only:
+aux-loss-free balancing), and their weights are the chosen scores, renormalised to sum 1
+when ``norm_topk_prob``.
+
+``RouterAux`` travels through the layer stack with the residual stream and gathers, per
+MoE layer, the two balance losses and what the metrics report:
+
+- load-balance loss (Switch Transformer; Fedus et al. 2021), normalised to **1 at perfect
+  balance** for any k: ``E * sum_e f_e * p_e`` with ``f_e`` the fraction of the T*k
+  assignments that went to expert e and ``p_e`` the mean router probability of e (for
+  sigmoid scores, each token's scores normalised to sum 1). HF transformers' Mixtral/OLMoE
+  ``load_balancing_loss_func`` and MaxText equal k times this at balance, Levanter's
+  Mixtral 1/k times it: their coefficients are not this one's;
+- router z-loss (ST-MoE; Zoph et al. 2022): the mean over tokens of ``logsumexp(logits)**2``.
+
+Both are averaged over the MoE layers and enter the training loss times
+``model.moe.load_balance_loss_weight`` and ``model.moe.router_z_loss_weight``.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def route(
+    logits: jax.Array,
+    k: int,
+    *,
+    score: str = "softmax",
+    norm_topk_prob: bool = True,
+    bias: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(weights [T, k], experts [T, k], probs [T, E])`` for router ``logits [T, E]``.
+
+    ``probs`` are the scores as a distribution over experts (what the load-balance loss and
+    the entropy use). ``bias [E]`` shifts the choice only, never the weights.
+    """
+    logits = logits.astype(jnp.float32)
+    if score == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        probs = scores
+    elif score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    else:
+        raise ValueError(f"router score must be one of {SCORE_FUNCTIONS}, got {score!r}")
+    choice = scores if bias is None else scores + jax.lax.stop_gradient(bias)
+    _, experts = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts, probs
+
+
+def load_balance_loss(group_sizes: jax.Array, probs: jax.Array) -> jax.Array:
+    """``E * sum_e f_e * p_e``: 1 at perfect balance (see the module docstring).
+    ``group_sizes [E]`` counts assignments per expert, ``probs [T, E]`` the router's."""
+    num_experts = probs.shape[-1]
+    f = group_sizes.astype(jnp.float32) / jnp.sum(group_sizes)
+    return num_experts * jnp.sum(f * jnp.mean(probs, axis=0))
+
+
+def router_z_loss(logits: jax.Array) -> jax.Array:
+    """Mean over tokens of ``logsumexp(logits)**2``."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
+
+
+class RouterAux(eqx.Module):
+    """Per-layer router statistics, filled in by each MoE layer as the stack runs.
+
+    ``load [layers, E]`` is each expert's share of the assignments times E (1 = balanced),
+    ``dropped [layers]`` the fraction of assignments over capacity, ``entropy [layers]``
+    the mean entropy (nats) of the router's distribution; ``balance`` and ``z`` the two
+    losses per layer (differentiable; the rest carry no gradient).
+    """
+
+    balance: jax.Array
+    z: jax.Array
+    load: jax.Array
+    entropy: jax.Array
+    dropped: jax.Array
+
+    @staticmethod
+    def zeros(num_layers: int, num_experts: int) -> RouterAux:
+        z = jnp.zeros((num_layers,), jnp.float32)
+        return RouterAux(z, z, jnp.zeros((num_layers, num_experts), jnp.float32), z, z)
+
+    def record(
+        self,
+        layer: jax.Array,
+        logits: jax.Array,
+        probs: jax.Array,
+        group_sizes: jax.Array,
+        dropped: jax.Array,
+    ) -> RouterAux:
+        """This aux with row ``layer`` set from that layer's routing."""
+        sg = jax.lax.stop_gradient
+        p = sg(probs)
+        total = jnp.sum(group_sizes).astype(jnp.float32)
+        load = group_sizes.astype(jnp.float32) * probs.shape[-1] / total
+        entropy = -jnp.mean(jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=-1))
+        return RouterAux(
+            self.balance.at[layer].set(load_balance_loss(group_sizes, probs)),
+            self.z.at[layer].set(router_z_loss(logits)),
+            self.load.at[layer].set(sg(load)),
+            self.entropy.at[layer].set(entropy),
+            self.dropped.at[layer].set(sg(dropped.astype(jnp.float32) / total)),
+        )
+
+    def losses(self, balance_weight: float, z_weight: float) -> dict[str, jax.Array]:
+        """The weighted terms the training loss adds (each a per-token mean)."""
+        out = {}
+        if balance_weight:
+            out["load_balance"] = balance_weight * jnp.mean(self.balance)
+        if z_weight:
+            out["router_z"] = z_weight * jnp.mean(self.z)
+        return out
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """``moe/...`` scalars: the unweighted losses, dropped fraction, and per layer the
+        load's max, min and coefficient of variation and the router entropy."""
+        sg = jax.lax.stop_gradient
+        out = {
+            "moe/load_balance_loss": sg(jnp.mean(self.balance)),
+            "moe/router_z_loss": sg(jnp.mean(self.z)),
+            "moe/dropped_fraction": jnp.mean(self.dropped),
+        }
+        num_layers = self.load.shape[0]
+        width = len(str(num_layers - 1))
+        cv = jnp.std(self.load, axis=-1) / jnp.mean(self.load, axis=-1)
+        for i in range(num_layers):
+            where = f"moe/layer_{i:0{width}d}"
+            out[f"{where}/load_max"] = jnp.max(self.load[i])
+            out[f"{where}/load_min"] = jnp.min(self.load[i])
+            out[f"{where}/load_cv"] = cv[i]
+            out[f"{where}/router_entropy"] = self.entropy[i]
+            out[f"{where}/dropped_fraction"] = self.dropped[i]
+        return out
