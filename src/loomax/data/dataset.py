@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -41,14 +42,9 @@ from loomax.data.sources import (
     source_fingerprint,
     source_shards,
 )
-from loomax.data.token_cache import (
-    TokenCache,
-    TokenCacheInfo,
-    build_token_cache,
-    cache_fingerprint,
-    is_held_out,
-)
+from loomax.data.token_cache import TokenCache, TokenCacheInfo, cache_fingerprint, is_held_out
 from loomax.data.token_cache.reader import TokenSplit
+from loomax.data.token_cache.shared import build_shared
 from loomax.data.tokenizer import (
     eos_id,
     load_tokenizer,
@@ -59,6 +55,9 @@ from loomax.data.windows import SplitWindows, TokenWindows
 from loomax.distributed import RayConfig, barrier, coordination_client
 from loomax.errors import DataSourceError
 from loomax.storage import local_path, to_url
+
+if TYPE_CHECKING:
+    from loomax.data.background_build import BackgroundBuilds
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +95,14 @@ class LmDatasets:
 
     skipped: list[SkippedRecords] = field(default_factory=list)
     """Bad records each source's cache skipped (`data.skip_bad_records`), with examples."""
+
+    background: BackgroundBuilds | None = None
+    """The train caches' builds still running (`data.stream_while_building`), else None."""
+
+    def close(self) -> None:
+        """Stops the builds still running in the background (their finished shards are kept)."""
+        if self.background is not None:
+            self.background.close()
 
     @property
     def num_train_windows(self) -> int:
@@ -202,6 +209,33 @@ def _training_documents(
                 left -= index + 1
 
 
+@dataclass(frozen=True)
+class CachePlan:
+    """Where one source's token cache lives and what it is built from."""
+
+    shards: list[Shard]
+    url: str
+    key: str
+    """The fingerprint of its settings (part of `url`)."""
+    settings: dict
+
+
+def cache_plan(
+    config: DataConfig, tokenizer_path: str | Path, kind: str, index: int, source: SourceConfig
+) -> CachePlan:
+    """The cache of `data.<kind>[index]`: `<cache_dir>/tokens/<kind><index>-<fingerprint>`."""
+    shards = source_shards(source)
+    settings = {
+        "max_documents": source.max_documents,
+        "holdout_fraction": holdout_fraction(config) if kind == "train" else 0.0,
+        "holdout_seed": HOLDOUT_SEED,
+        "bos": config.bos,
+    }
+    key = cache_fingerprint(shards, str(tokenizer_path), **settings)
+    url = f"{config.cache_dir.rstrip('/')}/tokens/{kind}{index}-{key}"
+    return CachePlan(shards, url, key, settings)
+
+
 def build_caches(
     config: DataConfig,
     tokenizer_path: str | Path,
@@ -209,33 +243,26 @@ def build_caches(
     ray: RayConfig | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    kinds: tuple[str, ...] = ("train", "validation"),
 ) -> tuple[list[TokenCacheInfo], list[TokenCacheInfo]]:
-    """Build (or reuse, or resume) the token caches of the train and validation sources."""
-    holdout = holdout_fraction(config)
+    """Build (or reuse, or resume) the token caches of the train and validation sources
+    (of `kinds`), each under its lease: a cache another run builds is waited for."""
 
-    def build(kind: str, index: int, source: SourceConfig, fraction: float) -> TokenCacheInfo:
-        shards = source_shards(source)
-        settings = {
-            "max_documents": source.max_documents,
-            "holdout_fraction": fraction,
-            "holdout_seed": HOLDOUT_SEED,
-            "bos": config.bos,
-        }
-        key = cache_fingerprint(shards, str(tokenizer_path), **settings)
-        url = f"{config.cache_dir.rstrip('/')}/tokens/{kind}{index}-{key}"
-        return build_token_cache(
-            shards,
+    def build(kind: str, index: int, source: SourceConfig) -> TokenCacheInfo:
+        plan = cache_plan(config, tokenizer_path, kind, index, source)
+        return build_shared(
+            plan.shards,
             str(tokenizer_path),
-            url,
-            **settings,
+            plan.url,
+            **plan.settings,
             skip_bad_records=config.skip_bad_records,
             overwrite=overwrite,
             ray_config=ray or RayConfig(),
             progress=progress,
         )
 
-    train = [build("train", i, s, holdout) for i, s in enumerate(config.train)]
-    validation = [build("validation", i, s, 0.0) for i, s in enumerate(config.validation)]
+    train = [build("train", i, s) for i, s in enumerate(config.train)] if "train" in kinds else []
+    validation = [build("validation", i, s) for i, s in enumerate(config.validation)]
     return train, validation
 
 
