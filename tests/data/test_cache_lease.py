@@ -1,12 +1,15 @@
 """One cache, many runs: the build lease, a second builder that waits, a killed builder replaced.
 
-The lease and the two-builder tests use `memory://` caches (built in this process, no Ray);
-the kill test runs a builder in a process of its own on the shared Ray cluster and kills it
-mid-shard.
+The lease and the two-builder tests use `memory://` caches (built in this process, no Ray).
+The kill test runs a builder in a process of its own and kills it mid-shard; both it and
+the run that takes over build shard by shard in their process, as `memory://` builds do
+(`token_cache_driver.in_process_builds`): what is tested is the lease and the ledger
+around the tokenizing (a Ray build killed mid-way is `test_token_cache.py`'s).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import subprocess
@@ -29,7 +32,6 @@ from loomax.data.token_cache.lease import BuildLease
 from loomax.data.token_cache.partial import GrowingCache
 from loomax.data.token_cache.shared import build_shared
 from loomax.data.tokenizer import train_bpe_tokenizer
-from loomax.distributed import RayConfig
 
 NUM_SHARDS = 6
 DRIVER = Path(__file__).with_name("token_cache_driver.py")
@@ -93,8 +95,12 @@ def test_two_runs_on_one_cache_tokenize_each_shard_once(corpus, monkeypatch):
 
 
 def test_a_builder_killed_mid_shard_is_replaced_and_the_batches_are_unchanged(
-    ray_cluster, corpus, tmp_path
+    corpus, tmp_path, monkeypatch
 ):
+    spec = importlib.util.spec_from_file_location("token_cache_driver", DRIVER)
+    driver_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(driver_module)
+    driver_module.in_process_builds(monkeypatch.setattr)
     reference = tmp_path / "reference"
     key = build_token_cache(corpus.shards, corpus.tokenizer, reference, progress=False).fingerprint
     cache = tmp_path / "tokens" / "train0"
@@ -102,9 +108,10 @@ def test_a_builder_killed_mid_shard_is_replaced_and_the_batches_are_unchanged(
         "urls": corpus.source.urls,
         "tokenizer": str(corpus.tokenizer),
         "cache": str(cache),
-        "address": ray_cluster.address,
-        "sleep": 0.5,  # per shard: killed while shards are mid-way
+        "address": None,
+        "sleep": 0.5,  # per shard: killed while a shard is mid-way
         "lease_ttl": 2.0,
+        "in_process": True,
     }
     driver = subprocess.Popen([sys.executable, str(DRIVER), json.dumps(args)])
     ledger = cache / "ledger"
@@ -118,6 +125,8 @@ def test_a_builder_killed_mid_shard_is_replaced_and_the_batches_are_unchanged(
         driver.wait()
     assert driver.returncode == -signal.SIGKILL, "the build ended before it was killed"
     assert BuildLease(str(cache)).holder()["pid"] == driver.pid  # left behind, expiring
+    recorded = len(list(ledger.glob("*.json")))
+    assert 2 <= recorded < NUM_SHARDS and not (cache / "meta.json").exists()
 
     def windows(url) -> GrowingWindows:
         growing = GrowingCache(f"file://{url}", key, [s.name for s in corpus.shards])
@@ -136,9 +145,8 @@ def test_a_builder_killed_mid_shard_is_replaced_and_the_batches_are_unchanged(
         progress=False,
         lease_ttl_s=2.0,
         poll_s=0.1,
-        ray_config=RayConfig(address=ray_cluster.address),
     )
-    assert 0 < info.shards_tokenized < NUM_SHARDS  # the killed builder's shards are kept
+    assert info.shards_tokenized == NUM_SHARDS - recorded  # the killed builder's shards kept
     assert (
         TokenCache.open(cache)["train"].num_tokens == TokenCache.open(reference)["train"].num_tokens
     )
