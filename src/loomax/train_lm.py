@@ -162,7 +162,9 @@ def _train_on(config: TrainLmConfig, run_id: str, data: LmDatasets) -> TrainLmRe
     )
     if primary:
         print(
-            f"run {trainer.run_id}: {params / 1e6:.2f}M parameters, {data.num_train_windows} train windows, run dir {run_dir}"
+            f"run {trainer.run_id}: {params / 1e6:.2f}M parameters, {data.num_train_windows} train windows"
+            + (" built so far" if data.background is not None else "")
+            + f", run dir {run_dir}"
         )
 
     try:

@@ -129,7 +129,7 @@ def test_a_builder_killed_mid_shard_is_replaced_and_the_batches_are_unchanged(
     assert 2 <= recorded < NUM_SHARDS and not (cache / "meta.json").exists()
 
     def windows(url) -> GrowingWindows:
-        growing = GrowingCache(f"file://{url}", key, [s.name for s in corpus.shards])
+        growing = GrowingCache(url, key, [s.name for s in corpus.shards])
         return GrowingWindows(growing, 8, 2, "data.train[0]", poll_s=0.05)
 
     full, part = windows(reference), windows(cache)

@@ -56,9 +56,7 @@ def fail_from(position: int):
 
 
 def build(corpus, url, **kwargs):
-    return build_token_cache(
-        corpus.shards, corpus.tokenizer, url, progress=False, holdout_fraction=0.1, **kwargs
-    )
+    return build_token_cache(corpus.shards, corpus.tokenizer, url, progress=False, **kwargs)
 
 
 def windows(corpus, url, key, **kwargs) -> GrowingWindows:

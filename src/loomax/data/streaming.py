@@ -23,12 +23,14 @@ from loomax.data.config import DataConfig
 from loomax.data.dataset import LmDatasets, build_caches, cache_plan, prepare_tokenizer
 from loomax.data.growing_windows import GrowingWindows
 from loomax.data.token_cache import TokenCache
+from loomax.data.token_cache.layout import META_FILE
 from loomax.data.token_cache.partial import GrowingCache
 from loomax.data.token_cache.shared import build_shared
 from loomax.data.tokenizer import eos_id, load_tokenizer
 from loomax.data.windows import TokenWindows
 from loomax.distributed import RayConfig, barrier, coordination_client
 from loomax.errors import DataSourceError
+from loomax.storage import Directory, to_url
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +70,11 @@ def streaming_datasets(
         )
     tokenizer = load_tokenizer(tokenizer_path)
     background = BackgroundBuilds(ray or RayConfig())
+    plans = [cache_plan(config, tokenizer_path, "train", i, s) for i, s in enumerate(config.train)]
+    if primary and any(_needs_ray(plan.url) for plan in plans):
+        background.ensure_ray()  # here, in the main thread (Ray's signal handlers), once
     train = []
-    for i, source in enumerate(config.train):
-        plan = cache_plan(config, tokenizer_path, "train", i, source)
+    for i, plan in enumerate(plans):
         name = f"data.train[{i}]"
         windows = GrowingWindows(
             GrowingCache(plan.url, plan.key, [shard.name for shard in plan.shards]),
@@ -82,7 +86,7 @@ def streaming_datasets(
         )
         if primary:
             build = functools.partial(
-                _build, background, plan, str(tokenizer_path), config.skip_bad_records, ray
+                _build, plan, str(tokenizer_path), config.skip_bad_records, ray
             )
             background.start(name, build, windows)
         train.append(windows)
@@ -118,12 +122,8 @@ def streaming_datasets(
     )
 
 
-def _build(background: BackgroundBuilds, plan, tokenizer_path, skip_bad_records, ray, should_stop):
+def _build(plan, tokenizer_path, skip_bad_records, ray, should_stop):
     """One train cache's build under its lease (run on a background thread)."""
-    from loomax.storage import Directory
-
-    if not plan.url.startswith("memory://") and not Directory(plan.url).exists("meta.json"):
-        background.ensure_ray()  # once, here: not from two build threads at a time
     return build_shared(
         plan.shards,
         tokenizer_path,
@@ -134,6 +134,11 @@ def _build(background: BackgroundBuilds, plan, tokenizer_path, skip_bad_records,
         progress=False,
         should_stop=should_stop,
     )
+
+
+def _needs_ray(url: str) -> bool:
+    """Whether building the cache at `url` takes Ray: not complete, and not `memory://`."""
+    return not url.startswith("memory://") and not Directory(to_url(url)).exists(META_FILE)
 
 
 def _first_chunk_held_out(windows: GrowingWindows) -> np.ndarray:

@@ -12,6 +12,7 @@ before it. Needs only tensorstore, like `reader`.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Sequence
 
@@ -19,7 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from loomax.data.token_cache.layout import META_FILE, open_array, piece_dir
-from loomax.storage import CONTEXT, Directory, join
+from loomax.storage import CONTEXT, Directory, join, to_url
 
 
 class GrowingCache:
@@ -29,8 +30,8 @@ class GrowingCache:
     and fingerprint, as in the build's ledger).
     """
 
-    def __init__(self, url: str, key: str, names: Sequence[str]) -> None:
-        self.root = Directory(url)
+    def __init__(self, url: str | os.PathLike, key: str, names: Sequence[str]) -> None:
+        self.root = Directory(to_url(url))
         self.key = key
         self.names = list(names)
         self.entries: dict[int, dict] = {}

@@ -1,0 +1,155 @@
+"""Training while the token cache builds (issue 51): time to the first step, and the losses.
+
+On a synthetic corpus of gzipped JSONL shards (the stdlib sources, repeated and shuffled,
+as `bench/data.py` makes them) with a tokenizer trained beforehand, each in a fresh
+process with a fresh cache folder:
+
+1. `loomax cache`: the full build (what a run waited for before `stream_while_building`);
+2. `loomax train` with `data.stream_while_building: true` on an empty cache: the time until
+   its first training step is logged (`metrics.jsonl`'s first `train/loss`), and its losses;
+3. the same `loomax train` on the cache finished by 1: its losses must be the same, bitwise.
+
+    python bench/stream_start.py [--mb 40] [--shards 192] [--steps 30] [--workers 2]
+
+Times are wall clock, from the process start (imports, Ray, compiling included). The last
+stdout line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LOOMAX = REPO / ".venv" / "bin" / "loomax"
+
+
+def _bench_data():
+    spec = importlib.util.spec_from_file_location("bench_data", REPO / "bench" / "data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_gzipped_corpus(directory: Path, mb: float, shards: int) -> str:
+    """`shards` .jsonl.gz files of ~`mb` MB of JSON in all; their brace URL."""
+    plain = _bench_data().make_corpus(directory / "plain", mb, shards)
+    for path in plain:
+        with path.open("rb") as source, gzip.open(directory / f"{path.name}.gz", "wb", 6) as out:
+            shutil.copyfileobj(source, out)
+    shutil.rmtree(directory / "plain")
+    return str(directory / f"shard_{{000..{shards - 1:03d}}}.jsonl.gz")
+
+
+def config_yaml(path: Path, urls: str, tokenizer: Path, steps: int, chunk: int) -> Path:
+    path.write_text(
+        f"""data:
+  tokenizer: {tokenizer}
+  train: [{{urls: ["{urls}"]}}]
+  stream_while_building: true
+  stream_chunk_shards: {chunk}
+model:
+  type: gpt2
+  seq_len: 128
+  hidden_dim: 64
+  num_layers: 2
+  num_heads: 2
+trainer:
+  train_batch_size: 16
+  num_train_steps: {steps}
+  log_every: 1
+  steps_per_eval: 100000
+  progress_bar: false
+sample:
+  enabled: false
+"""
+    )
+    return path
+
+
+def run(args: list[str], watch: Path | None = None) -> dict:
+    """Runs `loomax ARGS`; with `watch`, also the time its first `train/loss` appeared there."""
+    start = time.perf_counter()
+    process = subprocess.Popen([str(LOOMAX), *args], stdout=subprocess.DEVNULL)
+    first = None
+    while process.poll() is None:
+        if first is None and watch is not None and watch.exists():
+            if any("train/loss" in line for line in watch.read_text().splitlines()):
+                first = time.perf_counter() - start
+        time.sleep(0.05)
+    if process.returncode:
+        raise RuntimeError(f"loomax {' '.join(args)} failed with {process.returncode}")
+    return {"seconds": time.perf_counter() - start, "first_step_seconds": first}
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=float, default=40.0, help="MB of JSON before gzip")
+    parser.add_argument("--shards", type=int, default=192)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--workers", type=int, default=2, help="Ray CPUs")
+    parser.add_argument("--chunk", type=int, default=8, help="data.stream_chunk_shards")
+    parser.add_argument("--vocab", type=int, default=4096)
+    options = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="loomax-stream-bench-"))
+    try:
+        urls = make_gzipped_corpus(work / "corpus", options.mb, options.shards)
+        gz_mb = sum(p.stat().st_size for p in (work / "corpus").iterdir()) / 1e6
+        tokenizer = _bench_data().train_tokenizer(work / "tokenizer.json", options.vocab)
+        config = config_yaml(work / "run.yaml", urls, tokenizer, options.steps, options.chunk)
+        common = ["--config_path", str(config), "--trainer.ray.num_cpus", str(options.workers)]
+
+        def cache_dir(name: str) -> list[str]:
+            return ["--data.cache_dir", str(work / name)]
+
+        def train(name: str, cache: str) -> dict:
+            run_dir = work / name
+            figures = run(
+                ["train", *common, *cache_dir(cache), "--trainer.run_dir", str(run_dir)],
+                watch=run_dir / "metrics.jsonl",
+            )
+            return {**figures, "losses": losses(run_dir)}
+
+        build = run(["cache", *common, *cache_dir("finished")])
+        fresh = train("fresh", "fresh")
+        finished = train("on_finished", "finished")
+        result = {
+            "corpus": {"shards": options.shards, "json_mb": options.mb, "gzipped_mb": gz_mb},
+            "workers": options.workers,
+            "stream_chunk_shards": options.chunk,
+            "cache_build_seconds": build["seconds"],
+            "fresh_first_step_seconds": fresh["first_step_seconds"],
+            "first_step_over_build": fresh["first_step_seconds"] / build["seconds"],
+            "fresh_run_seconds": fresh["seconds"],
+            "finished_first_step_seconds": finished["first_step_seconds"],
+            "steps": options.steps,
+            "same_losses": fresh["losses"] == finished["losses"],
+            "losses_fresh_last": fresh["losses"][-1],
+            "losses_finished_last": finished["losses"][-1],
+        }
+        print(
+            f"{options.shards} shards, {gz_mb:.1f} MB gzipped: `loomax cache` {build['seconds']:.1f} s; "
+            f"fresh streaming run's first step at {fresh['first_step_seconds']:.1f} s "
+            f"({result['first_step_over_build']:.0%} of the build); on the finished cache "
+            f"{finished['first_step_seconds']:.1f} s; same {options.steps} losses: "
+            f"{result['same_losses']}"
+        )
+        print(json.dumps(result))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
