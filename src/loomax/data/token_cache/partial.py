@@ -37,6 +37,7 @@ class GrowingCache:
         self.entries: dict[int, dict] = {}
         self.complete = False
         self._arrays: dict[tuple, ts.TensorStore] = {}
+        self._offsets: dict[str, list[int]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -90,14 +91,15 @@ class GrowingCache:
 
     def _flat_offsets(self, split: str) -> list[int]:
         """Where each shard's tokens start in the flat `split` (every shard is done by now)."""
-        if len(self.entries) < len(self.names):
-            self.refresh()
-        offsets, total = [], 0
-        for position in range(len(self.names)):
-            offsets.append(total)
-            if position in self.entries:
+        if split not in self._offsets:
+            if len(self.entries) < len(self.names):
+                self.refresh()
+            offsets, total = [], 0
+            for position in range(len(self.names)):
+                offsets.append(total)
                 total += self.tokens(position, split)
-        return offsets
+            self._offsets[split] = offsets
+        return self._offsets[split]
 
     def _piece(self, position: int, split: str) -> ts.TensorStore:
         entry = self.entries[position]
