@@ -128,3 +128,29 @@ def test_a_failed_build_ends_the_wait_with_its_error(corpus):
     assert part.refresh() > 0 and part.chunks_ready == 1
     with pytest.raises(TokenCacheError, match="on purpose"):
         part.sample_windows(0, np.arange(len(part) + 1), seed=0, shuffle=True)
+
+
+def test_holding_out_the_first_chunks_tail_is_the_same_on_a_growing_cache(corpus):
+    full_url, part_url = (f"memory://growing-{uuid.uuid4().hex[:8]}-{x}" for x in "fp")
+    key = build(corpus, full_url).fingerprint
+    with pytest.raises(TokenCacheError, match="on purpose"):
+        build(corpus, part_url, before_piece=fail_from(3))  # chunk 0 only
+    full, part = windows(corpus, full_url, key), windows(corpus, part_url, key)
+    full.refresh(), part.refresh()
+    assert full.complete and part.chunks_ready == 1
+    first = full.first_chunk_windows
+    tail = full.get_batch(np.arange(first - 2, first)).reshape(-1)
+    np.testing.assert_array_equal(full.hold_out_first_chunk_tail(2), tail)
+    np.testing.assert_array_equal(part.hold_out_first_chunk_tail(2), tail)
+    assert part.first_chunk_windows == full.first_chunk_windows == first - 2
+    full_loader = BatchLoader(full, 3, seed=5, prefetch=0)
+    part_loader = BatchLoader(part, 3, seed=5, prefetch=0)
+    held = {tuple(w) for w in tail.reshape(2, SEQ_LEN)}
+    for step in range((first - 2) // 3):
+        batch = part_loader.batch(step)
+        np.testing.assert_array_equal(batch, full_loader.batch(step))
+        assert not held & {tuple(w) for w in batch}, "a held-out window is trained on"
+    build(corpus, part_url)
+    steps = range((first - 2) // 3, 2 * len(full) // 3 + 1)
+    for step in steps:
+        np.testing.assert_array_equal(part_loader.batch(step), full_loader.batch(step))

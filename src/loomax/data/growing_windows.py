@@ -77,6 +77,11 @@ class GrowingWindows:
         """Whether every chunk is built (the epoch length is known)."""
         return self.chunks_ready == self.num_chunks
 
+    @property
+    def first_chunk_windows(self) -> int:
+        """Windows of the first chunk (once it is built)."""
+        return self._starts[1] if len(self._starts) > 1 else 0
+
     def __len__(self) -> int:
         """Windows in the chunks built so far (all of them once `complete`)."""
         return self._starts[-1]
@@ -133,6 +138,18 @@ class GrowingWindows:
                 f"{self.chunk_shards} shards: no window to train on; add documents or lower "
                 "`model.seq_len`"
             )
+
+    def hold_out_first_chunk_tail(self, windows: int) -> np.ndarray:
+        """Takes the last `windows` windows of the first chunk (built) out of training, for
+        validation; returns their tokens. Call it before reading any batch."""
+        with self._lock:
+            first = self._starts[1]
+            if not 0 <= windows <= first:
+                raise ValueError(f"cannot hold out {windows} of {first} windows")
+            held = self.get_batch(np.arange(first - windows, first)).reshape(-1)
+            self._starts = [0] + [start - windows for start in self._starts[1:]]
+            self._chunks.clear()
+        return held
 
     # ---------------------------------------------------------------- the order
     def sample_windows(

@@ -98,6 +98,8 @@ def streaming_datasets(
             pieces = [TokenCache.open(info.url)["train"].as_numpy() for info in validation_infos]
         else:
             pieces = [_first_chunk_held_out(windows) for windows in train]
+            if sum(len(piece) for piece in pieces) < seq_len:
+                pieces = _first_chunks_tails(train, config.validation_fraction, seq_len)
         validation = TokenWindows(np.concatenate(pieces), seq_len)
         if len(validation) == 0:
             raise DataSourceError(
@@ -147,6 +149,28 @@ def _first_chunk_held_out(windows: GrowingWindows) -> np.ndarray:
     ranges = [(p, 0, windows.cache.tokens(p, "validation")) for p in shards]
     parts = windows.cache.read(ranges, split="validation")
     return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def _first_chunks_tails(
+    train: list[GrowingWindows], fraction: float, seq_len: int
+) -> list[np.ndarray]:
+    """When the documents held out of the first chunks make no window: the last
+    `fraction` of each first chunk's windows (at least one, if one is left to train on),
+    taken out of training. A function of the first chunks alone, so every run decides alike."""
+    pieces, said = [], []
+    for windows in train:
+        built = windows.first_chunk_windows
+        held = 0 if built < 2 else min(max(1, round(fraction * built)), built - 1)
+        pieces.append(windows.hold_out_first_chunk_tail(held))
+        said.append(f"the last {held} of {built} windows of {windows.name}'s first chunk")
+    logger.warning(
+        "the documents held out of the train sources' first chunks (data.validation_fraction="
+        "%g) make fewer than one window of seq_len=%d: holding out %s for validation instead",
+        fraction,
+        seq_len,
+        ", ".join(said),
+    )
+    return pieces
 
 
 def _process_index() -> int:
