@@ -10,10 +10,13 @@ process with a fresh cache folder:
 3. the same `loomax train` on the cache finished by 1: its losses must be the same, bitwise.
 
     python bench/stream_start.py [--mb 40] [--shards 192] [--steps 30] [--workers 2]
+                                 [--in-process]
 
 All runs join one Ray head of `--workers` CPUs that the bench starts first (`ray start`,
 as the tests' shared head), so Ray's own start-up (tens of seconds on a loaded VM) is in
-neither figure. Times are wall clock from the process start (imports, tokenizer load,
+neither figure. With `--in-process` (for a VM too loaded for Ray to start: its raylet must
+register within a fixed 30 s) no Ray at all: every build tokenizes shard by shard in its
+own process, as `memory://` builds do. Times are wall clock from the process start (imports, tokenizer load,
 compiling included). The last stdout line is one JSON object with every figure.
 """
 
@@ -31,6 +34,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LOOMAX = REPO / ".venv" / "bin" / "loomax"
+PYTHON = REPO / ".venv" / "bin" / "python"
+IN_PROCESS = """
+import contextlib, sys
+from loomax.data.token_cache import build
+build._run_on_ray = build._run_here  # shard by shard here, as memory:// builds run
+build.ray_session = lambda config: contextlib.nullcontext()
+from loomax.data.background_build import BackgroundBuilds
+BackgroundBuilds.ensure_ray = lambda self: None
+from loomax.cli import main
+main(sys.argv[1:])
+"""
 
 
 def _load(relative: str, name: str):
@@ -102,13 +116,14 @@ sample:
     return path
 
 
-def run(args: list[str], watch: Path | None = None) -> dict:
+def run(args: list[str], watch: Path | None = None, in_process: bool = False) -> dict:
     """Runs `loomax ARGS`; with `watch`, also the time its first `train/loss` appeared there."""
     import os
 
     env = os.environ | {"RAY_AUTH_MODE": "disabled"}
     start = time.perf_counter()
-    process = subprocess.Popen([str(LOOMAX), *args], stdout=subprocess.DEVNULL, env=env)
+    command = [str(PYTHON), "-c", IN_PROCESS] if in_process else [str(LOOMAX)]
+    process = subprocess.Popen([*command, *args], stdout=subprocess.DEVNULL, env=env)
     first = None
     while process.poll() is None:
         if first is None and watch is not None and watch.exists():
@@ -133,17 +148,21 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="Ray CPUs")
     parser.add_argument("--chunk", type=int, default=8, help="data.stream_chunk_shards")
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--in-process", action="store_true", help="no Ray: builds in-process")
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="loomax-stream-bench-"))
     ray_root = Path(tempfile.mkdtemp(prefix="lxsb", dir="/tmp"))  # Ray's socket paths: short
     head = None
     try:
-        nodes, head, address = ray_head(ray_root, options.workers)
+        if not options.in_process:
+            nodes, head, address = ray_head(ray_root, options.workers)
         urls = make_gzipped_corpus(work / "corpus", options.mb, options.shards)
         gz_mb = sum(p.stat().st_size for p in (work / "corpus").iterdir()) / 1e6
         tokenizer = _bench_data().train_tokenizer(work / "tokenizer.json", options.vocab)
         config = config_yaml(work / "run.yaml", urls, tokenizer, options.steps, options.chunk)
-        common = ["--config_path", str(config), "--trainer.ray.address", address]
+        common = ["--config_path", str(config)]
+        if not options.in_process:
+            common += ["--trainer.ray.address", address]
 
         def cache_dir(name: str) -> list[str]:
             return ["--data.cache_dir", str(work / name)]
@@ -153,15 +172,16 @@ def main() -> None:
             figures = run(
                 ["train", *common, *cache_dir(cache), "--trainer.run_dir", str(run_dir)],
                 watch=run_dir / "metrics.jsonl",
+                in_process=options.in_process,
             )
             return {**figures, "losses": losses(run_dir)}
 
-        build = run(["cache", *common, *cache_dir("finished")])
+        build = run(["cache", *common, *cache_dir("finished")], in_process=options.in_process)
         fresh = train("fresh", "fresh")
         finished = train("on_finished", "finished")
         result = {
             "corpus": {"shards": options.shards, "json_mb": options.mb, "gzipped_mb": gz_mb},
-            "workers": options.workers,
+            "workers": 0 if options.in_process else options.workers,
             "stream_chunk_shards": options.chunk,
             "cache_build_seconds": build["seconds"],
             "fresh_first_step_seconds": fresh["first_step_seconds"],

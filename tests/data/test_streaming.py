@@ -62,6 +62,7 @@ def losses(tmp_path, run: str) -> list[float]:
     return [r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r]
 
 
+@pytest.mark.slow
 def test_a_run_on_a_building_cache_has_the_finished_caches_losses(
     tmp_path, shards, monkeypatch, caplog
 ):
