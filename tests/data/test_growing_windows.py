@@ -154,3 +154,23 @@ def test_holding_out_the_first_chunks_tail_is_the_same_on_a_growing_cache(corpus
     steps = range((first - 2) // 3, 2 * len(full) // 3 + 1)
     for step in steps:
         np.testing.assert_array_equal(part_loader.batch(step), full_loader.batch(step))
+
+
+def test_pieces_deleted_under_a_reader_are_read_from_the_flat_arrays(corpus):
+    """The build finishes (and deletes the pieces) between a reader's look at the ledger and
+    its reads: those go to the flat arrays, as `meta.json` now says they must."""
+    url = f"memory://growing-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(TokenCacheError, match="on purpose"):
+        build(corpus, url, before_piece=fail_from(3))
+    key = Directory(url).read_json("build.json")["fingerprint"]
+    cache = GrowingCache(url, key, [s.name for s in corpus.shards])
+    assert sorted(cache.refresh()) == [0, 1, 2] and not cache.complete
+    build(corpus, url)  # completes: flat arrays, meta.json, pieces deleted
+    assert not Directory(url).child("pieces").keys() and not cache.complete
+    got = cache.read([(1, 0, cache.tokens(1)), (2, 3, 9)])
+    flat = TokenCache.open(url)["train"].as_numpy()
+    start = cache.tokens(0)
+    np.testing.assert_array_equal(got[0], flat[start : start + cache.tokens(1)])
+    start += cache.tokens(1)
+    np.testing.assert_array_equal(got[1], flat[start + 3 : start + 9])
+    assert cache.complete

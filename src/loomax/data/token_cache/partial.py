@@ -6,7 +6,8 @@ split arrays once `meta.json` exists (the build then deletes the pieces). A read
 piece counts only if `meta.json` was still absent after it: the pieces are deleted only
 after `meta.json` is written, so such a read saw a whole piece; otherwise it is read
 again from the flat array, where the shard starts after the train tokens of the shards
-before it. Needs only tensorstore, like `reader`.
+before it. So is a piece that cannot be opened any more, once `meta.json` is there.
+Needs only tensorstore, like `reader`.
 """
 
 from __future__ import annotations
@@ -80,10 +81,15 @@ class GrowingCache:
     ) -> list[np.ndarray]:
         """The tokens `[start, stop)` of `split` of each `(position, start, stop)` (shards done)."""
         if not self.complete:
-            out = [self._piece(p, split)[a:b].read() for p, a, b in ranges]
-            got = [future.result() for future in out]
-            if not self._check_complete():  # the pieces were whole during the reads
-                return got
+            try:
+                out = [self._piece(p, split)[a:b].read() for p, a, b in ranges]
+                got = [future.result() for future in out]
+            except ValueError:  # a piece gone: deleted once meta.json was written?
+                if not self._check_complete():
+                    raise
+            else:
+                if not self._check_complete():  # the pieces were whole during the reads
+                    return got
         base = self._flat_offsets(split)
         flat = self._array(("flat", split), self.root.child(split, "tokens"))
         futures = [flat[base[p] + a : base[p] + b].read() for p, a, b in ranges]
