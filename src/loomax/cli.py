@@ -205,8 +205,9 @@ def _print_gzip_baseline(config, bpb: float | None) -> None:
 
 
 def _cache(args: list[str]) -> None:
-    from loomax.data.dataset import build_caches, prepare_tokenizer
+    from loomax.data.dataset import build_caches
     from loomax.data.report import skipped_lines, skipped_records
+    from loomax.data.run_tokenizer import prepare_tokenizer
     from loomax.lm import TrainLmConfig
 
     parser = command_parser("cache", COMMANDS["cache"], config=True)
@@ -238,7 +239,7 @@ def _cache(args: list[str]) -> None:
 
 
 def _tokenizer(args: list[str]) -> None:
-    from loomax.data.dataset import tokenizer_documents
+    from loomax.data.run_tokenizer import tokenizer_documents
     from loomax.data.tokenizer import MIN_VOCAB_SIZE, train_bpe_tokenizer
     from loomax.lm import TrainLmConfig
 

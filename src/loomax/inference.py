@@ -91,7 +91,7 @@ def _beside_or_run_tokenizer(path: Path, run_config: TrainLmConfig | None) -> Pa
 
 
 def _run_tokenizer(config: TrainLmConfig) -> Path:
-    from loomax.data.dataset import prepare_tokenizer
+    from loomax.data.run_tokenizer import prepare_tokenizer
 
     return Path(prepare_tokenizer(config.data))
 

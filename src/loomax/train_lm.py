@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +17,9 @@ from loomax.callbacks import (
     token_byte_lengths,
 )
 from loomax.checkpoint.checkpointer import check_writable
-from loomax.config import flatten_config, to_json_dict, to_yaml
+from loomax.config import ConfigError, flatten_config, to_json_dict, to_yaml
 from loomax.data import BatchLoader, LmDatasets, build_lm_datasets, report_skipped
+from loomax.data.streaming import check_streaming, streaming_datasets
 from loomax.distributed import pod_ray_cluster
 from loomax.lm.config import TrainLmConfig, resolve_vocab_size
 from loomax.lm.eval_sets import eval_sets
@@ -61,9 +63,33 @@ def _train_lm(config: TrainLmConfig, run_id: str) -> TrainLmResult:
     check_writable(own_checkpoints)
     if not check_restore_sources(trainer_config, own_checkpoints, run_id):
         check_initial_weights(config)
-    with pod_ray_cluster(trainer_config.ray) as ray_config:  # on a pod: every host's CPUs
-        data = build_lm_datasets(config.data, model_config.seq_len, ray=ray_config)
-    epoch_size = data.num_train_windows
+    streaming = config.data.stream_while_building
+    if streaming:
+        check_streaming(config.data)
+        if trainer_config.num_train_epochs is not None:
+            raise ConfigError(
+                "trainer.num_train_epochs needs the size of an epoch, unknown while "
+                "data.stream_while_building builds the cache; set trainer.num_train_steps"
+            )
+    with contextlib.ExitStack() as data_stack:
+        # on a pod: every host's CPUs; kept while training when the caches still build
+        ray_config = data_stack.enter_context(pod_ray_cluster(trainer_config.ray))
+        if streaming:
+            data = streaming_datasets(config.data, model_config.seq_len, ray=ray_config)
+            data_stack.callback(data.close)
+            data_stack = data_stack.pop_all()  # closed when training ends
+        else:
+            data = build_lm_datasets(config.data, model_config.seq_len, ray=ray_config)
+    try:
+        return _train_on(config, run_id, data)
+    finally:
+        data_stack.close()
+
+
+def _train_on(config: TrainLmConfig, run_id: str, data: LmDatasets) -> TrainLmResult:
+    trainer_config, model_config = config.trainer, config.model
+    # windows built so far while streaming: no epoch size (num_train_epochs was refused)
+    epoch_size = None if config.data.stream_while_building else data.num_train_windows
     trainer_config = trainer_config.with_epoch_size(epoch_size)  # num_train_epochs -> steps
     batch_sizes = trainer_config.batch_schedule
     steps = trainer_config.num_train_steps
@@ -136,7 +162,9 @@ def _train_lm(config: TrainLmConfig, run_id: str) -> TrainLmResult:
     )
     if primary:
         print(
-            f"run {trainer.run_id}: {params / 1e6:.2f}M parameters, {data.num_train_windows} train windows, run dir {run_dir}"
+            f"run {trainer.run_id}: {params / 1e6:.2f}M parameters, {data.num_train_windows} train windows"
+            + (" built so far" if data.background is not None else "")
+            + f", run dir {run_dir}"
         )
 
     try:

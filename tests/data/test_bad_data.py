@@ -18,9 +18,9 @@ import pytest
 
 from loomax.cli import main
 from loomax.data import DataConfig, SourceConfig, build_lm_datasets, report_skipped
-from loomax.data.dataset import prepare_tokenizer
 from loomax.data.readers import read_file
 from loomax.data.report import SkippedRecords, skipped_lines, skipped_summary
+from loomax.data.run_tokenizer import prepare_tokenizer
 from loomax.data.tokenizer import train_bpe_tokenizer
 from loomax.tracking.jsonl import JsonlTracker
 

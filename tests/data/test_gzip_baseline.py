@@ -3,8 +3,8 @@
 import gzip
 
 from loomax.data import DataConfig, SourceConfig
-from loomax.data.dataset import tokenizer_documents
 from loomax.data.gzip_baseline import gzip_bits_per_byte, held_out_documents
+from loomax.data.run_tokenizer import tokenizer_documents
 from loomax.data.sources import iter_documents
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loomax.data import DataConfig, SourceConfig, build_lm_datasets, load_tokenizer
+from loomax.data import DataConfig, SourceConfig, build_lm_datasets, load_tokenizer, run_tokenizer
 from loomax.data import dataset as dataset_module
 from loomax.data.sources import iter_documents
 
@@ -121,12 +121,12 @@ def test_second_build_reuses_the_cache(tmp_path: Path, monkeypatch: pytest.Monke
     write_corpus(tmp_path / "corpus", 20)
     config = small_config(tmp_path)
     first = build_lm_datasets(config, seq_len=8)
-    train_tokenizer = dataset_module.train_bpe_tokenizer
+    train_tokenizer = run_tokenizer.train_bpe_tokenizer
 
     def no_training(*args, **kwargs):
         raise AssertionError("the tokenizer should come from the cache")
 
-    monkeypatch.setattr(dataset_module, "train_bpe_tokenizer", no_training)
+    monkeypatch.setattr(run_tokenizer, "train_bpe_tokenizer", no_training)
     train, _ = dataset_module.build_caches(config, first.tokenizer_path, progress=False)
     assert train[0].shards_tokenized == 0  # nothing tokenized again
     second = build_lm_datasets(config, seq_len=16)
@@ -137,7 +137,7 @@ def test_second_build_reuses_the_cache(tmp_path: Path, monkeypatch: pytest.Monke
     (tmp_path / "corpus" / "part_0.jsonl").write_text(
         '{"text": "a changed document"}\n', encoding="utf-8"
     )
-    monkeypatch.setattr(dataset_module, "train_bpe_tokenizer", train_tokenizer)
+    monkeypatch.setattr(run_tokenizer, "train_bpe_tokenizer", train_tokenizer)
     third = build_lm_datasets(config, seq_len=8)
     assert third.caches != first.caches  # a changed file means a new cache
     assert third.train[0].num_tokens != first.train[0].num_tokens
@@ -282,10 +282,8 @@ def test_tokenizer_is_trained_on_the_train_split_only(tmp_path: Path) -> None:
     from loomax.data.token_cache import is_held_out
 
     fraction, rare = 0.3, "qqzzxxjj"
-    held = next(i for i in range(40) if is_held_out(0, i, fraction, dataset_module.HOLDOUT_SEED))
-    kept = next(
-        i for i in range(40) if not is_held_out(0, i, fraction, dataset_module.HOLDOUT_SEED)
-    )
+    held = next(i for i in range(40) if is_held_out(0, i, fraction, run_tokenizer.HOLDOUT_SEED))
+    kept = next(i for i in range(40) if not is_held_out(0, i, fraction, run_tokenizer.HOLDOUT_SEED))
     vocabularies = {}
     for name, position in (("held", held), ("kept", kept)):
         root = tmp_path / name
@@ -294,7 +292,7 @@ def test_tokenizer_is_trained_on_the_train_split_only(tmp_path: Path) -> None:
         lines = [json.dumps({"text": t}) for t in texts]
         (root / "corpus" / "part_0.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
         config = small_config(root, validation_fraction=fraction, tokenizer_vocab_size=400)
-        path = dataset_module.prepare_tokenizer(config)
+        path = run_tokenizer.prepare_tokenizer(config)
         vocabularies[name] = load_tokenizer(path).get_vocab()
     assert any(rare in token for token in vocabularies["kept"])
     assert not any(rare in token for token in vocabularies["held"])
@@ -310,13 +308,13 @@ def test_tokenizer_is_trained_on_the_train_split_only(tmp_path: Path) -> None:
 def test_tokenizer_cache_key_depends_on_the_held_out_documents(tmp_path: Path) -> None:
     write_corpus(tmp_path / "corpus", 20)
     paths = {
-        dataset_module.prepare_tokenizer(small_config(tmp_path, validation_fraction=f))
+        run_tokenizer.prepare_tokenizer(small_config(tmp_path, validation_fraction=f))
         for f in (0.2, 0.5)
     }
     given = small_config(
         tmp_path, validation=[SourceConfig(urls=[str(tmp_path / "corpus" / "part_0.jsonl")])]
     )
-    paths.add(dataset_module.prepare_tokenizer(given))
+    paths.add(run_tokenizer.prepare_tokenizer(given))
     assert len(paths) == 3
 
 
@@ -328,4 +326,4 @@ def test_tokenizer_documents_are_the_train_split(tmp_path: Path) -> None:
     config = small_config(tmp_path, train=[source])
     data = build_lm_datasets(config, seq_len=8)
     train = [data.tokenizer.decode(d.tolist()) for d in split_documents(train_tokens(data), 0)]
-    assert list(dataset_module.tokenizer_documents(config)) == train
+    assert list(run_tokenizer.tokenizer_documents(config)) == train

@@ -1,11 +1,15 @@
 """Builds a token cache in a process of its own, so a test can kill it (not a test itself).
 
 Usage: python token_cache_driver.py '{"urls": [...], "tokenizer": ..., "cache": ...,
-"address": ..., "sleep": seconds, "marks": dir}': every shard's task sleeps that long
-before it starts; with `marks`, it first writes a file there naming its Ray node and the
-node's `LOOMAX_TEST_NODE` (which a test sets on each node it starts).
+"address": ..., "sleep": seconds, "marks": dir, "lease_ttl": seconds}': every shard's task
+sleeps that long before it starts; with `marks`, it first writes a file there naming its Ray
+node and the node's `LOOMAX_TEST_NODE` (which a test sets on each node it starts); with
+`lease_ttl`, it builds under the cache's lease (`build_shared`) of that many seconds; with
+`in_process`, shard by shard in this process instead of on Ray (`in_process_builds`).
 """
 
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -14,6 +18,7 @@ from pathlib import Path
 
 from loomax.data.sources import Shard, SourceConfig, source_shards
 from loomax.data.token_cache import build_token_cache
+from loomax.data.token_cache.shared import build_shared
 from loomax.distributed import RayConfig
 
 
@@ -32,9 +37,24 @@ def sleeping(seconds: float, marks: str | None = None):
     return before_piece
 
 
+def in_process_builds(monkeypatch_setattr=setattr) -> None:
+    """Makes builds of local caches run in this process, one shard after another, as builds
+    of `memory://` caches do (the Ray build itself is tested elsewhere): for tests of what
+    is around it (leases, kills) that need no Ray's start-up."""
+    from loomax.data.token_cache import build
+
+    monkeypatch_setattr(build, "_run_on_ray", build._run_here)
+    monkeypatch_setattr(build, "ray_session", lambda config: contextlib.nullcontext())
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
-    build_token_cache(
+    if args.get("in_process"):
+        in_process_builds()
+    build = build_token_cache
+    if "lease_ttl" in args:
+        build = functools.partial(build_shared, lease_ttl_s=args["lease_ttl"])
+    build(
         source_shards(SourceConfig(urls=args["urls"])),
         args["tokenizer"],
         args["cache"],

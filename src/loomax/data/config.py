@@ -62,6 +62,12 @@ class DataConfig:
     prefetch: int = 4
     """Batches the loader prepares ahead on a background thread; 0 = none."""
 
+    stream_while_building: bool = False
+    """Start training once the first chunk of each train cache is built, the build going on in the background; windows are then shuffled within chunks of `stream_chunk_shards` shards (the same order whether or not the cache was complete at the start)."""
+
+    stream_chunk_shards: int = 8
+    """Shards per chunk of the order `stream_while_building` uses: windows are shuffled within a chunk, chunks come in shard order."""
+
     def __post_init__(self) -> None:
         if not self.train:
             raise ValueError("data.train: give at least one training source")
@@ -88,6 +94,10 @@ class DataConfig:
                 )
             if stage.start <= 0 or (i and stage.start <= self.weight_schedule[i - 1].start):
                 raise ValueError(f"{where}.start must be > 0 and increasing, got {stage.start}")
+        if self.stream_chunk_shards < 1:
+            raise ValueError(
+                f"data.stream_chunk_shards must be >= 1, got {self.stream_chunk_shards}"
+            )
         if self.prefetch < 0:
             raise ValueError(f"data.prefetch must be >= 0, got {self.prefetch}")
         if self.tokenizer == "":

@@ -11,7 +11,7 @@ import gzip
 import itertools
 
 from loomax.data.config import DataConfig
-from loomax.data.dataset import HOLDOUT_SEED, holdout_fraction
+from loomax.data.run_tokenizer import HOLDOUT_SEED, holdout_fraction
 from loomax.data.sources import read_shard, source_shards
 from loomax.data.token_cache import is_held_out
 

@@ -100,7 +100,13 @@ class BatchLoader:
         return perm
 
     def sample_windows(self, dataset: int, samples: np.ndarray) -> np.ndarray:
-        """Window indices of ``dataset``'s samples number ``samples`` (epochs wrap around)."""
+        """Window indices of ``dataset``'s samples number ``samples`` (epochs wrap around).
+
+        A dataset with an order of its own (``GrowingWindows``: a cache still building,
+        shuffled chunk by chunk) is asked for it."""
+        own_order = getattr(self.datasets[dataset], "sample_windows", None)
+        if own_order is not None:
+            return own_order(dataset, samples, self.seed, self.shuffle)
         epochs, offsets = np.divmod(
             np.asarray(samples, dtype=np.int64), len(self.datasets[dataset])
         )

@@ -75,7 +75,7 @@ def model_lm_loss(config: TrainLmConfig, *, training: bool = True):
     model = config.model
     eos = None
     if model.document_mask:
-        from loomax.data.dataset import prepare_tokenizer
+        from loomax.data.run_tokenizer import prepare_tokenizer
         from loomax.data.tokenizer import eos_id, load_tokenizer
 
         eos = eos_id(load_tokenizer(prepare_tokenizer(config.data)))

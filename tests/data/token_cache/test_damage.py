@@ -323,7 +323,7 @@ def damaged_sources(directory: Path) -> dict[str, tuple[Path, str]]:
 @pytest.mark.parametrize("kind", ["truncated-gzip", "truncated-parquet", "bad-json-line"])
 def test_a_damaged_source_file_is_named_by_the_tokenizer_pass_and_the_build(corpus, tmp_path, kind):
     from loomax.data import DataConfig
-    from loomax.data.dataset import prepare_tokenizer
+    from loomax.data.run_tokenizer import prepare_tokenizer
     from loomax.errors import UserError
 
     path, said = damaged_sources(tmp_path)[kind]
@@ -342,7 +342,7 @@ def test_a_damaged_source_file_is_named_by_the_tokenizer_pass_and_the_build(corp
 
 def test_a_damaged_trained_tokenizer_is_trained_again(corpus, tmp_path, caplog):
     from loomax.data import DataConfig
-    from loomax.data.dataset import prepare_tokenizer
+    from loomax.data.run_tokenizer import prepare_tokenizer
 
     config = DataConfig(
         train=[SourceConfig(urls=[str(corpus.root / "s{0..2}.jsonl")])],

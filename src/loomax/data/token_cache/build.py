@@ -51,6 +51,7 @@ def build_token_cache(
     ray_config: RayConfig = RayConfig(),
     progress: bool = True,
     before_piece: Callable[[Shard], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> TokenCacheInfo:
     """Tokenizes `shards` with Ray into a token cache at `cache_url`, or resumes that build.
 
@@ -66,6 +67,10 @@ def build_token_cache(
     in the task that tokenizes it (a Ray worker: it must pickle, e.g. a closure), before
     the shard is read: it may sleep to slow the build down, or raise to fail that task.
     It is not part of the cache's settings.
+
+    `should_stop`, polled about once a second while shards are tokenized, ends the build
+    early when it returns True (the tasks running are cancelled, finished shards are kept
+    in the ledger) by raising `BuildStopped`.
     """
     if not 0 <= holdout_fraction < 1:
         raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
@@ -109,7 +114,7 @@ def build_token_cache(
             jobs = [
                 _job(build, i, before_piece) for i in range(len(build.shards)) if i not in ledger
             ]
-            _tokenize_missing(build, jobs, ledger, ray_config, progress)
+            _tokenize_missing(build, jobs, ledger, ray_config, progress, should_stop)
         tokenized = [entry for position, entry in ledger.items() if position not in before]
         meta = _finish(build, ledger)
     delete_pieces(build.root)
@@ -145,6 +150,7 @@ def _tokenize_missing(
     ledger: dict[int, dict],
     ray_config: RayConfig,
     progress: bool,
+    should_stop: Callable[[], bool] | None = None,
 ) -> None:
     """Runs `jobs` (the shards the ledger lacks), in order, until the shards used are all in it.
 
@@ -153,10 +159,10 @@ def _tokenize_missing(
     """
     tokenizer_json = build.tokenizer_file.read_text(encoding="utf-8")
     if build.root.url.startswith("memory://"):
-        _collect(build, ledger, _run_here(jobs, tokenizer_json), progress)
+        _collect(build, ledger, _run_here(jobs, tokenizer_json, should_stop), progress)
         return
     with ray_session(ray_config):
-        _collect(build, ledger, _run_on_ray(jobs, tokenizer_json), progress)
+        _collect(build, ledger, _run_on_ray(jobs, tokenizer_json, should_stop), progress)
 
 
 def _collect(
@@ -196,7 +202,13 @@ def _collect(
         ) from error
 
 
-def _run_on_ray(jobs: Sequence[PieceJob], tokenizer_json: str) -> Iterator[_Outcome]:
+class BuildStopped(TokenCacheError):
+    """The build ended early because its `should_stop` said so (finished shards are kept)."""
+
+
+def _run_on_ray(
+    jobs: Sequence[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
+) -> Iterator[_Outcome]:
     """Runs `jobs` as Ray tasks, a few per CPU at a time, in order; yields them as they end.
 
     After the first failure no new task starts, but running ones finish (their work is
@@ -216,7 +228,12 @@ def _run_on_ray(jobs: Sequence[PieceJob], tokenizer_json: str) -> Iterator[_Outc
             while queue and not failed and len(running) < in_flight:
                 job = queue.popleft()
                 running[task.remote(job, tokenizer_ref)] = job
-            [ref], _ = ray.wait(list(running), num_returns=1)
+            ready: list = []
+            while not ready:
+                ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+                if should_stop is not None and should_stop():
+                    raise BuildStopped("token cache: build stopped (finished shards are kept)")
+            [ref] = ready
             job = running.pop(ref)
             try:
                 outcome: dict[str, Any] | BaseException = ray.get(ref)
@@ -234,9 +251,13 @@ def _run_on_ray(jobs: Sequence[PieceJob], tokenizer_json: str) -> Iterator[_Outc
             ray.cancel(ref)
 
 
-def _run_here(jobs: Sequence[PieceJob], tokenizer_json: str) -> Iterator[_Outcome]:
+def _run_here(
+    jobs: Sequence[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
+) -> Iterator[_Outcome]:
     """Runs `jobs` one by one in this process (for stores other processes cannot see)."""
     for job in jobs:
+        if should_stop is not None and should_stop():
+            raise BuildStopped("token cache: build stopped (finished shards are kept)")
         try:
             yield job, build_piece(job, tokenizer_json)
         except Exception as error:  # reported by the caller, like a failed Ray task

@@ -1,0 +1,120 @@
+"""Reading a token cache while it is built: shard by shard, from the ledger and its pieces.
+
+A shard is readable once its ledger entry exists (the entry is written after the piece is
+complete). Its tokens are read from its piece while the build runs, and from the flat
+split arrays once `meta.json` exists (the build then deletes the pieces). A read from a
+piece counts only if `meta.json` was still absent after it: the pieces are deleted only
+after `meta.json` is written, so such a read saw a whole piece; otherwise it is read
+again from the flat array, where the shard starts after the train tokens of the shards
+before it. So is a piece that cannot be opened any more, once `meta.json` is there.
+Needs only tensorstore, like `reader`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from loomax.data.token_cache.layout import META_FILE, open_array, piece_dir
+from loomax.storage import CONTEXT, Directory, join, to_url
+
+
+class GrowingCache:
+    """The shards of the cache at `url` (of fingerprint `key`) that are done, readable by split.
+
+    `names` are the build's shard names in order (an entry counts only under its own name
+    and fingerprint, as in the build's ledger).
+    """
+
+    def __init__(self, url: str | os.PathLike, key: str, names: Sequence[str]) -> None:
+        self.root = Directory(to_url(url))
+        self.key = key
+        self.names = list(names)
+        self.entries: dict[int, dict] = {}
+        self.complete = False
+        self._arrays: dict[tuple, ts.TensorStore] = {}
+        self._offsets: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.names)
+
+    def refresh(self) -> dict[int, dict]:
+        """Reads the ledger entries not seen before; returns all entries so far, by position."""
+        store = ts.KvStore.open(join(self.root.url, "ledger") + "/", context=CONTEXT).result()
+        keys = [key.decode() for key in store.list().result()]
+        wanted = [k for k in keys if k.removesuffix(".json").isdigit()]
+        reads = [
+            (int(k.removesuffix(".json")), store.read(k))
+            for k in wanted
+            if int(k.removesuffix(".json")) not in self.entries
+        ]
+        for position, read in reads:
+            result = read.result()
+            if result.state != "value" or position >= len(self.names):
+                continue
+            entry = json.loads(bytes(result.value))
+            if entry.get("fingerprint") == self.key and entry.get("name") == self.names[position]:
+                with self._lock:
+                    self.entries[position] = entry
+        if not self.complete:
+            self._check_complete()
+        return dict(self.entries)
+
+    def _check_complete(self) -> bool:
+        if not self.complete and self.root.exists(META_FILE):
+            self.complete = True
+        return self.complete
+
+    def tokens(self, position: int, split: str = "train") -> int:
+        """Tokens of `split` in the shard at `position` (which must be done)."""
+        return int(self.entries[position]["splits"].get(split, {"tokens": 0})["tokens"])
+
+    def read(
+        self, ranges: Sequence[tuple[int, int, int]], split: str = "train"
+    ) -> list[np.ndarray]:
+        """The tokens `[start, stop)` of `split` of each `(position, start, stop)` (shards done)."""
+        if not self.complete:
+            try:
+                out = [self._piece(p, split)[a:b].read() for p, a, b in ranges]
+                got = [future.result() for future in out]
+            except ValueError:  # a piece gone: deleted once meta.json was written?
+                if not self._check_complete():
+                    raise
+            else:
+                if not self._check_complete():  # the pieces were whole during the reads
+                    return got
+        base = self._flat_offsets(split)
+        flat = self._array(("flat", split), self.root.child(split, "tokens"))
+        futures = [flat[base[p] + a : base[p] + b].read() for p, a, b in ranges]
+        return [future.result() for future in futures]
+
+    def _flat_offsets(self, split: str) -> list[int]:
+        """Where each shard's tokens start in the flat `split` (every shard is done by now)."""
+        if split not in self._offsets:
+            if len(self.entries) < len(self.names):
+                self.refresh()
+            offsets, total = [], 0
+            for position in range(len(self.names)):
+                offsets.append(total)
+                total += self.tokens(position, split)
+            self._offsets[split] = offsets
+        return self._offsets[split]
+
+    def _piece(self, position: int, split: str) -> ts.TensorStore:
+        entry = self.entries[position]
+        directory = piece_dir(self.root, position, entry["piece"], split).child("tokens")
+        return self._array(("piece", position, entry["piece"], split), directory)
+
+    def _array(self, key: tuple, directory: Directory) -> ts.TensorStore:
+        with self._lock:
+            array = self._arrays.get(key)
+            if array is None:
+                array = self._arrays[key] = open_array(directory)
+            return array

@@ -1,0 +1,100 @@
+"""`data.stream_while_building`: a run that starts on a cache still building trains on the
+batches of a run on the finished cache, with bitwise the same losses.
+
+The cache is `memory://`, built in this process (on a background thread, one shard after
+another, no Ray); each shard past the first chunk is slowed down so the run starts first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+import pytest
+
+from loomax.config import ConfigError, parse_config
+from loomax.data.dataset import build_caches
+from loomax.data.run_tokenizer import prepare_tokenizer
+from loomax.data.token_cache import build as build_module
+from loomax.lm import TrainLmConfig
+from loomax.train_lm import train_lm
+
+NUM_SHARDS = 8
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream")
+    for k in range(NUM_SHARDS):
+        docs = [f"def f{k}_{i}(a):\n    return a * {i} + {k}\n" for i in range(40)]
+        (root / f"part_{k}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return str(root / f"part_{{0..{NUM_SHARDS - 1}}}.jsonl")
+
+
+def config(tmp_path, shards, cache: str, run: str, *extra: str) -> TrainLmConfig:
+    args = {
+        "data.train": json.dumps([{"urls": [shards]}]),
+        "data.tokenizer_vocab_size": "300",
+        "data.validation_fraction": "0.1",
+        "data.cache_dir": cache,
+        "data.stream_while_building": "true",
+        "data.stream_chunk_shards": "2",
+        "model.seq_len": "32",
+        "model.hidden_dim": "32",
+        "model.num_layers": "1",
+        "model.num_heads": "2",
+        "trainer.train_batch_size": "8",
+        "trainer.num_train_steps": "12",
+        "trainer.log_every": "1",
+        "trainer.steps_per_eval": "100",
+        "trainer.run_dir": str(tmp_path / run),
+        "trainer.progress_bar": "false",
+        "sample.enabled": "false",
+    }
+    return parse_config(
+        TrainLmConfig, None, [x for k, v in args.items() for x in (f"--{k}", v)] + list(extra)
+    )
+
+
+def losses(tmp_path, run: str) -> list[float]:
+    lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+    return [r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r]
+
+
+@pytest.mark.slow
+def test_a_run_on_a_building_cache_has_the_finished_caches_losses(
+    tmp_path, shards, monkeypatch, caplog
+):
+    slow = build_module.build_piece
+
+    def slowed(job, tokenizer_json):
+        if job.position >= 2:  # the first chunk is quick, the rest come while training
+            time.sleep(0.4)
+        return slow(job, tokenizer_json)
+
+    monkeypatch.setattr(build_module, "build_piece", slowed)
+    caplog.set_level(logging.INFO)
+    cache = f"memory://stream-{uuid.uuid4().hex[:8]}"
+    building = config(tmp_path, shards, cache, "building")
+    first = train_lm(building)
+    started = [r.getMessage() for r in caplog.records if "training starts on" in r.getMessage()]
+    assert started and f"{NUM_SHARDS}/{NUM_SHARDS} shards" not in started[0], started
+    assert any("waiting" in r.getMessage() for r in caplog.records), (
+        "the run caught up with the build"
+    )
+
+    monkeypatch.setattr(build_module, "build_piece", slow)
+    build_caches(building.data, prepare_tokenizer(building.data), progress=False)  # `loomax cache`
+    finished = train_lm(config(tmp_path, shards, cache, "finished"))
+    assert first.final.step == finished.final.step == 12
+    assert losses(tmp_path, "building") == losses(tmp_path, "finished")
+    assert len(losses(tmp_path, "building")) == 12
+
+
+def test_epochs_are_refused_while_streaming(tmp_path, shards):
+    with pytest.raises(ConfigError, match="num_train_steps"):
+        train_lm(
+            config(tmp_path, shards, "memory://never", "epochs", "--trainer.num_train_epochs", "1")
+        )
