@@ -142,7 +142,7 @@ def loss_gradients(mesh: MeshConfig, devices) -> list[np.ndarray]:
     tokens = np.random.default_rng(1).integers(0, VOCAB, (BATCH, TRAIN_SEQ), dtype=np.int32)
 
     def mean_loss(params, tokens):
-        total, weight = loss(params, tokens)
+        (total, weight), _ = loss(params, tokens)
         return total / weight
 
     def logits(params, tokens):
