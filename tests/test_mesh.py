@@ -6,16 +6,17 @@ import pytest
 
 from loomax.config import ConfigError, parse_config
 from loomax.lm import TrainLmConfig
-from loomax.mesh import MeshConfig, make_axis_mappings
+from loomax.mesh import MESH_AXES, MeshConfig, make_axis_mappings
 from loomax.train import TrainerConfig
 
 
 def test_minus_one_fills_the_devices():
-    assert MeshConfig().resolve(8) == {"replica": 1, "data": 8, "model": 1}
-    assert MeshConfig(model=2).resolve(8) == {"replica": 1, "data": 4, "model": 2}
+    assert MeshConfig().resolve(8) == {"replica": 1, "data": 8, "expert": 1, "model": 1}
+    assert MeshConfig(model=2).resolve(8) == {"replica": 1, "data": 4, "expert": 1, "model": 2}
     assert MeshConfig(replica=2, data=2, model=-1).resolve(8) == {
         "replica": 2,
         "data": 2,
+        "expert": 1,
         "model": 2,
     }
 
@@ -42,8 +43,22 @@ def test_two_minus_ones_and_zero():
 def test_default_mappings():
     m = make_axis_mappings()
     tp = {"mlp": "model", "heads": "model", "kv_heads": "model"}
-    assert m.parameter == {"embed": "data", **tp}
-    assert m.compute == {"batch": ("replica", "data"), **tp}
+    assert m.parameter == {"embed": "data", "experts": "expert", **tp}
+    assert m.compute == {"batch": ("replica", "data", "expert"), **tp}
+
+
+def test_expert_axis_splits_experts_and_the_batch():
+    sizes = MeshConfig(data=2, expert=4).resolve(8)
+    assert sizes == {"replica": 1, "data": 2, "expert": 4, "model": 1}
+    assert MESH_AXES == ("replica", "data", "expert", "model")
+    zero2 = make_axis_mappings(shard_params=False)  # experts split even with whole parameters
+    assert zero2.parameter["experts"] == zero2.optimizer["experts"] == "expert"
+    assert "embed" not in zero2.parameter and "experts" not in zero2.compute
+    assert "experts" not in make_axis_mappings(expert_axis=None).parameter
+    with pytest.raises(ValueError, match=r"trainer.mesh.expert must be positive"):
+        MeshConfig(expert=0)
+    with pytest.raises(ValueError, match="'experts' is mapped twice"):
+        make_axis_mappings(tensor_parallel_axes=["mlp", "experts"])
 
 
 def test_advanced_overrides():
@@ -51,7 +66,7 @@ def test_advanced_overrides():
         fsdp_axis=["embed", "vocab"],
         tensor_parallel_axes=["mlp", "heads"],
         axis_resources={"kv_heads": "model"},
-        parameter_axis_resources={"mlp": None},
+        parameter_axis_resources={"mlp": None, "experts": None},
     )
     assert m.parameter == {"embed": "data", "vocab": "data", "heads": "model", "kv_heads": "model"}
     assert m.compute["kv_heads"] == "model" and m.compute["mlp"] == "model"
@@ -85,5 +100,7 @@ def test_mesh_from_cli_and_errors_before_work(tmp_path):
 
 
 def test_batch_must_divide_over_data_parallel_size():
-    with pytest.raises(ValueError, match=r"data-parallel size 3 \(trainer.mesh replica x data\)"):
+    with pytest.raises(
+        ValueError, match=r"data-parallel size 3 \(trainer.mesh replica x data x expert\)"
+    ):
         TrainerConfig(train_batch_size=8).microbatches(3)

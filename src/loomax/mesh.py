@@ -1,11 +1,13 @@
 """The device mesh (``trainer.mesh``) and the axis mappings that place named axes on it.
 
-Mesh axes are ``replica`` (across slices or hosts), ``data`` and ``model``. The parameter
-mapping says how parameters rest (FSDP: ``embed -> data``, tensor parallel axes ``-> model``);
-the optimizer mapping how optimizer state rests (as parameters, unless they are kept whole:
-ZeRO-2); the compute mapping says how activations are laid out
-(``batch -> (replica, data)``, tensor-parallel axes ``-> model``). Layers never name mesh
-axes: this module is the one place where logical names meet the mesh.
+Mesh axes are ``replica`` (across slices or hosts), ``data``, ``expert`` (a mixture of
+experts' experts split over devices: expert parallelism) and ``model``. The parameter
+mapping says how parameters rest (FSDP: ``embed -> data``, ``experts -> expert``, tensor
+parallel axes ``-> model``); the optimizer mapping how optimizer state rests (as parameters,
+unless they are kept whole: ZeRO-2); the compute mapping says how activations are laid out
+(``batch -> (replica, data, expert)``: outside the experts the expert axis is one more
+data-parallel axis; tensor-parallel axes ``-> model``). Layers never name mesh axes: this
+module is the one place where logical names meet the mesh.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from loomax.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-MESH_AXES = ("replica", "data", "model")
-DATA_AXES = ("replica", "data")
+MESH_AXES = ("replica", "data", "expert", "model")
+DATA_AXES = ("replica", "data", "expert")
+EXPERT_AXIS = "expert"
+"""The mesh axis a mixture of experts' ``experts`` are split over (and its tokens dispatched across)."""
 
 AxisResources = Mapping[str, str | Sequence[str] | None]
 
@@ -40,6 +44,8 @@ class MeshConfig:
     """Data-parallel (and FSDP) size; -1 = the devices left over."""
     model: int = 1
     """Tensor-parallel size: the tensor_parallel_axes are split this many ways."""
+    expert: int = 1
+    """Expert-parallel size: MoE experts split this many ways, tokens sent to their experts' devices (a data-parallel axis elsewhere)."""
     auto: bool = False
     """Let `loomax train` choose the mesh and mappings at start: loomax plan's strategies, compiled for the devices present (the sizes above are then ignored)."""
 
@@ -52,7 +58,12 @@ class MeshConfig:
                 raise ValueError(f"trainer.mesh.{name} must be positive or -1, got {size}")
 
     def as_dict(self) -> dict[str, int]:
-        return {"replica": self.replica, "data": self.data, "model": self.model}
+        return {
+            "replica": self.replica,
+            "data": self.data,
+            "expert": self.expert,
+            "model": self.model,
+        }
 
     def resolve(self, num_devices: int) -> dict[str, int]:
         """The axis sizes for ``num_devices`` devices, with -1 filled in."""
@@ -78,7 +89,7 @@ class MeshConfig:
         return sizes
 
     def build(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """A ``Mesh`` with axes (replica, data, model) over ``devices`` (default: all),
+        """A ``Mesh`` with axes (replica, data, expert, model) over ``devices`` (default: all),
         laid out by ``device_grid``."""
         devices = list(jax.devices() if devices is None else devices)
         sizes = self.resolve(len(devices))
@@ -86,10 +97,10 @@ class MeshConfig:
 
 
 def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarray:
-    """``devices`` as a (replica, data, model) array of ``shape``.
+    """``devices`` as a (replica, data, expert, model) array of ``shape``.
 
     TPU devices follow the physical topology (``mesh_utils``): over several slices,
-    ``replica`` goes across slices (DCN) and every ``data`` x ``model`` group stays within
+    ``replica`` goes across slices (DCN) and every ``data`` x ``expert`` x ``model`` group stays within
     one (ICI); within a slice, groups follow the torus's links. Other devices (CPU, GPU) are
     laid out in order, process-major, so each process's devices hold a contiguous slice of
     the batch (what ``make_array_from_process_local_data`` expects); so are TPU devices of a
@@ -104,11 +115,11 @@ def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarr
     if slices > 1 and shape[0] % slices:
         raise ConfigError(
             f"trainer.mesh.replica ({shape[0]}) must be a multiple of the {slices} slices, "
-            "so that data and model groups stay within a slice"
+            "so that data, expert and model groups stay within a slice"
         )
     try:
         if slices > 1:
-            ici, dcn = [shape[0] // slices, *shape[1:]], [slices, 1, 1]
+            ici, dcn = [shape[0] // slices, *shape[1:]], [slices] + [1] * (len(shape) - 1)
             grid = mesh_utils.create_hybrid_device_mesh(
                 ici, dcn, devices, allow_split_physical_axes=True
             )
@@ -124,12 +135,13 @@ def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarr
 
 def _batch_contiguous_per_process(grid: np.ndarray) -> bool:
     """Whether each process's devices cover one contiguous range of (replica, data) positions."""
-    batch = np.arange(grid.shape[0] * grid.shape[1]).reshape(grid.shape[:2])
+    n = len(DATA_AXES)  # the leading mesh axes
+    batch = np.arange(int(np.prod(grid.shape[:n]))).reshape(grid.shape[:n])
     for process in {d.process_index for d in grid.flat}:
         mine = sorted(
             {
-                int(batch[r, d])
-                for (r, d, _), x in np.ndenumerate(grid)
+                int(batch[where[:n]])
+                for where, x in np.ndenumerate(grid)
                 if x.process_index == process
             }
         )
@@ -162,6 +174,7 @@ def make_axis_mappings(
     batch_axis: str = "batch",
     fsdp_axis: str | Sequence[str] | None = "embed",
     tensor_parallel_axes: Sequence[str] = ("mlp", "heads", "kv_heads"),
+    expert_axis: str | None = "experts",
     axis_resources: AxisResources | None = None,
     parameter_axis_resources: AxisResources | None = None,
     compute_axis_resources: AxisResources | None = None,
@@ -171,6 +184,8 @@ def make_axis_mappings(
 
     ``shard_params=False`` keeps parameters whole on every device while the optimizer state
     (and the gradients, inside the step) are still split by ``fsdp_axis`` (ZeRO-2).
+    ``expert_axis`` (a mixture of experts' experts) is split over the ``expert`` mesh axis in
+    the parameter and optimizer mappings (a mesh axis of size 1 splits nothing).
 
     Raises ``ValueError`` when a logical axis is given two roles (e.g. both FSDP and
     tensor parallel) or one mapping sends two co-occurring roles to the same mesh axis.
@@ -182,6 +197,7 @@ def make_axis_mappings(
         ("batch_axis", [batch_axis]),
         ("fsdp_axis", fsdp),
         ("tensor_parallel_axes", tp),
+        ("expert_axis", [expert_axis] if expert_axis else []),
     ):
         for name in names:
             if name in roles:
@@ -193,6 +209,8 @@ def make_axis_mappings(
     shared = {name: "model" for name in tp}
     optimizer: dict = {**shared, **{name: "data" for name in fsdp}}
     parameter: dict = dict(optimizer) if shard_params else dict(shared)
+    if expert_axis:
+        optimizer[expert_axis] = parameter[expert_axis] = EXPERT_AXIS
     compute: dict = {**shared, batch_axis: DATA_AXES}
     for overrides in (axis_resources, parameter_axis_resources):
         parameter.update(_clean(overrides))
@@ -248,7 +266,7 @@ def _check_mesh_axes(label: str, mapping: Mapping) -> None:
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    """Devices the batch is split over: replica x data."""
+    """Devices the batch is split over: replica x data x expert."""
     return int(np.prod([mesh.shape[a] for a in DATA_AXES]))
 
 

@@ -36,7 +36,7 @@ def hand_state_bytes(config: TrainLmConfig, fsdp_ways: int) -> int:
 def test_tiny_models_compile_and_state_bytes_match_hand_count(model, topology, plan_runs):
     config = plan_runs.tiny(model)
     result = plan_runs.compiled(model, topology)
-    assert result.devices == 4 and result.mesh == {"replica": 1, "data": 4, "model": 1}
+    assert result.devices == 4 and result.mesh == {"replica": 1, "data": 4, "expert": 1, "model": 1}
     assert result.fits is True and result.error is None
     assert 0 < result.total_bytes < result.hbm_bytes
     assert result.temp_bytes > 0

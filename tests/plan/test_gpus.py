@@ -76,7 +76,7 @@ def test_the_topologies_are_the_gpus_of_their_spec_sheets(monkeypatch):
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_tiny_models_compile_for_eight_h100s(model, plan_runs):
     result = plan_runs.compiled(model, H100S)
-    assert result.devices == 8 and result.mesh == {"replica": 1, "data": 8, "model": 1}
+    assert result.devices == 8 and result.mesh == {"replica": 1, "data": 8, "expert": 1, "model": 1}
     assert result.platform == "gpu" and result.chip == "NVIDIA H100 80GB HBM3"
     assert result.fits is True and result.error is None and result.compiled
     assert 0 < result.temp_bytes < result.total_bytes < result.hbm_bytes

@@ -60,14 +60,14 @@ def mesh_runs():
 @pytest.mark.slow
 def test_same_loss_trajectory_on_every_mesh(mesh_runs):
     single = mesh_runs[0]
-    assert single["mesh"] == {"replica": 1, "data": 1, "model": 1}
+    assert single["mesh"] == {"replica": 1, "data": 1, "expert": 1, "model": 1}
     for run in mesh_runs[1:]:
         np.testing.assert_allclose(run["losses"], single["losses"], rtol=MESH_RTOL)
         assert run["final_step"] == 5
     assert [r["mesh"] for r in mesh_runs[1:4]] == [
-        {"replica": 1, "data": 8, "model": 1},
-        {"replica": 1, "data": 4, "model": 2},
-        {"replica": 2, "data": 2, "model": 2},
+        {"replica": 1, "data": 8, "expert": 1, "model": 1},
+        {"replica": 1, "data": 4, "expert": 1, "model": 2},
+        {"replica": 2, "data": 2, "expert": 1, "model": 2},
     ]
 
 
@@ -140,7 +140,7 @@ def two_process_run(tmp_path_factory, processes_support):
 def test_two_processes_match_one_process_with_four_devices(mesh_runs, two_process_run):
     _, results = two_process_run
     four_devices = mesh_runs[4]
-    assert four_devices["mesh"] == {"replica": 1, "data": 4, "model": 1}
+    assert four_devices["mesh"] == {"replica": 1, "data": 4, "expert": 1, "model": 1}
     for i, result in enumerate(results):
         assert (result["process_index"], result["process_count"]) == (i, 2)
         assert result["mesh"] == four_devices["mesh"]
@@ -160,7 +160,12 @@ def test_checkpoint_from_two_processes_reshards_onto_other_meshes(two_process_ru
     written = [r["saved_bytes"] for r in results]
     assert sum(written) == total  # each shard written once, by the process that owns it
     assert all(0.4 * total < w < 0.6 * total for w in written)  # FSDP: half each
-    assert meta["process_count"] == 2 and meta["mesh"] == {"replica": 1, "data": 4, "model": 1}
+    assert meta["process_count"] == 2 and meta["mesh"] == {
+        "replica": 1,
+        "data": 4,
+        "expert": 1,
+        "model": 1,
+    }
 
     meshes = [[1, 1, 1, 1], [1, 4, 2, 8], [2, 2, 2, 8]]
     loads = result_of(run_worker(["load", str(checkpoints), json.dumps(meshes)], devices=8))

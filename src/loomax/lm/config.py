@@ -8,6 +8,7 @@ import loomax.callbacks  # noqa: F401 - registers the hook types `trainer.hooks`
 from loomax.config import ConfigError
 from loomax.data import DataConfig
 from loomax.models import Gpt2Config, LmConfig
+from loomax.models.expert_parallel import check_expert_split
 from loomax.optim import AdamConfig, OptimizerConfig
 from loomax.train import TrainerConfig
 
@@ -40,6 +41,11 @@ class TrainLmConfig:
     """Loop, batch, precision, logging and evaluation."""
     sample: SampleConfig = field(default_factory=SampleConfig)
     """What to generate once training is done."""
+
+    def __post_init__(self):
+        moe = getattr(self.model, "moe", None)
+        if moe is not None:  # the experts split over trainer.mesh.expert: checked before any work
+            check_expert_split(moe.num_experts, self.trainer.mesh.expert)
 
 
 def resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:

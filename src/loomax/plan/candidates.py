@@ -170,9 +170,9 @@ def microbatch_variants(base: Candidate, config: TrainLmConfig, **_: object) -> 
 
 
 def data_parallel_of(candidate: Candidate) -> int:
-    """replica x data of a candidate's mesh."""
+    """replica x data x expert of a candidate's mesh (the devices its batch is split over)."""
     mesh = candidate.overrides["trainer.mesh"]
-    return mesh["replica"] * mesh["data"]
+    return mesh["replica"] * mesh["data"] * mesh.get("expert", 1)
 
 
 def run_default(config: TrainLmConfig, num_devices: int) -> Candidate:
