@@ -134,7 +134,7 @@ def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarr
 
 
 def _batch_contiguous_per_process(grid: np.ndarray) -> bool:
-    """Whether each process's devices cover one contiguous range of (replica, data) positions."""
+    """Whether each process's devices cover one contiguous range of batch (replica, data, expert) positions."""
     n = len(DATA_AXES)  # the leading mesh axes
     batch = np.arange(int(np.prod(grid.shape[:n]))).reshape(grid.shape[:n])
     for process in {d.process_index for d in grid.flat}:

@@ -1,7 +1,8 @@
 """Expert parallelism on 8 CPU devices (a subprocess: the device count is fixed when JAX
 starts): the MoE layer with its experts split over ``trainer.mesh.expert`` gives the
 single-device output and gradients, through both forms of the token exchange, with FSDP and
-tensor parallelism; 5 Mixtral steps on expert 4 x data 2 give the single-device losses."""
+tensor parallelism; 5 Mixtral steps on expert 4 x data 2 give the single-device losses.
+A run's experts must split over the axis; MoE FLOPs count the active experts only."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from loomax.config import ConfigError, parse_config
 from loomax.lm import TrainLmConfig
+from loomax.models import LlamaConfig, MixtralConfig, MoeConfig
 
 WORKER = Path(__file__).with_name("expert_parallel_run.py")
 
@@ -63,3 +65,19 @@ def test_experts_must_split_over_the_expert_axis():
     ):
         parse_config(TrainLmConfig, None, [*args, "--trainer.mesh.expert", "4"])
     assert parse_config(TrainLmConfig, None, [*args, "--trainer.mesh.expert", "2"])
+
+
+def test_flops_count_the_active_experts_and_the_router_only():
+    """What MFU and ``loomax plan`` divide by: k experts' MLPs and the router per token, not
+    all experts (a dense Llama of MLP width k x expert width, plus the router's matmul)."""
+    dims = dict(seq_len=64, hidden_dim=32, num_layers=3, num_heads=4, num_kv_heads=2)
+    dense = LlamaConfig(**dims, intermediate_dim=2 * 48)
+    few, many = (
+        MixtralConfig(
+            **dims, intermediate_dim=48, moe=MoeConfig(num_experts=e, num_experts_per_tok=2)
+        )
+        for e in (8, 64)
+    )
+    router = 3 * 2 * 32  # layers x 2 x hidden_dim, per expert
+    assert few.flops_per_token(100) == dense.flops_per_token(100) + 8 * router
+    assert many.flops_per_token(100) - few.flops_per_token(100) == 56 * router

@@ -86,14 +86,14 @@ def test_activation_statistics_are_global_on_every_mesh(mesh_runs):
 @pytest.mark.slow
 def test_parameters_and_optimizer_state_are_sharded_as_declared(mesh_runs):
     by_mesh = {tuple(r["mesh"].values()): r["specs"] for r in mesh_runs}
-    fsdp_tp = by_mesh[(1, 4, 2)]
+    fsdp_tp = by_mesh[(1, 4, 1, 2)]
     assert fsdp_tp["embedding"] == "P(None, 'data')"  # (vocab, embed): FSDP on embed
     assert fsdp_tp["mlp_up_axes"] == ["layers", "mlp", "embed"]
     assert fsdp_tp["mlp_up"] == "P(None, 'model', 'data')"  # TP on mlp, FSDP on embed
     assert fsdp_tp["adam_mu_mlp_up"] == fsdp_tp["mlp_up"]  # optimizer state rests like the params
-    assert by_mesh[(1, 8, 1)]["embedding_shard_shape"] == [64, 32 // 8]
-    assert by_mesh[(1, 4, 2)]["embedding_shard_shape"] == [64, 32 // 4]
-    assert by_mesh[(1, 1, 1)]["embedding_shard_shape"] == [64, 32]
+    assert by_mesh[(1, 8, 1, 1)]["embedding_shard_shape"] == [64, 32 // 8]
+    assert by_mesh[(1, 4, 1, 2)]["embedding_shard_shape"] == [64, 32 // 4]
+    assert by_mesh[(1, 1, 1, 1)]["embedding_shard_shape"] == [64, 32]
 
 
 @pytest.mark.slow
