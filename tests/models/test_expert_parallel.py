@@ -36,7 +36,7 @@ def runs():
 @pytest.mark.slow
 def test_layer_equals_one_device_with_experts_split(runs):
     layer = runs["layer"]
-    assert len(layer) == 4
+    assert len(layer) == 3
     for case, diff in layer.items():
         # experts over `expert`, embed over `data` (FSDP), mlp over `model` (TP)
         assert diff["gate_spec"] == "P('expert', 'data', 'model')", case
