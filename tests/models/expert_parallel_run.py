@@ -83,6 +83,17 @@ LAYER_CASES = [  # (mesh, capacity_factor, form)
 ]
 
 
+def ragged_lowered() -> int:
+    """The real ragged form lowered (XLA:CPU cannot compile it): its ragged_all_to_all ops
+    in the StableHLO of the layer's value and gradient (JAX checks their operands here)."""
+    grad = jax.value_and_grad(lambda m, x: objective(m, x), argnums=(0, 1), has_aux=True)
+    runtime = MeshRuntime.create(MESHES["expert4_data2"], make_axis_mappings())
+    expert_parallel.default_form = lambda mesh: "ragged"
+    with runtime.mesh_context():
+        text = jax.jit(grad).lower(layer(), X).as_text()
+    return text.count("ragged_all_to_all")
+
+
 def layer_diffs() -> dict:
     grad = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
     jax.lax.ragged_all_to_all = emulated_ragged_all_to_all  # this process only (see above)
@@ -142,10 +153,11 @@ def train_losses(mesh: MeshConfig, devices) -> dict:
 
 
 def main() -> None:
+    lowered = ragged_lowered()
     layers = layer_diffs()
     one = train_losses(MeshConfig(1, 1, 1), jax.devices()[:1])
     split = train_losses(MESHES["expert4_data2"], jax.devices())
-    print(json.dumps({"layer": layers, "one": one, "expert4_data2": split}))
+    print(json.dumps({"ragged_ops": lowered, "layer": layers, "one": one, "expert4_data2": split}))
 
 
 if __name__ == "__main__":
