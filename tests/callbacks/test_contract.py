@@ -39,6 +39,7 @@ HOOKS = {
     "notify": {"url": NOTIFY_URL, "every": 4, "timeout": 1},  # nothing listens: posts only warn
     "profiler": {"wait": 1, "active": 1},
     "progress": {},
+    "router_collapse": {"patience": 2, "every": 2},
     "seq_len_warmup": {"min_seq_len": 16, "warmup_steps": 4},
     "speed": {"every": 2},
     "stability": {"window": 4, "every": 2, "min_history": 2},

@@ -1,7 +1,7 @@
 """Against transformers itself (torch CPU, both in the `test` extra): exports load with the
 same logits, for GPT-2 (also with another activation and scale_attn_by_inverse_layer_idx),
 Llama with GQA/MQA, every rope variant (default, linear, llama3, YaRN) and biases, Mixtral
-(per-expert tensors, softmax top-2 router) at 1e-5, and models
+(per-expert tensors, softmax top-2 router) and Qwen3-MoE (QK-norm, norm_topk_prob) at 1e-5, and models
 saved by transformers import with them; every activation_function is transformers' own. Nothing comes from the Hub: each
 model is built from a config here and saved to a tmp dir (conftest sets HF_HUB_OFFLINE)."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from loomax.hf import export_hf, load_hf
-from loomax.models import Gpt2Config, LlamaConfig, MixtralConfig, MoeConfig
+from loomax.models import Gpt2Config, LlamaConfig, MixtralConfig, MoeConfig, Qwen3MoeConfig
 from loomax.models.mlp_activations import ACTIVATION_FUNCTIONS
 from loomax.models.rotary import LinearRotary, YarnRotary
 
@@ -41,8 +41,19 @@ ALL = {
         seq_len=32, hidden_dim=32, intermediate_dim=48, num_layers=2, num_heads=4,
         num_kv_heads=2, moe=MoeConfig(num_experts=4, num_experts_per_tok=2),
     ),
+    "qwen3_moe": Qwen3MoeConfig(
+        seq_len=32, hidden_dim=32, intermediate_dim=24, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16,
+        moe=MoeConfig(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
+    ),
 }  # fmt: skip
-TOLERANCE = {"gpt2-gelu-layer-scaled": 1e-5, "llama-bias-gelu": 1e-5, "mixtral": 1e-5}
+TOLERANCE = {
+    "gpt2-gelu-layer-scaled": 1e-5, "llama-bias-gelu": 1e-5, "mixtral": 1e-5, "qwen3_moe": 1e-5,
+}  # fmt: skip
+ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}  # fmt: skip
 """Cases compared at 1e-5 (f32); the older cases keep 1e-4."""
 
 
@@ -66,9 +77,7 @@ def test_transformers_loads_the_export_with_the_same_logits(tmp_path, case, torc
     model = randomized(ALL[case])
     export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert type(hf).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}.get(
-        case.split("-")[0], "MixtralForCausalLM"
-    )
+    assert type(hf).__name__ == ARCHITECTURES[case.split("-")[0]]
     ids = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (32,), 0, VOCAB))
     with torch.no_grad():
         want = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
@@ -108,6 +117,11 @@ HF_CONFIGS = {
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
         num_local_experts=4, num_experts_per_tok=2,
+    ),
+    "qwen3_moe": lambda transformers: transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
     ),
 }  # fmt: skip
 
@@ -153,5 +167,6 @@ def test_a_model_saved_by_transformers_imports_with_the_same_logits(
     with torch.no_grad():
         want = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
     got = np.asarray(model.logits(hax.named(ids, "position")).array)
-    tol = 1e-5 if case in ("gpt2-relu-layer-scaled", "llama-bias-relu2", "mixtral") else 1e-4
+    exact = ("gpt2-relu-layer-scaled", "llama-bias-relu2", "mixtral", "qwen3_moe")
+    tol = 1e-5 if case in exact else 1e-4
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)

@@ -26,6 +26,7 @@ from loomax.models import (
     LmModel,
     MixtralConfig,
     MoeConfig,
+    Qwen3MoeConfig,
     next_token_loss,
 )
 from loomax.models.generate import sample_tokens
@@ -45,6 +46,16 @@ TINY: dict[str, LmConfig] = {
         num_heads=4,
         num_kv_heads=2,
         moe=MoeConfig(num_experts=4, num_experts_per_tok=2),
+    ),  # fmt: skip
+    "qwen3_moe": Qwen3MoeConfig(
+        seq_len=SEQ,
+        hidden_dim=16,
+        intermediate_dim=8,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        moe=MoeConfig(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
     ),  # fmt: skip
 }
 """A tiny config of every model type; a new type must add one here."""

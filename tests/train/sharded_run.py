@@ -6,6 +6,7 @@ Run as a subprocess (the device count is fixed when JAX starts):
                                                                      # the last process gets SIGTERM at STEP
   python sharded_run.py load CHECKPOINTS '[[1,1,1,1], ...]'         # load the final checkpoint on meshes
   python sharded_run.py llama '[[KV_HEADS, 1,2,2,4], ...]'          # a grouped-query Llama on meshes
+  python sharded_run.py mixtral '[[1,4,2,8], ...]'                  # a tiny Mixtral (MoE) on meshes
 
 The training modes save a final checkpoint under RUN_DIR (or a temporary directory).
 """
@@ -31,7 +32,7 @@ from loomax.data import BatchLoader, TokenWindows  # noqa: E402
 from loomax.distributed import DistributedConfig  # noqa: E402
 from loomax.lm import lm_loss  # noqa: E402
 from loomax.mesh import MeshConfig  # noqa: E402
-from loomax.models import Gpt2Config, LlamaConfig  # noqa: E402
+from loomax.models import Gpt2Config, LlamaConfig, MixtralConfig, MoeConfig  # noqa: E402
 from loomax.optim import AdamConfig  # noqa: E402
 from loomax.tracking import NoopTrackerConfig  # noqa: E402
 from loomax.train import Trainer, TrainerConfig, setup_process  # noqa: E402
@@ -164,6 +165,22 @@ def run_llama(kv_heads: int, mesh: MeshConfig, devices) -> dict:
     }
 
 
+def run_mixtral(mesh: MeshConfig, devices) -> dict:
+    """A few steps of a tiny Mixtral (4 experts, top 2) under the default mappings."""
+    model = MixtralConfig(
+        seq_len=16, hidden_dim=32, intermediate_dim=32, num_layers=2, num_heads=4,
+        num_kv_heads=2, moe=MoeConfig(num_experts=4, num_experts_per_tok=2),
+    )  # fmt: skip
+    trainer = make_trainer(mesh, tempfile.mkdtemp(), devices)
+    losses: list[float] = []
+    balance: list[float] = []
+    trainer.add_hook(lambda info: losses.append(info.loss))
+    trainer.add_hook(lambda info: balance.append(float(info.metrics["moe/load_balance_loss"])))
+    state = trainer.initial_state(lambda key: model.build(VOCAB, key=key))
+    trainer.train(state, loader().iter_from(0, 0, 1))
+    return {"losses": losses, "load_balance": balance}
+
+
 def main() -> None:
     mode = sys.argv[1]
     if mode == "meshes":
@@ -192,6 +209,11 @@ def main() -> None:
         for kv_heads, replica, data, model, n in json.loads(sys.argv[2]):
             mesh = MeshConfig(replica, data, model)
             out.append(run_llama(kv_heads, mesh, jax.devices()[:n]))
+        print(json.dumps(out))
+    elif mode == "mixtral":
+        out = []
+        for replica, data, model, n in json.loads(sys.argv[2]):
+            out.append(run_mixtral(MeshConfig(replica, data, model), jax.devices()[:n]))
         print(json.dumps(out))
 
 

@@ -111,6 +111,17 @@ def test_grouped_query_llama_splits_kv_heads_when_they_divide_and_keeps_them_who
         np.testing.assert_allclose(tp["losses"], one["losses"], rtol=MESH_RTOL)
 
 
+@pytest.mark.slow
+def test_mixtral_on_fsdp_and_tensor_parallel_meshes_gives_the_losses_of_one_device():
+    """A mixture of experts (global sort by expert, grouped matmuls) under data=4 x model=2:
+    XLA partitions it, with the same losses and balance losses as one device."""
+    meshes = json.dumps([[1, 1, 1, 1], [1, 4, 2, 8]])
+    one, sharded = result_of(run_worker(["mixtral", meshes], devices=8))
+    np.testing.assert_allclose(sharded["losses"], one["losses"], rtol=MESH_RTOL)
+    np.testing.assert_allclose(sharded["load_balance"], one["load_balance"], rtol=MESH_RTOL)
+    assert len(one["losses"]) == 5
+
+
 def run_two_processes(directory, support, *extra: str) -> tuple[Path, list[dict]]:
     """Two JAX processes of 2 devices each; their run dir and results. Both are killed when
     one fails (its stderr is shown), and the whole run is redone once if the coordinator's

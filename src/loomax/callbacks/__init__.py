@@ -28,6 +28,7 @@ from loomax.callbacks.norms import NormsHook
 from loomax.callbacks.notify import NotifyHook
 from loomax.callbacks.profiler import ProfilerHook
 from loomax.callbacks.progress import ProgressBarHook
+from loomax.callbacks.router_collapse import RouterCollapseHook
 from loomax.callbacks.seq_len_warmup import SeqLenWarmupHook
 from loomax.callbacks.skip_bad_steps import RemovedSkipBadStepsConfig  # noqa: F401 - registers the migration error
 from loomax.callbacks.speed import SpeedMonitorHook
@@ -61,6 +62,7 @@ __all__ = [
     "NotifyHook",
     "ProfilerHook",
     "ProgressBarHook",
+    "RouterCollapseHook",
     "SeqLenWarmupHook",
     "SpeedMonitorHook",
     "StabilityMonitor",

@@ -23,14 +23,26 @@ from loomax.errors import BadFileError, MissingFileError
 from loomax.hf import gpt2 as hf_gpt2
 from loomax.hf import llama as hf_llama
 from loomax.hf import mixtral as hf_mixtral
+from loomax.hf import qwen3_moe as hf_qwen3_moe
 from loomax.hf.layout import export_tensors, load_tensors
 from loomax.models.config import LmConfig, LmModel
 from loomax.models.gpt2 import Gpt2Config
 from loomax.models.llama import LlamaConfig
 from loomax.models.mixtral import MixtralConfig
+from loomax.models.qwen3_moe import Qwen3MoeConfig
 
-FAMILIES = {Gpt2Config: hf_gpt2, LlamaConfig: hf_llama, MixtralConfig: hf_mixtral}
-BY_MODEL_TYPE = {"gpt2": hf_gpt2, "llama": hf_llama, "mixtral": hf_mixtral}
+FAMILIES = {
+    Gpt2Config: hf_gpt2,
+    LlamaConfig: hf_llama,
+    MixtralConfig: hf_mixtral,
+    Qwen3MoeConfig: hf_qwen3_moe,
+}
+BY_MODEL_TYPE = {
+    "gpt2": hf_gpt2,
+    "llama": hf_llama,
+    "mixtral": hf_mixtral,
+    "qwen3_moe": hf_qwen3_moe,
+}
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}

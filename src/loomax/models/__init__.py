@@ -6,6 +6,7 @@ from loomax.models.llama import LlamaConfig, LlamaLmModel
 from loomax.models.loss import next_token_loss
 from loomax.models.mixtral import MixtralConfig, MixtralLmModel
 from loomax.models.moe import MoeConfig
+from loomax.models.qwen3_moe import Qwen3MoeConfig
 from loomax.models.rotary import RotaryConfig
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "MixtralConfig",
     "MixtralLmModel",
     "MoeConfig",
+    "Qwen3MoeConfig",
     "RotaryConfig",
     "next_token_loss",
 ]
