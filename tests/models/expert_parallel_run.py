@@ -67,7 +67,7 @@ def emulated_ragged_all_to_all(
 
 
 def layer(**moe) -> MoeMlp:
-    config = MoeConfig(num_experts=8, num_experts_per_tok=2, matmul_block=4, **moe)
+    config = MoeConfig(**{"num_experts": 8, "num_experts_per_tok": 2, "matmul_block": 4, **moe})
     return MoeMlp.init(config, EMBED, 24, "silu", 1.0, key=jax.random.PRNGKey(0))
 
 
@@ -76,10 +76,11 @@ def objective(mlp, x):
     return jnp.sum(out.array * COTANGENT) + aux.balance[0], (out.array, aux.dropped[0])
 
 
-LAYER_CASES = [  # (mesh, capacity_factor, form)
-    ("expert4_data2", None, "padded"),
-    ("expert2_data2_model2", 0.5, "padded"),
-    ("expert4_data2", 0.5, "ragged"),
+LAYER_CASES = [  # (mesh, capacity_factor, form, k); k=3 > 2 experts per device: the
+    # per-sender slot is T x 2 rows, not T x k (one token reaches 2 experts of one device at most)
+    ("expert4_data2", None, "padded", 3),
+    ("expert2_data2_model2", 0.5, "padded", 2),
+    ("expert4_data2", 0.5, "ragged", 3),
 ]
 
 
@@ -98,12 +99,12 @@ def layer_diffs() -> dict:
     grad = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
     jax.lax.ragged_all_to_all = emulated_ragged_all_to_all  # this process only (see above)
     out, single = {}, {}
-    for name, capacity, form in LAYER_CASES:
+    for name, capacity, form, k in LAYER_CASES:
         expert_parallel.default_form = lambda mesh, form=form: form
-        mlp = layer(capacity_factor=capacity)
-        if capacity not in single:
-            single[capacity] = jax.jit(grad)(mlp, X)
-        (_, (want, want_dropped)), want_grads = single[capacity]
+        mlp = layer(capacity_factor=capacity, num_experts_per_tok=k)
+        if (capacity, k) not in single:
+            single[capacity, k] = jax.jit(grad)(mlp, X)
+        (_, (want, want_dropped)), want_grads = single[capacity, k]
         mesh = MESHES[name]
         runtime = MeshRuntime.create(mesh, make_axis_mappings())
         placed = jax.device_put(mlp, runtime.state_shardings(mlp))
@@ -113,7 +114,7 @@ def layer_diffs() -> dict:
         with runtime.mesh_context():
             hlo = fn.jitted.lower(placed, x).compile().as_text()
         leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True)
-        out[f"{name} capacity={capacity} {form}"] = {
+        out[f"{name} capacity={capacity} k={k} {form}"] = {
             "out": float(np.max(np.abs(np.asarray(got) - np.asarray(want)))),
             "out_scale": float(np.max(np.abs(np.asarray(want)))),
             "grads": max(float(np.max(np.abs(a - b) / np.max(np.abs(b)))) for a, b in leaves),

@@ -46,7 +46,7 @@ def test_layer_equals_one_device_with_experts_split(runs):
         # the padded form exchanges tokens by all_to_all (there, back, and both in the
         # backward pass); the ragged one by ragged_all_to_all (emulated on the CPU)
         assert (diff["all_to_alls"] == 4) == case.endswith("padded"), case
-    assert layer["expert2_data2_model2 capacity=0.5 padded"]["dropped"][0] > 0
+    assert layer["expert2_data2_model2 capacity=0.5 k=2 padded"]["dropped"][0] > 0
     # the real ragged form (GPU/TPU) lowers with JAX's checks of its operands: two exchanges
     # forward, their two transposes backward (XLA:CPU cannot compile it)
     assert runs["ragged_ops"] == 4

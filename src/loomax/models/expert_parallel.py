@@ -8,8 +8,9 @@ is split over ``expert`` too). Inside ``shard_map`` every device:
 2. all-gathers the counts over the expert axis: each device then knows how many rows it
    sends to and receives from every other;
 3. sends each row to the device holding its expert, into a receive buffer with one slot
-   of ``T * k`` rows per sender (the dropless bound: a sender may route all its rows to
-   one device), so sender ``i``'s rows land at ``i * T * k``;
+   of ``T * min(k, E / ways)`` rows per sender (the dropless bound: a token's k experts
+   are distinct, so at most ``min(k, E / ways)`` of them live on one device), sender
+   ``i``'s rows at slot ``i``;
 4. sorts the received rows by local expert, runs the grouped matmuls on its experts,
    sorts them back, and returns every row to its sender by the reverse collective;
 5. restores token order and combines the k results with the routing weights; with the
@@ -146,16 +147,17 @@ class _Local:
         starts = jnp.cumsum(sent, axis=1) - sent  # where each receiver's rows start, per sender
         me = jax.lax.axis_index(EXPERT_AXIS)
         xs = t[order // k]
-        recv = self._send(xs, sent, starts, me, n)  # [ways * n, D], sender i's rows at i * n
+        cap = T * min(k, local_e)  # rows one sender can route to one device (distinct top-k)
+        recv = self._send(xs, sent, starts, me, cap)  # [ways * cap, D], sender i at i * cap
         mine = per_shard[:, me]  # [sender, local expert]
-        pos = jnp.arange(n)
+        pos = jnp.arange(cap)
         ends = jnp.cumsum(mine, axis=1)
         slot_expert = jax.vmap(lambda e: jnp.searchsorted(e, pos, side="right"))(ends)
         slot_expert = slot_expert.reshape(-1)  # local expert of each slot; local_e = empty
         order2 = jnp.argsort(slot_expert, stable=True)
         out = self._matmuls(recv[order2], jnp.sum(mine, axis=0), gate, up, down)
         back = jnp.zeros_like(out).at[order2].set(out)
-        ys = self._return(back, sent, starts, me, n)  # [n, D], in ``order``
+        ys = self._return(back, sent, starts, me, cap, n)  # [n, D], in ``order``
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
         y = ys[inverse].reshape(T, k, -1)
         combined = jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
@@ -171,26 +173,28 @@ class _Local:
         act = activation(self.act)(hax.named(g, ("tokens", Mlp))).array
         return mm(act * u, down)
 
-    def _send(self, xs, sent, starts, me, n):
-        """Each sorted row to its expert's device: ``[ways * n, D]``, sender i at ``i * n``."""
+    def _send(self, xs, sent, starts, me, cap):
+        """Each sorted row to its expert's device: ``[ways * cap, D]``, sender i at ``i * cap``."""
         if self.form == "ragged":
-            out = jnp.zeros((self.ways * n, xs.shape[-1]), xs.dtype)
-            offsets = jnp.full((self.ways,), me * n, jnp.int32)
+            out = jnp.zeros((self.ways * cap, xs.shape[-1]), xs.dtype)
+            offsets = jnp.full((self.ways,), me * cap, jnp.int32)
             return jax.lax.ragged_all_to_all(
                 xs, out, starts[me], sent[me], offsets, sent[:, me], axis_name=EXPERT_AXIS
             )
-        buf = self._pack(xs, sent[me], starts[me], n)
-        return jax.lax.all_to_all(buf, EXPERT_AXIS, 0, 0).reshape(self.ways * n, -1)
+        shard, slot = self._slots(sent[me], starts[me], xs.shape[0])
+        buf = jnp.zeros((self.ways, cap, xs.shape[-1]), xs.dtype)
+        buf = buf.at[shard, slot].set(xs, mode="drop")
+        return jax.lax.all_to_all(buf, EXPERT_AXIS, 0, 0).reshape(self.ways * cap, -1)
 
-    def _return(self, back, sent, starts, me, n):
-        """The reverse of ``_send``: each device's rows home, ``[n, D]`` in sorted order."""
+    def _return(self, back, sent, starts, me, cap, n):
+        """The reverse of ``_send``: each device's ``n`` rows home, in sorted order."""
         if self.form == "ragged":
             out = jnp.zeros((n, back.shape[-1]), back.dtype)
-            offsets = jnp.arange(self.ways, dtype=jnp.int32) * n
+            offsets = jnp.arange(self.ways, dtype=jnp.int32) * cap
             return jax.lax.ragged_all_to_all(
                 back, out, offsets, sent[:, me], starts[:, me], sent[me], axis_name=EXPERT_AXIS
             )
-        home = jax.lax.all_to_all(back.reshape(self.ways, n, -1), EXPERT_AXIS, 0, 0)
+        home = jax.lax.all_to_all(back.reshape(self.ways, cap, -1), EXPERT_AXIS, 0, 0)
         shard, slot = self._slots(sent[me], starts[me], n)
         return home.at[shard, slot].get(mode="fill", fill_value=0)
 
@@ -200,8 +204,3 @@ class _Local:
         shard = jnp.searchsorted(jnp.cumsum(counts), r, side="right")
         slot = r - starts[jnp.minimum(shard, self.ways - 1)]
         return shard, slot
-
-    def _pack(self, xs, counts, starts, n):
-        shard, slot = self._slots(counts, starts, n)
-        buf = jnp.zeros((self.ways, n, xs.shape[-1]), xs.dtype)
-        return buf.at[shard, slot].set(xs, mode="drop")
