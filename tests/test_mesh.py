@@ -14,11 +14,24 @@ from loomax.train import TrainerConfig
 
 
 def test_minus_one_fills_the_devices():
-    assert MeshConfig().resolve(8) == {"replica": 1, "data": 8, "context": 1, "model": 1}
-    assert MeshConfig(model=2).resolve(8) == {"replica": 1, "data": 4, "context": 1, "model": 2}
+    assert MeshConfig().resolve(8) == {
+        "replica": 1,
+        "data": 8,
+        "expert": 1,
+        "context": 1,
+        "model": 1,
+    }
+    assert MeshConfig(model=2).resolve(8) == {
+        "replica": 1,
+        "data": 4,
+        "expert": 1,
+        "context": 1,
+        "model": 2,
+    }
     assert MeshConfig(replica=2, data=2, model=-1).resolve(8) == {
         "replica": 2,
         "data": 2,
+        "expert": 1,
         "context": 1,
         "model": 2,
     }
@@ -46,19 +59,26 @@ def test_two_minus_ones_and_zero():
 def test_default_mappings():
     m = make_axis_mappings()
     tp = {"mlp": "model", "heads": "model", "kv_heads": "model"}
-    assert m.parameter == {"embed": "data", **tp}
-    assert m.compute == {"batch": ("replica", "data"), "position": "context", **tp}
+    assert m.parameter == {"embed": "data", "experts": "expert", **tp}
+    assert m.compute == {"batch": ("replica", "data", "expert"), "position": "context", **tp}
 
 
 def test_context_axis_splits_the_sequence():
     assert MeshConfig(data=2, context=4).resolve(8) == {
         "replica": 1,
         "data": 2,
+        "expert": 1,
         "context": 4,
         "model": 1,
     }
     assert MeshConfig(context=4).resolve(8)["data"] == 2
-    assert MESH_AXES == ("replica", "data", "context", "model")  # model innermost, then the ring
+    assert MESH_AXES == (
+        "replica",
+        "data",
+        "expert",
+        "context",
+        "model",
+    )  # model innermost, then the ring
     assert "position" not in make_axis_mappings(context_axis=None).compute
     assert "position" not in make_axis_mappings().parameter
     with pytest.raises(ValueError, match=r"trainer.mesh.context must be positive"):
@@ -69,10 +89,10 @@ def test_context_axis_splits_the_sequence():
 
 def test_context_groups_stay_within_a_process():
     host = [SimpleNamespace(process_index=p, platform="cpu") for p in (0, 0, 1, 1)]
-    check_context_within_processes(np.array(host, dtype=object).reshape(2, 1, 2, 1))
+    check_context_within_processes(np.array(host, dtype=object).reshape(2, 1, 1, 2, 1))
     with pytest.raises(ConfigError, match="a context group spans processes"):
         check_context_within_processes(
-            np.array(host, dtype=object).reshape(1, 2, 2, 1).swapaxes(1, 2)
+            np.array(host, dtype=object).reshape(1, 2, 1, 2, 1).swapaxes(1, 3)
         )
 
 
@@ -91,12 +111,25 @@ def test_context_split_checked_before_work():
         parse_config(TrainLmConfig, None, args=["--model.context_parallel", "ulysses"])
 
 
+def test_expert_axis_splits_experts_and_the_batch():
+    sizes = MeshConfig(data=2, expert=4).resolve(8)
+    assert sizes == {"replica": 1, "data": 2, "expert": 4, "context": 1, "model": 1}
+    zero2 = make_axis_mappings(shard_params=False)  # experts split even with whole parameters
+    assert zero2.parameter["experts"] == zero2.optimizer["experts"] == "expert"
+    assert "embed" not in zero2.parameter and "experts" not in zero2.compute
+    assert "experts" not in make_axis_mappings(expert_axis=None).parameter
+    with pytest.raises(ValueError, match=r"trainer.mesh.expert must be positive"):
+        MeshConfig(expert=0)
+    with pytest.raises(ValueError, match="'experts' is mapped twice"):
+        make_axis_mappings(tensor_parallel_axes=["mlp", "experts"])
+
+
 def test_advanced_overrides():
     m = make_axis_mappings(
         fsdp_axis=["embed", "vocab"],
         tensor_parallel_axes=["mlp", "heads"],
         axis_resources={"kv_heads": "model"},
-        parameter_axis_resources={"mlp": None},
+        parameter_axis_resources={"mlp": None, "experts": None},
     )
     assert m.parameter == {"embed": "data", "vocab": "data", "heads": "model", "kv_heads": "model"}
     assert m.compute["kv_heads"] == "model" and m.compute["mlp"] == "model"
@@ -130,5 +163,7 @@ def test_mesh_from_cli_and_errors_before_work(tmp_path):
 
 
 def test_batch_must_divide_over_data_parallel_size():
-    with pytest.raises(ValueError, match=r"data-parallel size 3 \(trainer.mesh replica x data\)"):
+    with pytest.raises(
+        ValueError, match=r"data-parallel size 3 \(trainer.mesh replica x data x expert\)"
+    ):
         TrainerConfig(train_batch_size=8).microbatches(3)

@@ -1,12 +1,14 @@
 """The device mesh (``trainer.mesh``) and the axis mappings that place named axes on it.
 
-Mesh axes are ``replica`` (across slices or hosts), ``data``, ``context`` (the sequence of
-every batch row split over devices: context parallelism) and ``model``. The parameter
-mapping says how parameters rest (FSDP: ``embed -> data``, tensor parallel axes ``-> model``);
-the optimizer mapping how optimizer state rests (as parameters, unless they are kept whole:
-ZeRO-2); the compute mapping says how activations are laid out
-(``batch -> (replica, data)``, ``position -> context``, tensor-parallel axes ``-> model``).
-Layers never name mesh axes: this module is the one place where logical names meet the mesh.
+Mesh axes are ``replica`` (across slices or hosts), ``data``, ``expert`` (a mixture of
+experts' experts split over devices: expert parallelism), ``context`` (the sequence of every
+batch row split over devices: context parallelism) and ``model``. The parameter mapping says
+how parameters rest (FSDP: ``embed -> data``, ``experts -> expert``, tensor parallel axes
+``-> model``); the optimizer mapping how optimizer state rests (as parameters, unless they
+are kept whole: ZeRO-2); the compute mapping says how activations are laid out
+(``batch -> (replica, data, expert)``: outside the experts the expert axis is one more
+data-parallel axis; ``position -> context``; tensor-parallel axes ``-> model``). Layers
+never name mesh axes: this module is the one place where logical names meet the mesh.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from loomax.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-MESH_AXES = ("replica", "data", "context", "model")
-DATA_AXES = ("replica", "data")
+MESH_AXES = ("replica", "data", "expert", "context", "model")
+DATA_AXES = ("replica", "data", "expert")
+EXPERT_AXIS = "expert"
+"""The mesh axis a mixture of experts' ``experts`` are split over (and its tokens dispatched across)."""
 CONTEXT_AXIS = "context"
 """The mesh axis the sequence (``position``) of activations is split over."""
 
@@ -45,6 +49,8 @@ class MeshConfig:
     """Tensor-parallel size: the tensor_parallel_axes are split this many ways."""
     context: int = 1
     """Context-parallel size: each sequence (the `position` axis) is split this many ways (model.context_parallel picks how attention crosses the split)."""
+    expert: int = 1
+    """Expert-parallel size: MoE experts split this many ways, tokens sent to their experts' devices (a data-parallel axis elsewhere)."""
     auto: bool = False
     """Let `loomax train` choose the mesh and mappings at start: loomax plan's strategies, compiled for the devices present (the sizes above are then ignored)."""
 
@@ -60,6 +66,7 @@ class MeshConfig:
         return {
             "replica": self.replica,
             "data": self.data,
+            "expert": self.expert,
             "context": self.context,
             "model": self.model,
         }
@@ -88,7 +95,7 @@ class MeshConfig:
         return sizes
 
     def build(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """A ``Mesh`` with axes (replica, data, context, model) over ``devices`` (default: all),
+        """A ``Mesh`` with axes (replica, data, expert, context, model) over ``devices`` (default: all),
         laid out by ``device_grid``."""
         devices = list(jax.devices() if devices is None else devices)
         sizes = self.resolve(len(devices))
@@ -98,7 +105,7 @@ class MeshConfig:
 
 
 def check_context_within_processes(grid: np.ndarray) -> None:
-    """Raise ``ConfigError`` when a ``context`` group of the (replica, data, context, model)
+    """Raise ``ConfigError`` when a ``context`` group of the (replica, data, expert, context, model)
     ``grid`` spans processes: each process loads whole rows of its own share of the batch,
     so the devices splitting one sequence must belong to one process."""
     axis = MESH_AXES.index(CONTEXT_AXIS)
@@ -111,10 +118,10 @@ def check_context_within_processes(grid: np.ndarray) -> None:
 
 
 def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarray:
-    """``devices`` as a (replica, data, context, model) array of ``shape``.
+    """``devices`` as a (replica, data, expert, context, model) array of ``shape``.
 
     TPU devices follow the physical topology (``mesh_utils``): over several slices,
-    ``replica`` goes across slices (DCN) and every ``data`` x ``context`` x ``model`` group stays within
+    ``replica`` goes across slices (DCN) and every ``data`` x ``expert`` x ``context`` x ``model`` group stays within
     one (ICI); within a slice, groups follow the torus's links. Other devices (CPU, GPU) are
     laid out in order, process-major, so each process's devices hold a contiguous slice of
     the batch (what ``make_array_from_process_local_data`` expects); so are TPU devices of a
@@ -129,7 +136,7 @@ def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarr
     if slices > 1 and shape[0] % slices:
         raise ConfigError(
             f"trainer.mesh.replica ({shape[0]}) must be a multiple of the {slices} slices, "
-            "so that data, context and model groups stay within a slice"
+            "so that data, expert, context and model groups stay within a slice"
         )
     try:
         if slices > 1:
@@ -148,13 +155,14 @@ def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarr
 
 
 def _batch_contiguous_per_process(grid: np.ndarray) -> bool:
-    """Whether each process's devices cover one contiguous range of (replica, data) positions."""
-    batch = np.arange(grid.shape[0] * grid.shape[1]).reshape(grid.shape[:2])
+    """Whether each process's devices cover one contiguous range of batch (replica, data, expert) positions."""
+    n = len(DATA_AXES)  # the leading mesh axes
+    batch = np.arange(int(np.prod(grid.shape[:n]))).reshape(grid.shape[:n])
     for process in {d.process_index for d in grid.flat}:
         mine = sorted(
             {
-                int(batch[r, d])
-                for (r, d, *_), x in np.ndenumerate(grid)
+                int(batch[where[:n]])
+                for where, x in np.ndenumerate(grid)
                 if x.process_index == process
             }
         )
@@ -187,6 +195,7 @@ def make_axis_mappings(
     batch_axis: str = "batch",
     fsdp_axis: str | Sequence[str] | None = "embed",
     tensor_parallel_axes: Sequence[str] = ("mlp", "heads", "kv_heads"),
+    expert_axis: str | None = "experts",
     context_axis: str | None = "position",
     axis_resources: AxisResources | None = None,
     parameter_axis_resources: AxisResources | None = None,
@@ -197,8 +206,9 @@ def make_axis_mappings(
 
     ``shard_params=False`` keeps parameters whole on every device while the optimizer state
     (and the gradients, inside the step) are still split by ``fsdp_axis`` (ZeRO-2).
-    ``context_axis`` (the sequence of activations) is split over the ``context`` mesh axis
-    in the compute mapping (a mesh axis of size 1 splits nothing).
+    ``expert_axis`` (a mixture of experts' experts) is split over the ``expert`` mesh axis in
+    the parameter and optimizer mappings; ``context_axis`` (the sequence of activations) over
+    the ``context`` mesh axis in the compute mapping (a mesh axis of size 1 splits nothing).
 
     Raises ``ValueError`` when a logical axis is given two roles (e.g. both FSDP and
     tensor parallel) or one mapping sends two co-occurring roles to the same mesh axis.
@@ -210,6 +220,7 @@ def make_axis_mappings(
         ("batch_axis", [batch_axis]),
         ("fsdp_axis", fsdp),
         ("tensor_parallel_axes", tp),
+        ("expert_axis", [expert_axis] if expert_axis else []),
         ("context_axis", [context_axis] if context_axis else []),
     ):
         for name in names:
@@ -222,6 +233,8 @@ def make_axis_mappings(
     shared = {name: "model" for name in tp}
     optimizer: dict = {**shared, **{name: "data" for name in fsdp}}
     parameter: dict = dict(optimizer) if shard_params else dict(shared)
+    if expert_axis:
+        optimizer[expert_axis] = parameter[expert_axis] = EXPERT_AXIS
     compute: dict = {**shared, batch_axis: DATA_AXES}
     if context_axis:
         compute[context_axis] = CONTEXT_AXIS
@@ -279,7 +292,7 @@ def _check_mesh_axes(label: str, mapping: Mapping) -> None:
 
 
 def data_parallel_size(mesh: Mesh) -> int:
-    """Devices the batch is split over: replica x data."""
+    """Devices the batch is split over: replica x data x expert."""
     return int(np.prod([mesh.shape[a] for a in DATA_AXES]))
 
 

@@ -49,7 +49,7 @@ class MeshRuntime:
 
     @property
     def data_parallel_size(self) -> int:
-        """Devices a batch is split over (replica x data)."""
+        """Devices a batch is split over (replica x data x expert)."""
         return data_parallel_size(self.mesh)
 
     def mesh_context(self) -> contextlib.ExitStack:

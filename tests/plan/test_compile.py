@@ -39,6 +39,7 @@ def test_tiny_models_compile_and_state_bytes_match_hand_count(model, topology, p
     assert result.devices == 4 and result.mesh == {
         "replica": 1,
         "data": 4,
+        "expert": 1,
         "context": 1,
         "model": 1,
     }

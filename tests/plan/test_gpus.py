@@ -79,6 +79,7 @@ def test_tiny_models_compile_for_eight_h100s(model, plan_runs):
     assert result.devices == 8 and result.mesh == {
         "replica": 1,
         "data": 8,
+        "expert": 1,
         "context": 1,
         "model": 1,
     }

@@ -13,8 +13,10 @@ from loomax.plan.candidates import (
     context_strategies,
     mesh_strategies,
     nested,
+    num_experts_of,
     offload_variants,
     remat_variants,
+    run_default,
 )
 from loomax.plan.report import best, overlay_yaml, plan_table
 from loomax.plan.search import search
@@ -40,10 +42,32 @@ def test_long_sequences_get_context_parallel_candidates():
     assert context_strategies(8, 1, 4096) == []
     long = context_strategies(8, 1, 32768)
     assert [c.label for c in long] == ["fsdp cp2 4x2", "fsdp cp4 2x4", "fsdp cp8 1x8"]
-    assert long[1].overrides["trainer.mesh"] == {"replica": 1, "data": 2, "context": 4, "model": 1}
+    assert long[1].overrides["trainer.mesh"] == {
+        "replica": 1,
+        "data": 2,
+        "expert": 1,
+        "context": 4,
+        "model": 1,
+    }
     assert [c.label for c in context_strategies(8, 1, 16388)] == ["fsdp cp2 4x2"]  # 16388 % 8
     config = apply_overrides(parse_config(TrainLmConfig, None, []), long[1].overrides)
     assert config.trainer.mesh.context == 4 and config.trainer.mesh.resolve(8)["data"] == 2
+
+
+def test_a_mixture_of_experts_gets_expert_parallel_strategies():
+    labels = [c.label for c in mesh_strategies(8, num_experts=4)]
+    assert labels[:4] == ["fsdp 8x1", "fsdp ep2 4x2x1", "fsdp ep4 2x4x1", "dp 8x1"]
+    assert "fsdp ep2 tp2 2x2x2" in labels and not any("ep8" in label for label in labels)
+    ep4 = next(c for c in mesh_strategies(8, num_experts=4) if c.label == "fsdp ep4 2x4x1")
+    assert ep4.apply(parse_config(TrainLmConfig, None, [])).trainer.mesh.resolve(8) == {
+        "replica": 1, "data": 2, "expert": 4, "context": 1, "model": 1,
+    }  # fmt: skip
+    assert not any("ep" in c.label for c in mesh_strategies(8))  # dense: none
+    config = parse_config(
+        TrainLmConfig, None, ["--model.type", "mixtral", "--trainer.mesh.expert", "4"]
+    )
+    assert num_experts_of(config) == 8
+    assert run_default(config, 8).label == "fsdp ep4 2x4x1 (the run's)"
 
 
 def test_overrides_round_trip_through_flags_and_yaml():

@@ -115,7 +115,7 @@ def test_inside_a_worker_the_batch_is_split_over_data_only():
 
     compute = TrainerConfig().axis_mappings().compute
     inner = worker_compute_mapping(compute, "batch")
-    assert inner["batch"] == "data" and inner["mlp"] == "model"
+    assert inner["batch"] == ("data", "expert") and inner["mlp"] == "model"
     assert "batch" not in worker_compute_mapping({"batch": "replica"}, "batch")
     with pytest.raises(ValueError, match="the compute mapping sends 'position' to replica"):
         TrainerConfig(

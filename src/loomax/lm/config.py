@@ -8,6 +8,7 @@ import loomax.callbacks  # noqa: F401 - registers the hook types `trainer.hooks`
 from loomax.config import ConfigError
 from loomax.data import DataConfig
 from loomax.models import Gpt2Config, LmConfig
+from loomax.models.expert_parallel import check_expert_split
 from loomax.models.sequence_layout import check_split
 from loomax.optim import AdamConfig, OptimizerConfig
 from loomax.train import TrainerConfig
@@ -51,6 +52,9 @@ class TrainLmConfig:
                     "model.attn_pdrop > 0 is not supported with trainer.mesh.context > 1 "
                     f"(got {context}): attention dropout needs the vanilla backend"
                 )
+        moe = getattr(self.model, "moe", None)
+        if moe is not None:  # the experts split over trainer.mesh.expert: checked before any work
+            check_expert_split(moe.num_experts, self.trainer.mesh.expert)
 
 
 def resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:

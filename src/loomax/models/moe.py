@@ -9,6 +9,8 @@ then summed with the routing weights. With ``capacity_factor`` each expert takes
 ``ceil(capacity_factor * T * k / E)`` assignments (first come, first served in token
 order); the rest are dropped (their weight 0, counted in ``moe/dropped_fraction``).
 Shared experts (DeepSeek-MoE) are one dense gated MLP every token also goes through.
+With ``trainer.mesh.expert`` > 1 the experts are split over devices and the tokens sent to
+them (``expert_parallel``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from haliax import Axis, NamedArray
 
 from loomax.config import ConfigError
 from loomax.models.axes import Embed, Experts, Mlp
+from loomax.models.expert_parallel import expert_ways, parallel_experts
 from loomax.models.grouped_matmul import IMPLEMENTATIONS, grouped_matmul
 from loomax.models.mlp_activations import activation
 from loomax.models.moe_routing import SCORE_FUNCTIONS, RouterAux, route
@@ -153,7 +156,10 @@ class MoeMlp(eqx.Module):
             score=self.moe.score_function,
             norm_topk_prob=self.moe.norm_topk_prob,
         )
-        y, sizes, dropped = self._experts(t, weights, experts)
+        if expert_ways() > 1:  # experts split over the mesh: tokens travel to them
+            y, sizes, dropped = parallel_experts(self, t, weights, experts)
+        else:
+            y, sizes, dropped = self._experts(t, weights, experts)
         out = hax.named(y.reshape(*(a.size for a in lead), Embed_.size), (*lead, Embed_))
         if self.shared_gate is not None:
             gate, up = self.shared_gate(x), self.shared_up(x)

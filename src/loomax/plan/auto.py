@@ -16,7 +16,7 @@ import jax
 from loomax.config import ConfigError
 from loomax.lm.config import TrainLmConfig
 from loomax.mesh import MeshConfig
-from loomax.plan.candidates import Candidate, mesh_strategies
+from loomax.plan.candidates import Candidate, mesh_strategies, num_experts_of
 from loomax.plan.search import Ranked, compile_all
 from loomax.plan.topology import Topology, get_topology
 
@@ -46,7 +46,8 @@ def choose_strategy(
     base = dataclasses.replace(
         config, trainer=dataclasses.replace(trainer, mesh=MeshConfig(), force_strategy=None)
     )
-    candidates = mesh_strategies(topology.num_devices, topology.num_slices)
+    experts = num_experts_of(config)
+    candidates = mesh_strategies(topology.num_devices, topology.num_slices, num_experts=experts)
     if trainer.force_strategy is not None:
         chosen = _named(candidates, trainer.force_strategy)
         say(f"trainer.force_strategy: {chosen.label} ({_describe(chosen)})")

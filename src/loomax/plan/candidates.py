@@ -44,17 +44,21 @@ def _replace(node: Any, path: list[str], value: Any) -> Any:
     return dataclasses.replace(node, **{head: new})
 
 
-def mesh_strategies(num_devices: int, num_slices: int = 1, max_model: int = 8) -> list[Candidate]:
+def mesh_strategies(
+    num_devices: int, num_slices: int = 1, max_model: int = 8, num_experts: int | None = None
+) -> list[Candidate]:
     """Mesh shapes and mappings: FSDP, plain data parallel or ZeRO-2 (parameters whole,
     optimizer state split), each with tensor parallelism of 1, 2, 4, 8 where it divides the
-    devices; slices become the ``replica`` axis."""
+    devices; slices become the ``replica`` axis. For a mixture of experts (``num_experts``),
+    FSDP with expert parallelism too: ``expert`` of 2, 4, 8... where it divides both the
+    data devices and the experts (label ``fsdp ep4 2x4x1``: data x expert x model)."""
     per_slice = num_devices // num_slices
     out = []
     model = 1
     while model <= min(max_model, per_slice):
         if per_slice % model == 0:
             data = per_slice // model
-            mesh = {"replica": num_slices, "data": data, "context": 1, "model": model}
+            mesh = {"replica": num_slices, "data": data, "expert": 1, "context": 1, "model": model}
             tp = f" tp{model}" if model > 1 else ""
             shape = f"{num_slices}x{data}x{model}" if num_slices > 1 else f"{data}x{model}"
             fsdp = {
@@ -63,6 +67,7 @@ def mesh_strategies(num_devices: int, num_slices: int = 1, max_model: int = 8) -
                 "trainer.shard_params": True,
             }
             out.append(Candidate(f"fsdp{tp} {shape}", fsdp))
+            out += _expert_parallel(fsdp, num_experts, tp)
             if data > 1 or model == 1:
                 out.append(
                     Candidate(f"dp{tp} {shape}", {"trainer.mesh": mesh, "trainer.fsdp_axis": None})
@@ -92,7 +97,13 @@ def context_strategies(
     while context <= min(max_context, per_slice):
         if per_slice % context == 0 and seq_len % (2 * context) == 0:
             data = per_slice // context
-            mesh = {"replica": num_slices, "data": data, "context": context, "model": 1}
+            mesh = {
+                "replica": num_slices,
+                "data": data,
+                "expert": 1,
+                "context": context,
+                "model": 1,
+            }
             shape = f"{num_slices}x{data}x{context}" if num_slices > 1 else f"{data}x{context}"
             overrides = {
                 "trainer.mesh": mesh,
@@ -102,6 +113,28 @@ def context_strategies(
             out.append(Candidate(f"fsdp cp{context} {shape}", overrides))
         context *= 2
     return out
+
+
+def _expert_parallel(fsdp: Overrides, num_experts: int | None, tp: str) -> list[Candidate]:
+    """``fsdp`` with its data devices split further by ``expert`` (2, 4, ...)."""
+    mesh, out, ways = fsdp["trainer.mesh"], [], 2
+    while num_experts and ways <= min(mesh["data"], num_experts):
+        if mesh["data"] % ways == 0 and num_experts % ways == 0:
+            data = mesh["data"] // ways
+            split = {**mesh, "data": data, "expert": ways}
+            shape = f"{data}x{ways}x{mesh['model']}"
+            if mesh["replica"] > 1:
+                shape = f"{mesh['replica']}x{shape}"
+            out.append(Candidate(f"fsdp ep{ways}{tp} {shape}", {**fsdp, "trainer.mesh": split}))
+        ways *= 2
+    return out
+
+
+def num_experts_of(config: TrainLmConfig) -> int | None:
+    """The experts of a mixture-of-experts model (for its expert-parallel strategies); None
+    for a dense one."""
+    moe = getattr(config.model, "moe", None)
+    return None if moe is None else moe.num_experts
 
 
 SAVE_ATTENTION = ("qkv", "attn_out", "splash_residuals")
@@ -200,9 +233,9 @@ def microbatch_variants(base: Candidate, config: TrainLmConfig, **_: object) -> 
 
 
 def data_parallel_of(candidate: Candidate) -> int:
-    """replica x data of a candidate's mesh."""
+    """replica x data x expert of a candidate's mesh (the devices its batch is split over)."""
     mesh = candidate.overrides["trainer.mesh"]
-    return mesh["replica"] * mesh["data"]
+    return mesh["replica"] * mesh["data"] * mesh.get("expert", 1)
 
 
 def run_default(config: TrainLmConfig, num_devices: int) -> Candidate:
@@ -212,8 +245,14 @@ def run_default(config: TrainLmConfig, num_devices: int) -> Candidate:
     kind = ("fsdp" if config.trainer.shard_params else "zero2") if fsdp else "dp"
     tp = f" tp{sizes['model']}" if sizes["model"] > 1 else ""
     tp += f" cp{sizes['context']}" if sizes["context"] > 1 else ""
+    shape = f"{sizes['data']}x{sizes['model']}"
+    if sizes["expert"] > 1:
+        kind, shape = (
+            f"{kind} ep{sizes['expert']}",
+            f"{sizes['data']}x{sizes['expert']}x{sizes['model']}",
+        )
     return Candidate(
-        f"{kind}{tp} {sizes['data']}x{sizes['model']} (the run's)",
+        f"{kind}{tp} {shape} (the run's)",
         {
             "trainer.mesh": sizes,
             "trainer.fsdp_axis": fsdp,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from loomax.lm.config import TrainLmConfig
+from loomax.mesh import MeshConfig
 from loomax.plan.candidates import (
     OFFLOAD_CANDIDATES,
     OFFLOAD_KEYS,
@@ -26,6 +27,7 @@ from loomax.plan.candidates import (
     context_strategies,
     mesh_strategies,
     microbatch_variants,
+    num_experts_of,
     offload_variants,
     remat_of,
     remat_variants,
@@ -138,8 +140,12 @@ def search(
     ones that do not fit by how much they exceed, then those that failed to build."""
     first = [run_default(config, topology.num_devices)]
     seen = {_key(first[0])}
+    experts = num_experts_of(config)
     long = context_strategies(topology.num_devices, topology.num_slices, config.model.seq_len)
-    for c in [*long, *mesh_strategies(topology.num_devices, topology.num_slices)]:
+    for c in [
+        *long,
+        *mesh_strategies(topology.num_devices, topology.num_slices, num_experts=experts),
+    ]:
         if _key(c) not in seen:
             seen.add(_key(c))
             first.append(c)
@@ -180,4 +186,8 @@ def _policy(candidate: Candidate, config: TrainLmConfig) -> str:
 
 
 def _key(candidate: Candidate) -> str:
-    return repr(sorted((k, repr(v)) for k, v in candidate.overrides.items()))
+    """The same for candidates that set the same keys alike (a mesh with every axis named)."""
+    overrides = dict(candidate.overrides)
+    if isinstance(overrides.get("trainer.mesh"), dict):
+        overrides["trainer.mesh"] = MeshConfig(**overrides["trainer.mesh"]).as_dict()
+    return repr(sorted((k, repr(v)) for k, v in overrides.items()))

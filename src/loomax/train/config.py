@@ -87,7 +87,7 @@ class TrainerConfig:
     tracker: TrackerConfig | list[TrackerConfig] = field(default_factory=JsonlTrackerConfig)
     """Where metrics go: one tracker config (type: jsonl, wandb, tensorboard, noop) or a list of them."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    """Device mesh sizes: replica, data, context, model (one may be -1 to fill the devices), or {auto: true} to have loomax train choose."""
+    """Device mesh sizes: replica, data, expert, context, model (one may be -1 to fill the devices), or {auto: true} to have loomax train choose."""
     force_strategy: str | None = None
     """Train with this one of loomax plan's strategies (e.g. zero2 8x1, fsdp tp2 4x2) instead of trainer.mesh and its mappings; null = as configured."""
     batch_axis: str = "batch"
@@ -290,7 +290,7 @@ class TrainerConfig:
     def microbatches(self, num_devices: int, batch_size: int | None = None) -> int:
         """Microbatches per step implied by the batch and ``per_device_parallelism``.
 
-        ``num_devices`` is the data-parallel size (replica x data): the devices the batch is
+        ``num_devices`` is the data-parallel size (replica x data x expert): the devices the batch is
         split over; ``batch_size`` defaults to the first (or only) batch size.
         """
         batch = batch_size or self.batch_schedule.sizes[0]
@@ -305,7 +305,7 @@ class TrainerConfig:
         if batch % num_devices:
             raise ConfigError(
                 f"trainer.train_batch_size ({batch}) must be divisible by the data-parallel "
-                f"size {num_devices} (trainer.mesh replica x data), or set "
+                f"size {num_devices} (trainer.mesh replica x data x expert), or set "
                 "trainer.allow_nondivisible_batch_size"
             )
         per_device = batch // num_devices

@@ -229,7 +229,7 @@ def _like(x: Any, array: jax.Array) -> Any:
 
 
 def worker_compute_mapping(compute: dict, batch_axis: str) -> dict:
-    """The compute mapping inside one worker: ``batch_axis`` split over ``data`` only."""
+    """The compute mapping inside one worker: ``batch_axis`` split over its axes but ``replica``."""
     targets = compute.get(batch_axis)
     targets = targets if isinstance(targets, tuple) else (targets,) if targets else ()
     kept = tuple(t for t in targets if t != "replica")

@@ -1,0 +1,206 @@
+"""Expert parallelism: a mixture of experts' experts split over the ``expert`` mesh axis.
+
+With ``trainer.mesh.expert`` > 1 each device of the expert axis holds ``E / ways``
+experts (the parameter mapping sends ``experts -> expert``) and its own tokens (the batch
+is split over ``expert`` too). Inside ``shard_map`` every device:
+
+1. sorts its ``T * k`` assignments by expert (stable) and counts them per expert;
+2. all-gathers the counts over the expert axis: each device then knows how many rows it
+   sends to and receives from every other;
+3. sends each row to the device holding its expert, into a receive buffer with one slot
+   of ``T * min(k, E / ways)`` rows per sender (the dropless bound: a token's k experts
+   are distinct, so at most ``min(k, E / ways)`` of them live on one device), sender
+   ``i``'s rows at slot ``i``;
+4. sorts the received rows by local expert, runs the grouped matmuls on its experts,
+   sorts them back, and returns every row to its sender by the reverse collective;
+5. restores token order and combines the k results with the routing weights; with the
+   experts' ``mlp`` split over ``model`` (tensor parallelism) the partial outputs are
+   summed over it.
+
+Two forms of the collective give the same result: ``ragged`` (``jax.lax.ragged_all_to_all``,
+only the routed rows travel: GPU and TPU) and ``padded`` (``jax.lax.all_to_all`` of the
+whole fixed-size buffer: what XLA:CPU can run, as it has no ragged-all-to-all). Routing,
+capacity drops and the router statistics are computed before, on the global arrays, so
+the layer gives the single-device result whatever the split.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from loomax.config import ConfigError
+from loomax.mesh import EXPERT_AXIS
+from loomax.models.axes import Batch, Embed, Experts, Mlp
+from loomax.models.grouped_matmul import grouped_matmul
+from loomax.models.mlp_activations import activation
+
+FORMS = ("ragged", "padded")
+"""How rows travel between devices: ``ragged_all_to_all`` or a fixed-size ``all_to_all``."""
+
+
+def _concrete_mesh():
+    """The device mesh in context (also inside ``jit``); None without one."""
+    from jax._src.mesh import get_concrete_mesh
+
+    mesh = get_concrete_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
+def expert_ways() -> int:
+    """Devices the experts are split over in the mesh in context (1: no expert parallelism)."""
+    mesh = _concrete_mesh()
+    return 1 if mesh is None else dict(mesh.shape).get(EXPERT_AXIS, 1)
+
+
+def check_expert_split(num_experts: int, ways: int) -> None:
+    """Raise ``ConfigError`` unless the experts split evenly over the expert axis."""
+    if num_experts % ways:
+        raise ConfigError(
+            f"model.moe.num_experts ({num_experts}) must be a multiple of trainer.mesh.expert ({ways})"
+        )
+
+
+def default_form(mesh) -> str:
+    """``ragged`` on GPU and TPU, ``padded`` elsewhere (XLA:CPU has no ragged-all-to-all)."""
+    return "ragged" if mesh.devices.flat[0].platform in ("gpu", "tpu") else "padded"
+
+
+def _mapped(mesh, logical: str, size: int):
+    """The compute mapping's mesh axes for ``logical`` as a spec entry, if ``size`` divides."""
+    target = (hax.partitioning.current_thread_local_mapping() or {}).get(logical)
+    names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+    names = tuple(n for n in names if mesh.shape[n] > 1)
+    if not names or size % math.prod(mesh.shape[n] for n in names):
+        return None
+    return names
+
+
+def capacity_keep(flat: jax.Array, num_experts: int, capacity: int) -> jax.Array:
+    """Which of the assignments ``flat [N]`` (expert ids) fit their expert's ``capacity``,
+    first come first served in order (as ``MoeMlp`` on one device)."""
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts)
+    start = jnp.cumsum(sizes) - sizes
+    rank = jnp.arange(flat.shape[0]) - start[flat[order]]
+    return jnp.zeros(flat.shape, bool).at[order].set(rank < capacity)
+
+
+def parallel_experts(mlp, t: jax.Array, weights: jax.Array, experts: jax.Array, *, form=None):
+    """``MoeMlp._experts`` over the expert axis: ``(y [T, D], sizes [E], dropped)``.
+
+    ``t [T, D]`` are the tokens (rows in batch-major order), ``weights``/``experts [T, k]``
+    their routing. ``form`` is one of ``FORMS`` (default: ``default_form``).
+    """
+    mesh = _concrete_mesh()
+    ways, E = expert_ways(), mlp.moe.num_experts
+    check_expert_split(E, ways)
+    T, k = experts.shape
+    flat = experts.reshape(-1)
+    sizes = jnp.bincount(flat, length=E)
+    dropped = jnp.zeros((), jnp.int32)
+    capacity = mlp.moe.capacity(T)
+    if capacity is not None:  # dropped assignments go to a sentinel expert E, weight 0
+        keep = capacity_keep(flat, E, capacity)
+        dropped = T * k - jnp.sum(keep)
+        weights = jnp.where(keep.reshape(T, k), weights, 0.0)
+        experts = jnp.where(keep, flat, E).reshape(T, k)
+    rows = _mapped(mesh, Batch, T)
+    tp = _mapped(mesh, Mlp, mlp.gate.resolve_axis(Mlp).size)
+    gate = mlp.gate.rearrange((Experts, Embed, Mlp)).array
+    up = mlp.up.rearrange((Experts, Embed, Mlp)).array
+    down = mlp.down.rearrange((Experts, Mlp, Embed)).array
+    local = _Local(mlp, ways, form or default_form(mesh), tp)
+    w_in, w_out = P(EXPERT_AXIS, None, tp), P(EXPERT_AXIS, tp, None)
+    y = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(rows, None), P(rows, None), P(rows, None), w_in, w_in, w_out),
+        out_specs=P(rows, None),
+    )(t, weights, experts, gate, up, down)
+    return y, sizes, dropped
+
+
+class _Local:
+    """What one device does inside ``shard_map`` (see the module docstring)."""
+
+    def __init__(self, mlp, ways: int, form: str, tp):
+        if form not in FORMS:
+            raise ValueError(f"expert-parallel form must be one of {FORMS}, got {form!r}")
+        self.moe, self.act, self.ways, self.form, self.tp = mlp.moe, mlp.act, ways, form, tp
+
+    def __call__(self, t, weights, experts, gate, up, down):
+        T, k = experts.shape
+        E, ways, n = self.moe.num_experts, self.ways, T * k
+        local_e = E // ways
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # the sentinel (dropped) last
+        sizes = jnp.bincount(flat, length=E)
+        every = jax.lax.all_gather(sizes, EXPERT_AXIS)  # [ways, E]: each sender's counts
+        per_shard = every.reshape(ways, ways, local_e)  # [sender, receiver, local expert]
+        sent = jnp.sum(per_shard, axis=-1)  # [sender, receiver] rows
+        starts = jnp.cumsum(sent, axis=1) - sent  # where each receiver's rows start, per sender
+        me = jax.lax.axis_index(EXPERT_AXIS)
+        xs = t[order // k]
+        cap = T * min(k, local_e)  # rows one sender can route to one device (distinct top-k)
+        recv = self._send(xs, sent, starts, me, cap)  # [ways * cap, D], sender i at i * cap
+        mine = per_shard[:, me]  # [sender, local expert]
+        pos = jnp.arange(cap)
+        ends = jnp.cumsum(mine, axis=1)
+        slot_expert = jax.vmap(lambda e: jnp.searchsorted(e, pos, side="right"))(ends)
+        slot_expert = slot_expert.reshape(-1)  # local expert of each slot; local_e = empty
+        order2 = jnp.argsort(slot_expert, stable=True)
+        out = self._matmuls(recv[order2], jnp.sum(mine, axis=0), gate, up, down)
+        back = jnp.zeros_like(out).at[order2].set(out)
+        ys = self._return(back, sent, starts, me, cap, n)  # [n, D], in ``order``
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
+        y = ys[inverse].reshape(T, k, -1)
+        combined = jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+        if self.tp:
+            combined = jax.lax.psum(combined, self.tp)
+        return combined.astype(t.dtype)
+
+    def _matmuls(self, xs, group_sizes, gate, up, down):
+        mm: Callable = lambda a, w: grouped_matmul(  # noqa: E731
+            a, w.astype(a.dtype), group_sizes, impl=self.moe.matmul, block=self.moe.matmul_block
+        )
+        g, u = mm(xs, gate), mm(xs, up)
+        act = activation(self.act)(hax.named(g, ("tokens", Mlp))).array
+        return mm(act * u, down)
+
+    def _send(self, xs, sent, starts, me, cap):
+        """Each sorted row to its expert's device: ``[ways * cap, D]``, sender i at ``i * cap``."""
+        if self.form == "ragged":
+            out = jnp.zeros((self.ways * cap, xs.shape[-1]), xs.dtype)
+            offsets = jnp.full((self.ways,), me * cap, jnp.int32)
+            return jax.lax.ragged_all_to_all(
+                xs, out, starts[me], sent[me], offsets, sent[:, me], axis_name=EXPERT_AXIS
+            )
+        shard, slot = self._slots(sent[me], starts[me], xs.shape[0])
+        buf = jnp.zeros((self.ways, cap, xs.shape[-1]), xs.dtype)
+        buf = buf.at[shard, slot].set(xs, mode="drop")
+        return jax.lax.all_to_all(buf, EXPERT_AXIS, 0, 0).reshape(self.ways * cap, -1)
+
+    def _return(self, back, sent, starts, me, cap, n):
+        """The reverse of ``_send``: each device's ``n`` rows home, in sorted order."""
+        if self.form == "ragged":
+            out = jnp.zeros((n, back.shape[-1]), back.dtype)
+            offsets = jnp.arange(self.ways, dtype=jnp.int32) * cap
+            return jax.lax.ragged_all_to_all(
+                back, out, offsets, sent[:, me], starts[:, me], sent[me], axis_name=EXPERT_AXIS
+            )
+        home = jax.lax.all_to_all(back.reshape(self.ways, cap, -1), EXPERT_AXIS, 0, 0)
+        shard, slot = self._slots(sent[me], starts[me], n)
+        return home.at[shard, slot].get(mode="fill", fill_value=0)
+
+    def _slots(self, counts, starts, n):
+        """Each sorted row's (receiver, slot in that receiver's chunk); out of range when dropped."""
+        r = jnp.arange(n)
+        shard = jnp.searchsorted(jnp.cumsum(counts), r, side="right")
+        slot = r - starts[jnp.minimum(shard, self.ways - 1)]
+        return shard, slot
