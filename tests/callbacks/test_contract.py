@@ -16,7 +16,7 @@ from loomax.train_lm import train_lm
 NOTIFY_URL = "http://127.0.0.1:9/services/s3cr3t"
 """The discard port: nothing answers there."""
 
-HOOKS = {
+SETTINGS = {
     "activations": {"every": 2},
     "batch_size_schedule": {"every": 4},
     "config_saver": {},
@@ -46,6 +46,7 @@ HOOKS = {
     "textgen": {"every": 8, "prompts": ["def "], "max_new_tokens": 4},
     "wandb_cancel": {"check_seconds": 60},  # no wandb run here: it says so and stays off
 }
+"""Settings that make a hook act within this short run; a type not listed runs with its defaults."""
 
 
 def built_in_types() -> dict[str, type[HookConfig]]:
@@ -63,7 +64,7 @@ def built_in_types() -> dict[str, type[HookConfig]]:
 @pytest.mark.usefixtures("ray_cluster")
 def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus, lm_eval_tasks):
     built_in = set(built_in_types())
-    assert set(HOOKS) == built_in, "add new hook types to HOOKS"
+    assert set(SETTINGS) <= built_in, "SETTINGS names a hook type that is not registered"
     run_dir = tmp_path / "run"
     other = tmp_path / "other.jsonl"  # a second validation set
     docs = [{"text": f"class C{i}:\n    value = {i} * 3\n"} for i in range(100)]
@@ -99,7 +100,10 @@ def test_every_registered_hook_type_runs_from_yaml(tmp_path, tiny_corpus, lm_eva
                     **settings,
                     **({"include_path": str(tasks)} if name == "downstream_eval" else {}),
                 }
-                for name, settings in HOOKS.items()
+                for name, settings in [
+                    *SETTINGS.items(),
+                    *((n, {}) for n in sorted(built_in - set(SETTINGS))),
+                ]
             ],
         },
         "sample": {"enabled": False},

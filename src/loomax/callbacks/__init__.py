@@ -35,6 +35,7 @@ from loomax.callbacks.stability import StabilityMonitor
 from loomax.callbacks.step_programs import StepProgramsHook
 from loomax.callbacks.textgen import TextGenHook
 from loomax.callbacks.wandb_cancel import WandbCancelHook
+from loomax.config import import_package_modules
 
 __all__ = [
     "ActivationStatsHook",
@@ -72,3 +73,5 @@ __all__ = [
     "next_token_bytes",
     "token_byte_lengths",
 ]
+
+import_package_modules(__name__, __path__)  # every module: a new file registers its hook types

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import ClassVar
 
 import draccus
 import equinox as eqx
@@ -69,6 +70,10 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Dropout rate on each attention and MLP output before it joins the residual stream, in training only; 0 = off."""
     attn_pdrop: float = 0.0
     """Dropout rate on attention probabilities, in training only (needs attn_backend auto or vanilla); 0 = off."""
+
+    hf_model_type: ClassVar[str | None] = None
+    """The transformers ``model_type`` this family reads and writes (``loomax.hf.family.HfFamily``
+    says the rest it then defines); None = no Hugging Face interop."""
 
     def __post_init__(self):
         if self.attn_backend not in BACKENDS:

@@ -1,0 +1,92 @@
+"""Name-by-name tables between Loomax parameters and Hugging Face tensors.
+
+A ``Param`` says where a weight lives in the Loomax model and how its named axes lie in
+the HF tensor: ``dims`` lists the HF dimensions in order, each one axis name or a tuple of
+names flattened together (head-major, as HF lays out ``q_proj`` and GPT-2's ``c_attn``).
+Per-layer weights have ``{i}`` in their HF name and the ``layers`` axis in Loomax.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import equinox as eqx
+import haliax as hax
+import jax
+import numpy as np
+
+from loomax.errors import BadFileError
+from loomax.models.axes import Layers
+
+Dims = tuple[str | tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class Param:
+    hf_name: str
+    where: Callable  # model -> NamedArray
+    dims: Dims
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf_name
+
+    def _order(self) -> tuple[str, ...]:
+        return tuple(n for d in self.dims for n in ((d,) if isinstance(d, str) else d))
+
+    def export(self, model) -> dict[str, np.ndarray]:
+        """The HF tensor(s) of this weight (one per layer for per-layer weights)."""
+        named = self.where(model)
+        order = ((Layers,) if self.per_layer else ()) + self._order()
+        array = np.asarray(jax.device_get(named.rearrange(order).array))
+        shape = [
+            named.resolve_axis(d).size
+            if isinstance(d, str)
+            else math.prod(named.resolve_axis(n).size for n in d)
+            for d in self.dims
+        ]
+        if not self.per_layer:
+            return {self.hf_name: array.reshape(shape)}
+        return {self.hf_name.format(i=i): array[i].reshape(shape) for i in range(array.shape[0])}
+
+    def load(self, skeleton, tensors: dict[str, np.ndarray]) -> hax.NamedArray:
+        """This weight rebuilt from HF ``tensors``, with the skeleton leaf's axes and dtype."""
+        like = self.where(skeleton)
+        if self.per_layer:
+            n = like.resolve_axis(Layers).size
+            array = np.stack([_take(tensors, self.hf_name.format(i=i)) for i in range(n)])
+            order = (Layers,) + self._order()
+        else:
+            array = _take(tensors, self.hf_name)
+            order = self._order()
+        axes = tuple(like.resolve_axis(name) for name in order)
+        want = tuple(a.size for a in axes)
+        if math.prod(array.shape) != math.prod(want):
+            raise BadFileError(
+                f"HF tensor {self.hf_name} has shape {array.shape}; expected {want} flattened"
+            )
+        named = hax.named(jax.numpy.asarray(array.reshape(want), like.dtype), axes)
+        return named.rearrange(like.axes)
+
+
+def _take(tensors: dict[str, np.ndarray], name: str) -> np.ndarray:
+    if name not in tensors:
+        raise BadFileError(f"the HF checkpoint lacks the tensor {name!r}")
+    return tensors[name]
+
+
+def export_tensors(model, params: list[Param]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for p in params:
+        out.update(p.export(model))
+    return out
+
+
+def load_tensors(skeleton, params: list[Param], tensors: dict[str, np.ndarray]):
+    """``skeleton`` (from ``jax.eval_shape``) with every listed weight filled from ``tensors``."""
+    model = skeleton
+    for p in params:
+        model = eqx.tree_at(p.where, model, p.load(skeleton, tensors))
+    return model
