@@ -13,10 +13,11 @@ from loomax.config_reference import registry_members
 from loomax.models import LmConfig
 
 SHAPE = dict(
-    seq_len=16, hidden_dim=16, intermediate_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
-    sliding_window=6,
+    seq_len=16, hidden_dim=16, intermediate_dim=32, num_layers=2, num_heads=4, num_kv_heads=2
 )  # fmt: skip
 """The tiny shape; each key is used by the families that have that field."""
+WINDOWS = dict(sliding_window=6)
+"""Tiny windows, for the families whose window is on by default (shorter than the sequence)."""
 
 
 def model_types() -> list[str]:
@@ -27,6 +28,7 @@ def model_types() -> list[str]:
 def tiny_config(model_type: str, **overrides) -> LmConfig:
     """A tiny config of ``model_type``: ``SHAPE`` where the family has the field, then ``overrides``."""
     cls = LmConfig.get_choice_class(model_type)
-    names = {f.name for f in dataclasses.fields(cls)}
-    shape = {k: v for k, v in SHAPE.items() if k in names}
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    shape = {k: v for k, v in SHAPE.items() if k in defaults}
+    shape |= {k: v for k, v in WINDOWS.items() if defaults.get(k) is not None}
     return cls(**{**shape, **overrides})

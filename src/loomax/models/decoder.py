@@ -1,16 +1,17 @@
 """The Llama-style decoder every rotary family builds on: attention, gated MLP, block, model.
 
-Its config is a ``LlamaConfig`` (or a family's subclass); the structural switches a family
-overrides are read from it: ``qkv_bias`` (biases on q/k/v alone, as Qwen 2),
-``qk_norm_scope`` (QK-norm per head or over the whole projection, as OLMo 2) and
-``pre_norm`` (norms before the attention and MLP, or only after them, as OLMo 2).
-Weight layout and rotary convention match Hugging Face ``LlamaForCausalLM``.
+Its config is a ``LlamaConfig`` or a family's subclass (``DecoderConfig`` names what is
+read). The switches a family overrides: ``qkv_bias`` (biases on q/k/v alone, as Qwen 2),
+``qk_norm_scope`` (QK-norm per head or over the whole projection, as OLMo 2), ``pre_norm``
+(norms before the attention and MLP, or only after them, as OLMo 2) and the field
+``sliding_window`` (Mistral). Weight layout and rotary convention match Hugging Face
+``LlamaForCausalLM``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import equinox as eqx
 import haliax as hax
@@ -29,8 +30,38 @@ from loomax.models.mlp_activations import activation
 from loomax.models.remat import name_activation
 from loomax.models.rotary import apply_rotary
 
-if TYPE_CHECKING:  # the config module builds these models
-    from loomax.models.llama import LlamaConfig
+
+class DecoderConfig(Protocol):
+    """What the decoder reads of its config: ``loomax.models.llama.LlamaConfig`` (or a family's
+    subclass) provides it; named here so that this module needs no import of its config."""
+
+    Embed: Axis
+    Heads: Axis
+    KvHeads: Axis
+    HeadSize: Axis
+    Mlp: Axis
+    Layers: Axis
+    num_layers: int
+    rope: Any
+    activation_function: str
+    initializer_range: float
+    tie_word_embeddings: bool
+    use_bias: bool
+    qkv_bias: bool
+    qk_norm: bool
+    qk_norm_scope: str
+    pre_norm: bool
+    hybrid_norm: bool
+    input_embedding_norm: bool
+    sliding_window: int | None
+    dropout_active: bool
+    embed_pdrop: float
+    resid_pdrop: float
+    remat_policy: Any
+    scan_layers: bool
+    scan_unroll: int | bool
+
+    def make_norm(self, axis) -> hnn.RmsNorm: ...
 
 
 def _linear(
@@ -48,10 +79,10 @@ class LlamaAttention(eqx.Module):
     o_proj: hnn.Linear  # (heads, head_size) -> embed
     q_norm: hnn.RmsNorm | None
     k_norm: hnn.RmsNorm | None
-    config: LlamaConfig = eqx.field(static=True)
+    config: DecoderConfig = eqx.field(static=True)
 
     @staticmethod
-    def init(config: LlamaConfig, *, key: PRNGKeyArray) -> LlamaAttention:
+    def init(config: DecoderConfig, *, key: PRNGKeyArray) -> LlamaAttention:
         k_q, k_k, k_v, k_o = jax.random.split(key, 4)
         c, bias, qkv_bias = config, config.use_bias, config.qkv_bias
         q_norm = k_norm = None
@@ -87,13 +118,15 @@ class LlamaAttention(eqx.Module):
     ) -> NamedArray:
         """``key`` drops out attention probabilities (``attn_pdrop``)."""
         q, k, v = self._qkv(x, hax.arange(x.resolve_axis(Position)))
-        out = model_attention(self.config, q, k, v, segment_ids, key=key)
+        window = self.config.sliding_window
+        out = model_attention(self.config, q, k, v, segment_ids, key=key, window=window)
         return self.o_proj(name_activation(out, "attn_out"))
 
     def decode(self, x: NamedArray, cache_k, cache_v, start):
         """Attention over the cache for new positions from ``start``; returns the new cache too."""
         q, k, v = self._qkv(x, hax.arange(x.resolve_axis(Position)) + start)
-        out, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, start)
+        window = self.config.sliding_window
+        out, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, start, window)
         return self.o_proj(out), cache_k, cache_v
 
 
@@ -106,7 +139,7 @@ class LlamaMlp(eqx.Module):
     act: str = eqx.field(static=True)
 
     @staticmethod
-    def init(config: LlamaConfig, *, key: PRNGKeyArray) -> LlamaMlp:
+    def init(config: DecoderConfig, *, key: PRNGKeyArray) -> LlamaMlp:
         k_gate, k_up, k_down = jax.random.split(key, 3)
         c, bias = config, config.use_bias
         down_scale = 1 / math.sqrt(2 * c.num_layers)
@@ -133,10 +166,10 @@ class LlamaBlock(eqx.Module):
     mlp: LlamaMlp
     attn_out_norm: hnn.RmsNorm | None
     mlp_out_norm: hnn.RmsNorm | None
-    config: LlamaConfig = eqx.field(static=True)
+    config: DecoderConfig = eqx.field(static=True)
 
     @staticmethod
-    def init(config: LlamaConfig, *, key: PRNGKeyArray) -> LlamaBlock:
+    def init(config: DecoderConfig, *, key: PRNGKeyArray) -> LlamaBlock:
         k_attn, k_mlp = jax.random.split(key)
         c = config
         out_norm = c.hybrid_norm or not c.pre_norm
@@ -182,7 +215,7 @@ def _maybe(norm: hnn.RmsNorm | None, x: NamedArray) -> NamedArray:
 class LlamaLmModel(LmModel):
     """Token embeddings, a scanned stack of blocks, a final RMSNorm and the LM head."""
 
-    config: LlamaConfig = eqx.field(static=True)
+    config: DecoderConfig = eqx.field(static=True)
     embed_tokens: hnn.Embedding
     blocks: hnn.Stacked[LlamaBlock]
     norm: hnn.RmsNorm
@@ -190,7 +223,7 @@ class LlamaLmModel(LmModel):
     embed_norm: hnn.RmsNorm | None = None  # input_embedding_norm
 
     @staticmethod
-    def init(config: LlamaConfig, Vocab: Axis, *, key: PRNGKeyArray) -> LlamaLmModel:
+    def init(config: DecoderConfig, Vocab: Axis, *, key: PRNGKeyArray) -> LlamaLmModel:
         k_tok, k_blocks, k_head = jax.random.split(key, 3)
         weight = hax.random.normal(k_tok, (Vocab, config.Embed)) * config.initializer_range
         embed = hnn.Embedding(weight, Vocab, config.Embed)

@@ -1,7 +1,9 @@
 """The ``blockwise`` attention backend: flash-style attention in pure JAX.
 
 An online softmax over key blocks, with a custom backward pass that recomputes the scores
-block by block, so memory is O(seq), never O(seq^2), forward and backward.
+block by block, so memory is O(seq), never O(seq^2), forward and backward. Key blocks
+wholly in a query block's future, or (with a sliding ``window``) wholly behind the window of
+its first query, are skipped, not masked: their scores are never computed.
 """
 
 from __future__ import annotations
@@ -17,9 +19,15 @@ def acc_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def visible_mask(q_pos, k_pos, q_seg, k_seg):
-    """``[B or 1, 1, 1, Tq, Tk]`` boolean: causal, and the same segment when segments are given."""
-    mask = (q_pos[:, None] >= k_pos[None, :])[None, None, None]
+def visible_mask(q_pos, k_pos, q_seg, k_seg, window: int | None = None):
+    """``[B or 1, 1, 1, Tq, Tk]`` boolean: causal, within ``window`` (a query sees the keys
+    fewer than ``window`` positions back, itself included) when given, and the same segment
+    when segments are given."""
+    behind = q_pos[:, None] - k_pos[None, :]
+    mask = behind >= 0
+    if window is not None:
+        mask = mask & (behind < window)
+    mask = mask[None, None, None]
     if q_seg is not None:
         mask = mask & (q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :])
     return mask
@@ -46,13 +54,22 @@ def _pad_to(x, multiple, axis, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def flash_attention(q, k, v, seg, scale: float, block: int):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def flash_attention(q, k, v, seg, scale: float, block: int, window: int | None = None):
     """Causal attention by blocks with an online softmax; O(seq) memory forward and backward.
 
-    ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]``, ``seg`` is ``[B, T]``.
+    ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]``, ``seg`` is ``[B, T]``;
+    ``window``: sliding-window attention (``visible_mask``).
     """
-    return _flash_forward(q, k, v, seg, scale, block)[0]
+    return _flash_forward(q, k, v, seg, scale, block, window)[0]
+
+
+def _needed(qp, kp, window: int | None):
+    """Whether key block ``kp`` holds a key some query of block ``qp`` sees."""
+    needed = kp[0] <= qp[-1]
+    if window is not None:
+        needed = needed & (kp[-1] > qp[0] - window)
+    return needed
 
 
 def _flash_blocks(q, k, v, seg, block):
@@ -70,10 +87,10 @@ def _flash_blocks(q, k, v, seg, block):
     )
 
 
-def _block_scores(q_b, k_b, qp, kp, qs, ks, scale):
+def _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window):
     acc = acc_dtype(q_b.dtype)
     s = jnp.einsum("bkgqd,bksd->bkgqs", q_b, k_b, preferred_element_type=acc) * scale
-    mask = visible_mask(qp, kp, qs, ks)
+    mask = visible_mask(qp, kp, qs, ks, window)
     return s, mask
 
 
@@ -90,7 +107,7 @@ def _tie_to_queries(q_b, *rest):
     return jax.lax.optimization_barrier((q_b, *rest))
 
 
-def _flash_forward(q, k, v, seg, scale, block):
+def _flash_forward(q, k, v, seg, scale, block, window):
     qb, kb, vb, sb, pb, T = _flash_blocks(q, k, v, seg, block)
     acc = acc_dtype(q.dtype)
     neg = jnp.finfo(acc).min
@@ -104,7 +121,7 @@ def _flash_forward(q, k, v, seg, scale, block):
 
             def compute(carry):
                 m, total, o = carry
-                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale)
+                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window)
                 m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, neg), axis=-1))
                 p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
                 corr = jnp.exp(m - m_new)
@@ -114,7 +131,7 @@ def _flash_forward(q, k, v, seg, scale, block):
                 )
                 return m_new, total, o
 
-            carry = jax.lax.cond(kp[0] <= qp[-1], compute, lambda c: c, carry)
+            carry = jax.lax.cond(_needed(qp, kp, window), compute, lambda c: c, carry)
             return carry, None
 
         shape = q_b.shape[:-1]
@@ -129,12 +146,12 @@ def _flash_forward(q, k, v, seg, scale, block):
     return out, lse
 
 
-def _flash_fwd(q, k, v, seg, scale, block):
-    out, lse = _flash_forward(q, k, v, seg, scale, block)
+def _flash_fwd(q, k, v, seg, scale, block, window):
+    out, lse = _flash_forward(q, k, v, seg, scale, block, window)
     return out, (q, k, v, seg, out, lse)
 
 
-def _flash_bwd(scale, block, residuals, g):
+def _flash_bwd(scale, block, window, residuals, g):
     q, k, v, seg, out, lse = residuals
     acc = acc_dtype(q.dtype)
     T = q.shape[-2]
@@ -152,7 +169,7 @@ def _flash_bwd(scale, block, residuals, g):
             k_b, v_b, ks, kp = ys
 
             def compute(dq):
-                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale)
+                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window)
                 p = jnp.where(mask, jnp.exp(s - l_b[..., None]), 0.0)
                 dv_b = jnp.einsum("bkgqs,bkgqd->bksd", p, g_b.astype(acc))
                 dp = jnp.einsum("bkgqd,bksd->bkgqs", g_b.astype(acc), v_b.astype(acc))
@@ -165,7 +182,7 @@ def _flash_bwd(scale, block, residuals, g):
                 zeros = jnp.zeros(k_b.shape, acc)
                 return dq, zeros, zeros
 
-            dq, dk_b, dv_b = jax.lax.cond(kp[0] <= qp[-1], compute, skip, dq)
+            dq, dk_b, dv_b = jax.lax.cond(_needed(qp, kp, window), compute, skip, dq)
             return dq, (dk_b, dv_b)
 
         dq, (dk_bs, dv_bs) = jax.lax.scan(

@@ -72,6 +72,8 @@ class LlamaConfig(LmConfig):
     """Also RMSNorm the attention and MLP outputs before they join the residual stream (sandwich norm)."""
     input_embedding_norm: bool = False
     """An RMSNorm on the token embeddings, before the first block."""
+    sliding_window: int | None = None
+    """Sliding-window attention on every layer: a query sees the keys fewer than this many positions back, itself included (Mistral); null = all."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -87,6 +89,10 @@ class LlamaConfig(LmConfig):
             raise ValueError(
                 f"model.hidden_dim ({self.hidden_dim}) must be divisible by model.num_heads "
                 f"({self.num_heads}), or set model.head_dim"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(
+                f"model.sliding_window must be positive or null, got {self.sliding_window}"
             )
         if self.head_size % 2:
             raise ValueError(
@@ -146,6 +152,7 @@ class LlamaConfig(LmConfig):
 
     def flops_per_token(self, vocab_size: int) -> float:
         d, m, s = self.hidden_dim, self.intermediate_dim, self.seq_len
+        s = min(s, self.sliding_window or s)  # keys a query can see
         q = self.num_heads * self.head_size
         kv = self.kv_heads * self.head_size
         per_layer = 2 * d * (2 * q + 2 * kv) + 2 * 3 * d * m + 2 * 2 * s * q  # qkvo, mlp, attn
@@ -161,6 +168,7 @@ class LlamaConfig(LmConfig):
         "hybrid_norm": (False, "has no norms on the attention and MLP outputs"),
         "input_embedding_norm": (False, "has no norm on the embeddings"),
         "use_layer_norm_weight": (True, "has a learned scale in every RMSNorm"),
+        "sliding_window": (None, "has no sliding window"),
     }
     """What export needs of a config key, and what the HF class lacks otherwise."""
 
@@ -221,7 +229,7 @@ class LlamaConfig(LmConfig):
         for key, (need, what) in self.hf_requires.items():
             if getattr(self, key) != need:
                 raise ConfigError(
-                    f"{self.hf_architecture} {what}: export needs model.{key}: {str(need).lower()}"
+                    f"{self.hf_architecture} {what}: export needs model.{key}: {_yaml(need)}"
                 )
         return {
             "architectures": [self.hf_architecture],
@@ -280,6 +288,10 @@ class LlamaConfig(LmConfig):
             activation_function=act,
             attn_pdrop=hf.get("attention_dropout", 0.0),
         )
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else str(value).lower()
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RotaryConfig:

@@ -31,6 +31,7 @@ class Olmo2Config(LlamaConfig):
         "input_embedding_norm": (False, "has no norm on the embeddings"),
         "use_layer_norm_weight": (True, "has a learned scale in every RMSNorm"),
         "use_bias": (False, "has no biases"),
+        "sliding_window": (None, "has no sliding window"),
     }
 
     def hf_config(self, vocab_size: int) -> dict[str, Any]:
