@@ -7,7 +7,7 @@ block, the whole model.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import equinox as eqx
 import haliax as hax
@@ -27,15 +27,37 @@ from loomax.models.mlp_activations import activation
 from loomax.models.norms import layer_norm
 from loomax.models.remat import name_activation
 
-if TYPE_CHECKING:  # the config module builds these models
-    from loomax.models.gpt2 import Gpt2Config
+
+class Gpt2ModelConfig(Protocol):
+    """What the model reads of its config: ``loomax.models.gpt2.Gpt2Config`` provides it;
+    named here so that this module needs no import of its config."""
+
+    Embed: Axis
+    Heads: Axis
+    HeadSize: Axis
+    Mlp: Axis
+    Layers: Axis
+    Pos: Axis
+    num_layers: int
+    activation_function: str
+    initializer_range: float
+    layer_norm_epsilon: float
+    scale_attn_by_inverse_layer_idx: bool
+    tie_word_embeddings: bool
+    use_bias: bool
+    dropout_active: bool
+    embed_pdrop: float
+    resid_pdrop: float
+    remat_policy: Any
+    scan_layers: bool
+    scan_unroll: int | bool
 
 
 def _normal(key: PRNGKeyArray, axes, std: float) -> NamedArray:
     return hax.random.normal(key, axes) * std
 
 
-def _residual_projection(config: Gpt2Config, In, *, key: PRNGKeyArray) -> hnn.Linear:
+def _residual_projection(config: Gpt2ModelConfig, In, *, key: PRNGKeyArray) -> hnn.Linear:
     """A projection back into the residual stream, its init scaled by 1/sqrt(2 * layers) (GPT-2)."""
     return hnn.Linear.init(
         In=In,
@@ -51,10 +73,10 @@ class Gpt2Attention(eqx.Module):
 
     qkv: hnn.Linear  # embed -> (qkv, heads, head_size)
     out: hnn.Linear  # (heads, head_size) -> embed
-    config: Gpt2Config = eqx.field(static=True)
+    config: Gpt2ModelConfig = eqx.field(static=True)
 
     @staticmethod
-    def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Attention:
+    def init(config: Gpt2ModelConfig, *, key: PRNGKeyArray) -> Gpt2Attention:
         k_qkv, k_out = jax.random.split(key)
         Qkv = Axis("qkv", 3)
         qkv = hnn.Linear.init(
@@ -106,7 +128,7 @@ class Gpt2Mlp(eqx.Module):
     act: str = eqx.field(static=True)
 
     @staticmethod
-    def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Mlp:
+    def init(config: Gpt2ModelConfig, *, key: PRNGKeyArray) -> Gpt2Mlp:
         k_up, k_down = jax.random.split(key)
         up = hnn.Linear.init(In=config.Embed, Out=config.Mlp, key=k_up, use_bias=config.use_bias)
         down = _residual_projection(config, config.Mlp, key=k_down)
@@ -123,10 +145,10 @@ class Gpt2Block(eqx.Module):
     attn: Gpt2Attention
     ln_mlp: hnn.LayerNorm
     mlp: Gpt2Mlp
-    config: Gpt2Config = eqx.field(static=True)
+    config: Gpt2ModelConfig = eqx.field(static=True)
 
     @staticmethod
-    def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Block:
+    def init(config: Gpt2ModelConfig, *, key: PRNGKeyArray) -> Gpt2Block:
         k_attn, k_mlp = jax.random.split(key)
         eps = config.layer_norm_epsilon
         return Gpt2Block(
@@ -168,7 +190,7 @@ class Gpt2Block(eqx.Module):
 class Gpt2LmModel(LmModel):
     """Embeddings, a scanned stack of blocks, a final LayerNorm and the LM head."""
 
-    config: Gpt2Config = eqx.field(static=True)
+    config: Gpt2ModelConfig = eqx.field(static=True)
     token_embeddings: hnn.Embedding
     position_embeddings: hnn.Embedding
     blocks: hnn.Stacked[Gpt2Block]
@@ -176,7 +198,7 @@ class Gpt2LmModel(LmModel):
     lm_head: hnn.Linear | None
 
     @staticmethod
-    def init(config: Gpt2Config, Vocab: Axis, *, key: PRNGKeyArray) -> Gpt2LmModel:
+    def init(config: Gpt2ModelConfig, Vocab: Axis, *, key: PRNGKeyArray) -> Gpt2LmModel:
         k_tok, k_pos, k_blocks, k_head = jax.random.split(key, 4)
         std = config.initializer_range
         tokens = hnn.Embedding(_normal(k_tok, (Vocab, config.Embed), std), Vocab, config.Embed)
