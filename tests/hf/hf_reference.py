@@ -2,8 +2,8 @@
 latter with what its relatives add when their tensors are there: projection biases (Qwen 2,
 Llama ``attention_bias``/``mlp_bias``), QK-norm per head (Qwen 3) or over the whole
 projection (OLMo 2, told apart by the norm's size), and norms after the attention and MLP
-instead of before (OLMo 2: no ``input_layernorm``); and sliding-window attention
-(config.json ``sliding_window``).
+instead of before (OLMo 2: no ``input_layernorm``), fused q/k/v and gate/up tensors (Phi 3);
+and sliding-window attention (config.json ``sliding_window``).
 
 They read only what transformers reads (config.json fields and safetensors tensor names),
 in float64, following the transformers modelling code's math. `test_transformers` checks
@@ -123,10 +123,25 @@ def _qk_norm(t: dict, name: str, x, T: int, heads: int, d: int, eps: float):
     return x.transpose(1, 0, 2)
 
 
+def _unfused(t: dict, H: int, K: int, d: int) -> dict:
+    """Phi 3's fused ``qkv_proj`` and ``gate_up_proj`` split into Llama's tensors."""
+    out = dict(t)
+    for name, array in t.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            q, k, v = np.split(array, [H * d, (H + K) * d])
+            for part, w in zip(("q_proj", "k_proj", "v_proj"), (q, k, v), strict=True):
+                out[name.replace("qkv_proj", part)] = w
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            gate, up = np.split(array, 2)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate
+            out[name.replace("gate_up_proj", "up_proj")] = up
+    return out
+
+
 def llama_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
-    t = {k: v.astype(np.float64) for k, v in t.items()}
     H, K = config["num_attention_heads"], config["num_key_value_heads"]
     d = config.get("head_dim") or config["hidden_size"] // H
+    t = {k: v.astype(np.float64) for k, v in _unfused(t, H, K, d).items()}
     eps = config["rms_norm_eps"]
     window = config.get("sliding_window")
     T = len(ids)

@@ -3,7 +3,9 @@
 A ``Param`` says where a weight lives in the Loomax model and how its named axes lie in
 the HF tensor: ``dims`` lists the HF dimensions in order, each one axis name or a tuple of
 names flattened together (head-major, as HF lays out ``q_proj`` and GPT-2's ``c_attn``).
-Per-layer weights have ``{i}`` in their HF name and the ``layers`` axis in Loomax.
+Per-layer weights have ``{i}`` in their HF name and the ``layers`` axis in Loomax. A weight
+that is one part of a fused HF tensor (Phi 3's ``qkv_proj``) names the rows it fills
+(``rows``); export stacks the parts of one tensor in the order listed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class Param:
     hf_name: str
     where: Callable  # model -> NamedArray
     dims: Dims
+    rows: tuple[int, int] | None = None
+    """``(start, stop)`` along the HF tensor's first dimension: this weight is that part of it."""
 
     @property
     def per_layer(self) -> bool:
@@ -56,10 +60,10 @@ class Param:
         like = self.where(skeleton)
         if self.per_layer:
             n = like.resolve_axis(Layers).size
-            array = np.stack([_take(tensors, self.hf_name.format(i=i)) for i in range(n)])
+            array = np.stack([self._take(tensors, self.hf_name.format(i=i)) for i in range(n)])
             order = (Layers,) + self._order()
         else:
-            array = _take(tensors, self.hf_name)
+            array = self._take(tensors, self.hf_name)
             order = self._order()
         axes = tuple(like.resolve_axis(name) for name in order)
         want = tuple(a.size for a in axes)
@@ -70,17 +74,24 @@ class Param:
         named = hax.named(jax.numpy.asarray(array.reshape(want), like.dtype), axes)
         return named.rearrange(like.axes)
 
-
-def _take(tensors: dict[str, np.ndarray], name: str) -> np.ndarray:
-    if name not in tensors:
-        raise BadFileError(f"the HF checkpoint lacks the tensor {name!r}")
-    return tensors[name]
+    def _take(self, tensors: dict[str, np.ndarray], name: str) -> np.ndarray:
+        if name not in tensors:
+            raise BadFileError(f"the HF checkpoint lacks the tensor {name!r}")
+        return tensors[name] if self.rows is None else tensors[name][slice(*self.rows)]
 
 
 def export_tensors(model, params: list[Param]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
+    parts: dict[str, list[np.ndarray]] = {}
     for p in params:
-        out.update(p.export(model))
+        for name, array in p.export(model).items():
+            if p.rows is None:
+                out[name] = array
+            else:  # one part of a fused tensor: its rows, stacked below the earlier parts
+                parts.setdefault(name, []).append(array)
+                out[name] = None  # keeps the tensor's place in the order
+    for name, arrays in parts.items():
+        out[name] = np.concatenate(arrays, axis=0)
     return out
 
 
