@@ -14,8 +14,8 @@ from gpu_checks import GPT2_BATCH, LLAMA_BATCH, REPO
 def _bench(args, config_path: str, overrides: list[str], profile: bool) -> dict:
     """``loomax bench`` of a shipped config with ``overrides``, traced when ``profile``."""
     from loomax.benchmark import run_benchmark
-    from loomax.callbacks.profiler import summarize_trace
     from loomax.config import parse_config
+    from loomax.hooks.profiler import summarize_trace
     from loomax.lm import TrainLmConfig
 
     config = parse_config(TrainLmConfig, REPO / config_path, overrides)

@@ -40,7 +40,7 @@ def test_configuration_page_lists_every_choice(repo_root):
     """docs/configuration.md's table of choices names every built-in type of every registry."""
     import re
 
-    import loomax.callbacks  # noqa: F401  (registers the hook types)
+    import loomax.hooks  # noqa: F401  (registers the hook types)
     from loomax.config_reference import registry_members
     from loomax.ladder.model import ModelConfigurator
     from loomax.ladder.run import RunConfigurator
@@ -71,7 +71,7 @@ def _table(page: str, heading: str) -> dict[str, list[str]]:
 def test_pages_list_every_family_optimizer_and_hook(repo_root):
     """configuration.md points to one table per registry that grows by a file (families,
     optimizers, hooks); each of those tables lists every built-in type of its registry."""
-    import loomax.callbacks  # noqa: F401  (registers the hook types)
+    import loomax.hooks  # noqa: F401  (registers the hook types)
     from loomax.config_reference import registry_members
     from loomax.models import LmConfig
     from loomax.optim import OptimizerConfig

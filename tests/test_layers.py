@@ -35,6 +35,7 @@ LAYERS: list[set[str]] = [
     {"models", "optim", "data", "checkpoint"},
     {"hf", "downstream"},
     {"train"},
+    {"hooks"},
     {"callbacks"},
     {"lm"},
     {"train_lm", "inference"},

@@ -20,8 +20,8 @@ import process_trainer as pt  # noqa: E402  (sets the CPU platform before JAX st
 
 import jax  # noqa: E402
 
-from loomax.callbacks import ControlServerHook  # noqa: E402
-from loomax.callbacks.control_server import RunAborted  # noqa: E402
+from loomax.hooks import ControlServerHook  # noqa: E402
+from loomax.hooks.control_server import RunAborted  # noqa: E402
 
 STEPS = 100_000
 

@@ -17,7 +17,7 @@ import process_trainer as pt  # noqa: E402  (sets the CPU platform before JAX st
 
 import jax  # noqa: E402
 
-from loomax.callbacks import DumpGradientsHook, MemoryMonitorHook  # noqa: E402
+from loomax.hooks import DumpGradientsHook, MemoryMonitorHook  # noqa: E402
 
 STEPS = 2
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from loomax.callbacks import ActivationStatsHook, LogMetricsHook
+from loomax.hooks import ActivationStatsHook, LogMetricsHook
 from loomax.models import LlamaConfig, taps
 from loomax.models.axes import Position
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loomax.callbacks import ConfigSaverHook
+from loomax.hooks import ConfigSaverHook
 
 
 def test_config_in_run_dir_and_checkpoints(tiny, tmp_path):

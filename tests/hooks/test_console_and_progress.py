@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loomax.callbacks import ConsoleHook, ProgressBarHook, console
+from loomax.hooks import ConsoleHook, ProgressBarHook, console
 from loomax.train import StepInfo
 from loomax.train.hooks import CompletedStep
 

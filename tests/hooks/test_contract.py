@@ -51,7 +51,7 @@ SETTINGS = {
 
 def built_in_types() -> dict[str, type[HookConfig]]:
     """The hook types Loomax registers (not tests' and not the removed ones)."""
-    import loomax.callbacks  # noqa: F401 - registers the built-in types
+    import loomax.hooks  # noqa: F401 - registers the built-in types
 
     return {
         name: cls
@@ -171,7 +171,7 @@ def test_stateful_hooks_state_round_trips_through_a_checkpoint(tiny, tmp_path):
         if cls.hook_class.state_dict is not Hook.state_dict
     }
     # downstream_eval needs a tokenizer and lm-eval tasks: its state's round trip through a
-    # real checkpoint and resume is tests/callbacks/test_downstream_eval.py's
+    # real checkpoint and resume is tests/hooks/test_downstream_eval.py's
     assert stateful == set(STATEFUL) | {"downstream_eval"}, (
         "add new stateful hook types to STATEFUL"
     )

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from loomax.callbacks import ControlServerHook, LogMetricsHook, control_server
-from loomax.callbacks.control_server import RunAborted
 from loomax.cli import main
 from loomax.distributed.net import free_port
+from loomax.hooks import ControlServerHook, LogMetricsHook, control_server
+from loomax.hooks.control_server import RunAborted
 from loomax.train.hooks import StepInfo
 
 

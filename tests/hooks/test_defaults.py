@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loomax.callbacks import (
+from loomax.config import parse_config
+from loomax.hooks import (
     ConfigSaverHook,
     EvalHook,
     LogMetricsHook,
@@ -13,7 +14,6 @@ from loomax.callbacks import (
     SpeedMonitorHook,
     default_hooks,
 )
-from loomax.config import parse_config
 from loomax.train import Hook, HookConfig, HookContext, TrainerConfig, hook_type
 
 

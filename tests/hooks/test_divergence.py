@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from loomax.callbacks import DivergenceDetector, DivergenceError
+from loomax.hooks import DivergenceDetector, DivergenceError
 from loomax.train import StepInfo
 from loomax.train.hooks import CompletedStep
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loomax.callbacks import DownstreamEvalHook
-from loomax.callbacks.downstream_eval import downstream_metrics
 from loomax.data.tokenizer import train_bpe_tokenizer
 from loomax.errors import UserError
+from loomax.hooks import DownstreamEvalHook
+from loomax.hooks.downstream_eval import downstream_metrics
 from loomax.train import HookConfig, HookContext
 
 pytest.importorskip("lm_eval")

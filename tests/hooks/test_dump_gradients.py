@@ -14,9 +14,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from loomax.callbacks import DumpGradientsHook, LogMetricsHook
 from loomax.config import ConfigError
 from loomax.distributed.net import free_port
+from loomax.hooks import DumpGradientsHook, LogMetricsHook
 from loomax.tree_paths import named_leaves
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loomax.callbacks import EarlyStoppingHook
+from loomax.hooks import EarlyStoppingHook
 from loomax.train import StepInfo
 
 

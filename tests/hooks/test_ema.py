@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from loomax.callbacks import EmaHook, EvalHook
+from loomax.hooks import EmaHook, EvalHook
 
 
 def embedding(model):

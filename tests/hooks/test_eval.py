@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from loomax.callbacks import make_loss_evaluator, next_token_bytes, token_byte_lengths
+from loomax.hooks import make_loss_evaluator, next_token_bytes, token_byte_lengths
 
 F32 = jmp.get_policy("f32")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loomax.callbacks import EvalHook, NanCheckHook, NonFiniteLossError
+from loomax.hooks import EvalHook, NanCheckHook, NonFiniteLossError
 from loomax.train.hooks import CompletedStep, StepInfo
 
 

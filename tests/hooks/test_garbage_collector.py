@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from loomax.callbacks import GarbageCollectorHook
+from loomax.hooks import GarbageCollectorHook
 
 
 def test_gc_disabled_during_training_and_restored(tiny, tmp_path):

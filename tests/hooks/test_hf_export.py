@@ -8,8 +8,8 @@ import jax
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from loomax.callbacks import HfExportHook
-from loomax.callbacks.hf_export import ExportMismatchError, _check_reload
+from loomax.hooks import HfExportHook
+from loomax.hooks.hf_export import ExportMismatchError, _check_reload
 
 
 def test_exported_at_the_end_in_bfloat16_and_checked_by_reading_it_back(tiny, tmp_path):

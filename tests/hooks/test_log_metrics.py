@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from loomax.callbacks import LogMetricsHook, SpeedMonitorHook
+from loomax.hooks import LogMetricsHook, SpeedMonitorHook
 from loomax.train.hooks import CompletedStep, StepInfo
 
 

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from loomax.callbacks import LogMetricsHook, MemoryMonitorHook
-from loomax.callbacks.memory import is_out_of_memory, memory_metrics
+from loomax.hooks import LogMetricsHook, MemoryMonitorHook
+from loomax.hooks.memory import is_out_of_memory, memory_metrics
 from loomax.train import StepInfo
 
 

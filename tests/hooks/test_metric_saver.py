@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from loomax.callbacks import MetricSaverHook
+from loomax.hooks import MetricSaverHook
 from loomax.train import StepInfo
 
 

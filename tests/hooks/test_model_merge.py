@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from loomax.callbacks import ModelMergeHook
+from loomax.hooks import ModelMergeHook
 
 
 def test_merged_model_is_the_window_average(tiny, tmp_path):

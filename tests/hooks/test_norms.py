@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from loomax.callbacks import LogMetricsHook, NormsHook
-from loomax.callbacks.norms import linear_matrices
+from loomax.hooks import LogMetricsHook, NormsHook
+from loomax.hooks.norms import linear_matrices
 
 
 def test_norms_are_logged_on_their_steps(tiny, tmp_path):

@@ -10,10 +10,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from loomax.callbacks import DivergenceDetector, NotifyHook
-from loomax.callbacks.divergence import DivergenceError
 from loomax.config import ConfigError, flatten_config, parse_config, to_yaml
 from loomax.distributed.net import free_port
+from loomax.hooks import DivergenceDetector, NotifyHook
+from loomax.hooks.divergence import DivergenceError
 from loomax.lm import TrainLmConfig
 from loomax.train import StepInfo
 
@@ -90,7 +90,7 @@ def test_a_diverging_run_posts_start_metrics_divergence_and_end(
     assert set(receiver.paths) == {SECRET_PATH}
     # the server answered 500 to each metrics post: warnings, and training went on
     assert notify.failed_posts == 3
-    warnings = [r.getMessage() for r in caplog.records if r.name == "loomax.callbacks.notify"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "loomax.hooks.notify"]
     assert len(warnings) == 3
     assert all("could not post the metrics notification" in w for w in warnings)
     assert all("HTTP Error 500" in w for w in warnings)

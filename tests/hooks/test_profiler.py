@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from loomax.callbacks import ProfilerHook
-from loomax.callbacks.profiler import kernel_category, summarize_trace
+from loomax.hooks import ProfilerHook
+from loomax.hooks.profiler import kernel_category, summarize_trace
 
 
 def test_trace_of_steps_is_written(tiny, tmp_path):
@@ -59,7 +59,7 @@ def test_a_repeating_schedule_with_memory_profiles_on_the_chosen_processes(tiny,
     elsewhere = ProfilerHook(processes=[1], wait=0, run_dir=tmp_path / "other")
     trainer.add_hook(hook)
     trainer.add_hook(elsewhere)
-    with caplog.at_level(logging.INFO, logger="loomax.callbacks.profiler"):
+    with caplog.at_level(logging.INFO, logger="loomax.hooks.profiler"):
         trainer.train(tiny.init(trainer), tiny.batches())
     trainer.finish()
     assert hook.traced == [(2, 3), (5, 6)]  # cycles of 3 steps: wait 1, warmup 1, active 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from loomax.callbacks.seq_len_warmup import SeqLenWarmupHook
+from loomax.hooks.seq_len_warmup import SeqLenWarmupHook
 
 
 def test_lengths_grow_linearly_and_keep_tokens(tiny, tmp_path):

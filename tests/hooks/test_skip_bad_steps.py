@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from loomax.callbacks import LogMetricsHook
+from loomax.hooks import LogMetricsHook
 from loomax.optim import AdamConfig, SkipBadStepsConfig
 from loomax.train import Trainer
 

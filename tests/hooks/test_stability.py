@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loomax.callbacks import StabilityMonitor
+from loomax.hooks import StabilityMonitor
 from loomax.train import StepInfo
 from loomax.train.hooks import CompletedStep
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loomax.callbacks import StepProgramsHook
+from loomax.hooks import StepProgramsHook
 
 
 def test_jaxpr_and_hlo_of_the_step_are_saved_after_the_first_step(tiny, tmp_path):

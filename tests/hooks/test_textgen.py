@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import jax
 import pytest
 
-from loomax.callbacks import TextGenHook
-from loomax.callbacks.textgen import read_prompts
 from loomax.errors import MissingFileError
+from loomax.hooks import TextGenHook
+from loomax.hooks.textgen import read_prompts
 from loomax.train import StepInfo
 
 

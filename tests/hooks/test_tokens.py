@@ -1,7 +1,7 @@
 """Token counts for throughput: constant batches and a batch-size schedule."""
 
 from loomax.batch_schedule import BatchSchedule, BatchStage
-from loomax.callbacks.tokens import token_count, tokens_of_step
+from loomax.hooks.tokens import token_count, tokens_of_step
 
 
 def test_an_int_is_that_many_tokens_every_step():

@@ -1,41 +1,41 @@
 """Built-in hooks, one per module; importing this package registers their ``trainer.hooks`` types."""
 
-from loomax.callbacks.activations import ActivationStatsHook
-from loomax.callbacks.batch_size import BatchSizeScheduleHook
-from loomax.callbacks.config_saver import ConfigSaverHook
-from loomax.callbacks.console import ConsoleHook
-from loomax.callbacks.control_server import ControlServerHook
-from loomax.callbacks.defaults import default_hooks
-from loomax.callbacks.divergence import DivergenceDetector, DivergenceError
-from loomax.callbacks.downstream_eval import DownstreamEvalHook
-from loomax.callbacks.dump_gradients import DumpGradientsHook
-from loomax.callbacks.early_stopping import EarlyStoppingHook
-from loomax.callbacks.ema import EmaHook
-from loomax.callbacks.eval import (
+from loomax.config import import_package_modules
+from loomax.hooks.activations import ActivationStatsHook
+from loomax.hooks.batch_size import BatchSizeScheduleHook
+from loomax.hooks.config_saver import ConfigSaverHook
+from loomax.hooks.console import ConsoleHook
+from loomax.hooks.control_server import ControlServerHook
+from loomax.hooks.defaults import default_hooks
+from loomax.hooks.divergence import DivergenceDetector, DivergenceError
+from loomax.hooks.downstream_eval import DownstreamEvalHook
+from loomax.hooks.dump_gradients import DumpGradientsHook
+from loomax.hooks.early_stopping import EarlyStoppingHook
+from loomax.hooks.ema import EmaHook
+from loomax.hooks.eval import (
     EvalHook,
     make_loss_evaluator,
     next_token_bytes,
     token_byte_lengths,
 )
-from loomax.callbacks.garbage_collector import GarbageCollectorHook
-from loomax.callbacks.hf_export import HfExportHook
-from loomax.callbacks.log_metrics import LogMetricsHook
-from loomax.callbacks.memory import MemoryMonitorHook
-from loomax.callbacks.metric_saver import MetricSaverHook
-from loomax.callbacks.model_merge import ModelMergeHook
-from loomax.callbacks.nan_check import NanCheckHook, NonFiniteLossError
-from loomax.callbacks.norms import NormsHook
-from loomax.callbacks.notify import NotifyHook
-from loomax.callbacks.profiler import ProfilerHook
-from loomax.callbacks.progress import ProgressBarHook
-from loomax.callbacks.seq_len_warmup import SeqLenWarmupHook
-from loomax.callbacks.skip_bad_steps import RemovedSkipBadStepsConfig  # noqa: F401 - registers the migration error
-from loomax.callbacks.speed import SpeedMonitorHook
-from loomax.callbacks.stability import StabilityMonitor
-from loomax.callbacks.step_programs import StepProgramsHook
-from loomax.callbacks.textgen import TextGenHook
-from loomax.callbacks.wandb_cancel import WandbCancelHook
-from loomax.config import import_package_modules
+from loomax.hooks.garbage_collector import GarbageCollectorHook
+from loomax.hooks.hf_export import HfExportHook
+from loomax.hooks.log_metrics import LogMetricsHook
+from loomax.hooks.memory import MemoryMonitorHook
+from loomax.hooks.metric_saver import MetricSaverHook
+from loomax.hooks.model_merge import ModelMergeHook
+from loomax.hooks.nan_check import NanCheckHook, NonFiniteLossError
+from loomax.hooks.norms import NormsHook
+from loomax.hooks.notify import NotifyHook
+from loomax.hooks.profiler import ProfilerHook
+from loomax.hooks.progress import ProgressBarHook
+from loomax.hooks.seq_len_warmup import SeqLenWarmupHook
+from loomax.hooks.skip_bad_steps import RemovedSkipBadStepsConfig  # noqa: F401 - registers the migration error
+from loomax.hooks.speed import SpeedMonitorHook
+from loomax.hooks.stability import StabilityMonitor
+from loomax.hooks.step_programs import StepProgramsHook
+from loomax.hooks.textgen import TextGenHook
+from loomax.hooks.wandb_cancel import WandbCancelHook
 
 __all__ = [
     "ActivationStatsHook",

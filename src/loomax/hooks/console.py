@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from loomax.callbacks.tokens import TokenCount, token_count, tokens_of_step
+from loomax.hooks.tokens import TokenCount, token_count, tokens_of_step
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 

@@ -12,8 +12,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from loomax.callbacks.control_server import COMMANDS, CONTROL_FILE
 from loomax.errors import MissingFileError, UserError
+from loomax.hooks.control_server import COMMANDS, CONTROL_FILE
 
 ACTIONS = ("status", *COMMANDS)
 

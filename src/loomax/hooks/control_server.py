@@ -14,7 +14,7 @@ A command becomes a request on ``info.control``; the trainer's step agreement ma
 process 0's decision every process's. An abort is a stop that every process agrees on,
 marked in the JAX coordination service's key-value store; each process then raises in
 ``on_train_end``, before the final checkpoint. ``loomax control RUN_DIR status|stop|save|abort``
-(``loomax.callbacks.control_client``) sends them.
+(``loomax.hooks.control_client``) sends them.
 """
 
 from __future__ import annotations

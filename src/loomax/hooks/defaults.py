@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from loomax.callbacks.config_saver import ConfigSaverHook
-from loomax.callbacks.ema import EmaHook
-from loomax.callbacks.eval import EvalHook
-from loomax.callbacks.log_metrics import LogMetricsHook
-from loomax.callbacks.nan_check import NanCheckHook
-from loomax.callbacks.progress import ProgressBarHook
-from loomax.callbacks.speed import SpeedMonitorHook
+from loomax.hooks.config_saver import ConfigSaverHook
+from loomax.hooks.ema import EmaHook
+from loomax.hooks.eval import EvalHook
+from loomax.hooks.log_metrics import LogMetricsHook
+from loomax.hooks.nan_check import NanCheckHook
+from loomax.hooks.progress import ProgressBarHook
+from loomax.hooks.speed import SpeedMonitorHook
 from loomax.train.hook_config import HookConfig
 
 if TYPE_CHECKING:

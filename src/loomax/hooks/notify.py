@@ -25,8 +25,8 @@ from typing import Any
 
 import draccus
 
-from loomax.callbacks.divergence import DivergenceDetector, DivergenceError
 from loomax.config import ConfigError
+from loomax.hooks.divergence import DivergenceDetector, DivergenceError
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from loomax.callbacks.tokens import TokenCount, token_count, tokens_of_step
+from loomax.hooks.tokens import TokenCount, token_count, tokens_of_step
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 

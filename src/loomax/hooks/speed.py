@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from loomax.callbacks.tokens import TokenCount, token_count
+from loomax.hooks.tokens import TokenCount, token_count
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import loomax.callbacks  # noqa: F401 - registers the hook types `trainer.hooks` may name
+import loomax.hooks  # noqa: F401 - registers the hook types `trainer.hooks` may name
 from loomax.config import ConfigError
 from loomax.data import DataConfig
 from loomax.models import Gpt2Config, LmConfig
