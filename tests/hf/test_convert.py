@@ -14,7 +14,8 @@ import pytest
 
 from loomax.config import ConfigError
 from loomax.hf import export_hf, load_hf, read_hf, special_token_ids
-from loomax.hf.family import HfFamily, families
+from loomax.hf.family import HfFamily
+from loomax.hf.family import families as hf_families
 from loomax.models import Gpt2Config, LlamaConfig
 from loomax.models.rotary import Llama3Rotary
 
@@ -75,7 +76,7 @@ def test_export_matches_hf_reference_logits(tmp_path, case):
     assert ("model.layers.0.mlp.up_proj.bias" in tensors) == (case == "llama-bias")
 
 
-HF_TYPES = sorted(families())
+HF_TYPES = sorted(hf_families())
 """Every registered family with a Hugging Face side."""
 
 
