@@ -1,6 +1,6 @@
 """A mixture of experts against the dense model with the same active parameters (figures, not tests).
 
-Builds the ``model`` of ``config/moe_tiny.yaml`` and of ``config/llama_tiny.yaml`` (the same
+Builds the ``model`` of ``config/mixtral_tiny.yaml`` and of ``config/llama_tiny.yaml`` (the same
 attention and width; the MoE's k experts are as wide as the dense MLP), jits one training
 gradient of each (loss + backward, f32) on the same random tokens, and times them in
 alternation (``--rounds`` rounds of ``--steps`` steps each), so a busy machine slows both
@@ -67,12 +67,12 @@ def main() -> None:
         "--block", type=int, default=None, help="matmul_block (default: the config's)"
     )
     args = parser.parse_args()
-    moe = model_config("moe_tiny")
+    moe = model_config("mixtral_tiny")
     block = args.block or moe.moe.matmul_block
     moe = dataclasses.replace(
         moe, moe=dataclasses.replace(moe.moe, matmul=args.matmul, matmul_block=block)
     )
-    configs = {"moe_tiny": moe, "llama_tiny": model_config("llama_tiny")}
+    configs = {"mixtral_tiny": moe, "llama_tiny": model_config("llama_tiny")}
     runs = {name: gradient(c, args.batch) for name, c in configs.items()}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
@@ -92,7 +92,7 @@ def main() -> None:
             "flops_per_token_formula": configs[name].flops_per_token(VOCAB),
         }
     out["moe_over_dense_tokens_per_s"] = round(
-        out["moe_tiny"]["tokens_per_s"] / out["llama_tiny"]["tokens_per_s"], 3
+        out["mixtral_tiny"]["tokens_per_s"] / out["llama_tiny"]["tokens_per_s"], 3
     )
     print(json.dumps(out, indent=2))
 

@@ -251,6 +251,12 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def families():
+    """tests/support/families.py (every registered model type, and a tiny config of each)."""
+    return _support("families")
+
+
+@pytest.fixture(scope="session")
 def lm_eval_tasks():
     """tests/support/lm_eval_tasks.py (tiny lm-eval tasks over local JSONL files, their corpus)."""
     return _support("lm_eval_tasks")

@@ -144,7 +144,7 @@ def test_trainer_steps_follow_the_schedule_and_resume_bitwise():
 
 
 def test_batch_size_schedule_hook_logs_consumed_data():
-    from loomax.callbacks.batch_size import BatchSizeScheduleHook
+    from loomax.hooks.batch_size import BatchSizeScheduleHook
 
     hook = BatchSizeScheduleHook(schedule=BatchSchedule(STAGES), seq_len=16)
     assert hook.values(4) == {"data/batch_size": 8, "data/sequences": 20, "data/tokens": 320}

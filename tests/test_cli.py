@@ -175,7 +175,7 @@ def test_a_bug_keeps_its_traceback_and_says_it_is_a_bug(monkeypatch, capsys, err
 
 def test_a_failed_run_is_one_line_with_exit_code_1(monkeypatch, capsys):
     import loomax.train_lm
-    from loomax.callbacks import NonFiniteLossError
+    from loomax.hooks import NonFiniteLossError
 
     def diverged(config):
         raise NonFiniteLossError("training loss is nan at step 7; stopping")

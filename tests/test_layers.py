@@ -11,6 +11,8 @@ import ast
 import collections
 from pathlib import Path
 
+import pytest
+
 import loomax
 
 ROOT = Path(loomax.__file__).parent
@@ -33,6 +35,7 @@ LAYERS: list[set[str]] = [
     {"models", "optim", "data", "checkpoint"},
     {"hf", "downstream"},
     {"train"},
+    {"hooks"},
     {"callbacks"},
     {"lm"},
     {"train_lm", "inference"},
@@ -53,8 +56,9 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """For every module, the ``loomax`` modules it imports (resolved to existing modules)."""
+def _imports(modules: dict[str, Path], type_checking: bool = False) -> dict[str, set[str]]:
+    """For every module, the ``loomax`` modules it imports (resolved to existing modules);
+    with ``type_checking``, also those imported only for type checkers."""
 
     def resolve(name: str) -> str | None:
         while name not in modules:
@@ -65,7 +69,8 @@ def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
 
     edges: dict[str, set[str]] = collections.defaultdict(set)
     for name, path in modules.items():
-        for node in _runtime_nodes(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree) if type_checking else _runtime_nodes(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -111,8 +116,11 @@ def test_imports_point_down_the_layers():
     assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
 
 
-def test_no_import_cycles():
-    edges = _imports(_modules())
+@pytest.mark.parametrize("type_checking", [False, True], ids=["runtime", "with-type-checking"])
+def test_no_import_cycles(type_checking):
+    """No circle, not even one closed only by an ``if TYPE_CHECKING:`` import (a sign of two
+    modules that each need the other)."""
+    edges = _imports(_modules(), type_checking)
     cycles, index, low, stack, on_stack = [], {}, {}, [], set()
 
     def visit(v: str) -> None:  # Tarjan's strongly connected components

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from loomax.callbacks.norms import _named_leaves
 from loomax.checkpoint.serialize import named_leaves as checkpoint_leaves
+from loomax.hooks.norms import _named_leaves
 from loomax.models import Gpt2Config
 from loomax.models.files import weight_leaves
 from loomax.optim.mask import parameter_names, regex_mask

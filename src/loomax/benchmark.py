@@ -130,7 +130,7 @@ def run_benchmark(
             shutil.rmtree(scratch, ignore_errors=True)
     if profile_dir:  # a trace that cannot be taken leaves the timings standing
         try:
-            from loomax.callbacks.profiler import start_trace
+            from loomax.hooks.profiler import start_trace
 
             start_trace(profile_dir)
             try:

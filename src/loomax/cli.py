@@ -339,7 +339,7 @@ def _launch(args: list[str]) -> None:
 def _control(args: list[str]) -> None:
     import json
 
-    from loomax.callbacks.control_client import ACTIONS, send
+    from loomax.hooks.control_client import ACTIONS, send
 
     parser = command_parser("control", COMMANDS["control"])
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds control.json)")

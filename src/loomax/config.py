@@ -381,3 +381,14 @@ def locate_key(
     if line is None or (exact and found < len(key_path)):
         return None
     return file, line
+
+
+def import_package_modules(package: str, path: Sequence[str]) -> None:
+    """Import every module of ``package`` (its ``__name__`` and ``__path__``), so that each one's
+    choices register (``@register_subclass``, ``@hook_type``) with no list of them anywhere:
+    a new model family, hook or optimizer is one new file."""
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(path):
+        importlib.import_module(f"{package}.{module.name}")

@@ -134,8 +134,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Loss, perplexity and bits per byte per validation set (``eval/<set>/...``) and their
     macro averages (``eval/loss``, ...), with the run's loss settings."""
-    from loomax.callbacks.eval import make_loss_evaluator, next_token_bytes, token_byte_lengths
     from loomax.data.tokenizer import load_tokenizer
+    from loomax.hooks.eval import make_loss_evaluator, next_token_bytes, token_byte_lengths
     from loomax.lm import model_lm_loss
 
     config = loaded.run_config

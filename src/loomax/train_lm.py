@@ -9,18 +9,18 @@ from pathlib import Path
 
 import jax
 
-from loomax.callbacks import (
+from loomax.checkpoint.checkpointer import check_writable
+from loomax.config import ConfigError, flatten_config, to_json_dict, to_yaml
+from loomax.data import BatchLoader, LmDatasets, build_lm_datasets, report_skipped
+from loomax.data.streaming import check_streaming, streaming_datasets
+from loomax.distributed import pod_ray_cluster
+from loomax.hooks import (
     EvalHook,
     default_hooks,
     make_loss_evaluator,
     next_token_bytes,
     token_byte_lengths,
 )
-from loomax.checkpoint.checkpointer import check_writable
-from loomax.config import ConfigError, flatten_config, to_json_dict, to_yaml
-from loomax.data import BatchLoader, LmDatasets, build_lm_datasets, report_skipped
-from loomax.data.streaming import check_streaming, streaming_datasets
-from loomax.distributed import pod_ray_cluster
 from loomax.lm.config import TrainLmConfig, resolve_vocab_size
 from loomax.lm.eval_sets import eval_sets
 from loomax.lm.loss import model_lm_loss

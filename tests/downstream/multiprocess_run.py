@@ -17,10 +17,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from loomax.callbacks import DownstreamEvalHook  # noqa: E402
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
 from loomax.data.tokenizer import load_tokenizer  # noqa: E402
 from loomax.distributed import DistributedConfig  # noqa: E402
+from loomax.hooks import DownstreamEvalHook  # noqa: E402
 from loomax.lm import lm_loss  # noqa: E402
 from loomax.mesh import MeshConfig  # noqa: E402
 from loomax.models import LlamaConfig  # noqa: E402

@@ -1,4 +1,9 @@
-"""Independent numpy forward passes of HF ``GPT2LMHeadModel`` and ``LlamaForCausalLM``.
+"""Independent numpy forward passes of HF ``GPT2LMHeadModel`` and ``LlamaForCausalLM``, the
+latter with what its relatives add when their tensors are there: projection biases (Qwen 2,
+Llama ``attention_bias``/``mlp_bias``), QK-norm per head (Qwen 3) or over the whole
+projection (OLMo 2, told apart by the norm's size), and norms after the attention and MLP
+instead of before (OLMo 2: no ``input_layernorm``), fused q/k/v and gate/up tensors (Phi 3);
+and sliding-window attention (config.json ``sliding_window``).
 
 They read only what transformers reads (config.json fields and safetensors tensor names),
 in float64, following the transformers modelling code's math. `test_transformers` checks
@@ -29,11 +34,15 @@ def _gelu_new(x):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def _causal_softmax_attention(q, k, v):
-    """q: [heads, T, d], k/v: [heads, T, d] -> [T, heads * d]."""
+def _causal_softmax_attention(q, k, v, window=None):
+    """q: [heads, T, d], k/v: [heads, T, d] -> [T, heads * d]; ``window``: each query sees
+    the keys less than that many positions back (itself included)."""
     T = q.shape[1]
     scores = q @ k.transpose(0, 2, 1) / math.sqrt(q.shape[-1])
-    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    visible = np.tril(np.ones((T, T), bool))
+    if window is not None:
+        visible &= np.triu(np.ones((T, T), bool), -(window - 1))
+    scores = np.where(visible, scores, -np.inf)
     w = np.exp(scores - scores.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
     return (w @ v).transpose(1, 0, 2).reshape(T, -1)
@@ -96,30 +105,105 @@ def _rotate(x, positions, inv_freq):
     return x * np.cos(emb) + rotated * np.sin(emb)
 
 
+def _linear(t: dict, name: str, x):
+    """``x @ W.T`` (+ the bias where the checkpoint has one)."""
+    out = x @ t[name + ".weight"].T
+    return out + t[name + ".bias"] if name + ".bias" in t else out
+
+
+def _qk_norm(t: dict, name: str, x, T: int, heads: int, d: int, eps: float):
+    """Reshape a projection to [heads, T, d], RMS-normed first when the checkpoint has the norm:
+    over each head (a norm of size d) or over the whole projection (size heads * d)."""
+    w = t.get(name + ".weight")
+    if w is not None and w.size == heads * d:  # the whole projection, before the head split
+        x = _rms_norm(x, w, eps)
+    x = x.reshape(T, heads, d)
+    if w is not None and w.size == d:
+        x = _rms_norm(x, w, eps)
+    return x.transpose(1, 0, 2)
+
+
+def _unfused(t: dict, H: int, K: int, d: int) -> dict:
+    """Phi 3's fused ``qkv_proj`` and ``gate_up_proj`` split into Llama's tensors."""
+    out = dict(t)
+    for name, array in t.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            q, k, v = np.split(array, [H * d, (H + K) * d])
+            for part, w in zip(("q_proj", "k_proj", "v_proj"), (q, k, v), strict=True):
+                out[name.replace("qkv_proj", part)] = w
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            gate, up = np.split(array, 2)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate
+            out[name.replace("gate_up_proj", "up_proj")] = up
+    return out
+
+
 def llama_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
-    t = {k: v.astype(np.float64) for k, v in t.items()}
     H, K = config["num_attention_heads"], config["num_key_value_heads"]
     d = config.get("head_dim") or config["hidden_size"] // H
+    t = {k: v.astype(np.float64) for k, v in _unfused(t, H, K, d).items()}
     eps = config["rms_norm_eps"]
+    window = config.get("sliding_window")
     T = len(ids)
     inv = _llama_inv_freq(config, d)
     pos = np.arange(T, dtype=np.float64)
     x = t["model.embed_tokens.weight"][ids]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        h = _rms_norm(x, t[p + "input_layernorm.weight"], eps)
-        q = (h @ t[p + "self_attn.q_proj.weight"].T).reshape(T, H, d).transpose(1, 0, 2)
-        k = (h @ t[p + "self_attn.k_proj.weight"].T).reshape(T, K, d).transpose(1, 0, 2)
-        v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(T, K, d).transpose(1, 0, 2)
+        pre = p + "input_layernorm.weight" in t  # OLMo 2: norms after, not before
+        h = _rms_norm(x, t[p + "input_layernorm.weight"], eps) if pre else x
+        q = _qk_norm(t, p + "self_attn.q_norm", _linear(t, p + "self_attn.q_proj", h), T, H, d, eps)
+        k = _qk_norm(t, p + "self_attn.k_norm", _linear(t, p + "self_attn.k_proj", h), T, K, d, eps)
+        v = _linear(t, p + "self_attn.v_proj", h).reshape(T, K, d).transpose(1, 0, 2)
         q, k = _rotate(q, pos, inv), _rotate(k, pos, inv)
         k, v = np.repeat(k, H // K, axis=0), np.repeat(v, H // K, axis=0)  # repeat_kv
-        x = x + _causal_softmax_attention(q, k, v) @ t[p + "self_attn.o_proj.weight"].T
-        h = _rms_norm(x, t[p + "post_attention_layernorm.weight"], eps)
-        gate = h @ t[p + "mlp.gate_proj.weight"].T
-        up = h @ t[p + "mlp.up_proj.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
+        attn = _linear(t, p + "self_attn.o_proj", _causal_softmax_attention(q, k, v, window))
+        if pre:
+            x = x + attn
+            h = _rms_norm(x, t[p + "post_attention_layernorm.weight"], eps)
+        else:
+            x = x + _rms_norm(attn, t[p + "post_attention_layernorm.weight"], eps)
+            h = x
+        mlp = _moe(config, t, p, h) if _moe_prefix(t, p) else _swiglu(t, p + "mlp.", h)
+        if not pre:
+            mlp = _rms_norm(mlp, t[p + "post_feedforward_layernorm.weight"], eps)
+        x = x + mlp
     x = _rms_norm(x, t["model.norm.weight"], eps)
     head = (
         t["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else t["lm_head.weight"]
     )
     return x @ head.T
+
+
+def _swiglu(t: dict, p: str, h, names=("gate_proj", "up_proj", "down_proj")):
+    gate, up = _linear(t, p + names[0], h), _linear(t, p + names[1], h)
+    return _linear(t, p + names[2], gate / (1 + np.exp(-gate)) * up)
+
+
+def _moe_prefix(t: dict, p: str) -> str | None:
+    """The layer's mixture-of-experts module (Mixtral's or Qwen/OLMoE's names), if any."""
+    for moe in ("block_sparse_moe.", "mlp."):
+        if p + moe + "experts.0." + ("w1" if moe[0] == "b" else "gate_proj") + ".weight" in t:
+            return p + moe
+    return None
+
+
+def _moe(config: dict, t: dict, p: str, h):
+    """HF's sparse MoE block: softmax router over all experts, the top k (renormalised when
+    ``norm_topk_prob``, Mixtral always), each token through its experts' SwiGLU, weighted."""
+    moe = _moe_prefix(t, p)
+    names = ("w1", "w3", "w2") if moe.endswith("block_sparse_moe.") else None
+    k = config["num_experts_per_tok"]
+    logits = h @ t[moe + "gate.weight"].T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    weights = np.take_along_axis(probs, top, -1)
+    if config.get("norm_topk_prob", config["model_type"] == "mixtral"):
+        weights /= weights.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for e in range(t[moe + "gate.weight"].shape[0]):
+        expert = f"{moe}experts.{e}."
+        y = _swiglu(t, expert, h, names) if names else _swiglu(t, expert, h)
+        out += (weights * (top == e)).sum(-1, keepdims=True) * y
+    return out

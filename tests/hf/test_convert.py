@@ -1,5 +1,5 @@
 """HF export: exact HF names and layout (checked by a numpy GPT2LMHeadModel / LlamaForCausalLM
-forward), sharding, exact round trip HF -> Loomax -> HF, import with a run's config, and the
+forward, for every registered family and the Llama options), sharding, exact round trip HF -> Loomax -> HF, import with a run's config, and the
 model options: those transformers has travel in config.json, the others are refused by name."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 
 from loomax.config import ConfigError
 from loomax.hf import export_hf, load_hf, read_hf, special_token_ids
-from loomax.hf.gpt2 import from_hf_config as gpt2_from_hf
-from loomax.hf.gpt2 import hf_config as gpt2_hf_config
+from loomax.hf.family import HfFamily
+from loomax.hf.family import families as hf_families
 from loomax.models import Gpt2Config, LlamaConfig, MixtralConfig, MoeConfig
 from loomax.models.rotary import Llama3Rotary
 
@@ -39,6 +39,9 @@ CASES = {
         head_dim=24,
         tie_word_embeddings=True,
         rope=Llama3Rotary(theta=500000.0, factor=8.0, original_max_position_embeddings=16),
+    ),
+    "llama-bias": LlamaConfig(
+        seq_len=32, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, use_bias=True
     ),
 }
 
@@ -70,6 +73,35 @@ def test_export_matches_hf_reference_logits(tmp_path, case):
     ]
     tied = CASES[case].tie_word_embeddings
     assert ("lm_head.weight" in tensors) == (not tied)
+    assert ("model.layers.0.mlp.up_proj.bias" in tensors) == (case == "llama-bias")
+
+
+HF_TYPES = sorted(hf_families())
+"""Every registered family with a Hugging Face side."""
+
+
+@pytest.mark.parametrize("model_type", HF_TYPES)
+def test_every_family_exports_what_the_reference_computes(tmp_path, model_type, families):
+    config = families.tiny_config(model_type, seq_len=32)
+    assert isinstance(config, HfFamily)
+    model = randomized(config)
+    export_hf(model, tmp_path)
+    hf, tensors = read_hf(tmp_path)
+    assert (hf["model_type"], hf["architectures"]) == (model_type, [config.hf_architecture])
+    experts = getattr(getattr(config, "moe", None), "num_experts", 1)
+    names = [
+        p.hf_name.format(i=i, e=e)
+        for p in config.hf_params()
+        for i in range(config.num_layers)
+        for e in range(experts)
+    ]
+    assert set(tensors) == set(names)
+    ids = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (32,), 0, VOCAB))
+    reference = gpt2_logits if model_type == "gpt2" else llama_logits
+    got = model.logits(hax.named(ids, "position")).array
+    np.testing.assert_allclose(got, reference(hf, tensors, ids), rtol=1e-4, atol=1e-4)
+    assert load_hf(tmp_path).config.hf_config(VOCAB) == config.hf_config(VOCAB)
+    load_hf(tmp_path, config)  # the same architecture
 
 
 def test_gpt2_conv1d_layout(tmp_path):
@@ -170,7 +202,7 @@ def test_options_travel_in_config_json_and_dropout_stays_the_runs(tmp_path):
         CASES["gpt2"], activation_function="quick_gelu", scale_attn_by_inverse_layer_idx=True,
         embed_pdrop=0.1, resid_pdrop=0.2, attn_pdrop=0.3,
     )  # fmt: skip
-    assert gpt2_from_hf(gpt2_hf_config(gpt2, VOCAB)) == gpt2
+    assert Gpt2Config.from_hf_config(gpt2.hf_config(VOCAB)) == gpt2
     llama = dataclasses.replace(
         CASES["llama-gqa"], use_bias=True, activation_function="relu2", attn_pdrop=0.1, head_dim=8
     )

@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from loomax.callbacks import EmaHook
 from loomax.hf import export_hf
+from loomax.hooks import EmaHook
 from loomax.lm import TrainLmConfig, check_initial_weights, initial_model, initial_weights
 from loomax.models import LlamaConfig
 from loomax.optim import AdamConfig

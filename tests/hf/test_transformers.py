@@ -1,10 +1,10 @@
 """Against transformers itself (torch CPU, both in the `test` extra): exports load with the
 same logits, for GPT-2 (also with another activation and scale_attn_by_inverse_layer_idx),
-Llama with GQA/MQA, every rope variant (default, linear, llama3, YaRN) and biases, Mixtral
-(per-expert tensors, softmax top-2 router) Qwen3-MoE (QK-norm, norm_topk_prob) and OLMoE (QK-norm over
-the whole projection) at 1e-5, and models
-saved by transformers import with them; every activation_function is transformers' own. Nothing comes from the Hub: each
-model is built from a config here and saved to a tmp dir (conftest sets HF_HUB_OFFLINE)."""
+Llama with GQA/MQA, every rope variant (default, linear, llama3, YaRN) and biases, and models
+saved by transformers import with them; every activation_function is transformers' own; and
+every registered family with an HF side (``loomax.hf.family.families``) both ways at 1e-5.
+Nothing comes from the Hub: each model is built from a config here and saved to a tmp dir
+(conftest sets HF_HUB_OFFLINE)."""
 
 from __future__ import annotations
 
@@ -14,18 +14,14 @@ import numpy as np
 import pytest
 
 from loomax.hf import export_hf, load_hf
-from loomax.models import (
-    Gpt2Config,
-    LlamaConfig,
-    MixtralConfig,
-    MoeConfig,
-    OlmoeConfig,
-    Qwen3MoeConfig,
-)
+from loomax.models import Gpt2Config, LlamaConfig
+from loomax.models.generate import sample_tokens
 from loomax.models.mlp_activations import ACTIVATION_FUNCTIONS
 from loomax.models.rotary import LinearRotary, YarnRotary
 
-from .test_convert import CASES, VOCAB, randomized
+from .test_convert import CASES, HF_TYPES, VOCAB, randomized
+
+KEY = jax.random.PRNGKey(0)
 
 ALL = {
     **CASES,
@@ -45,33 +41,13 @@ ALL = {
         seq_len=32, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
         num_kv_heads=2, use_bias=True, activation_function="gelu_new", attn_pdrop=0.1,
     ),
-    "mixtral": MixtralConfig(
-        seq_len=32, hidden_dim=32, intermediate_dim=48, num_layers=2, num_heads=4,
-        num_kv_heads=2, moe=MoeConfig(num_experts=4, num_experts_per_tok=2),
-    ),
-    "qwen3_moe": Qwen3MoeConfig(
-        seq_len=32, hidden_dim=32, intermediate_dim=24, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16,
-        moe=MoeConfig(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
-    ),
-    "olmoe": OlmoeConfig(
-        seq_len=32, hidden_dim=32, intermediate_dim=24, num_layers=2, num_heads=4,
-        num_kv_heads=2, moe=MoeConfig(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
-    ),
 }  # fmt: skip
-TOLERANCE = {
-    "gpt2-gelu-layer-scaled": 1e-5, "llama-bias-gelu": 1e-5, "mixtral": 1e-5, "qwen3_moe": 1e-5,
-    "olmoe": 1e-5,
-}  # fmt: skip
-ARCHITECTURES = {
-    "gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-}  # fmt: skip
+TOLERANCE = {"gpt2-gelu-layer-scaled": 1e-5, "llama-bias-gelu": 1e-5}
 """Cases compared at 1e-5 (f32); the older cases keep 1e-4."""
 
 
 @pytest.fixture(scope="module")
-def torch(needs_transformers):  # in the test extra: fails, not skips, without it
+def torch():
     """torch, imported where it is used: at collection it would cost every xdist worker ~7 s."""
     import torch
 
@@ -90,7 +66,9 @@ def test_transformers_loads_the_export_with_the_same_logits(tmp_path, case, torc
     model = randomized(ALL[case])
     export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert type(hf).__name__ == ARCHITECTURES[case.split("-")[0]]
+    assert type(hf).__name__ == (
+        "GPT2LMHeadModel" if case.startswith("gpt2") else "LlamaForCausalLM"
+    )
     ids = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (32,), 0, VOCAB))
     with torch.no_grad():
         want = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
@@ -125,21 +103,6 @@ HF_CONFIGS = {
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
         attention_bias=True, mlp_bias=True, hidden_act="relu2",
-    ),
-    "mixtral": lambda transformers: transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        num_local_experts=4, num_experts_per_tok=2,
-    ),
-    "qwen3_moe": lambda transformers: transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
-    ),
-    "olmoe": lambda transformers: transformers.OlmoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        num_experts=4, num_experts_per_tok=2,
     ),
 }  # fmt: skip
 
@@ -185,6 +148,48 @@ def test_a_model_saved_by_transformers_imports_with_the_same_logits(
     with torch.no_grad():
         want = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
     got = np.asarray(model.logits(hax.named(ids, "position")).array)
-    exact = ("gpt2-relu-layer-scaled", "llama-bias-relu2", "mixtral", "qwen3_moe", "olmoe")
-    tol = 1e-5 if case in exact else 1e-4
+    tol = 1e-5 if case in ("gpt2-relu-layer-scaled", "llama-bias-relu2") else 1e-4
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def _logits(torch, hf, model, ids) -> tuple[np.ndarray, np.ndarray]:
+    with torch.no_grad():
+        want = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
+    return np.asarray(model.logits(hax.named(ids, "position")).array), want
+
+
+@pytest.mark.parametrize("model_type", HF_TYPES)
+def test_every_family_round_trips_through_transformers(
+    tmp_path, model_type, families, torch, transformers
+):
+    """Our export loads in transformers as the family's class with our logits (f32, 1e-5) and
+    the same greedy tokens as KV-cache decoding here, and the same model with transformers'
+    own new weights, saved by it, imports with its logits."""
+    config = families.tiny_config(model_type, seq_len=32)
+    model = randomized(config)
+    export_hf(model, tmp_path / "ours", special_tokens={"eos_token_id": 0})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+    assert type(hf).__name__ == config.hf_architecture
+    ids = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (32,), 0, VOCAB))
+    np.testing.assert_allclose(*_logits(torch, hf.eval(), model, ids), rtol=1e-5, atol=1e-5)
+    sharp = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, model)  # real logit gaps
+    export_hf(sharp, tmp_path / "sharp", special_tokens={"eos_token_id": 0})
+    hf_sharp = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "sharp", dtype=torch.float32
+    )
+    prompt = [3, 1, 4, 1, 5]
+    ours = sample_tokens(sharp, prompt, seq_len=32, max_new_tokens=8, temperature=0.0, key=KEY)
+    with torch.no_grad():
+        theirs = hf_sharp.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+            pad_token_id=0, min_new_tokens=8,
+        )[0].tolist()  # fmt: skip
+    assert ours == theirs
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "theirs")
+    loaded = load_hf(tmp_path / "theirs")
+    assert type(loaded.config) is type(config)
+    np.testing.assert_allclose(*_logits(torch, hf, loaded, ids), rtol=1e-5, atol=1e-5)

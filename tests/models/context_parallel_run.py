@@ -20,8 +20,8 @@ import jax.numpy as jnp  # noqa: E402
 import jmp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from loomax.callbacks.eval import make_loss_evaluator  # noqa: E402
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
+from loomax.hooks.eval import make_loss_evaluator  # noqa: E402
 from loomax.lm.loss import lm_loss_for  # noqa: E402
 from loomax.mesh import MeshConfig, make_axis_mappings  # noqa: E402
 from loomax.models import Gpt2Config, LlamaConfig  # noqa: E402

@@ -1,4 +1,5 @@
-"""Every attention backend agrees with the others (fp32, 1e-5), with and without packed-document masks."""
+"""Every attention backend agrees with the others (fp32, 1e-5), with and without packed-document
+masks and sliding windows; the blocked backends skip the key blocks outside a window."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def packed_segments():
     return segment_ids_from_eos(hax.named(jnp.asarray(tokens), ("batch", "position")), EOS)
 
 
-def reference(q, k, v, segments):
+def reference(q, k, v, segments, window=None):
     """Plain softmax attention over the full masked square, written out in numpy."""
     qa = np.asarray(q.rearrange(("batch", "heads", "position", "head_size")).array, np.float64)
     kv_name = "kv_heads" if k.has_axis("kv_heads") else "heads"
@@ -43,6 +44,8 @@ def reference(q, k, v, segments):
     ka, va = np.repeat(ka, group, axis=1), np.repeat(va, group, axis=1)
     scores = qa @ ka.transpose(0, 1, 3, 2) / np.sqrt(D)
     mask = np.tril(np.ones((T, T), bool))[None, None]
+    if window is not None:  # at most window - 1 keys back
+        mask = mask & np.triu(np.ones((T, T), bool), -(window - 1))
     if segments is not None:
         seg = np.asarray(segments.array)
         mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
@@ -92,6 +95,66 @@ def test_backends_agree(small_blocks, backend, masked, kv_heads):
     np.testing.assert_allclose(got, reference(q, k, v, segments), rtol=tol, atol=tol)
 
 
+WINDOW_BACKENDS = ["vanilla", "blockwise", "xla", "splash"]
+
+
+@pytest.mark.parametrize("backend", WINDOW_BACKENDS)
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "documents"])
+def test_backends_agree_within_a_sliding_window(small_blocks, backend, masked):
+    q, k, v = qkv()
+    segments = packed_segments() if masked else None
+    want = reference(q, k, v, segments, window=5)
+    splash = {}
+    if backend == "splash":  # the kernel's blocks are multiples of 128: pad the sequence
+        q, k, v, segments = _padded(q, k, v, segments, 128)
+        splash = dict(splash_blocks=(128, 128))
+    out = attend(q, k, v, backend=backend, segment_ids=segments, window=5, **splash)
+    got = np.asarray(out.rearrange(("batch", "heads", "position", "head_size")).array, np.float64)
+    np.testing.assert_allclose(got[:, :, :T], want, rtol=1e-5, atol=1e-5)
+
+
+def _padded(q, k, v, segments, length):
+    """``q, k, v, segments`` padded at the end to ``length`` positions (causal: the real
+    queries never see the padding)."""
+
+    def grow(x, axis):
+        widths = [(0, length - T if a.name == axis else 0) for a in x.axes]
+        return hax.named(jnp.pad(x.array, widths), tuple(a.name for a in x.axes))
+
+    seg = None if segments is None else grow(segments, "position")
+    return grow(q, "position"), grow(k, "key_position"), grow(v, "key_position"), seg
+
+
+@pytest.mark.parametrize("backend", ["vanilla", "blockwise"])
+def test_blocks_outside_the_window_are_skipped_not_masked(monkeypatch, backend):
+    """Values of NaN at position 0: a masked-but-computed block would carry them (0 * NaN) to
+    every query of its blocks; skipped, the queries whose blocks are past the window stay finite."""
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 8)
+    q, k, v = qkv()
+    v = hax.named(v.array.at[:, 0].set(jnp.nan), v.axes)
+    out = np.asarray(attend(q, k, v, backend=backend, window=4, flash_block=8).array)
+    assert np.isnan(out[:, :4]).all()  # they see key 0
+    assert np.isfinite(out[:, 16:]).all()  # their blocks (from 16) start past 0 + window
+    full = np.asarray(attend(q, k, v, backend=backend, flash_block=8).array)
+    assert np.isnan(full[:, 16:]).all()  # without a window they see key 0
+
+
+def test_cached_attention_keeps_the_window():
+    q, k, v = qkv()
+    cache = hax.zeros(k.axes, k.dtype)
+    window, want = 5, attend(q, k, v, backend="vanilla", window=5)
+    out, _, _ = attention.cached_attention(
+        q[{"position": slice(T - 3, T)}],
+        k[{"key_position": slice(T - 3, T)}].rename({"key_position": "position"}),
+        v[{"key_position": slice(T - 3, T)}].rename({"key_position": "position"}),
+        hax.named(cache.array.at[:, : T - 3].set(k.array[:, : T - 3]), k.axes),
+        hax.named(cache.array.at[:, : T - 3].set(v.array[:, : T - 3]), v.axes),
+        jnp.asarray(T - 3),
+        window,
+    )
+    np.testing.assert_allclose(out.array, want.array[:, T - 3 :], rtol=1e-5, atol=1e-5)
+
+
 def test_documents_do_not_see_each_other():
     q, k, v = qkv()
     segments = packed_segments()
@@ -102,8 +165,9 @@ def test_documents_do_not_see_each_other():
     assert not np.allclose(base.array[0, :6], moved.array[0, :6])
 
 
+@pytest.mark.parametrize("window", [None, 5], ids=["causal", "window"])
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "documents"])
-def test_blockwise_gradient_matches_vanilla(small_blocks, masked):
+def test_blockwise_gradient_matches_vanilla(small_blocks, masked, window):
     q, k, v = qkv()
     segments = packed_segments() if masked else None
     cot = jax.random.normal(jax.random.PRNGKey(9), (B, T, H, D))
@@ -116,6 +180,7 @@ def test_blockwise_gradient_matches_vanilla(small_blocks, masked):
                 hax.named(va, v.axes),
                 backend=backend,
                 segment_ids=segments,
+                window=window,
             )
             return jnp.sum(out.rearrange(q.axes).array * cot)
 

@@ -1,18 +1,30 @@
-"""The Llama configs under config/ parse, and the 8B one has Llama 3.1 8B's exact size."""
+"""The Llama configs under config/ parse, the 8B one has Llama 3.1 8B's exact size, and each
+family's tiny config is of its family."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from loomax.config import parse_config
 from loomax.lm import TrainLmConfig
-from loomax.models import LlamaConfig
+from loomax.models import LlamaConfig, LmConfig
 
 
 @pytest.mark.parametrize("name", ["llama_tiny", "llama_150m", "llama_1b", "llama_8b"])
 def test_llama_configs_parse(repo_root, name):
     config = parse_config(TrainLmConfig, repo_root / "config" / f"{name}.yaml")
     assert isinstance(config.model, LlamaConfig)
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p.name for p in (Path(__file__).parents[2] / "config").glob("*_tiny.yaml"))
+)
+def test_tiny_configs_are_of_their_family(repo_root, path):
+    """config/<type>_tiny.yaml (one per family that ships one) parses as that ``model.type``."""
+    config = parse_config(TrainLmConfig, repo_root / "config" / path)
+    assert LmConfig.get_choice_name(type(config.model)) == path.removesuffix("_tiny.yaml")
 
 
 def test_llama_8b_parameter_count(repo_root):

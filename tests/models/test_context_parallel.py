@@ -82,3 +82,18 @@ def test_split_loss_gradients_and_logits_equal_one_device(train_runs):
     Adam would hide a uniform scale error in the Llama's losses), and its logits, put back in
     the tokens' order."""
     assert train_runs["gradient_error"] < TOLERANCE
+
+
+def test_sliding_window_with_a_split_sequence_is_refused_up_front():
+    """Context-parallel attention is full causal: a sliding window there is a ConfigError
+    naming both keys, raised when the run's config is made (before any work)."""
+    from loomax.lm import TrainLmConfig
+    from loomax.mesh import MeshConfig
+    from loomax.models.families.mistral import MistralConfig
+    from loomax.train import TrainerConfig
+
+    model = MistralConfig(seq_len=16, hidden_dim=16, intermediate_dim=32, num_layers=1,
+                          num_heads=2, sliding_window=6)  # fmt: skip
+    TrainLmConfig(model=model, trainer=TrainerConfig(mesh=MeshConfig(context=1)))
+    with pytest.raises(ConfigError, match=r"model.sliding_window \(6\) .*trainer.mesh.context"):
+        TrainLmConfig(model=model, trainer=TrainerConfig(mesh=MeshConfig(context=2)))

@@ -17,75 +17,33 @@ import optax
 import pytest
 
 import loomax
+from loomax.config_reference import registry_members
 from loomax.hf import export_hf, load_hf
-from loomax.hf.convert import FAMILIES
-from loomax.models import (
-    Gpt2Config,
-    LlamaConfig,
-    LmConfig,
-    LmModel,
-    MixtralConfig,
-    MoeConfig,
-    OlmoeConfig,
-    Qwen3MoeConfig,
-    next_token_loss,
-)
+from loomax.hf.family import families as hf_families
+from loomax.models import LmConfig, LmModel, next_token_loss
 from loomax.models.generate import sample_tokens
 
 VOCAB = 37
 SEQ = 16
-TINY: dict[str, LmConfig] = {
-    "gpt2": Gpt2Config(seq_len=SEQ, hidden_dim=16, num_layers=2, num_heads=2),
-    "llama": LlamaConfig(
-        seq_len=SEQ, hidden_dim=16, intermediate_dim=32, num_layers=2, num_heads=4, num_kv_heads=2
-    ),
-    "mixtral": MixtralConfig(
-        seq_len=SEQ,
-        hidden_dim=16,
-        intermediate_dim=16,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        moe=MoeConfig(num_experts=4, num_experts_per_tok=2),
-    ),
-    "qwen3_moe": Qwen3MoeConfig(
-        seq_len=SEQ,
-        hidden_dim=16,
-        intermediate_dim=8,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        moe=MoeConfig(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
-    ),
-    "olmoe": OlmoeConfig(
-        seq_len=SEQ,
-        hidden_dim=16,
-        intermediate_dim=8,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        moe=MoeConfig(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
-    ),
-}
-"""A tiny config of every model type; a new type must add one here."""
+MODEL_TYPES = [name for name, _ in registry_members(LmConfig)]
+"""Every built-in model type: a family is in this suite once it is registered."""
 
 
-def test_every_registered_model_type_is_in_the_contract():
-    registered = set(LmConfig.get_known_choices())
-    covered = {LmConfig.get_choice_name(type(c)) for c in TINY.values()}
-    assert registered == covered == set(TINY)
-
-
-@pytest.fixture(scope="module", params=sorted(TINY))
+@pytest.fixture(scope="module", params=MODEL_TYPES)
 def model_type(request) -> str:
     return request.param
 
 
 @pytest.fixture(scope="module")
-def model(model_type) -> LmModel:
+def config(model_type, families) -> LmConfig:
+    """A tiny config of ``model_type`` (tests/support/families.py)."""
+    return families.tiny_config(model_type, seq_len=SEQ)
+
+
+@pytest.fixture(scope="module")
+def model(config) -> LmModel:
     """A tiny model with weights scaled up, so greedy decoding follows real logit gaps."""
-    built = TINY[model_type].build(VOCAB, key=jax.random.PRNGKey(0))
+    built = config.build(VOCAB, key=jax.random.PRNGKey(0))
     return jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, built)
 
 
@@ -109,15 +67,14 @@ def test_forward_gives_batch_position_vocab_logits(model):
     assert model.Vocab.size == VOCAB and bool(np.isfinite(logits.array).all())
 
 
-def test_param_count_and_flops(model_type, model):
-    config = TINY[model_type]
+def test_param_count_and_flops(config, model):
     real = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
     assert config.param_count(VOCAB) == real
     assert config.flops_per_token(VOCAB) > 0
 
 
-def test_loss_falls_under_adam(model_type):
-    model = TINY[model_type].build(VOCAB, key=jax.random.PRNGKey(0))
+def test_loss_falls_under_adam(config):
+    model = config.build(VOCAB, key=jax.random.PRNGKey(0))
     batch = tokens(batch=4)
     opt = optax.adam(1e-2)
 
@@ -153,8 +110,8 @@ def test_greedy_with_cache_equals_without(model):
     assert len(cached) == 13
 
 
-def test_hugging_face_round_trip(model_type, model, tmp_path):
-    if type(TINY[model_type]) not in FAMILIES:
+def test_hugging_face_round_trip(model_type, config, model, tmp_path):
+    if type(config) not in hf_families().values():
         pytest.skip(f"{model_type} has no Hugging Face mapping")
     export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
     loaded = load_hf(tmp_path)

@@ -129,6 +129,13 @@ def test_flops_per_token_counts_causal_attention_as_half():
     dense = 2 * d * (2 * q + 2 * kv) + 2 * 3 * d * m
     assert c.flops_per_token(v) == 16 * (dense + 2 * s * q) + 2 * d * v
     assert c.flops_per_token(v, causal=False) - c.flops_per_token(v) == 16 * 2 * s * q
+    # a sliding window of w: each query sees w keys (full), the causal mean w - w^2 / 2s
+    w = 1024
+    windowed = dataclasses.replace(c, sliding_window=w)
+    seen = w - w * w / (2 * s)
+    assert windowed.flops_per_token(v) == 16 * (dense + 4 * seen * q) + 2 * d * v
+    full = windowed.flops_per_token(v, causal=False)
+    assert full == 16 * (dense + 4 * w * q) + 2 * d * v
 
 
 def test_bad_config_names_the_key():

@@ -1,6 +1,6 @@
 """Mixtral through the loss and the step: the balance losses join the training loss (and
 only it), the router metrics come out under ``moe/`` from the scanned and the unrolled stack
-alike, activation taps still work, and the shipped ``moe_tiny`` config parses."""
+alike, activation taps still work, and the shipped ``mixtral_tiny`` config parses."""
 
 from __future__ import annotations
 
@@ -104,20 +104,22 @@ def test_train_step_reports_router_metrics_under_moe(model):
     assert losses[-1] < losses[0]
 
 
-def test_moe_tiny_config_parses(repo_root):
-    config = parse_config(TrainLmConfig, repo_root / "config" / "moe_tiny.yaml").model
+def test_mixtral_tiny_config_parses(repo_root):
+    config = parse_config(TrainLmConfig, repo_root / "config" / "mixtral_tiny.yaml").model
     assert isinstance(config, MixtralConfig) and config.moe.num_experts > 1
 
 
-def test_qk_norm_over_heads_norms_the_whole_projection():
-    from loomax.models import LlamaConfig, OlmoeConfig
+def test_olmoe_qk_norm_is_the_projection_scope_olmo2_uses():
+    """One switch (``qk_norm_scope``) for OLMoE's and OLMo 2's whole-projection QK-norm."""
+    from loomax.models import OlmoeConfig
+    from loomax.models.families.olmo2 import Olmo2Config
 
     olmoe = OlmoeConfig(
         seq_len=16, hidden_dim=16, intermediate_dim=8, num_layers=1, num_heads=4, num_kv_heads=2,
         moe=MoeConfig(num_experts=2, num_experts_per_tok=1),
     )  # fmt: skip
+    assert OlmoeConfig.qk_norm_scope == Olmo2Config.qk_norm_scope == "projection"
     attn = jax.eval_shape(lambda: olmoe.build(VOCAB, key=jax.random.PRNGKey(0))).blocks
     q_norm = attn.stacked.attn.q_norm.weight
     assert [a.name for a in q_norm.axes] == ["layers", "heads", "head_size"]
-    with pytest.raises(ValueError, match="qk_norm_over_heads needs model.qk_norm"):
-        LlamaConfig(num_heads=4, hidden_dim=16, qk_norm_over_heads=True)
+    assert not hasattr(olmoe, "qk_norm_over_heads")

@@ -90,7 +90,7 @@ def test_flash_attention_block_size_is_the_blockwise_block(monkeypatch):
     blocks = []
     real = attention.flash_attention
     monkeypatch.setattr(
-        attention, "flash_attention", lambda *args: blocks.append(args[-1]) or real(*args)
+        attention, "flash_attention", lambda *args: blocks.append(args[5]) or real(*args)
     )
     config = replace(LLAMA, attn_backend="blockwise", flash_attention_block_size=8)
     model = config.build(VOCAB, key=KEY)

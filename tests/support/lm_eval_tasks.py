@@ -1,7 +1,7 @@
 """Tiny lm-eval tasks over local JSONL files, and the small corpus their tokenizer learns.
 
 Nothing is downloaded: lm-eval reads the files with the `json` dataset builder. Shared by
-tests/downstream (the `lm_eval_tasks` fixture) and tests/callbacks/test_downstream_eval.py.
+tests/downstream (the `lm_eval_tasks` fixture) and tests/hooks/test_downstream_eval.py.
 """
 
 from __future__ import annotations

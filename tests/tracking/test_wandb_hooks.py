@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from loomax.callbacks import NotifyHook, WandbCancelHook
+from loomax.hooks import NotifyHook, WandbCancelHook
 from loomax.tracking import WandbTrackerConfig
 
 from .conftest import offline_runs, read_wandb_run, wandb_records

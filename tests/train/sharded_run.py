@@ -27,9 +27,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from loomax.callbacks import ActivationStatsHook  # noqa: E402
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
 from loomax.distributed import DistributedConfig  # noqa: E402
+from loomax.hooks import ActivationStatsHook  # noqa: E402
 from loomax.lm import lm_loss  # noqa: E402
 from loomax.mesh import MeshConfig  # noqa: E402
 from loomax.models import Gpt2Config, LlamaConfig, MixtralConfig, MoeConfig  # noqa: E402

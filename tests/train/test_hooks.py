@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from loomax.callbacks import EmaHook, LogMetricsHook
 from loomax.config import ConfigError, parse_config
+from loomax.hooks import EmaHook, LogMetricsHook
 from loomax.train import Hook, HookConfig, HookContext, TrainerConfig, hook_type
 
 
@@ -176,7 +176,7 @@ class CountFrom(Counter):
 
 
 def test_user_hook_types_parse_from_yaml_and_bad_settings_name_the_key(tmp_path):
-    import loomax.callbacks  # noqa: F401 - registers the built-in types
+    import loomax.hooks  # noqa: F401 - registers the built-in types
 
     path = tmp_path / "trainer.yaml"
     path.write_text(
@@ -203,7 +203,7 @@ def test_user_hook_types_parse_from_yaml_and_bad_settings_name_the_key(tmp_path)
 def _types_with_every() -> list[str]:
     import dataclasses
 
-    import loomax.callbacks  # noqa: F401 - registers the built-in types
+    import loomax.hooks  # noqa: F401 - registers the built-in types
 
     return sorted(
         name
@@ -222,7 +222,7 @@ def test_every_interval_must_be_positive_at_parse_time(tmp_path, kind):
 
 
 def test_removed_skip_bad_steps_hook_says_how_to_migrate(tmp_path):
-    import loomax.callbacks  # noqa: F401 - registers the built-in types
+    import loomax.hooks  # noqa: F401 - registers the built-in types
 
     path = tmp_path / "trainer.yaml"
     path.write_text("hooks:\n  - {type: skip_bad_steps, window: 50, k: 4.0}\n")

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from loomax.callbacks import ConsoleHook
+from loomax.hooks import ConsoleHook
 from loomax.train import setup_process
 
 

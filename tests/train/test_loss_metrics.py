@@ -8,7 +8,7 @@ import jmp
 import numpy as np
 import pytest
 
-from loomax.callbacks import make_loss_evaluator
+from loomax.hooks import make_loss_evaluator
 from loomax.lm import lm_loss
 from loomax.tracking import read_metrics
 

@@ -200,8 +200,8 @@ def test_consumers_of_an_offloaded_model_see_the_same_model(tiny, tmp_path):
     """EMA weights and activation statistics in the step, and, from the host-resident final
     model, sampling (whose decoding loop fetches each layer) and the Hugging Face tensors:
     as without ``offload_params``."""
-    from loomax.callbacks import ActivationStatsHook, EmaHook
     from loomax.hf.convert import hf_state
+    from loomax.hooks import ActivationStatsHook, EmaHook
     from loomax.models.generate import sample_tokens
 
     def consumers(path, **settings):

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from loomax.callbacks import EmaHook
 from loomax.checkpoint import CheckpointerConfig, CheckpointError, KeepPolicy, list_checkpoints
 from loomax.data import BatchLoader, TokenWindows
+from loomax.hooks import EmaHook
 from loomax.lm import lm_loss
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from loomax.callbacks import EmaHook, default_hooks
 from loomax.config import ConfigError, parse_config
+from loomax.hooks import EmaHook, default_hooks
 from loomax.lm import TrainLmConfig
 from loomax.train import TrainerConfig, setup_process
 from loomax.train.averaging import EmaDecaySqrtAveraging

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loomax.callbacks import NanCheckHook, NonFiniteLossError
+from loomax.hooks import NanCheckHook, NonFiniteLossError
 from loomax.lm import lm_loss
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig
@@ -145,7 +145,7 @@ def test_nan_loss_stops_with_clear_error(tmp_path):
 
 
 def test_jsonl_records_contract(tmp_path):
-    from loomax.callbacks import LogMetricsHook, SpeedMonitorHook
+    from loomax.hooks import LogMetricsHook, SpeedMonitorHook
 
     trainer = make_trainer(tmp_path, steps=6)
     trainer.add_hook(LogMetricsHook(every=2, tokens_per_step=64))

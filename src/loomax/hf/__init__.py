@@ -1,4 +1,5 @@
-"""Hugging Face interop: safetensors + config.json export and import (GPT-2, Llama, Mixtral)."""
+"""Hugging Face interop: safetensors + config.json export and import, for every model family
+that defines its HF side (``loomax.hf.family.HfFamily``)."""
 
 from loomax.hf.convert import (
     check_hf,
@@ -9,8 +10,11 @@ from loomax.hf.convert import (
     read_hf,
     special_token_ids,
 )
+from loomax.hf.family import HfFamily, families
 
 __all__ = [
+    "HfFamily",
+    "families",
     "check_hf",
     "config_from_hf",
     "export_hf",

@@ -17,53 +17,22 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from loomax.config import ConfigError
 from loomax.data.tokenizer import bos_id, eos_id
 from loomax.errors import BadFileError, MissingFileError
-from loomax.hf import gpt2 as hf_gpt2
-from loomax.hf import llama as hf_llama
-from loomax.hf import mixtral as hf_mixtral
-from loomax.hf import olmoe as hf_olmoe
-from loomax.hf import qwen3_moe as hf_qwen3_moe
-from loomax.hf.layout import export_tensors, load_tensors
+from loomax.hf.family import family_for, family_of
 from loomax.models.config import LmConfig, LmModel
-from loomax.models.gpt2 import Gpt2Config
-from loomax.models.llama import LlamaConfig
-from loomax.models.mixtral import MixtralConfig
-from loomax.models.olmoe import OlmoeConfig
-from loomax.models.qwen3_moe import Qwen3MoeConfig
+from loomax.models.hf_layout import export_tensors, load_tensors
 
-FAMILIES = {
-    Gpt2Config: hf_gpt2,
-    LlamaConfig: hf_llama,
-    MixtralConfig: hf_mixtral,
-    Qwen3MoeConfig: hf_qwen3_moe,
-    OlmoeConfig: hf_olmoe,
-}
-BY_MODEL_TYPE = {
-    "gpt2": hf_gpt2,
-    "llama": hf_llama,
-    "mixtral": hf_mixtral,
-    "qwen3_moe": hf_qwen3_moe,
-    "olmoe": hf_olmoe,
-}
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
 
-def _family(config: LmConfig):
-    family = FAMILIES.get(type(config))
-    if family is None:
-        raise ConfigError(f"no Hugging Face export for model type {type(config).__name__}")
-    return family
-
-
 def hf_state(model: LmModel) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``(config.json dict, {HF tensor name: array})`` of ``model``."""
-    family = _family(model.config)
-    config = family.hf_config(model.config, model.Vocab.size)
-    tensors = export_tensors(model, family.params(model.config))
+    family = family_of(model.config)
+    config = family.hf_config(model.Vocab.size)
+    tensors = export_tensors(model, family.hf_params())
     dtype = next(iter(tensors.values())).dtype
     config["torch_dtype"] = _DTYPE_NAMES.get(dtype, "bfloat16")
     return config, tensors
@@ -184,12 +153,7 @@ def check_hf(path: str | os.PathLike, config: LmConfig) -> None:
 
 def config_from_hf(hf: dict[str, Any]) -> tuple[LmConfig, int]:
     """``(model config, vocab size)`` for a config.json dict."""
-    kind = hf.get("model_type")
-    if kind not in BY_MODEL_TYPE:
-        raise BadFileError(
-            f"config.json: model_type {kind!r} is not supported (have {sorted(BY_MODEL_TYPE)})"
-        )
-    return BY_MODEL_TYPE[kind].from_hf_config(hf), hf["vocab_size"]
+    return family_for(hf).from_hf_config(hf), hf["vocab_size"]
 
 
 def load_hf(path: str | os.PathLike, config: LmConfig | None = None) -> LmModel:
@@ -204,7 +168,7 @@ def load_hf(path: str | os.PathLike, config: LmConfig | None = None) -> LmModel:
         _check_same_architecture(config, arch, path)
         arch = config
     skeleton = jax.eval_shape(lambda: arch.build(vocab, key=jax.random.PRNGKey(0)))
-    return load_tensors(skeleton, _family(arch).params(arch), tensors)
+    return load_tensors(skeleton, family_of(arch).hf_params(), tensors)
 
 
 def _check_same_architecture(config: LmConfig, arch: LmConfig, path) -> None:
@@ -212,11 +176,8 @@ def _check_same_architecture(config: LmConfig, arch: LmConfig, path) -> None:
         raise BadFileError(
             f"{path} holds a {type(arch).__name__}, the configured model is a {type(config).__name__}"
         )
-    family = _family(config)
-    want, have = family.hf_config(config, 1), family.hf_config(arch, 1)
-    if isinstance(config, LlamaConfig):  # rotary positions: the context length may change
-        want.pop("max_position_embeddings"), have.pop("max_position_embeddings")
-    for key in family.TRAINING_KEYS:  # dropout rates: the run's own
+    want, have = family_of(config).hf_config(1), family_of(arch).hf_config(1)
+    for key in config.hf_run_keys:  # dropout rates, a rotary model's context: the run's own
         want.pop(key), have.pop(key)
     diff = {k: (have[k], want.get(k)) for k in have if have[k] != want.get(k)}
     if diff:

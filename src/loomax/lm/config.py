@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import loomax.callbacks  # noqa: F401 - registers the hook types `trainer.hooks` may name
+import loomax.hooks  # noqa: F401 - registers the hook types `trainer.hooks` may name
 from loomax.config import ConfigError
 from loomax.data import DataConfig
 from loomax.models import Gpt2Config, LmConfig
@@ -51,6 +51,12 @@ class TrainLmConfig:
                 raise ConfigError(
                     "model.attn_pdrop > 0 is not supported with trainer.mesh.context > 1 "
                     f"(got {context}): attention dropout needs the vanilla backend"
+                )
+            if getattr(self.model, "sliding_window", None) is not None:
+                raise ConfigError(
+                    f"model.sliding_window ({self.model.sliding_window}) is not supported with "
+                    f"trainer.mesh.context > 1 (got {context}): context-parallel attention is "
+                    "full causal"
                 )
         moe = getattr(self.model, "moe", None)
         if moe is not None:  # the experts split over trainer.mesh.expert: checked before any work

@@ -1,5 +1,6 @@
 """Language models on named axes; ``model.type`` picks one from the registry."""
 
+from loomax.models import families  # noqa: F401  (registers the families built on Llama)
 from loomax.models.config import KvCache, LmConfig, LmModel
 from loomax.models.gpt2 import Gpt2Config, Gpt2LmModel
 from loomax.models.llama import LlamaConfig, LlamaLmModel

@@ -25,14 +25,17 @@ attention (``models/ring_attention.py``: ``ring`` or ``all_gather``, ``model.con
 on the sequence as ``models/sequence_layout.py`` lays it out.
 
 Every backend takes optional ``segment_ids`` (axes ``(..., position)``): a query only sees
-keys of its own segment, which keeps packed documents apart (see ``segment_ids_from_eos``).
+keys of its own segment, which keeps packed documents apart (see ``segment_ids_from_eos``),
+and an optional sliding ``window``: a query sees only the keys fewer than ``window``
+positions back (itself included), as Mistral; ``vanilla`` and ``blockwise`` skip the key
+blocks wholly outside it, splash uses its local mask, ``xla``/``cudnn`` their local window.
 Keys may have fewer heads than queries (grouped-query attention: a ``kv_heads`` axis).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import haliax as hax
 import jax
@@ -46,9 +49,6 @@ from loomax.models.dropout import dropout
 from loomax.models.flash import acc_dtype, flash_attention, visible_mask
 from loomax.models.ring_attention import context_parallel_attention
 from loomax.models.sequence_layout import context_ways
-
-if TYPE_CHECKING:  # models.config imports this module
-    from loomax.models.config import LmConfig
 from loomax.models.splash import mesh_platform, splash_attention, splash_unsupported_reason
 
 BACKENDS = ("auto", "vanilla", "blockwise", "splash", "xla", "cudnn")
@@ -149,18 +149,31 @@ def resolve_backend(
     return "blockwise" if seq_len > BLOCKWISE_FROM else "vanilla"
 
 
+class AttentionSettings(Protocol):
+    """What ``model_attention`` reads of a model config (``LmConfig`` has them all)."""
+
+    attn_backend: str
+    splash_blocks: tuple[int, int]
+    flash_block: int
+    attn_pdrop: float
+    cudnn_packed_documents: int
+    context_parallel: str
+
+
 def model_attention(
-    config: LmConfig,
+    config: AttentionSettings,
     q: NamedArray,
     k: NamedArray,
     v: NamedArray,
     segment_ids: NamedArray | None = None,
     *,
     key: jax.Array | None = None,
+    window: int | None = None,
 ) -> NamedArray:
     """``causal_attention`` of ``q`` over ``k`` and ``v`` (all on ``position``; the keys and
     values are renamed to ``key_position`` here) with a model config's backend, blocks and
-    attention dropout (``attn_backend``, ``splash_blocks``, ``flash_block``, ``attn_pdrop``)."""
+    attention dropout (``attn_backend``, ``splash_blocks``, ``flash_block``, ``attn_pdrop``),
+    within a sliding ``window`` when given."""
     k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
     return causal_attention(
         q,
@@ -174,6 +187,7 @@ def model_attention(
         key=key,
         cudnn_documents=config.cudnn_packed_documents,
         context_parallel=config.context_parallel,
+        window=window,
     )
 
 
@@ -190,8 +204,9 @@ def causal_attention(
     key: jax.Array | None = None,
     cudnn_documents: int = 0,
     context_parallel: str = "ring",
+    window: int | None = None,
 ) -> NamedArray:
-    """Scaled dot-product causal self-attention.
+    """Scaled dot-product causal self-attention (within a sliding ``window`` when given).
 
     ``q`` has axes ``(..., position, heads, head_size)``; ``k`` and ``v`` have
     ``key_position`` for ``position`` and ``heads`` or ``kv_heads`` (dividing ``heads``).
@@ -222,21 +237,26 @@ def causal_attention(
     if context_ways() > 1:
         if drop is not None:
             raise ConfigError("model.attn_pdrop > 0 is not supported with trainer.mesh.context > 1")
+        if window is not None:
+            raise ConfigError(
+                "model.sliding_window is not supported with trainer.mesh.context > 1 "
+                "(context-parallel attention is full causal)"
+            )
         out = context_parallel_attention(qa, ka, va, seg, scale, flash_block, context_parallel)
         return _from_array(out, q, batch_axes)
     backend = resolve_backend(
         backend, qa.dtype, T, qa.shape[-1], segments=seg is not None, splash_blocks=splash_blocks
     )
     if backend == "vanilla":
-        out = _blocked_causal(qa * jnp.asarray(scale, qa.dtype), ka, va, seg, drop)
+        out = _blocked_causal(qa * jnp.asarray(scale, qa.dtype), ka, va, seg, drop, window)
     elif backend == "blockwise":
         if seg is None:
             seg = jnp.zeros((B, T), jnp.int32)
-        out = flash_attention(qa, ka, va, seg, scale, min(flash_block, T))
+        out = flash_attention(qa, ka, va, seg, scale, min(flash_block, T), window)
     elif backend == "splash":
-        out = splash_attention(qa, ka, va, seg, scale, *splash_blocks)
+        out = splash_attention(qa, ka, va, seg, scale, *splash_blocks, window=window)
     elif backend in ("xla", "cudnn"):
-        out = _jax_attention(qa, ka, va, seg, backend, cudnn_documents)
+        out = _jax_attention(qa, ka, va, seg, backend, cudnn_documents, window)
     else:
         raise ValueError(f"model.attn_backend must be one of {BACKENDS}, got {backend!r}")
     return _from_array(out, q, batch_axes)
@@ -249,12 +269,14 @@ def cached_attention(
     cache_k: NamedArray,
     cache_v: NamedArray,
     start: jax.Array,
+    window: int | None = None,
 ) -> tuple[NamedArray, NamedArray, NamedArray]:
     """Attention for incremental decoding with a KV cache: returns ``(out, cache_k, cache_v)``.
 
     ``q``, ``k``, ``v`` hold new positions ``start, start + 1, ...`` (axis ``position``);
     ``cache_k``/``cache_v`` hold all ``key_position`` slots. The new keys and values are
-    written at ``start``, and each query sees every cached key at or before its position.
+    written at ``start``, and each query sees every cached key at or before its position
+    (and fewer than ``window`` positions back, when given).
     """
     k = k.rename({Position: KeyPosition})
     v = v.rename({Position: KeyPosition})
@@ -262,7 +284,7 @@ def cached_attention(
     cache_v = hax.updated_slice(cache_v, {KeyPosition: start}, v.rearrange(cache_v.axes))
     qa, ka, va, batch_axes = _to_arrays(q, cache_k, cache_v)
     scale = jnp.asarray(1 / math.sqrt(qa.shape[-1]), qa.dtype)
-    out = _attend(qa * scale, ka, va, start, None, None)
+    out = _attend(qa * scale, ka, va, start, None, None, window=window)
     return _from_array(out, q, batch_axes), cache_k, cache_v
 
 
@@ -291,27 +313,28 @@ def _from_array(out: jax.Array, q: NamedArray, batch_axes) -> NamedArray:
 
 
 # ------------------------------------------------------------------ vanilla
-def _blocked_causal(q, k, v, seg, drop=None):
+def _blocked_causal(q, k, v, seg, drop=None, window=None):
     seq = q.shape[-2]
     block = min(QUERY_BLOCK, seq)
     outs = []
     for start in range(0, seq, block):
         stop = min(start + block, seq)
+        first = 0 if window is None else max(0, start - window + 1)  # the block's first key
         q_seg = None if seg is None else seg[:, start:stop]
-        k_seg = None if seg is None else seg[:, :stop]
+        k_seg = None if seg is None else seg[:, first:stop]
         block_drop = None if drop is None else (drop[0], jax.random.fold_in(drop[1], start))
-        qkv = (q[..., start:stop, :], k[..., :stop, :], v[..., :stop, :])
-        outs.append(_attend(*qkv, start, q_seg, k_seg, block_drop))
+        qkv = (q[..., start:stop, :], k[..., first:stop, :], v[..., first:stop, :])
+        outs.append(_attend(*qkv, start, q_seg, k_seg, block_drop, first, window))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)
 
 
-def _attend(q, k, v, q_start, q_seg, k_seg, drop=None):
-    """Softmax attention of (pre-scaled) ``q`` at positions ``q_start + i`` over keys ``0..S-1``;
-    ``drop`` = ``(rate, key)`` drops out probabilities."""
+def _attend(q, k, v, q_start, q_seg, k_seg, drop=None, k_start=0, window=None):
+    """Softmax attention of (pre-scaled) ``q`` at positions ``q_start + i`` over keys at
+    ``k_start + j``; ``drop`` = ``(rate, key)`` drops out probabilities."""
     acc = acc_dtype(q.dtype)
     scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=acc)
     q_pos = q_start + jnp.arange(q.shape[-2])
-    visible = visible_mask(q_pos, jnp.arange(k.shape[-2]), q_seg, k_seg)
+    visible = visible_mask(q_pos, k_start + jnp.arange(k.shape[-2]), q_seg, k_seg, window)
     scores = jnp.where(visible, scores, jnp.finfo(acc).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     if drop is not None:
@@ -320,17 +343,18 @@ def _attend(q, k, v, q_start, q_seg, k_seg, drop=None):
 
 
 # ------------------------------------------------------------------ jax.nn (xla / cudnn)
-def _jax_attention(q, k, v, seg, implementation, cudnn_documents=0):
+def _jax_attention(q, k, v, seg, implementation, cudnn_documents=0, window=None):
     B, K, G, T, D = q.shape
     qj = q.reshape(B, K * G, T, D).transpose(0, 2, 1, 3)  # [B, T, N, D], heads kv-major
     kj, vj = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    if implementation == "cudnn" and seg is not None and cudnn_documents > 0:
+    if implementation == "cudnn" and seg is not None and cudnn_documents > 0 and window is None:
         out = cudnn_document_attention(qj, kj, vj, seg, cudnn_documents)
     else:
         mask = None
         if seg is not None:
             mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # [B, 1, T, S]
         out = jax.nn.dot_product_attention(
-            qj, kj, vj, mask=mask, is_causal=True, implementation=implementation
-        )
+            qj, kj, vj, mask=mask, is_causal=True, implementation=implementation,
+            local_window_size=None if window is None else (window - 1, 0),
+        )  # fmt: skip
     return out.transpose(0, 2, 1, 3).reshape(B, K, G, T, D)

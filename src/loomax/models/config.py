@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import ClassVar
 
 import draccus
 import equinox as eqx
@@ -73,6 +74,10 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Dropout rate on attention probabilities, in training only (needs attn_backend auto or vanilla); 0 = off."""
     context_parallel: str = "ring"
     """Attention across a sequence split over trainer.mesh.context > 1: ring (K/V blocks passed around, O(seq/n) memory) or all_gather (K/V gathered whole)."""
+
+    hf_model_type: ClassVar[str | None] = None
+    """The transformers ``model_type`` this family reads and writes (``loomax.hf.family.HfFamily``
+    says the rest it then defines); None = no Hugging Face interop."""
 
     def __post_init__(self):
         if self.context_parallel not in VARIANTS:

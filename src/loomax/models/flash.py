@@ -8,6 +8,8 @@ takes the queries' and keys' positions and segments apart (queries and keys of d
 lengths, positions in any order), which the context-parallel attention uses for each
 device's part of a split sequence; ``block_forward`` / ``block_backward`` are its two
 halves, returning the log-sum-exp and taking it back, so partial results can be combined.
+Key blocks wholly in a query block's future, or (with a sliding ``window``) wholly behind the
+window of its earliest query, are skipped, not masked: their scores are never computed.
 """
 
 from __future__ import annotations
@@ -24,9 +26,15 @@ def acc_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def visible_mask(q_pos, k_pos, q_seg, k_seg):
-    """``[B or 1, 1, 1, Tq, Tk]`` boolean: causal, and the same segment when segments are given."""
-    mask = (q_pos[:, None] >= k_pos[None, :])[None, None, None]
+def visible_mask(q_pos, k_pos, q_seg, k_seg, window: int | None = None):
+    """``[B or 1, 1, 1, Tq, Tk]`` boolean: causal, within ``window`` (a query sees the keys
+    fewer than ``window`` positions back, itself included) when given, and the same segment
+    when segments are given."""
+    behind = q_pos[:, None] - k_pos[None, :]
+    mask = behind >= 0
+    if window is not None:
+        mask = mask & (behind < window)
+    mask = mask[None, None, None]
     if q_seg is not None:
         mask = mask & (q_seg[:, None, None, :, None] == k_seg[:, None, None, None, :])
     return mask
@@ -57,21 +65,25 @@ LATE = np.iinfo(np.int32).max
 """Position of padding keys: later than every query, so no query sees one."""
 
 
-def flash_attention(q, k, v, seg, scale: float, block: int):
+def flash_attention(q, k, v, seg, scale: float, block: int, window: int | None = None):
     """Causal attention by blocks with an online softmax; O(seq) memory forward and backward.
 
-    ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]``, ``seg`` is ``[B, T]``.
+    ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]``, ``seg`` is ``[B, T]``;
+    ``window``: sliding-window attention (``visible_mask``).
     """
     pos = jnp.arange(q.shape[-2], dtype=jnp.int32)
-    return flash_attention_at(q, k, v, pos, pos, seg, seg, scale, block)
+    return flash_attention_at(q, k, v, pos, pos, seg, seg, scale, block, window)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def flash_attention_at(q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int):
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def flash_attention_at(
+    q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int, window: int | None = None
+):
     """Causal attention of ``q`` (``[B, K, G, Tq, D]`` at positions ``q_pos [Tq]``, segments
     ``q_seg [B, Tq]``) over ``k``/``v`` (``[B, K, Tk, D]``, ``k_pos [Tk]``, ``k_seg [B, Tk]``):
-    a query sees the keys at or before its position in its own segment."""
-    out, _ = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block)
+    a query sees the keys at or before its position in its own segment (and within
+    ``window``)."""
+    out, _ = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window)
     return out.astype(q.dtype)
 
 
@@ -92,16 +104,22 @@ def key_blocks(k, v, k_pos, k_seg, block):
     return _split_blocks(k, block, 2), _split_blocks(v, block, 2), k_pos, k_seg
 
 
-def _block_scores(q_b, k_b, qp, kp, qs, ks, scale):
+def _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window):
     acc = acc_dtype(q_b.dtype)
     s = jnp.einsum("bkgqd,bksd->bkgqs", q_b, k_b, preferred_element_type=acc) * scale
-    mask = visible_mask(qp, kp, qs, ks)
+    mask = visible_mask(qp, kp, qs, ks, window)
     return s, mask
 
 
-def _any_visible(qp, kp):
-    """Whether some key of a block can be visible to some query of a block (else skip it)."""
-    return jnp.min(kp) <= jnp.max(qp)
+def _any_visible(qp, kp, window: int | None = None):
+    """Whether some key of a block can be visible to some query of a block (else skip it):
+    not all in the future, nor (with ``window``) all behind the earliest query's window."""
+    visible = jnp.min(kp) <= jnp.max(qp)
+    if window is not None:  # padding (keys LATE, queries -1) does not count
+        last_key = jnp.max(jnp.where(kp == LATE, -1, kp))
+        first_query = jnp.min(jnp.where(qp < 0, LATE, qp))
+        visible = visible & (last_key > first_query - window)
+    return visible
 
 
 def _tie_to_queries(q_b, *rest):
@@ -125,7 +143,7 @@ def forward_state(queries):
     return jnp.full(shape, jnp.finfo(acc).min, acc), jnp.zeros(shape, acc), jnp.zeros(qb.shape, acc)
 
 
-def forward_blocks(queries, state, keys, scale: float):
+def forward_blocks(queries, state, keys, scale: float, window: int | None = None):
     """The online softmax ``state`` of blocked ``queries`` (``query_blocks``) carried on over
     blocked ``keys`` (``key_blocks``): attention over several key parts in turn equals
     attention over them all."""
@@ -142,7 +160,7 @@ def forward_blocks(queries, state, keys, scale: float):
 
             def compute(carry):
                 m, total, o = carry
-                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale)
+                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window)
                 m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, neg), axis=-1))
                 p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
                 corr = jnp.exp(m - m_new)
@@ -152,7 +170,7 @@ def forward_blocks(queries, state, keys, scale: float):
                 )
                 return m_new, total, o
 
-            carry = jax.lax.cond(_any_visible(qp, kp), compute, lambda c: c, carry)
+            carry = jax.lax.cond(_any_visible(qp, kp, window), compute, lambda c: c, carry)
             return carry, None
 
         state, _ = jax.lax.scan(per_key_block, init, (kb, vb, ksb, kpb))
@@ -168,18 +186,20 @@ def finish(state):
     return o / total[..., None], m + jnp.log(total)
 
 
-def block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int):
+def block_forward(
+    q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int, window: int | None = None
+):
     """``(out, lse)``: the attention output in the accumulation dtype (``[B, K, G, Tq, D]``)
     and the log-sum-exp of each query's visible scores (``[B, K, G, Tq]``; a query that
     sees no key gets the dtype's lowest value, and zeros)."""
     Tq = q.shape[-2]
     queries = query_blocks(q, q_pos, q_seg, min(block, Tq))
     keys = key_blocks(k, v, k_pos, k_seg, min(block, k.shape[-2]))
-    out, lse = finish(forward_blocks(queries, forward_state(queries), keys, scale))
+    out, lse = finish(forward_blocks(queries, forward_state(queries), keys, scale, window))
     return merge_blocks(out, 3)[..., :Tq, :], merge_blocks(lse, 3)[..., :Tq]
 
 
-def backward_blocks(queries, gb, lb, db, dq, keys, scale: float):
+def backward_blocks(queries, gb, lb, db, dq, keys, scale: float, window: int | None = None):
     """``(dq, dk, dv)`` blocks, the accumulation dtype: ``dq`` (blocks like ``queries``)
     carried on over blocked ``keys``, and those keys' dK/dV, for the attention whose (global)
     log-sum-exp per query is ``lb`` and ``db = sum(g * out, -1)`` (``g``'s blocks ``gb``)."""
@@ -195,7 +215,7 @@ def backward_blocks(queries, gb, lb, db, dq, keys, scale: float):
             k_b, v_b, ks, kp = ys
 
             def compute(dq):
-                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale)
+                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window)
                 p = jnp.where(mask, jnp.exp(s - l_b[..., None]), 0.0)
                 dv_b = jnp.einsum("bkgqs,bkgqd->bksd", p, g_b.astype(acc))
                 dp = jnp.einsum("bkgqd,bksd->bkgqs", g_b.astype(acc), v_b.astype(acc))
@@ -208,7 +228,7 @@ def backward_blocks(queries, gb, lb, db, dq, keys, scale: float):
                 zeros = jnp.zeros(k_b.shape, acc)
                 return dq, zeros, zeros
 
-            dq, dk_b, dv_b = jax.lax.cond(_any_visible(qp, kp), compute, skip, dq)
+            dq, dk_b, dv_b = jax.lax.cond(_any_visible(qp, kp, window), compute, skip, dq)
             return dq, (dk_b, dv_b)
 
         dq_b, (dk_bs, dv_bs) = jax.lax.scan(per_key_block, dq_b, (kb, vb, ksb, kpb))
@@ -219,7 +239,9 @@ def backward_blocks(queries, gb, lb, db, dq, keys, scale: float):
     return dq, dk, dv
 
 
-def block_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta):
+def block_backward(
+    q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta, window: int | None = None
+):
     """``(dq, dk, dv)`` in the accumulation dtype, of the attention whose (global) log-sum-exp
     per query is ``lse`` and ``delta = sum(g * out, -1)``, for the keys given: summed over
     the key parts a query sees, these are the whole gradients."""
@@ -228,7 +250,7 @@ def block_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, de
     keys = key_blocks(k, v, k_pos, k_seg, min(block, Tk))
     gb, lb, db = grad_blocks(g, lse, delta, min(block, Tq))
     dq0 = jnp.zeros(queries[0].shape, acc_dtype(q.dtype))
-    dq, dk, dv = backward_blocks(queries, gb, lb, db, dq0, keys, scale)
+    dq, dk, dv = backward_blocks(queries, gb, lb, db, dq0, keys, scale, window)
     dq = merge_blocks(dq, 3)[..., :Tq, :]
     return dq, merge_blocks(dk, 2)[..., :Tk, :], merge_blocks(dv, 2)[..., :Tk, :]
 
@@ -238,16 +260,18 @@ def grad_blocks(g, lse, delta, block: int):
     return tuple(_split_blocks(_pad_to(x, block, 3), block, 3) for x in (g, lse, delta))
 
 
-def _flash_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block):
-    out, lse = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block)
+def _flash_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window):
+    out, lse = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window)
     out = out.astype(q.dtype)
     return out, (q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse)
 
 
-def _flash_bwd(scale, block, residuals, g):
+def _flash_bwd(scale, block, window, residuals, g):
     q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse = residuals
     delta = jnp.sum(g.astype(lse.dtype) * out.astype(lse.dtype), axis=-1)  # [B, K, G, Tq]
-    dq, dk, dv = block_backward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta)
+    dq, dk, dv = block_backward(
+        q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta, window
+    )
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 

@@ -1,31 +1,29 @@
 """GPT-2: learned positions, pre-LayerNorm blocks, GELU MLP, tied or untied LM head, dropout.
 
-Reads top to bottom: config, attention, MLP, block, the whole model.
+The model is ``loomax.models.gpt2_model``; this file is the config and its Hugging Face side
+(``GPT2LMHeadModel``: config.json fields and tensor names; Conv1D weights are [in, out]).
+Every GPT-2 option has its transformers field: ``activation_function``,
+``scale_attn_by_inverse_layer_idx`` and the dropout rates (``embd_pdrop`` is
+``model.embed_pdrop``); the rates are training settings, kept from the run on import.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
-import equinox as eqx
-import haliax as hax
-import haliax.nn as hnn
-import jax
-import jax.numpy as jnp
-from haliax import Axis, NamedArray
+from haliax import Axis
 from jaxtyping import PRNGKeyArray
 
-from loomax.models import offload, taps
-from loomax.models.attention import cached_attention, model_attention
-from loomax.models.axes import Embed, Heads, HeadSize, KeyPosition, Layers, Mlp, Position, Vocab
-from loomax.models.config import KvCache, LmConfig, LmModel
-from loomax.models.dropout import dropout, split
-from loomax.models.layers import layer_inputs, run_layers
-from loomax.models.mlp_activations import activation, check_activation
-from loomax.models.norms import layer_norm
-from loomax.models.remat import name_activation
-from loomax.models.sequence_layout import context_ways, layout_positions
+from loomax.config import ConfigError
+from loomax.errors import BadFileError
+from loomax.models.axes import Embed, Heads, HeadSize, Layers, Mlp, Position, Vocab
+from loomax.models.config import LmConfig
+from loomax.models.gpt2_model import Gpt2Attention, Gpt2Block, Gpt2LmModel, Gpt2Mlp
+from loomax.models.hf_layout import Param
+from loomax.models.mlp_activations import ACTIVATION_FUNCTIONS, check_activation
+
+__all__ = ["Gpt2Attention", "Gpt2Block", "Gpt2Config", "Gpt2LmModel", "Gpt2Mlp"]
 
 
 @LmConfig.register_subclass("gpt2")
@@ -99,220 +97,91 @@ class Gpt2Config(LmConfig):
         per_layer = 2 * d * 3 * d + 2 * d * d + 2 * 2 * d * m + attn  # qkv, out, mlp, attn
         return float(self.num_layers * per_layer + 2 * d * vocab_size)
 
+    # Hugging Face (loomax.hf.family.HfFamily) ---------------------------------------------
+    hf_model_type: ClassVar[str | None] = "gpt2"
+    hf_architecture: ClassVar[str] = "GPT2LMHeadModel"
+    hf_run_keys: ClassVar[tuple[str, ...]] = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+    """config.json fields a run may change (the dropout rates)."""
 
-def _normal(key: PRNGKeyArray, axes, std: float) -> NamedArray:
-    return hax.random.normal(key, axes) * std
+    def hf_params(self) -> list[Param]:
+        """Where each HF tensor lives in the model (``transformer.h.{i}.`` per layer)."""
+        blk, s = "transformer.h.{i}.", lambda m: m.blocks.stacked  # noqa: E731
+        qkv, heads = ("qkv", "heads", "head_size"), ("heads", "head_size")
+        out = [
+            Param("transformer.wte.weight", lambda m: m.token_embeddings.weight, ("vocab", "embed")),
+            Param("transformer.wpe.weight", lambda m: m.position_embeddings.weight, ("position", "embed")),
+            Param(blk + "ln_1.weight", lambda m: s(m).ln_attn.weight, ("embed",)),
+            Param(blk + "ln_1.bias", lambda m: s(m).ln_attn.bias, ("embed",)),
+            Param(blk + "attn.c_attn.weight", lambda m: s(m).attn.qkv.weight, ("embed", qkv)),
+            Param(blk + "attn.c_attn.bias", lambda m: s(m).attn.qkv.bias, (qkv,)),
+            Param(blk + "attn.c_proj.weight", lambda m: s(m).attn.out.weight, (heads, "embed")),
+            Param(blk + "attn.c_proj.bias", lambda m: s(m).attn.out.bias, ("embed",)),
+            Param(blk + "ln_2.weight", lambda m: s(m).ln_mlp.weight, ("embed",)),
+            Param(blk + "ln_2.bias", lambda m: s(m).ln_mlp.bias, ("embed",)),
+            Param(blk + "mlp.c_fc.weight", lambda m: s(m).mlp.up.weight, ("embed", "mlp")),
+            Param(blk + "mlp.c_fc.bias", lambda m: s(m).mlp.up.bias, ("mlp",)),
+            Param(blk + "mlp.c_proj.weight", lambda m: s(m).mlp.down.weight, ("mlp", "embed")),
+            Param(blk + "mlp.c_proj.bias", lambda m: s(m).mlp.down.bias, ("embed",)),
+            Param("transformer.ln_f.weight", lambda m: m.ln_final.weight, ("embed",)),
+            Param("transformer.ln_f.bias", lambda m: m.ln_final.bias, ("embed",)),
+        ]  # fmt: skip
+        if not self.tie_word_embeddings:
+            out.append(Param("lm_head.weight", lambda m: m.lm_head.weight, ("vocab", "embed")))
+        return out
 
+    def hf_config(self, vocab_size: int) -> dict[str, Any]:
+        """The config.json of this model with ``vocab_size`` entries."""
+        if not self.use_bias:
+            raise ConfigError(
+                "GPT2LMHeadModel has biases in every linear layer: export needs model.use_bias: true"
+            )
+        return {
+            "architectures": [self.hf_architecture],
+            "model_type": "gpt2",
+            "vocab_size": vocab_size,
+            "n_positions": self.seq_len,
+            "n_ctx": self.seq_len,
+            "n_embd": self.hidden_dim,
+            "n_layer": self.num_layers,
+            "n_head": self.num_heads,
+            "n_inner": self.hidden_dim * self.mlp_ratio,
+            "activation_function": self.activation_function,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "initializer_range": self.initializer_range,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx,
+            "resid_pdrop": self.resid_pdrop,
+            "embd_pdrop": self.embed_pdrop,
+            "attn_pdrop": self.attn_pdrop,
+        }
 
-def _residual_projection(config: Gpt2Config, In, *, key: PRNGKeyArray) -> hnn.Linear:
-    """A projection back into the residual stream, its init scaled by 1/sqrt(2 * layers) (GPT-2)."""
-    return hnn.Linear.init(
-        In=In,
-        Out=config.Embed,
-        key=key,
-        use_bias=config.use_bias,
-        init_scale=1 / math.sqrt(2 * config.num_layers),
-    )
-
-
-class Gpt2Attention(eqx.Module):
-    """Multi-head causal self-attention with a fused QKV projection."""
-
-    qkv: hnn.Linear  # embed -> (qkv, heads, head_size)
-    out: hnn.Linear  # (heads, head_size) -> embed
-    config: Gpt2Config = eqx.field(static=True)
-
-    @staticmethod
-    def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Attention:
-        k_qkv, k_out = jax.random.split(key)
-        Qkv = Axis("qkv", 3)
-        qkv = hnn.Linear.init(
-            In=config.Embed,
-            Out=(Qkv, config.Heads, config.HeadSize),
-            key=k_qkv,
-            use_bias=config.use_bias,
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> Gpt2Config:
+        """The config of a config.json (``BadFileError`` naming a field it cannot take)."""
+        d = hf["n_embd"]
+        inner = hf.get("n_inner") or 4 * d
+        if inner % d:
+            raise BadFileError(f"config.json: n_inner ({inner}) must be a multiple of n_embd ({d})")
+        act = hf.get("activation_function", "gelu_new")
+        if act not in ACTIVATION_FUNCTIONS:
+            raise BadFileError(
+                f"config.json: activation_function {act!r} is not supported (have {sorted(ACTIVATION_FUNCTIONS)})"
+            )
+        if not hf.get("scale_attn_weights", True):
+            raise BadFileError("config.json: scale_attn_weights false is not supported")
+        return cls(
+            seq_len=hf["n_positions"],
+            hidden_dim=d,
+            num_layers=hf["n_layer"],
+            num_heads=hf["n_head"],
+            mlp_ratio=inner // d,
+            layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+            tie_word_embeddings=hf.get("tie_word_embeddings", True),
+            initializer_range=hf.get("initializer_range", 0.02),
+            activation_function=act,
+            scale_attn_by_inverse_layer_idx=hf.get("scale_attn_by_inverse_layer_idx", False),
+            embed_pdrop=hf.get("embd_pdrop", 0.1),  # transformers' default
+            resid_pdrop=hf.get("resid_pdrop", 0.1),  # transformers' default
+            attn_pdrop=hf.get("attn_pdrop", 0.1),  # transformers' default
         )
-        out = _residual_projection(config, (config.Heads, config.HeadSize), key=k_out)
-        return Gpt2Attention(qkv, out, config)
-
-    def __call__(
-        self,
-        x: NamedArray,
-        segment_ids: NamedArray | None = None,
-        *,
-        layer: jax.Array | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> NamedArray:
-        """``layer`` (this block's index) scales the scores by ``1 / (layer + 1)``; ``key``
-        drops out attention probabilities (``attn_pdrop``)."""
-        qkv = self.qkv(x)
-        qkv = name_activation(qkv, "qkv")
-        q, k, v = _scaled(qkv["qkv", 0], layer), qkv["qkv", 1], qkv["qkv", 2]
-        out = model_attention(self.config, q, k, v, segment_ids, key=key)
-        return self.out(name_activation(out, "attn_out"))
-
-    def decode(self, x: NamedArray, cache_k, cache_v, start, layer: jax.Array | None = None):
-        """Attention over the cache for new positions from ``start``; returns the new cache too."""
-        qkv = self.qkv(x)
-        out, cache_k, cache_v = cached_attention(
-            _scaled(qkv["qkv", 0], layer), qkv["qkv", 1], qkv["qkv", 2], cache_k, cache_v, start
-        )
-        return self.out(out), cache_k, cache_v
-
-
-def _scaled(q: NamedArray, layer: jax.Array | None) -> NamedArray:
-    """Queries of layer ``layer`` divided by ``layer + 1`` (``scale_attn_by_inverse_layer_idx``)."""
-    if layer is None:
-        return q
-    return q * (1.0 / (layer + 1).astype(jnp.float32)).astype(q.dtype)
-
-
-class Gpt2Mlp(eqx.Module):
-    """Two linear layers with ``activation_function`` (tanh-approximated GELU) between them."""
-
-    up: hnn.Linear
-    down: hnn.Linear
-    act: str = eqx.field(static=True)
-
-    @staticmethod
-    def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Mlp:
-        k_up, k_down = jax.random.split(key)
-        up = hnn.Linear.init(In=config.Embed, Out=config.Mlp, key=k_up, use_bias=config.use_bias)
-        down = _residual_projection(config, config.Mlp, key=k_down)
-        return Gpt2Mlp(up, down, config.activation_function)
-
-    def __call__(self, x: NamedArray) -> NamedArray:
-        return self.down(activation(self.act)(name_activation(self.up(x), "mlp_up")))
-
-
-class Gpt2Block(eqx.Module):
-    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    ln_attn: hnn.LayerNorm
-    attn: Gpt2Attention
-    ln_mlp: hnn.LayerNorm
-    mlp: Gpt2Mlp
-    config: Gpt2Config = eqx.field(static=True)
-
-    @staticmethod
-    def init(config: Gpt2Config, *, key: PRNGKeyArray) -> Gpt2Block:
-        k_attn, k_mlp = jax.random.split(key)
-        eps = config.layer_norm_epsilon
-        return Gpt2Block(
-            layer_norm(config.Embed, eps),
-            Gpt2Attention.init(config, key=k_attn),
-            layer_norm(config.Embed, eps),
-            Gpt2Mlp.init(config, key=k_mlp),
-            config,
-        )
-
-    def __call__(
-        self,
-        x: NamedArray,
-        segment_ids: NamedArray | None = None,
-        *,
-        key: PRNGKeyArray | None = None,
-        layer: jax.Array | None = None,
-    ) -> NamedArray:
-        """``key`` (training) drives this block's dropout; ``layer`` is its index (when the
-        scores are scaled by it)."""
-        k_probs, k_attn, k_mlp = split(key, 3)
-        rate = self.config.resid_pdrop
-        attn = taps.tap(
-            "attn_out", self.attn(self.ln_attn(x), segment_ids, layer=layer, key=k_probs)
-        )
-        x = x + dropout(attn, rate, k_attn)
-        mlp_in = taps.tap("mlp_in", name_activation(self.ln_mlp(x), "mlp_in"))
-        x = x + dropout(taps.tap("mlp_out", self.mlp(mlp_in)), rate, k_mlp)
-        return hax.auto_sharded(x)  # keep activations laid out by the compute mapping
-
-    def decode(
-        self, x: NamedArray, cache: KvCache, start, layer: jax.Array | None = None
-    ) -> tuple[NamedArray, KvCache]:
-        attn, k, v = self.attn.decode(self.ln_attn(x), cache.k, cache.v, start, layer)
-        x = x + attn
-        return x + self.mlp(self.ln_mlp(x)), KvCache(k, v)
-
-
-class Gpt2LmModel(LmModel):
-    """Embeddings, a scanned stack of blocks, a final LayerNorm and the LM head."""
-
-    config: Gpt2Config = eqx.field(static=True)
-    token_embeddings: hnn.Embedding
-    position_embeddings: hnn.Embedding
-    blocks: hnn.Stacked[Gpt2Block]
-    ln_final: hnn.LayerNorm
-    lm_head: hnn.Linear | None
-
-    @staticmethod
-    def init(config: Gpt2Config, Vocab: Axis, *, key: PRNGKeyArray) -> Gpt2LmModel:
-        k_tok, k_pos, k_blocks, k_head = jax.random.split(key, 4)
-        std = config.initializer_range
-        tokens = hnn.Embedding(_normal(k_tok, (Vocab, config.Embed), std), Vocab, config.Embed)
-        positions = hnn.Embedding(
-            _normal(k_pos, (config.Pos, config.Embed), std / 2), config.Pos, config.Embed
-        )
-        blocks = hnn.Stacked.init(
-            config.Layers, Gpt2Block, gradient_checkpointing=config.remat_policy
-        )(config, key=jax.random.split(k_blocks, config.num_layers))
-        ln_final = layer_norm(config.Embed, config.layer_norm_epsilon)
-        lm_head = None
-        if not config.tie_word_embeddings:
-            lm_head = hnn.Linear.init(In=config.Embed, Out=Vocab, key=k_head, use_bias=False)
-        return Gpt2LmModel(config, tokens, positions, blocks, ln_final, lm_head)
-
-    @property
-    def Vocab(self) -> Axis:
-        return self.token_embeddings.Vocab
-
-    def hidden_states(
-        self,
-        tokens: NamedArray,
-        *,
-        segment_ids: NamedArray | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> NamedArray:
-        c = self.config
-        Pos = tokens.resolve_axis(Position)
-        x = self.token_embeddings.embed(tokens)
-        if context_ways() > 1:  # the sequence laid out zig-zag: each slot's true position
-            x = x + self.position_embeddings.weight.take(Position, layout_positions(Pos))
-        else:
-            x = x + self.position_embeddings.weight[Position, hax.dslice(0, Pos.size)]
-        k_embed, k_layers = split(key if c.dropout_active else None, 2)
-        x = dropout(hax.auto_sharded(x), c.embed_pdrop, k_embed)
-        per_layer = layer_inputs(
-            c.num_layers, key=k_layers, layer_index=c.scale_attn_by_inverse_layer_idx
-        )
-        x = run_layers(
-            self.blocks,
-            x,
-            segment_ids,
-            scan=c.scan_layers,
-            unroll=c.scan_unroll,
-            per_layer=per_layer,
-        )
-        return taps.tap("final", self.ln_final(x))
-
-    def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
-        c = self.config
-        axes = (c.Layers, *batch_axes, Axis(KeyPosition, max_len), c.Heads, c.HeadSize)
-        return KvCache(hax.zeros(axes, dtype), hax.zeros(axes, dtype))
-
-    def decode(self, tokens: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
-        Pos = tokens.resolve_axis(Position)
-        x = self.token_embeddings.embed(tokens)
-        x = x + self.position_embeddings.weight[Position, hax.dslice(start, Pos.size)]
-
-        def layer(x, block, layer_cache, per_layer):
-            return block.decode(x, layer_cache, start, per_layer.get("layer"))
-
-        c = self.config
-        per_layer = layer_inputs(c.num_layers, layer_index=c.scale_attn_by_inverse_layer_idx)
-        x, cache = offload.scan(layer, c.Layers)(x, self.blocks.stacked, cache, per_layer)
-        return self.ln_final(x), cache
-
-    def lm_head_weight(self) -> NamedArray:
-        if self.lm_head is None:
-            return self.token_embeddings.weight
-        return self.lm_head.weight

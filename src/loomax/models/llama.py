@@ -1,45 +1,36 @@
 """Llama: RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP, optional tied head.
 
 Options: the gate's activation, biases, weightless norms, norms on the blocks' outputs
-(``hybrid_norm``) and on the embeddings, dropout.
+(``hybrid_norm``) and on the embeddings, dropout. The model is ``loomax.models.decoder``;
+this file is the config and its Hugging Face side (``LlamaForCausalLM``: config.json fields
+and tensor names, Linear weights [out, in]), which the other rotary families subclass.
 
-Reads top to bottom: config, attention, MLP, block, the whole model. Weight layout and
-rotary convention match Hugging Face ``LlamaForCausalLM``, so export is a renaming.
+``activation_function`` is ``hidden_act``, ``use_bias`` both ``attention_bias`` and
+``mlp_bias``, ``attn_pdrop`` ``attention_dropout`` (a training setting, kept from the run on
+import). Options transformers lacks are refused by export, naming the key (``hf_requires``).
+Embedding and residual dropout change training only, so the exported model is the same.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-import equinox as eqx
-import haliax as hax
 import haliax.nn as hnn
-import jax
-from haliax import Axis, NamedArray
+from haliax import Axis
 from jaxtyping import PRNGKeyArray
 
-from loomax.models import offload, taps
-from loomax.models.attention import cached_attention, model_attention
-from loomax.models.axes import (
-    Embed,
-    Heads,
-    HeadSize,
-    KeyPosition,
-    KvHeads,
-    Layers,
-    Mlp,
-    Position,
-    Vocab,
-)
-from loomax.models.config import KvCache, LmConfig, LmModel
-from loomax.models.dropout import dropout, split
-from loomax.models.layers import layer_inputs, run_layers
-from loomax.models.mlp_activations import activation, check_activation
+from loomax.config import ConfigError
+from loomax.errors import BadFileError
+from loomax.models.axes import Embed, Heads, HeadSize, KvHeads, Layers, Mlp, Vocab
+from loomax.models.config import LmConfig
+from loomax.models.decoder import LlamaAttention, LlamaBlock, LlamaLmModel, LlamaMlp
+from loomax.models.hf_layout import Param
+from loomax.models.mlp_activations import ACTIVATION_FUNCTIONS, check_activation
 from loomax.models.norms import rms_norm
-from loomax.models.remat import name_activation
-from loomax.models.rotary import DefaultRotary, RotaryConfig, apply_rotary
-from loomax.models.sequence_layout import layout_positions
+from loomax.models.rotary import DefaultRotary, RotaryConfig
+
+__all__ = ["LlamaAttention", "LlamaBlock", "LlamaConfig", "LlamaLmModel", "LlamaMlp"]
 
 
 @LmConfig.register_subclass("llama")
@@ -69,8 +60,6 @@ class LlamaConfig(LmConfig):
     """Use the token embedding matrix as the LM head."""
     qk_norm: bool = False
     """RMSNorm over head_size on queries and keys before rotary (as in OLMo 2 / Qwen 3)."""
-    qk_norm_over_heads: bool = False
-    """With qk_norm: one RMSNorm over the whole query (key) projection, all heads together (OLMoE), not per head."""
     initializer_range: float = 0.02
     """Standard deviation of the embedding initialisation."""
     activation_function: str = "silu"
@@ -83,6 +72,8 @@ class LlamaConfig(LmConfig):
     """Also RMSNorm the attention and MLP outputs before they join the residual stream (sandwich norm)."""
     input_embedding_norm: bool = False
     """An RMSNorm on the token embeddings, before the first block."""
+    sliding_window: int | None = None
+    """Sliding-window attention on every layer: a query sees the keys fewer than this many positions back, itself included (Mistral); null = all."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -99,8 +90,10 @@ class LlamaConfig(LmConfig):
                 f"model.hidden_dim ({self.hidden_dim}) must be divisible by model.num_heads "
                 f"({self.num_heads}), or set model.head_dim"
             )
-        if self.qk_norm_over_heads and not self.qk_norm:
-            raise ValueError("model.qk_norm_over_heads needs model.qk_norm: true")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(
+                f"model.sliding_window must be positive or null, got {self.sliding_window}"
+            )
         if self.head_size % 2:
             raise ValueError(
                 f"model.head_dim must be even for rotary embeddings, got {self.head_size}"
@@ -139,7 +132,18 @@ class LlamaConfig(LmConfig):
     def Layers(self) -> Axis:
         return Axis(Layers, self.num_layers)
 
-    def make_norm(self, axis: Axis | tuple[Axis, ...]) -> hnn.RmsNorm:
+    # Structural switches a family overrides (not config keys) --------------------------
+    pre_norm: ClassVar[bool] = True
+    """Norms before the attention and the MLP (false: only after them, as OLMo 2)."""
+    qk_norm_scope: ClassVar[str] = "head"
+    """QK-norm over each head (``head``) or over the whole projection (``projection``)."""
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Biases on the query, key and value projections (Llama: ``use_bias``)."""
+        return self.use_bias
+
+    def make_norm(self, axis) -> hnn.RmsNorm:
         """An RMSNorm over ``axis`` as configured (epsilon, learned scale or none)."""
         return rms_norm(axis, self.rms_norm_eps, use_weight=self.use_layer_norm_weight)
 
@@ -147,223 +151,172 @@ class LlamaConfig(LmConfig):
         return LlamaLmModel.init(self, Axis(Vocab, vocab_size), key=key)
 
     def flops_per_token(self, vocab_size: int, *, causal: bool = True) -> float:
-        d, m, s = self.hidden_dim, self.intermediate_dim, self.seq_len
+        d, m = self.hidden_dim, self.intermediate_dim
         q = self.num_heads * self.head_size
         kv = self.kv_heads * self.head_size
-        attn = (2 if causal else 4) * s * q  # QK^T and PV: the causal half, or the full square
-        per_layer = 2 * d * (2 * q + 2 * kv) + 2 * 3 * d * m + attn  # qkvo, mlp, attn
+        per_layer = 2 * d * (2 * q + 2 * kv) + 2 * 3 * d * m + self.attn_flops(causal)
         return float(self.num_layers * per_layer + 2 * d * vocab_size)
 
+    def attn_flops(self, causal: bool = True) -> float:
+        """Per-token, per-layer FLOPs of QK^T and PV: a query sees ``seq_len`` keys, or
+        ``sliding_window`` of them; causal counts the half of the score matrix computed (a
+        window of w over s keys: w - w^2 / 2s of them per query on average)."""
+        s, q = self.seq_len, self.num_heads * self.head_size
+        w = min(s, self.sliding_window or s)
+        seen = (w - w * w / (2 * s)) if causal else w  # mean keys per query
+        return 2 * 2 * seen * q
 
-def _linear(
-    In, Out, *, key: PRNGKeyArray, init_scale: float = 1.0, use_bias: bool = False
-) -> hnn.Linear:
-    return hnn.Linear.init(In=In, Out=Out, key=key, use_bias=use_bias, init_scale=init_scale)
+    # Hugging Face (loomax.hf.family.HfFamily) ---------------------------------------------
+    hf_model_type: ClassVar[str | None] = "llama"
+    hf_architecture: ClassVar[str] = "LlamaForCausalLM"
+    hf_run_keys: ClassVar[tuple[str, ...]] = ("attention_dropout", "max_position_embeddings")
+    """config.json fields a run may change: dropout, the context length (rotary positions)."""
+    hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
+        "qk_norm": (False, "has no QK-norm"),
+        "hybrid_norm": (False, "has no norms on the attention and MLP outputs"),
+        "input_embedding_norm": (False, "has no norm on the embeddings"),
+        "use_layer_norm_weight": (True, "has a learned scale in every RMSNorm"),
+        "sliding_window": (None, "has no sliding window"),
+    }
+    """What export needs of a config key, and what the HF class lacks otherwise."""
 
+    def hf_params(self) -> list[Param]:
+        """Where each HF tensor lives in the model (``model.layers.{i}.`` per layer)."""
+        blk, s = "model.layers.{i}.", lambda m: m.blocks.stacked  # noqa: E731
+        heads, kv = ("heads", "head_size"), ("kv_heads", "head_size")
+        attn = blk + "self_attn."
+        out = [
+            Param("model.embed_tokens.weight", lambda m: m.embed_tokens.weight, ("vocab", "embed")),
+            Param(attn + "q_proj.weight", lambda m: s(m).attn.q_proj.weight, (heads, "embed")),
+            Param(attn + "k_proj.weight", lambda m: s(m).attn.k_proj.weight, (kv, "embed")),
+            Param(attn + "v_proj.weight", lambda m: s(m).attn.v_proj.weight, (kv, "embed")),
+            Param(attn + "o_proj.weight", lambda m: s(m).attn.o_proj.weight, ("embed", heads)),
+            Param(blk + "mlp.gate_proj.weight", lambda m: s(m).mlp.gate_proj.weight, ("mlp", "embed")),
+            Param(blk + "mlp.up_proj.weight", lambda m: s(m).mlp.up_proj.weight, ("mlp", "embed")),
+            Param(blk + "mlp.down_proj.weight", lambda m: s(m).mlp.down_proj.weight, ("embed", "mlp")),
+            Param("model.norm.weight", lambda m: m.norm.weight, ("embed",)),
+        ]  # fmt: skip
+        if self.pre_norm:
+            out += [
+                Param(blk + "input_layernorm.weight", lambda m: s(m).input_norm.weight, ("embed",)),
+                Param(blk + "post_attention_layernorm.weight", lambda m: s(m).post_attn_norm.weight, ("embed",)),
+            ]  # fmt: skip
+        else:  # the norms on the outputs, under OLMo 2's names
+            out += [
+                Param(blk + "post_attention_layernorm.weight", lambda m: s(m).attn_out_norm.weight, ("embed",)),
+                Param(blk + "post_feedforward_layernorm.weight", lambda m: s(m).mlp_out_norm.weight, ("embed",)),
+            ]  # fmt: skip
+        if self.qk_norm:
+            q, k = ("head_size",), ("head_size",)
+            if self.qk_norm_scope == "projection":
+                q, k = (heads,), (kv,)
+            out += [
+                Param(attn + "q_norm.weight", lambda m: s(m).attn.q_norm.weight, q),
+                Param(attn + "k_norm.weight", lambda m: s(m).attn.k_norm.weight, k),
+            ]
+        if self.qkv_bias:
+            out += [
+                Param(attn + "q_proj.bias", lambda m: s(m).attn.q_proj.bias, (heads,)),
+                Param(attn + "k_proj.bias", lambda m: s(m).attn.k_proj.bias, (kv,)),
+                Param(attn + "v_proj.bias", lambda m: s(m).attn.v_proj.bias, (kv,)),
+            ]
+        if self.use_bias:
+            out += [
+                Param(attn + "o_proj.bias", lambda m: s(m).attn.o_proj.bias, ("embed",)),
+                Param(blk + "mlp.gate_proj.bias", lambda m: s(m).mlp.gate_proj.bias, ("mlp",)),
+                Param(blk + "mlp.up_proj.bias", lambda m: s(m).mlp.up_proj.bias, ("mlp",)),
+                Param(blk + "mlp.down_proj.bias", lambda m: s(m).mlp.down_proj.bias, ("embed",)),
+            ]
+        if not self.tie_word_embeddings:
+            out.append(Param("lm_head.weight", lambda m: m.lm_head.weight, ("vocab", "embed")))
+        return out
 
-class LlamaAttention(eqx.Module):
-    """Grouped-query causal attention with rotary positions (and optional QK-norm)."""
+    def hf_config(self, vocab_size: int) -> dict[str, Any]:
+        """The config.json of this model with ``vocab_size`` entries; ``ConfigError`` naming the
+        key of an option the HF class lacks."""
+        for key, (need, what) in self.hf_requires.items():
+            if getattr(self, key) != need:
+                raise ConfigError(
+                    f"{self.hf_architecture} {what}: export needs model.{key}: {_yaml(need)}"
+                )
+        return {
+            "architectures": [self.hf_architecture],
+            "model_type": self.hf_model_type,
+            "vocab_size": vocab_size,
+            "hidden_size": self.hidden_dim,
+            "intermediate_size": self.intermediate_dim,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_size,
+            "max_position_embeddings": self.seq_len,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": self.rope.hf_rope_scaling(),
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": self.activation_function,
+            "attention_bias": self.use_bias,
+            "mlp_bias": self.use_bias,
+            "attention_dropout": self.attn_pdrop,
+            "initializer_range": self.initializer_range,
+        }
 
-    q_proj: hnn.Linear  # embed -> (heads, head_size)
-    k_proj: hnn.Linear  # embed -> (kv_heads, head_size)
-    v_proj: hnn.Linear  # embed -> (kv_heads, head_size)
-    o_proj: hnn.Linear  # (heads, head_size) -> embed
-    q_norm: hnn.RmsNorm | None
-    k_norm: hnn.RmsNorm | None
-    config: LlamaConfig = eqx.field(static=True)
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> LlamaConfig:
+        """The config of a config.json (``BadFileError`` naming a field it cannot take)."""
+        bias = bool(hf.get("attention_bias", False))
+        if bool(hf.get("mlp_bias", False)) != bias:
+            raise BadFileError(
+                f"config.json: attention_bias ({bias}) and mlp_bias ({not bias}) differ; "
+                "model.use_bias sets both"
+            )
+        return cls(use_bias=bias, **cls._hf_fields(hf))
 
-    @staticmethod
-    def init(config: LlamaConfig, *, key: PRNGKeyArray) -> LlamaAttention:
-        k_q, k_k, k_v, k_o = jax.random.split(key, 4)
-        c, bias = config, config.use_bias
-        q_norm = k_norm = None
-        if c.qk_norm and c.qk_norm_over_heads:
-            q_norm = c.make_norm((c.Heads, c.HeadSize))
-            k_norm = c.make_norm((c.KvHeads, c.HeadSize))
-        elif c.qk_norm:
-            q_norm, k_norm = c.make_norm(c.HeadSize), c.make_norm(c.HeadSize)
-        out_scale = 1 / math.sqrt(2 * c.num_layers)
-        return LlamaAttention(
-            _linear(c.Embed, (c.Heads, c.HeadSize), key=k_q, use_bias=bias),
-            _linear(c.Embed, (c.KvHeads, c.HeadSize), key=k_k, use_bias=bias),
-            _linear(c.Embed, (c.KvHeads, c.HeadSize), key=k_v, use_bias=bias),
-            _linear((c.Heads, c.HeadSize), c.Embed, key=k_o, init_scale=out_scale, use_bias=bias),
-            q_norm,
-            k_norm,
-            config,
+    @classmethod
+    def _hf_fields(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        """The fields every rotary family reads alike from config.json."""
+        act = hf.get("hidden_act", "silu")
+        if act not in ACTIVATION_FUNCTIONS:
+            raise BadFileError(
+                f"config.json: hidden_act {act!r} is not supported (have {sorted(ACTIVATION_FUNCTIONS)})"
+            )
+        heads = hf["num_attention_heads"]
+        return dict(
+            seq_len=hf.get("max_position_embeddings", 2048),
+            hidden_dim=hf["hidden_size"],
+            intermediate_dim=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rope=_rope_from_hf(hf),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            initializer_range=hf.get("initializer_range", 0.02),
+            activation_function=act,
+            attn_pdrop=hf.get("attention_dropout", 0.0),
         )
 
-    def _qkv(self, x: NamedArray, positions: NamedArray):
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, positions, self.config.rope)
-        k = apply_rotary(k, positions, self.config.rope)
-        return name_activation((q, k, v), "qkv")
 
-    def __call__(
-        self,
-        x: NamedArray,
-        segment_ids: NamedArray | None = None,
-        *,
-        key: PRNGKeyArray | None = None,
-    ) -> NamedArray:
-        """``key`` drops out attention probabilities (``attn_pdrop``)."""
-        q, k, v = self._qkv(x, layout_positions(x.resolve_axis(Position)))
-        out = model_attention(self.config, q, k, v, segment_ids, key=key)
-        return self.o_proj(name_activation(out, "attn_out"))
-
-    def decode(self, x: NamedArray, cache_k, cache_v, start):
-        """Attention over the cache for new positions from ``start``; returns the new cache too."""
-        q, k, v = self._qkv(x, hax.arange(x.resolve_axis(Position)) + start)
-        out, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, start)
-        return self.o_proj(out), cache_k, cache_v
+def _yaml(value: Any) -> str:
+    return "null" if value is None else str(value).lower()
 
 
-class LlamaMlp(eqx.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU with the default ``silu``."""
-
-    gate_proj: hnn.Linear
-    up_proj: hnn.Linear
-    down_proj: hnn.Linear
-    act: str = eqx.field(static=True)
-
-    @staticmethod
-    def init(config: LlamaConfig, *, key: PRNGKeyArray) -> LlamaMlp:
-        k_gate, k_up, k_down = jax.random.split(key, 3)
-        c, bias = config, config.use_bias
-        down_scale = 1 / math.sqrt(2 * c.num_layers)
-        return LlamaMlp(
-            _linear(c.Embed, c.Mlp, key=k_gate, use_bias=bias),
-            _linear(c.Embed, c.Mlp, key=k_up, use_bias=bias),
-            _linear(c.Mlp, c.Embed, key=k_down, init_scale=down_scale, use_bias=bias),
-            c.activation_function,
+def _rope_from_hf(hf: dict[str, Any]) -> RotaryConfig:
+    """The rotary config of an HF ``config.json``: transformers >= 5 writes one
+    ``rope_parameters`` mapping (with ``rope_theta``), older versions ``rope_theta`` and
+    ``rope_scaling``."""
+    params = hf.get("rope_parameters")
+    if not params:
+        return RotaryConfig.from_hf(hf.get("rope_theta", 10000.0), hf.get("rope_scaling"))
+    if (
+        not isinstance(params, dict)
+        or "rope_theta" not in params
+        and any(isinstance(v, dict) for v in params.values())
+    ):
+        raise BadFileError(
+            "config.json: rope_parameters per layer type are not supported (one rope for all layers)"
         )
-
-    def __call__(self, x: NamedArray) -> NamedArray:
-        gate, up = name_activation((self.gate_proj(x), self.up_proj(x)), "mlp_up")
-        return self.down_proj(activation(self.act)(gate) * up)
-
-
-class LlamaBlock(eqx.Module):
-    """Pre-norm block: x + attn(rms(x)), then x + mlp(rms(x)); with ``hybrid_norm`` the
-    outputs are normed too: x + rms(attn(rms(x))), then x + rms(mlp(rms(x)))."""
-
-    input_norm: hnn.RmsNorm
-    attn: LlamaAttention
-    post_attn_norm: hnn.RmsNorm
-    mlp: LlamaMlp
-    attn_out_norm: hnn.RmsNorm | None
-    mlp_out_norm: hnn.RmsNorm | None
-    config: LlamaConfig = eqx.field(static=True)
-
-    @staticmethod
-    def init(config: LlamaConfig, *, key: PRNGKeyArray) -> LlamaBlock:
-        k_attn, k_mlp = jax.random.split(key)
-        c = config
-        out_norms = (c.make_norm(c.Embed), c.make_norm(c.Embed)) if c.hybrid_norm else (None, None)
-        return LlamaBlock(
-            c.make_norm(c.Embed),
-            LlamaAttention.init(config, key=k_attn),
-            c.make_norm(c.Embed),
-            LlamaMlp.init(config, key=k_mlp),
-            *out_norms,
-            config,
-        )
-
-    def __call__(
-        self,
-        x: NamedArray,
-        segment_ids: NamedArray | None = None,
-        *,
-        key: PRNGKeyArray | None = None,
-    ) -> NamedArray:
-        """``key`` (training) drives this block's dropout."""
-        k_probs, k_attn, k_mlp = split(key, 3)
-        rate = self.config.resid_pdrop
-        attn = taps.tap("attn_out", self.attn(self.input_norm(x), segment_ids, key=k_probs))
-        x = x + dropout(_maybe(self.attn_out_norm, attn), rate, k_attn)
-        mlp_in = taps.tap("mlp_in", name_activation(self.post_attn_norm(x), "mlp_in"))
-        mlp = taps.tap("mlp_out", self.mlp(mlp_in))
-        x = x + dropout(_maybe(self.mlp_out_norm, mlp), rate, k_mlp)
-        return hax.auto_sharded(x)
-
-    def decode(self, x: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
-        attn, k, v = self.attn.decode(self.input_norm(x), cache.k, cache.v, start)
-        x = x + _maybe(self.attn_out_norm, attn)
-        return x + _maybe(self.mlp_out_norm, self.mlp(self.post_attn_norm(x))), KvCache(k, v)
-
-
-def _maybe(norm: hnn.RmsNorm | None, x: NamedArray) -> NamedArray:
-    return x if norm is None else norm(x)
-
-
-class LlamaLmModel(LmModel):
-    """Token embeddings, a scanned stack of blocks, a final RMSNorm and the LM head."""
-
-    config: LlamaConfig = eqx.field(static=True)
-    embed_tokens: hnn.Embedding
-    blocks: hnn.Stacked[LlamaBlock]
-    norm: hnn.RmsNorm
-    lm_head: hnn.Linear | None
-    embed_norm: hnn.RmsNorm | None = None  # input_embedding_norm
-
-    @staticmethod
-    def init(config: LlamaConfig, Vocab: Axis, *, key: PRNGKeyArray) -> LlamaLmModel:
-        k_tok, k_blocks, k_head = jax.random.split(key, 3)
-        weight = hax.random.normal(k_tok, (Vocab, config.Embed)) * config.initializer_range
-        embed = hnn.Embedding(weight, Vocab, config.Embed)
-        blocks = hnn.Stacked.init(
-            config.Layers, LlamaBlock, gradient_checkpointing=config.remat_policy
-        )(config, key=jax.random.split(k_blocks, config.num_layers))
-        lm_head = None
-        if not config.tie_word_embeddings:
-            lm_head = _linear(config.Embed, Vocab, key=k_head)
-        embed_norm = config.make_norm(config.Embed) if config.input_embedding_norm else None
-        return LlamaLmModel(
-            config, embed, blocks, config.make_norm(config.Embed), lm_head, embed_norm
-        )
-
-    @property
-    def Vocab(self) -> Axis:
-        return self.embed_tokens.Vocab
-
-    def hidden_states(
-        self,
-        tokens: NamedArray,
-        *,
-        segment_ids: NamedArray | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> NamedArray:
-        c = self.config
-        x = _maybe(self.embed_norm, hax.auto_sharded(self.embed_tokens.embed(tokens)))
-        k_embed, k_layers = split(key if c.dropout_active else None, 2)
-        x = dropout(x, c.embed_pdrop, k_embed)
-        per_layer = layer_inputs(c.num_layers, key=k_layers)
-        x = run_layers(
-            self.blocks,
-            x,
-            segment_ids,
-            scan=c.scan_layers,
-            unroll=c.scan_unroll,
-            per_layer=per_layer,
-        )
-        return taps.tap("final", self.norm(x))
-
-    def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
-        c = self.config
-        axes = (c.Layers, *batch_axes, Axis(KeyPosition, max_len), c.KvHeads, c.HeadSize)
-        return KvCache(hax.zeros(axes, dtype), hax.zeros(axes, dtype))
-
-    def decode(self, tokens: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
-        def layer(x, block, layer_cache):
-            return block.decode(x, layer_cache, start)
-
-        x = _maybe(self.embed_norm, self.embed_tokens.embed(tokens))
-        x, cache = offload.scan(layer, self.config.Layers)(x, self.blocks.stacked, cache)
-        return self.norm(x), cache
-
-    def lm_head_weight(self) -> NamedArray:
-        if self.lm_head is None:
-            return self.embed_tokens.weight
-        return self.lm_head.weight
+    params = dict(params)
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    return RotaryConfig.from_hf(theta, params)

@@ -6,12 +6,21 @@ is ``models.moe.MoeMlp`` (softmax router, top-k renormalised, dropless by defaul
 residual stream carries a ``RouterAux`` through the layer stack beside the activations, so
 the balance losses and router metrics come out of the scanned stack as the model's
 ``AuxOutputs``. Weight layout and routing match Hugging Face ``MixtralForCausalLM``.
+
+Its HF side (``loomax.hf.family.HfFamily``, on the config): Hub checkpoints hold one tensor
+per expert, ``model.layers.N.block_sparse_moe.experts.E.{w1,w2,w3}.weight`` (w1 the gate, w3
+the up, w2 the down projection) and the router ``...block_sparse_moe.gate.weight``.
+``router_aux_loss_coef`` is HF's load-balance coefficient, whose loss is k at perfect
+balance, Loomax's 1: the weight is multiplied by k on import and divided on export.
+``MixtralForCausalLM`` routes by softmax, renormalises the top k and drops nothing, with no
+shared experts or biases: export refuses other settings, naming the key.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import equinox as eqx
 import haliax as hax
@@ -24,9 +33,11 @@ from loomax.config import ConfigError
 from loomax.models import taps
 from loomax.models.axes import Vocab
 from loomax.models.config import AuxOutputs, KvCache, LmConfig
+from loomax.models.decoder import LlamaAttention, LlamaLmModel, _maybe
 from loomax.models.dropout import dropout, split
+from loomax.models.hf_layout import Param
 from loomax.models.layers import layer_inputs, run_layers
-from loomax.models.llama import LlamaAttention, LlamaConfig, LlamaLmModel, _maybe
+from loomax.models.llama import LlamaConfig
 from loomax.models.moe import MoeConfig, MoeMlp
 from loomax.models.moe_routing import RouterAux
 from loomax.models.remat import name_activation
@@ -53,15 +64,91 @@ class MixtralConfig(LlamaConfig):
     def build(self, vocab_size: int, *, key: PRNGKeyArray) -> MixtralLmModel:
         return MixtralLmModel.init(self, Axis(Vocab, vocab_size), key=key)
 
-    def flops_per_token(self, vocab_size: int) -> float:
+    def flops_per_token(self, vocab_size: int, *, causal: bool = True) -> float:
         """Forward FLOPs of the active parameters: k routed experts, shared experts, router."""
-        d, s, moe = self.hidden_dim, self.seq_len, self.moe
+        d, moe = self.hidden_dim, self.moe
         q = self.num_heads * self.head_size
         kv = self.kv_heads * self.head_size
         experts = moe.num_experts_per_tok + moe.num_shared_experts
         mlp = 2 * 3 * d * self.expert_dim * experts + 2 * d * moe.num_experts
-        per_layer = 2 * d * (2 * q + 2 * kv) + mlp + 2 * 2 * s * q  # qkvo, experts, attn
+        per_layer = 2 * d * (2 * q + 2 * kv) + mlp + self.attn_flops(causal)  # qkvo, experts
         return float(self.num_layers * per_layer + 2 * d * vocab_size)
+
+    # Hugging Face (loomax.hf.family.HfFamily) ---------------------------------------------
+    hf_model_type: ClassVar[str | None] = "mixtral"
+    hf_architecture: ClassVar[str] = "MixtralForCausalLM"
+    hf_run_keys: ClassVar[tuple[str, ...]] = (
+        *LlamaConfig.hf_run_keys,
+        "router_aux_loss_coef",
+    )
+    """config.json fields a run may change: dropout, context length, the balance loss weight."""
+    hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
+        **{k: v for k, v in LlamaConfig.hf_requires.items() if k != "sliding_window"},
+        "use_bias": (False, "has no biases"),
+    }
+    hf_moe_requires: ClassVar[dict[str, tuple[Any, str]]] = {
+        "score_function": ("softmax", "routes by a softmax"),
+        "norm_topk_prob": (True, "renormalises the top-k weights"),
+        "num_shared_experts": (0, "has no shared experts"),
+        "capacity_factor": (None, "drops no tokens"),
+        "expert_intermediate_dim": (None, "sizes experts by intermediate_size"),
+    }
+    """What export needs of a ``model.moe`` key, and what the HF class lacks otherwise."""
+    hf_expert_names: ClassVar[tuple[str, str, str, str]] = (
+        "block_sparse_moe.",
+        "w1",
+        "w3",
+        "w2",
+    )
+    """The MoE module's prefix and the gate, up and down projections' names."""
+
+    def hf_params(self) -> list[Param]:
+        """Llama's attention and norm tensors, and the router and each expert (``{e}``)."""
+        s = lambda m: m.blocks.stacked  # noqa: E731
+        moe = "model.layers.{i}." + self.hf_expert_names[0]
+        gate, up, down = (f"{moe}experts.{{e}}.{n}.weight" for n in self.hf_expert_names[1:])
+        dense = [p for p in super().hf_params() if ".mlp." not in p.hf_name]
+        return dense + [
+            Param(moe + "gate.weight", lambda m: s(m).mlp.router.weight, ("experts", "embed")),
+            Param(gate, lambda m: s(m).mlp.gate, ("mlp", "embed")),
+            Param(up, lambda m: s(m).mlp.up, ("mlp", "embed")),
+            Param(down, lambda m: s(m).mlp.down, ("embed", "mlp")),
+        ]
+
+    def hf_config(self, vocab_size: int) -> dict[str, Any]:
+        for key, (want, what) in self.hf_moe_requires.items():
+            if getattr(self.moe, key) != want:
+                raise ConfigError(
+                    f"{self.hf_architecture} {what}: export needs model.moe.{key}: {want}"
+                )
+        out = super().hf_config(vocab_size)
+        del out["attention_bias"], out["mlp_bias"]
+        k = self.moe.num_experts_per_tok
+        return {
+            **out,
+            "num_local_experts": self.moe.num_experts,
+            "num_experts_per_tok": k,
+            "router_aux_loss_coef": self.moe.load_balance_loss_weight / k,
+            "router_jitter_noise": 0.0,
+            "sliding_window": self.sliding_window,
+        }
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> MixtralConfig:
+        window = hf.get("sliding_window")
+        return cls(sliding_window=window, moe=cls._hf_moe(hf, 8, 2, 0.001), **cls._hf_fields(hf))
+
+    @classmethod
+    def _hf_moe(cls, hf: dict[str, Any], experts: int, k: int, coef: float) -> MoeConfig:
+        """The ``moe`` section of a config.json (defaults: transformers' for the family)."""
+        k = hf.get("num_experts_per_tok", k)
+        return replace(
+            cls().moe,
+            num_experts=hf.get("num_experts", hf.get("num_local_experts", experts)),
+            num_experts_per_tok=k,
+            load_balance_loss_weight=hf.get("router_aux_loss_coef", coef) * k,
+            **({"norm_topk_prob": bool(hf["norm_topk_prob"])} if "norm_topk_prob" in hf else {}),
+        )
 
 
 class MixtralBlock(eqx.Module):

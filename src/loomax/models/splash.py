@@ -55,8 +55,10 @@ def mesh_platform() -> str:
     return next(iter(mesh.devices.flat if mesh is not None else jax.devices())).platform
 
 
-def splash_attention(q, k, v, seg, scale: float, block_q: int, block_kv: int) -> jax.Array:
-    """Causal attention through the splash kernel.
+def splash_attention(
+    q, k, v, seg, scale: float, block_q: int, block_kv: int, *, window: int | None = None
+) -> jax.Array:
+    """Causal attention through the splash kernel (its local mask: a sliding ``window``).
 
     ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]`` (K kv heads, G queries
     each), ``seg`` is ``[B, T]`` document ids or None. Returns ``q``'s shape and dtype.
@@ -67,7 +69,10 @@ def splash_attention(q, k, v, seg, scale: float, block_q: int, block_kv: int) ->
         raise ValueError(f"model.attn_backend splash: {reason}")
     qh = (q * np.asarray(scale, q.dtype)).reshape(B, K * G, T, D)  # heads kv-major
     local = functools.partial(
-        _local, blocks=(min(block_q, T), min(block_kv, T)), interpret=mesh_platform() != "tpu"
+        _local,
+        blocks=(min(block_q, T), min(block_kv, T)),
+        interpret=mesh_platform() != "tpu",
+        window=window,
     )
     mesh = concrete_mesh()
     if mesh is None or mesh.size == 1:
@@ -85,11 +90,11 @@ def splash_attention(q, k, v, seg, scale: float, block_q: int, block_kv: int) ->
     return out.reshape(B, K, G, T, D)
 
 
-def _local(q, k, v, seg, *, blocks, interpret):
+def _local(q, k, v, seg, *, blocks, interpret, window=None):
     """The kernel over this device's ``[b, heads, T, D]`` queries, one batch row at a time."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
-    kernel = _kernel(q.shape[1], q.shape[2], k.shape[2], *blocks, interpret)
+    kernel = _kernel(q.shape[1], q.shape[2], k.shape[2], *blocks, interpret, window)
 
     def attend(q, k, v, seg):
         if seg is None:
@@ -129,10 +134,22 @@ def _named_residuals(attend):
     return run
 
 
-def _kernel(heads: int, q_len: int, kv_len: int, block_q: int, block_kv: int, interpret: bool):
+def _kernel(
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    block_q: int,
+    block_kv: int,
+    interpret: bool,
+    window: int | None = None,
+):
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    mask = sa.MultiHeadMask([sa.CausalMask((q_len, kv_len)) for _ in range(heads)])
+    if window is None:
+        one = sa.CausalMask((q_len, kv_len))
+    else:  # causal, and at most window - 1 keys back
+        one = sa.LocalMask((q_len, kv_len), window_size=(window - 1, 0), offset=0)
+    mask = sa.MultiHeadMask([one for _ in range(heads)])
     sizes = sa.BlockSizes(
         block_q=block_q,
         block_kv=block_kv,

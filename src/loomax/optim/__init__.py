@@ -1,5 +1,6 @@
 """Optimizers (optax chains chosen by ``optimizer.type``) and learning-rate schedules."""
 
+from loomax.config import import_package_modules
 from loomax.optim.adafactor import AdafactorConfig
 from loomax.optim.adam import AdamConfig
 from loomax.optim.config import ClipUpdateNormConfig, OptimizerConfig, SkipBadStepsConfig
@@ -23,3 +24,5 @@ __all__ = [
     "warmup_then_decay",
     "weight_decay_mask",
 ]
+
+import_package_modules(__name__, __path__)  # every module: a new file registers its optimizer types

@@ -1,6 +1,6 @@
 """``trainer.model_averaging``: an average of the weights, kept in the state and evaluated.
 
-The average is the ``ema`` hook's (``loomax.callbacks.ema``); these configs say how much
+The average is the ``ema`` hook's (``loomax.hooks.ema``); these configs say how much
 weight the previous average keeps at each step (``decay(step)``, traced in the step).
 """
 

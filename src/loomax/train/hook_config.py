@@ -20,7 +20,6 @@ import draccus
 
 if TYPE_CHECKING:
     from loomax.runtime import MeshRuntime
-    from loomax.train.config import TrainerConfig
 
 
 @dataclass
@@ -29,8 +28,9 @@ class HookContext:
 
     runtime: MeshRuntime
     """The mesh and axis mappings (``jit``, ``shard_batch``, ``mesh_context``)."""
-    trainer_config: TrainerConfig | None = None
-    """The ``trainer`` section (num_train_steps, policy, batch_schedule...)."""
+    trainer_config: Any = None
+    """The ``trainer`` section, a ``TrainerConfig`` (num_train_steps, policy, batch_schedule...);
+    not named in the annotation, since that module imports this one."""
     run_dir: Path | None = None
     """The run directory (hooks write their files under it)."""
     model_config: Any = None

@@ -1,0 +1,284 @@
+"""The Llama-style decoder every rotary family builds on: attention, gated MLP, block, model.
+
+Its config is a ``LlamaConfig`` or a family's subclass (``DecoderConfig`` names what is
+read). The switches a family overrides: ``qkv_bias`` (biases on q/k/v alone, as Qwen 2),
+``qk_norm_scope`` (QK-norm per head or over the whole projection, as OLMo 2), ``pre_norm``
+(norms before the attention and MLP, or only after them, as OLMo 2) and the field
+``sliding_window`` (Mistral). Weight layout and rotary convention match Hugging Face
+``LlamaForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+from haliax import Axis, NamedArray
+from jaxtyping import PRNGKeyArray
+
+from loomax.models import offload, taps
+from loomax.models.attention import cached_attention, model_attention
+from loomax.models.axes import KeyPosition, Position
+from loomax.models.config import KvCache, LmModel
+from loomax.models.dropout import dropout, split
+from loomax.models.layers import layer_inputs, run_layers
+from loomax.models.mlp_activations import activation
+from loomax.models.remat import name_activation
+from loomax.models.rotary import apply_rotary
+from loomax.models.sequence_layout import layout_positions
+
+
+class DecoderConfig(Protocol):
+    """What the decoder reads of its config: ``loomax.models.llama.LlamaConfig`` (or a family's
+    subclass) provides it; named here so that this module needs no import of its config."""
+
+    Embed: Axis
+    Heads: Axis
+    KvHeads: Axis
+    HeadSize: Axis
+    Mlp: Axis
+    Layers: Axis
+    num_layers: int
+    rope: Any
+    activation_function: str
+    initializer_range: float
+    tie_word_embeddings: bool
+    use_bias: bool
+    qkv_bias: bool
+    qk_norm: bool
+    qk_norm_scope: str
+    pre_norm: bool
+    hybrid_norm: bool
+    input_embedding_norm: bool
+    sliding_window: int | None
+    dropout_active: bool
+    embed_pdrop: float
+    resid_pdrop: float
+    remat_policy: Any
+    scan_layers: bool
+    scan_unroll: int | bool
+
+    def make_norm(self, axis) -> hnn.RmsNorm: ...
+
+
+def _linear(
+    In, Out, *, key: PRNGKeyArray, init_scale: float = 1.0, use_bias: bool = False
+) -> hnn.Linear:
+    return hnn.Linear.init(In=In, Out=Out, key=key, use_bias=use_bias, init_scale=init_scale)
+
+
+class LlamaAttention(eqx.Module):
+    """Grouped-query causal attention with rotary positions (and optional QK-norm)."""
+
+    q_proj: hnn.Linear  # embed -> (heads, head_size)
+    k_proj: hnn.Linear  # embed -> (kv_heads, head_size)
+    v_proj: hnn.Linear  # embed -> (kv_heads, head_size)
+    o_proj: hnn.Linear  # (heads, head_size) -> embed
+    q_norm: hnn.RmsNorm | None
+    k_norm: hnn.RmsNorm | None
+    config: DecoderConfig = eqx.field(static=True)
+
+    @staticmethod
+    def init(config: DecoderConfig, *, key: PRNGKeyArray) -> LlamaAttention:
+        k_q, k_k, k_v, k_o = jax.random.split(key, 4)
+        c, bias, qkv_bias = config, config.use_bias, config.qkv_bias
+        q_norm = k_norm = None
+        if c.qk_norm:
+            per_head = c.qk_norm_scope == "head"
+            q_norm = c.make_norm(c.HeadSize if per_head else (c.Heads, c.HeadSize))
+            k_norm = c.make_norm(c.HeadSize if per_head else (c.KvHeads, c.HeadSize))
+        out_scale = 1 / math.sqrt(2 * c.num_layers)
+        return LlamaAttention(
+            _linear(c.Embed, (c.Heads, c.HeadSize), key=k_q, use_bias=qkv_bias),
+            _linear(c.Embed, (c.KvHeads, c.HeadSize), key=k_k, use_bias=qkv_bias),
+            _linear(c.Embed, (c.KvHeads, c.HeadSize), key=k_v, use_bias=qkv_bias),
+            _linear((c.Heads, c.HeadSize), c.Embed, key=k_o, init_scale=out_scale, use_bias=bias),
+            q_norm,
+            k_norm,
+            config,
+        )
+
+    def _qkv(self, x: NamedArray, positions: NamedArray):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, positions, self.config.rope)
+        k = apply_rotary(k, positions, self.config.rope)
+        return name_activation((q, k, v), "qkv")
+
+    def __call__(
+        self,
+        x: NamedArray,
+        segment_ids: NamedArray | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> NamedArray:
+        """``key`` drops out attention probabilities (``attn_pdrop``)."""
+        q, k, v = self._qkv(x, layout_positions(x.resolve_axis(Position)))
+        window = self.config.sliding_window
+        out = model_attention(self.config, q, k, v, segment_ids, key=key, window=window)
+        return self.o_proj(name_activation(out, "attn_out"))
+
+    def decode(self, x: NamedArray, cache_k, cache_v, start):
+        """Attention over the cache for new positions from ``start``; returns the new cache too."""
+        q, k, v = self._qkv(x, hax.arange(x.resolve_axis(Position)) + start)
+        window = self.config.sliding_window
+        out, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, start, window)
+        return self.o_proj(out), cache_k, cache_v
+
+
+class LlamaMlp(eqx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU with the default ``silu``."""
+
+    gate_proj: hnn.Linear
+    up_proj: hnn.Linear
+    down_proj: hnn.Linear
+    act: str = eqx.field(static=True)
+
+    @staticmethod
+    def init(config: DecoderConfig, *, key: PRNGKeyArray) -> LlamaMlp:
+        k_gate, k_up, k_down = jax.random.split(key, 3)
+        c, bias = config, config.use_bias
+        down_scale = 1 / math.sqrt(2 * c.num_layers)
+        return LlamaMlp(
+            _linear(c.Embed, c.Mlp, key=k_gate, use_bias=bias),
+            _linear(c.Embed, c.Mlp, key=k_up, use_bias=bias),
+            _linear(c.Mlp, c.Embed, key=k_down, init_scale=down_scale, use_bias=bias),
+            c.activation_function,
+        )
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        gate, up = name_activation((self.gate_proj(x), self.up_proj(x)), "mlp_up")
+        return self.down_proj(activation(self.act)(gate) * up)
+
+
+class LlamaBlock(eqx.Module):
+    """Pre-norm block: x + attn(rms(x)), then x + mlp(rms(x)); with ``hybrid_norm`` the
+    outputs are normed too: x + rms(attn(rms(x))), then x + rms(mlp(rms(x))); without
+    ``pre_norm`` (OLMo 2) only the outputs: x + rms(attn(x)), then x + rms(mlp(x))."""
+
+    input_norm: hnn.RmsNorm | None
+    attn: LlamaAttention
+    post_attn_norm: hnn.RmsNorm | None
+    mlp: LlamaMlp
+    attn_out_norm: hnn.RmsNorm | None
+    mlp_out_norm: hnn.RmsNorm | None
+    config: DecoderConfig = eqx.field(static=True)
+
+    @staticmethod
+    def init(config: DecoderConfig, *, key: PRNGKeyArray) -> LlamaBlock:
+        k_attn, k_mlp = jax.random.split(key)
+        c = config
+        out_norm = c.hybrid_norm or not c.pre_norm
+        out_norms = (c.make_norm(c.Embed), c.make_norm(c.Embed)) if out_norm else (None, None)
+        pre_norm = c.make_norm(c.Embed) if c.pre_norm else None
+        return LlamaBlock(
+            pre_norm,
+            LlamaAttention.init(config, key=k_attn),
+            c.make_norm(c.Embed) if c.pre_norm else None,
+            LlamaMlp.init(config, key=k_mlp),
+            *out_norms,
+            config,
+        )
+
+    def __call__(
+        self,
+        x: NamedArray,
+        segment_ids: NamedArray | None = None,
+        *,
+        key: PRNGKeyArray | None = None,
+    ) -> NamedArray:
+        """``key`` (training) drives this block's dropout."""
+        k_probs, k_attn, k_mlp = split(key, 3)
+        rate = self.config.resid_pdrop
+        attn = taps.tap("attn_out", self.attn(_maybe(self.input_norm, x), segment_ids, key=k_probs))
+        x = x + dropout(_maybe(self.attn_out_norm, attn), rate, k_attn)
+        mlp_in = taps.tap("mlp_in", name_activation(_maybe(self.post_attn_norm, x), "mlp_in"))
+        mlp = taps.tap("mlp_out", self.mlp(mlp_in))
+        x = x + dropout(_maybe(self.mlp_out_norm, mlp), rate, k_mlp)
+        return hax.auto_sharded(x)
+
+    def decode(self, x: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
+        attn, k, v = self.attn.decode(_maybe(self.input_norm, x), cache.k, cache.v, start)
+        x = x + _maybe(self.attn_out_norm, attn)
+        mlp = self.mlp(_maybe(self.post_attn_norm, x))
+        return x + _maybe(self.mlp_out_norm, mlp), KvCache(k, v)
+
+
+def _maybe(norm: hnn.RmsNorm | None, x: NamedArray) -> NamedArray:
+    return x if norm is None else norm(x)
+
+
+class LlamaLmModel(LmModel):
+    """Token embeddings, a scanned stack of blocks, a final RMSNorm and the LM head."""
+
+    config: DecoderConfig = eqx.field(static=True)
+    embed_tokens: hnn.Embedding
+    blocks: hnn.Stacked[LlamaBlock]
+    norm: hnn.RmsNorm
+    lm_head: hnn.Linear | None
+    embed_norm: hnn.RmsNorm | None = None  # input_embedding_norm
+
+    @staticmethod
+    def init(config: DecoderConfig, Vocab: Axis, *, key: PRNGKeyArray) -> LlamaLmModel:
+        k_tok, k_blocks, k_head = jax.random.split(key, 3)
+        weight = hax.random.normal(k_tok, (Vocab, config.Embed)) * config.initializer_range
+        embed = hnn.Embedding(weight, Vocab, config.Embed)
+        blocks = hnn.Stacked.init(
+            config.Layers, LlamaBlock, gradient_checkpointing=config.remat_policy
+        )(config, key=jax.random.split(k_blocks, config.num_layers))
+        lm_head = None
+        if not config.tie_word_embeddings:
+            lm_head = _linear(config.Embed, Vocab, key=k_head)
+        embed_norm = config.make_norm(config.Embed) if config.input_embedding_norm else None
+        return LlamaLmModel(
+            config, embed, blocks, config.make_norm(config.Embed), lm_head, embed_norm
+        )
+
+    @property
+    def Vocab(self) -> Axis:
+        return self.embed_tokens.Vocab
+
+    def hidden_states(
+        self,
+        tokens: NamedArray,
+        *,
+        segment_ids: NamedArray | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> NamedArray:
+        c = self.config
+        x = _maybe(self.embed_norm, hax.auto_sharded(self.embed_tokens.embed(tokens)))
+        k_embed, k_layers = split(key if c.dropout_active else None, 2)
+        x = dropout(x, c.embed_pdrop, k_embed)
+        per_layer = layer_inputs(c.num_layers, key=k_layers)
+        x = run_layers(
+            self.blocks,
+            x,
+            segment_ids,
+            scan=c.scan_layers,
+            unroll=c.scan_unroll,
+            per_layer=per_layer,
+        )
+        return taps.tap("final", self.norm(x))
+
+    def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
+        c = self.config
+        axes = (c.Layers, *batch_axes, Axis(KeyPosition, max_len), c.KvHeads, c.HeadSize)
+        return KvCache(hax.zeros(axes, dtype), hax.zeros(axes, dtype))
+
+    def decode(self, tokens: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
+        def layer(x, block, layer_cache):
+            return block.decode(x, layer_cache, start)
+
+        x = _maybe(self.embed_norm, self.embed_tokens.embed(tokens))
+        x, cache = offload.scan(layer, self.config.Layers)(x, self.blocks.stacked, cache)
+        return self.norm(x), cache
+
+    def lm_head_weight(self) -> NamedArray:
+        if self.lm_head is None:
+            return self.embed_tokens.weight
+        return self.lm_head.weight

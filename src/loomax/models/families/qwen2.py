@@ -1,0 +1,45 @@
+"""Qwen 2 / 2.5 (``Qwen2ForCausalLM``): Llama with biases on the query, key and value
+projections (none on the output projection or the MLP).
+
+Qwen 2's per-layer sliding windows (``use_sliding_window``) are not read: import refuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from loomax.errors import BadFileError
+from loomax.models.config import LmConfig
+from loomax.models.llama import LlamaConfig
+
+
+@LmConfig.register_subclass("qwen2")
+@dataclass(frozen=True)
+class Qwen2Config(LlamaConfig):
+    """Qwen 2 (Yang et al. 2024): Llama with q/k/v biases."""
+
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+
+    hf_model_type: ClassVar[str | None] = "qwen2"
+    hf_architecture: ClassVar[str] = "Qwen2ForCausalLM"
+    hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
+        **LlamaConfig.hf_requires,
+        "use_bias": (False, "has biases on q/k/v only (always)"),
+    }
+
+    @property
+    def qkv_bias(self) -> bool:
+        return True
+
+    def hf_config(self, vocab_size: int) -> dict[str, Any]:
+        out = super().hf_config(vocab_size)
+        del out["attention_bias"], out["mlp_bias"]
+        return {**out, "use_sliding_window": False}
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> Qwen2Config:
+        if hf.get("use_sliding_window"):
+            raise BadFileError("config.json: use_sliding_window true is not supported for qwen2")
+        return cls(**cls._hf_fields(hf))
