@@ -157,6 +157,7 @@ STATEFUL = {
     "early_stopping": {"patience": 5},
     "eval": {"every": 2},
     "stability": {"window": 4, "every": 2, "min_history": 2},
+    "router_collapse": {"every": 1, "patience": 2},
 }
 """Settings of the built-in hooks with a ``state_dict`` (all of them)."""
 

@@ -33,6 +33,7 @@ def test_mesh_strategies_cover_fsdp_dp_and_tensor_parallel():
     assert two_slices[0].overrides["trainer.mesh"] == {
         "replica": 2,
         "data": 4,
+        "expert": 1,
         "context": 1,
         "model": 1,
     }

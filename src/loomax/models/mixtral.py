@@ -53,14 +53,16 @@ class MixtralConfig(LlamaConfig):
     def build(self, vocab_size: int, *, key: PRNGKeyArray) -> MixtralLmModel:
         return MixtralLmModel.init(self, Axis(Vocab, vocab_size), key=key)
 
-    def flops_per_token(self, vocab_size: int) -> float:
-        """Forward FLOPs of the active parameters: k routed experts, shared experts, router."""
+    def flops_per_token(self, vocab_size: int, *, causal: bool = True) -> float:
+        """Forward FLOPs of the active parameters: k routed experts, shared experts, router;
+        causal attention counted as half the score matrix unless ``causal`` is false."""
         d, s, moe = self.hidden_dim, self.seq_len, self.moe
         q = self.num_heads * self.head_size
         kv = self.kv_heads * self.head_size
         experts = moe.num_experts_per_tok + moe.num_shared_experts
         mlp = 2 * 3 * d * self.expert_dim * experts + 2 * d * moe.num_experts
-        per_layer = 2 * d * (2 * q + 2 * kv) + mlp + 2 * 2 * s * q  # qkvo, experts, attn
+        attn = (2 if causal else 4) * s * q  # QK^T and PV: the causal half, or the full square
+        per_layer = 2 * d * (2 * q + 2 * kv) + mlp + attn  # qkvo, experts, attn
         return float(self.num_layers * per_layer + 2 * d * vocab_size)
 
 
