@@ -65,7 +65,8 @@ class MixtralConfig(LlamaConfig):
         return MixtralLmModel.init(self, Axis(Vocab, vocab_size), key=key)
 
     def flops_per_token(self, vocab_size: int, *, causal: bool = True) -> float:
-        """Forward FLOPs of the active parameters: k routed experts, shared experts, router."""
+        """Forward FLOPs of the active parameters: k routed experts, shared experts, router;
+        causal attention counted as half the score matrix unless ``causal`` is false."""
         d, moe = self.hidden_dim, self.moe
         q = self.num_heads * self.head_size
         kv = self.kv_heads * self.head_size
