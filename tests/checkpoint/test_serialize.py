@@ -129,3 +129,17 @@ def test_lost_chunks_are_detected(tmp_path):
         check_chunks(url, [k for k in keys if k != "w/c/0/0"], snap.manifest())
     with pytest.raises(CheckpointError, match="'zeros': its zarr.json is missing"):
         check_chunks(url, [k for k in keys if k != "zeros/zarr.json"], snap.manifest())
+
+
+def test_an_optimizer_slot_of_a_frozen_named_array_round_trips(tmp_path):
+    # a parameter left out of training has NamedArray(None) slots in the optimizer state
+    model = MODEL.build(64, key=jax.random.PRNGKey(0))
+    trained = eqx.filter(model, eqx.is_inexact_array)
+    trained = eqx.tree_at(
+        lambda m: m.token_embeddings.weight.array, trained, None, is_leaf=lambda x: x is None
+    )
+    tree = {"opt": optax.adam(1e-3).init(trained)}
+    _, (loaded, missing) = save_and_read(tree, to_url(tmp_path / "ckpt"))
+    assert missing == [] and jax.tree.structure(loaded) == jax.tree.structure(tree)
+    mu = loaded["opt"][0].mu.token_embeddings.weight
+    assert isinstance(mu, hax.NamedArray) and mu.array is None

@@ -277,8 +277,9 @@ def read_tree(
     for (name, _), job, original in zip(named, jobs, template_leaves, strict=True):
         if job is None:
             out.append(None)
-        elif job[0] == "value":
-            out.append(job[1])
+        elif job[0] == "value":  # a NamedArray with no array (a frozen slot) stays one
+            empty = is_named_array(original) and original.array is None
+            out.append(original if job[1] is None and empty else job[1])
         else:
             array = _finish_read(url, name, *job[1])
             out.append(hax.NamedArray(array, original.axes) if is_named_array(original) else array)
