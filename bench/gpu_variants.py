@@ -161,6 +161,12 @@ LLAMA_VARIANTS = {
         True,
     ),
     "llama1b-unscanned": (UNSCANNED, "", True),
+    # FP8 linear layers (e4m3/e5m2, current scaling) beside the bf16 row above: the fp8 goal
+    "llama1b-unscanned-fp8": (
+        [*UNSCANNED, "--model.fp8", "emulate" if "--smoke" in sys.argv else "on"],
+        "",
+        True,
+    ),
     "llama1b-ntg-unscanned": (UNSCANNED, NO_TRITON_GEMM, False),
     "llama1b-unscanned-packed": (
         [*UNSCANNED, "--model.cudnn_packed_documents", "16"],

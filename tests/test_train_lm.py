@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from loomax.config import parse_config
+from loomax.config import ConfigError, parse_config
 from loomax.lm import TrainLmConfig
 from loomax.train_lm import train_lm
 
@@ -170,6 +170,13 @@ def test_missing_weights_fail_before_the_data_is_built(tmp_path, tiny_corpus, fl
     with pytest.raises(FileNotFoundError, match=message):
         train_lm(config)
     assert not (tmp_path / "cache").exists()  # no tokenizer trained, no cache written
+
+
+def test_fp8_without_fp8_devices_fails_before_the_data_is_built(tmp_path, tiny_corpus):
+    config = small_config(tmp_path, tiny_corpus, "--model.fp8", "on")
+    with pytest.raises(ConfigError, match="model.fp8: on needs FP8 matmuls"):
+        train_lm(config)
+    assert not (tmp_path / "cache").exists()
 
 
 def test_eval_batch_must_split_over_data_parallel_devices(tmp_path, tiny_corpus):

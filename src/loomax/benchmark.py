@@ -17,6 +17,7 @@ from loomax._xla_flags import hlo_fingerprint, library_calls
 from loomax.config import ConfigError
 from loomax.lm import TrainLmConfig
 from loomax.lm.loss import lm_loss_for
+from loomax.models.fp8 import check_fp8
 from loomax.peak_flops import measure_matmul_flops, total_peak_flops
 from loomax.tracking import NoopTrackerConfig
 from loomax.train import Trainer, setup_process
@@ -72,7 +73,10 @@ def run_benchmark(
     rng = np.random.default_rng(trainer_config.seed)
     batches = [rng.integers(0, vocab_size, (batch_size, seq_len), dtype=np.int32) for _ in range(4)]
 
-    state = trainer.initial_state(lambda key: model_config.build(vocab_size, key=key))
+    check_fp8(model_config.fp8)
+    state = trainer.initial_state(
+        lambda key: model_config.for_training(model_config.build(vocab_size, key=key))
+    )
     start = time.perf_counter()
     step_fn = trainer.compiled_step(state, batches[0])
     compile_s = time.perf_counter() - start

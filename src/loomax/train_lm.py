@@ -26,6 +26,7 @@ from loomax.lm.eval_sets import eval_sets
 from loomax.lm.loss import model_lm_loss
 from loomax.lm.sample import sample_text
 from loomax.lm.weights import check_initial_weights, initial_model, initial_weights
+from loomax.models.fp8 import check_fp8
 from loomax.peak_flops import total_peak_flops
 from loomax.storage import to_url
 from loomax.tracking import check_trackers
@@ -63,6 +64,7 @@ def _train_lm(config: TrainLmConfig, run_id: str) -> TrainLmResult:
     check_writable(own_checkpoints)
     if not check_restore_sources(trainer_config, own_checkpoints, run_id):
         check_initial_weights(config)
+    check_fp8(model_config.fp8)  # only fp8 "on" looks at the devices
     streaming = config.data.stream_while_building
     if streaming:
         check_streaming(config.data)

@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 def initial_model(config: TrainLmConfig, vocab_size: int):
     """``init(key) -> model``: the fresh weights of ``config.model``."""
-    return lambda key: config.model.build(vocab_size, key=key)
+    return lambda key: config.model.for_training(config.model.build(vocab_size, key=key))
 
 
 def check_initial_weights(config: TrainLmConfig) -> None:
@@ -52,6 +52,6 @@ def initial_weights(config: TrainLmConfig, vocab_size: int):
                 f"set model.vocab_size: {model.Vocab.size} (and use the checkpoint's tokenizer)"
             )
         logger.info("model weights from the Hugging Face checkpoint %s", path)
-        return model
+        return config.model.for_training(model)
 
     return load

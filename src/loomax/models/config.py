@@ -22,6 +22,8 @@ from loomax.config import ConfigError
 from loomax.models.attention import BACKENDS, FLASH_BLOCK, SPLASH_BLOCKS
 from loomax.models.dropout import check_rates
 from loomax.models.files import write_files
+from loomax.models.fp8 import MODES as FP8_MODES
+from loomax.models.fp8 import to_fp8
 from loomax.models.remat import check_remat, scan_policy
 from loomax.models.ring_attention import VARIANTS
 from loomax.models.sequence_layout import from_layout, to_layout
@@ -74,12 +76,19 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Dropout rate on attention probabilities, in training only (needs attn_backend auto or vanilla); 0 = off."""
     context_parallel: str = "ring"
     """Attention across a sequence split over trainer.mesh.context > 1: ring (K/V blocks passed around, O(seq/n) memory) or all_gather (K/V gathered whole)."""
+    fp8: str = "off"
+    """FP8 matmuls in the blocks' linear layers (e4m3 forward, e5m2 gradients, current scaling): off (false), on (true; needs NVIDIA compute capability 8.9+), or emulate (same arithmetic on any device)."""
 
     hf_model_type: ClassVar[str | None] = None
     """The transformers ``model_type`` this family reads and writes (``loomax.hf.family.HfFamily``
     says the rest it then defines); None = no Hugging Face interop."""
 
     def __post_init__(self):
+        # YAML reads on/off (and true/false) as booleans
+        spelled = {"true": "on", "false": "off"}.get(str(self.fp8).lower(), self.fp8)
+        object.__setattr__(self, "fp8", spelled)
+        if self.fp8 not in FP8_MODES:
+            raise ConfigError(f"model.fp8 must be one of {FP8_MODES}, got {self.fp8!r}")
         if self.context_parallel not in VARIANTS:
             raise ConfigError(
                 f"model.context_parallel must be one of {VARIANTS}, got {self.context_parallel!r}"
@@ -182,6 +191,11 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     @abc.abstractmethod
     def build(self, vocab_size: int, *, key: PRNGKeyArray) -> LmModel:
         """A freshly initialised model with a vocabulary of ``vocab_size``."""
+
+    def for_training(self, model: LmModel) -> LmModel:
+        """``model`` as this config trains it: its blocks' linear layers in FP8 with
+        ``fp8`` on or emulate (``models.fp8``), else unchanged."""
+        return model if self.fp8 == "off" else to_fp8(model)
 
     @abc.abstractmethod
     def flops_per_token(self, vocab_size: int, *, causal: bool = True) -> float:

@@ -1,0 +1,144 @@
+"""FP8 matmuls with current (per-tensor, just-in-time) scaling for the linear layers.
+
+``model.fp8`` turns every ``haliax.nn.Linear`` inside the transformer blocks into an FP8
+matmul (``to_fp8``); the embeddings, the LM head, the MoE experts and router, and attention's
+score matmuls stay in the compute dtype (as torchtitan and Transformer Engine recipes do).
+
+Each matmul quantises its two operands to **e4m3** (max 448) with a per-tensor scale taken
+from that tensor's own absolute maximum in the same step (current scaling: no amax
+history, so no state to keep or checkpoint, and no stale scale after a spike), multiplies
+them with float32 accumulation and rescales. In the backward pass the incoming gradient is
+quantised to **e5m2** (max 57,344, more range) the same way, and both gradient matmuls use
+it against the saved e4m3 operands. Only the FP8 operands and their scales are saved for the
+backward pass, not the compute-dtype inputs.
+
+The dequantise-then-dot form (``convert(f8) * scale`` on each operand of a ``dot_general``)
+is the pattern XLA's GPU GEMM rewriter turns into one cuBLASLt FP8 GEMM with its scales on
+Hopper/Ada (compute capability 8.9+); elsewhere it computes the same numbers in the compute
+dtype. ``model.fp8: on`` is refused on devices without FP8 matmuls; ``emulate`` runs the
+same arithmetic anywhere (numerics, tests).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import equinox as eqx
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+
+from loomax.config import ConfigError
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+MODES = ("off", "on", "emulate")
+MIN_COMPUTE_CAPABILITY = 8.9
+"""NVIDIA GPUs with FP8 tensor cores: Ada (8.9) and Hopper (9.0) on."""
+
+
+def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """``(q, scale)`` with ``q = clip(x / scale)`` in ``dtype`` and ``scale = amax / max``
+    (float32; 1 for an all-zero tensor), so that ``q * scale`` approximates ``x``."""
+    top = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = jnp.where(amax > 0, amax / top, 1.0)
+    scaled = (x.astype(jnp.float32) / scale).clip(-top, top)
+    return scaled.astype(dtype), scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    return q.astype(dtype) * scale.astype(dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype) -> jax.Array:
+    """``dot_general(lhs, rhs)`` through e4m3 operands, e5m2 gradients (module docstring)."""
+    return _fwd(lhs, rhs, dimension_numbers, out_dtype)[0]
+
+
+def _dot(a, b, dimension_numbers, out_dtype):
+    return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32).astype(
+        out_dtype
+    )
+
+
+def _fwd(lhs, rhs, dimension_numbers, out_dtype):
+    ql, sl = quantize(lhs, E4M3)
+    qr, sr = quantize(rhs, E4M3)
+    cd = out_dtype
+    out = _dot(dequantize(ql, sl, cd), dequantize(qr, sr, cd), dimension_numbers, out_dtype)
+    return out, (ql, sl, qr, sr, lhs.dtype, rhs.dtype)
+
+
+def _fwd_rule(lhs, rhs, dimension_numbers, out_dtype):
+    out, res = _fwd(lhs, rhs, dimension_numbers, out_dtype)
+    ql, sl, qr, sr, ldt, rdt = res
+    return out, (ql, sl, qr, sr, jnp.zeros((), ldt), jnp.zeros((), rdt))
+
+
+def _bwd_rule(dimension_numbers, out_dtype, res, g):
+    ql, sl, qr, sr, lzero, rzero = res
+    qg, sg = quantize(g, E5M2)
+    cd = out_dtype
+    lhs, rhs = dequantize(ql, sl, cd), dequantize(qr, sr, cd)
+    _, vjp = jax.vjp(lambda a, b: _dot(a, b, dimension_numbers, out_dtype), lhs, rhs)
+    dl, dr = vjp(dequantize(qg, sg, cd))
+    return dl.astype(lzero.dtype), dr.astype(rzero.dtype)
+
+
+fp8_dot_general.defvjp(_fwd_rule, _bwd_rule)
+
+
+class Fp8DotGeneral(eqx.Module):
+    """A ``haliax.nn.Linear`` ``dot_general`` that multiplies in FP8 (current scaling)."""
+
+    def __call__(
+        self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None
+    ) -> jax.Array:
+        out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+        return fp8_dot_general(lhs, rhs, dimension_numbers, jnp.dtype(out_dtype))
+
+
+def to_fp8(model: Any) -> Any:
+    """``model`` with the ``Linear`` layers of its transformer blocks (``model.blocks``)
+    multiplying in FP8; MoE routers (``router``) and everything outside the blocks unchanged."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise ConfigError(f"model.fp8: {type(model).__name__} has no transformer blocks")
+
+    def convert(path, node):
+        if isinstance(node, hnn.Linear) and "router" not in jax.tree_util.keystr(path):
+            return eqx.tree_at(lambda lin: lin.dot_general, node, Fp8DotGeneral())
+        return node
+
+    is_linear = lambda x: isinstance(x, hnn.Linear)  # noqa: E731
+    new_blocks = jax.tree_util.tree_map_with_path(convert, blocks, is_leaf=is_linear)
+    return eqx.tree_at(lambda m: m.blocks, model, new_blocks)
+
+
+def fp8_supported(devices: list[Any] | None = None) -> tuple[bool, str]:
+    """Whether every device multiplies FP8 natively, and what they are (for the error)."""
+    devices = devices if devices is not None else jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    for d in devices:
+        if d.platform != "gpu":
+            return False, f"{d.platform} devices ({', '.join(kinds)})"
+        capability = float(getattr(d, "compute_capability", "0") or 0)
+        if capability < MIN_COMPUTE_CAPABILITY:
+            return False, f"GPUs of compute capability {capability} ({', '.join(kinds)})"
+    return True, ", ".join(kinds)
+
+
+def check_fp8(mode: str, devices: list[Any] | None = None) -> None:
+    """Refuse ``model.fp8: on`` where the devices lack FP8 matmuls (before any work)."""
+    if mode != "on":
+        return
+    ok, what = fp8_supported(devices)
+    if not ok:
+        raise ConfigError(
+            f"model.fp8: on needs FP8 matmuls (NVIDIA compute capability "
+            f"{MIN_COMPUTE_CAPABILITY}+: Ada, Hopper, Blackwell); this run has {what}. "
+            "Use model.fp8: emulate for the same arithmetic without the speed, or off"
+        )
