@@ -18,12 +18,14 @@ Sections:
   metrics.jsonl); its data is built in memory, in this process (no Ray on the host).
 - ``resume``: a checkpoint written on the GPU resumes bitwise on the GPU (20 steps
   straight against 10 + 10 resumed, deterministic XLA reductions).
+- ``moe``: the routed MLP with ``ragged_dot`` and the blocked form against the dense model
+  of the same active width: tokens/s, active TFLOP/s, XLA's FLOPs over the active count.
 
 ``--smoke`` runs every section at toy sizes (works on CPU: checks this script).
 
 This file is the driver (the plan, one process per section, the table); the sections live in
 ``gpu_checks.py`` (env, attention), ``gpu_variants.py`` (the ``loomax bench`` variants,
-torch) and ``gpu_train.py`` (train, resume).
+torch), ``gpu_train.py`` (train, resume) and ``gpu_moe.py`` (moe).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import time
 from pathlib import Path
 
 from gpu_checks import GPT2_BATCH, LLAMA_BATCH, REPO, section_attention, section_env
+from gpu_moe import section_moe
 from gpu_train import section_resume, section_train
 from gpu_variants import GPT2_VARIANTS, LLAMA_VARIANTS, section_bench, section_torch
 
@@ -50,6 +53,7 @@ CHILDREN = {
     "torch-gpt2-b64": lambda args: section_torch(args, batch=64),
     "train": section_train,
     "resume": section_resume,
+    "moe": section_moe,
 }
 
 
@@ -79,6 +83,8 @@ PLAN = [  # the measured best of each model first, then what the next GPU sessio
     ("torch-gpt2", 200),
     ("llama1b-unscanned", 200),
     ("llama1b-unscanned-packed", 200),
+    ("llama1b-unscanned-fp8", 200),
+    ("moe", 240),
     ("train", 200),
     ("resume", 150),
     ("gpt2-unscanned", 120),
@@ -225,6 +231,12 @@ def table(results: dict) -> str:
                 f"ok={r['ok']} eval f32 {fmt(r['f32']['eval_loss'], '.4f')} bf16 "
                 f"{fmt(r['bf16']['eval_loss'], '.4f')} max|dloss| {r['max_abs_train_loss_diff']}, "
                 f"memory keys {r['memory_keys']}, device peak {r['device_peak_mb']} MB"
+            )
+        elif name == "moe" and "moe-ragged_dot" in r:
+            what = ", ".join(
+                f"{k} {r[k]['tokens_per_s']:,} tok/s {r[k]['active_tflops_per_s']} TFLOP/s "
+                f"(XLA/active {r[k]['xla_flops_estimate_over_active']})"
+                for k in ("moe-ragged_dot", "moe-blocked", "dense-same-active")
             )
         elif name == "resume" and "ok" in r:
             what = (
