@@ -77,13 +77,15 @@ def attention_memory(seq: int, context: int, variant: str) -> tuple[float, float
 
 
 def step_speed(
-    seq: int, context: int, variant: str, steps: int, run: bool = True
-) -> tuple[float | None, float, float]:
-    """A tiny Llama's loss and gradients on one row of ``seq`` tokens (documents at EOS):
-    ``(tokens/s, temporary MiB, total MiB per device)``; tokens/s None unless ``run``."""
+    seq: int, context: int, variant: str, steps: int, run: bool = True, width: int = 64,
+    layers: int = 2,
+) -> tuple[float | None, float, float]:  # fmt: skip
+    """A Llama's (tiny by default: ``width`` 64, 4 heads, 2 layers) loss and gradients on one
+    row of ``seq`` tokens (documents at EOS): ``(tokens/s, temporary MiB, total MiB per
+    device)``; tokens/s None unless ``run``."""
     rt = runtime(context)
     config = LlamaConfig(
-        seq_len=seq, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4,
+        seq_len=seq, hidden_dim=width, intermediate_dim=2 * width, num_layers=layers, num_heads=4,
         num_kv_heads=2, context_parallel=variant, attn_backend="blockwise",
     )  # fmt: skip
     model = config.build(256, key=jax.random.PRNGKey(0))
@@ -119,6 +121,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-split-estimate", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--width", type=int, default=64, help="the Llama's hidden size")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--memory-only", action="store_true", help="compile; run no step")
     args = parser.parse_args()
     print(f"sequence {args.seq}, context {args.context} ({DEVICES} fake CPU devices)")
     heads = ("attn temp MiB", "attn total MiB", "step tok/s", "step temp MiB", "step total MiB")
@@ -127,8 +132,10 @@ def main() -> None:
     for name, context, variant in CASES:
         context = context or args.context
         temp, total = attention_memory(args.seq, context, variant)
-        run = not (context == 1 and args.no_split_estimate)
-        speed, step_temp, step_total = step_speed(args.seq, context, variant, args.steps, run)
+        run = not (args.memory_only or (context == 1 and args.no_split_estimate))
+        speed, step_temp, step_total = step_speed(
+            args.seq, context, variant, args.steps, run, args.width, args.layers
+        )
         shown = f"{speed:14.0f}" if speed is not None else f"{'(not run)':>14}"
         print(f"{name:12} {temp:14.1f} {total:14.1f} {shown} {step_temp:14.1f} {step_total:14.1f}")
         rows.append({
@@ -138,7 +145,8 @@ def main() -> None:
             "memory": "XLA memory_analysis of the compiled program, per device",
         })  # fmt: skip
     if args.json:
-        meta = {"seq": args.seq, "context": args.context, "devices": DEVICES, "steps": args.steps}
+        meta = {"seq": args.seq, "context": args.context, "devices": DEVICES, "steps": args.steps,
+                "width": args.width, "layers": args.layers}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump({**meta, "rows": rows}, f, indent=1)
 

@@ -74,6 +74,25 @@ def test_ring_attention_memory_per_device_falls_with_context(memory_runs):
     assert ring["temp"] < gathered["temp"], (ring, gathered)
 
 
+def test_bench_trains_with_context_8_at_small_size(tmp_path):
+    """bench/context_parallel.py (its 65,536-position run is in bench/README.md) at 256
+    positions: a tiny Llama's gradient step runs with the sequence split 8 ways by each
+    variant and unsplit, and the split attention holds less per device."""
+    out = tmp_path / "cp.json"
+    bench = Path(__file__).parents[2] / "bench" / "context_parallel.py"
+    args = ["--seq", "256", "--context", "8", "--steps", "1", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(bench), *args], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"no split", "ring", "all_gather"}
+    assert all(row["step_tokens_per_s"] > 0 for row in rows.values())
+    assert rows["ring"]["context"] == 8 and rows["no split"]["context"] == 1
+    for split in ("ring", "all_gather"):
+        assert rows[split]["attention_total_mib"] < rows["no split"]["attention_total_mib"] / 2
+
+
 def test_zigzag_layout():
     assert zigzag_order(16, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
     assert sorted(zigzag_order(48, 4)) == list(range(48))
