@@ -2,9 +2,11 @@
 tokens/s of a tiny Llama, for no split, ring and all-gather (figures, not tests).
 
 Memory is XLA's account of the compiled program per device (``memory_analysis``: its
-temporaries, and the arguments each device holds). The fake devices share this machine's
-cores, so tokens/s compares the variants' work and collectives on one host, not the speed
-of real devices.
+temporaries, and in "total" also the arguments and outputs each device holds). The fake
+devices share this machine's cores, so tokens/s compares the variants' work and collectives
+on one host, not the speed of real devices. ``--no-split-estimate`` does not run the unsplit
+step (it may not fit): its memory is then the compiled program's account, and it prints no
+tokens/s. ``--json PATH`` writes the rows.
 
 .venv/bin/python bench/context_parallel.py [--seq 8192] [--context 4] [--steps 3]
 """
@@ -12,6 +14,7 @@ of real devices.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -45,17 +48,17 @@ def runtime(context: int) -> MeshRuntime:
 
 
 def attention_memory(seq: int, context: int, variant: str) -> tuple[float, float]:
-    """Forward + backward of one causal attention (8 query heads, 2 KV heads of 64, four
-    documents): ``(temporary MiB, argument MiB)`` per device."""
+    """Forward + backward of one causal attention (8 query heads, 2 KV heads of 64, documents;
+    the loss a weighted sum of the output, so its cotangent is a real array, not a constant
+    XLA folds away), compiled only: ``(temporary MiB, total MiB)`` per device, the total
+    with the arguments (q, k, v, weights, documents) and outputs (dQ, dK, dV)."""
     rt = runtime(context)
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q = jax.random.normal(keys[0], (1, seq, HEADS, HEAD_SIZE))
-    k, v = (jax.random.normal(key, (1, seq, KV_HEADS, HEAD_SIZE)) for key in keys[1:])
-    seg = jnp.repeat(jnp.arange(4, dtype=jnp.int32), seq // 4)[None]
     split = NamedSharding(rt.mesh, P(None, "context"))
-    q, k, v, seg = (jax.device_put(x, split) for x in (q, k, v, seg))
+    q = jax.ShapeDtypeStruct((1, seq, HEADS, HEAD_SIZE), jnp.float32, sharding=split)
+    kv = jax.ShapeDtypeStruct((1, seq, KV_HEADS, HEAD_SIZE), jnp.float32, sharding=split)
+    seg = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=split)
 
-    def loss(q, k, v, seg):
+    def loss(q, k, v, w, seg):
         out = causal_attention(
             hax.named(q, (Batch, Position, Heads, HeadSize)),
             hax.named(k, (Batch, KeyPosition, KvHeads, HeadSize)),
@@ -64,37 +67,51 @@ def attention_memory(seq: int, context: int, variant: str) -> tuple[float, float
             segment_ids=hax.named(seg, (Batch, Position)),
             context_parallel=variant,
         )
-        return out.array.sum()
+        return (out.array * w).sum()
 
     with rt.mesh_context():
-        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, seg).compile()
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, q, seg).compile()
     stats = compiled.memory_analysis()
-    return stats.temp_size_in_bytes / 2**20, stats.argument_size_in_bytes / 2**20
+    held = stats.argument_size_in_bytes + stats.output_size_in_bytes
+    return stats.temp_size_in_bytes / 2**20, (stats.temp_size_in_bytes + held) / 2**20
 
 
-def step_speed(seq: int, context: int, variant: str, steps: int) -> tuple[float, float]:
-    """A tiny Llama's loss and gradients on one row of ``seq`` tokens (documents at EOS):
-    ``(tokens/s, temporary MiB per device)``."""
+def step_speed(
+    seq: int, context: int, variant: str, steps: int, run: bool = True, width: int = 64,
+    layers: int = 2,
+) -> tuple[float | None, float, float]:  # fmt: skip
+    """A Llama's (tiny by default: ``width`` 64, 4 heads, 2 layers) loss and gradients on one
+    row of ``seq`` tokens (documents at EOS): ``(tokens/s, temporary MiB, total MiB per
+    device)``; tokens/s None unless ``run``."""
     rt = runtime(context)
     config = LlamaConfig(
-        seq_len=seq, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4,
+        seq_len=seq, hidden_dim=width, intermediate_dim=2 * width, num_layers=layers, num_heads=4,
         num_kv_heads=2, context_parallel=variant, attn_backend="blockwise",
     )  # fmt: skip
     model = config.build(256, key=jax.random.PRNGKey(0))
     tokens = rt.shard_batch(jax.random.randint(jax.random.PRNGKey(1), (1, seq), 0, 256))
     loss_fn = lm_loss_for(config, eos_id=EOS)
 
+    def mean_loss(model, tokens):
+        (total, weight), _ = loss_fn(model, tokens)
+        return total / weight
+
     def step(model, tokens):
-        return jax.grad(lambda m: (lambda s, w: s / w)(*loss_fn(m, tokens)))(model)
+        return jax.grad(mean_loss)(model, tokens)
 
     with rt.mesh_context():
         compiled = jax.jit(step).lower(model, tokens).compile()
+        stats = compiled.memory_analysis()
+        temp = stats.temp_size_in_bytes / 2**20
+        total = temp + (stats.argument_size_in_bytes + stats.output_size_in_bytes) / 2**20
+        if not run:
+            return None, temp, total
         jax.block_until_ready(compiled(model, tokens))
         start = time.perf_counter()
         for _ in range(steps):
             jax.block_until_ready(compiled(model, tokens))
     seconds = (time.perf_counter() - start) / steps
-    return seq / seconds, compiled.memory_analysis().temp_size_in_bytes / 2**20
+    return seq / seconds, temp, total
 
 
 def main() -> None:
@@ -102,16 +119,36 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--context", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--no-split-estimate", action="store_true")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--width", type=int, default=64, help="the Llama's hidden size")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--memory-only", action="store_true", help="compile; run no step")
     args = parser.parse_args()
     print(f"sequence {args.seq}, context {args.context} ({DEVICES} fake CPU devices)")
-    print(
-        f"{'':12} {'attn temp MiB':>14} {'attn args MiB':>14} {'step tok/s':>11} {'step temp MiB':>14}"
-    )
+    heads = ("attn temp MiB", "attn total MiB", "step tok/s", "step temp MiB", "step total MiB")
+    print(f"{'':12} " + " ".join(f"{h:>14}" for h in heads))
+    rows = []
     for name, context, variant in CASES:
         context = context or args.context
-        temp, arguments = attention_memory(args.seq, context, variant)
-        speed, step_temp = step_speed(args.seq, context, variant, args.steps)
-        print(f"{name:12} {temp:14.1f} {arguments:14.1f} {speed:11.0f} {step_temp:14.1f}")
+        temp, total = attention_memory(args.seq, context, variant)
+        run = not (args.memory_only or (context == 1 and args.no_split_estimate))
+        speed, step_temp, step_total = step_speed(
+            args.seq, context, variant, args.steps, run, args.width, args.layers
+        )
+        shown = f"{speed:14.0f}" if speed is not None else f"{'(not run)':>14}"
+        print(f"{name:12} {temp:14.1f} {total:14.1f} {shown} {step_temp:14.1f} {step_total:14.1f}")
+        rows.append({
+            "case": name, "context": context, "attention_temp_mib": round(temp, 2),
+            "attention_total_mib": round(total, 2), "step_tokens_per_s": speed,
+            "step_temp_mib": round(step_temp, 2), "step_total_mib": round(step_total, 2),
+            "memory": "XLA memory_analysis of the compiled program, per device",
+        })  # fmt: skip
+    if args.json:
+        meta = {"seq": args.seq, "context": args.context, "devices": DEVICES, "steps": args.steps,
+                "width": args.width, "layers": args.layers}  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

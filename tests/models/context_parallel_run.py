@@ -2,6 +2,7 @@
 
 python context_parallel_run.py attention   # ring / all_gather vs one device: values, grads, HLO
 python context_parallel_run.py train       # a tiny Llama: 1 device vs data 2 x context 4
+python context_parallel_run.py memory      # compiled attention fwd+bwd bytes per device
 """
 
 from __future__ import annotations
@@ -173,5 +174,47 @@ def train():
     }
 
 
+def attention_bytes(context: int, variant: str) -> dict:
+    """XLA's per-device account (``memory_analysis``) of the compiled forward + backward of one
+    causal attention (1,024 positions, 4 query / 2 KV heads of 16, blocks of 16, documents;
+    a weighted sum of the output as the loss, so its cotangent is a real input), compile only."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    seq, heads, kv_heads, size = 1024, 4, 2, 16
+    mesh = MeshConfig(data=1, context=context).build(jax.devices()[:context])
+    split = NamedSharding(mesh, P(None, "context"))
+    q = jax.ShapeDtypeStruct((1, seq, heads, size), jnp.float32, sharding=split)
+    kv = jax.ShapeDtypeStruct((1, seq, kv_heads, size), jnp.float32, sharding=split)
+    seg = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=split)
+
+    def loss(q, k, v, w, seg):
+        out = causal_attention(
+            hax.named(q, (Batch, Position, Heads, HeadSize)),
+            hax.named(k, (Batch, KeyPosition, KvHeads, HeadSize)),
+            hax.named(v, (Batch, KeyPosition, KvHeads, HeadSize)),
+            backend="blockwise",
+            segment_ids=hax.named(seg, (Batch, Position)),
+            flash_block=16,
+            context_parallel=variant,
+        )
+        return (out.array * w).sum()
+
+    with MeshRuntime(mesh, make_axis_mappings()).mesh_context():
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, q, seg).compile()
+    stats = compiled.memory_analysis()
+    temp = stats.temp_size_in_bytes
+    return {"temp": temp, "total": temp + stats.argument_size_in_bytes + stats.output_size_in_bytes}
+
+
+def memory():
+    return {
+        "one_device": attention_bytes(1, "ring"),
+        "ring": attention_bytes(CONTEXT, "ring"),
+        "all_gather": attention_bytes(CONTEXT, "all_gather"),
+    }
+
+
 if __name__ == "__main__":
-    print(json.dumps({"attention": attention, "train": train}[sys.argv[1]]()))
+    modes = {"attention": attention, "train": train, "memory": memory}
+    print(json.dumps(modes[sys.argv[1]]()))

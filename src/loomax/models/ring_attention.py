@@ -110,19 +110,19 @@ def _ring(q, k, v, pos, seg, scale, block, axis, ways):
 
 def _ring_forward(q, k, v, pos, seg, scale, block, axis, ways):
     """The online softmax carried around the ring: each hop's keys continue it where the
-    last left it, block by block (no per-hop partial outputs to combine)."""
+    last left it, block by block (no per-hop partial outputs to combine). The keys and values
+    travel already cut into blocks, so no hop re-lays them out."""
     T = q.shape[-2]
     queries = query_blocks(q, pos, seg, block)
-    state = forward_blocks(
-        queries, forward_state(queries), key_blocks(k, v, pos, seg, block), scale
-    )
+    keys = key_blocks(k, v, pos, seg, block)
+    state = forward_blocks(queries, forward_state(queries), keys, scale)
 
     def step(carry, _):
         state, held = carry
         held = _hop(held, axis, ways)
-        return (forward_blocks(queries, state, key_blocks(*held, block), scale), held), None
+        return (forward_blocks(queries, state, held, scale), held), None
 
-    (state, _), _ = jax.lax.scan(step, (state, (k, v, pos, seg)), None, length=ways - 1)
+    (state, _), _ = jax.lax.scan(step, (state, keys), None, length=ways - 1)
     out, lse = finish(state)
     return merge_blocks(out, 3)[..., :T, :].astype(q.dtype), merge_blocks(lse, 3)[..., :T]
 
@@ -138,12 +138,12 @@ def _ring_bwd(scale, block, axis, ways, residuals, g):
     delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)
     queries = query_blocks(q, pos, seg, block)
     gb, lb, db = grad_blocks(g, lse, delta, block)
+    keys = key_blocks(k, v, pos, seg, block)
 
     def attend(dq, held):
-        dq, dk, dv = backward_blocks(queries, gb, lb, db, dq, key_blocks(*held, block), scale)
-        return dq, merge_blocks(dk, 2)[..., :T, :], merge_blocks(dv, 2)[..., :T, :]
+        return backward_blocks(queries, gb, lb, db, dq, held, scale)
 
-    dq, dk, dv = attend(jnp.zeros(queries[0].shape, acc), (k, v, pos, seg))
+    dq, dk, dv = attend(jnp.zeros(queries[0].shape, acc), keys)
 
     def step(carry, _):
         dq, held, grads = carry
@@ -151,10 +151,10 @@ def _ring_bwd(scale, block, axis, ways, residuals, g):
         dq, dk_s, dv_s = attend(dq, held)
         return (dq, held, (grads[0] + dk_s, grads[1] + dv_s)), None
 
-    init = (dq, (k, v, pos, seg), (dk, dv))
-    (dq, _, grads), _ = jax.lax.scan(step, init, None, length=ways - 1)
+    (dq, _, grads), _ = jax.lax.scan(step, (dq, keys, (dk, dv)), None, length=ways - 1)
     dk, dv = _hop(grads, axis, ways)  # the last hop brings each block's gradients home
     dq = merge_blocks(dq, 3)[..., :T, :]
+    dk, dv = (merge_blocks(x, 2)[..., :T, :] for x in (dk, dv))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
