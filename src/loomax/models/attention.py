@@ -60,6 +60,8 @@ on the CPU a Llama step at 4,096-8,192 positions ran 1.3-1.4x faster than with 1
 512 slower than 128 (bench/README.md, "Attention backends")."""
 SPLASH_BLOCKS = (512, 512)
 """Default query and key blocks of the ``splash`` backend (``model.splash_block_q/kv``)."""
+CAPPING_BACKENDS = ("vanilla", "blockwise")
+"""The backends that soft-cap attention scores (Gemma 2); splash, xla and cudnn do not here."""
 BLOCKWISE_FROM = 2048
 """``auto`` picks ``blockwise`` (on CPU/TPU) for sequences longer than this."""
 
@@ -215,8 +217,8 @@ def causal_attention(
     """Scaled dot-product causal self-attention (within a sliding ``window`` when given).
 
     ``scale`` multiplies the scores (default ``1 / sqrt(head_size)``); ``softcap`` caps them
-    at ``softcap * tanh(scores / softcap)`` (Gemma 2), which only ``vanilla`` computes:
-    ``auto`` then means ``vanilla``, another backend raises ``ConfigError``.
+    at ``softcap * tanh(scores / softcap)`` (Gemma 2), which ``vanilla`` and ``blockwise``
+    compute: ``auto`` then picks one of them by length, another backend raises ``ConfigError``.
 
     ``q`` has axes ``(..., position, heads, head_size)``; ``k`` and ``v`` have
     ``key_position`` for ``position`` and ``heads`` or ``kv_heads`` (dividing ``heads``).
@@ -245,7 +247,7 @@ def causal_attention(
         seg = segment_ids.rearrange((*batch_axes, Position)).array.reshape(B, T)
     scale = 1 / math.sqrt(qa.shape[-1]) if scale is None else scale
     if softcap is not None:
-        backend = _softcap_backend(backend)
+        backend = _softcap_backend(backend, T)
     if context_ways() > 1:
         if softcap is not None:
             raise ConfigError(
@@ -269,7 +271,7 @@ def causal_attention(
     elif backend == "blockwise":
         if seg is None:
             seg = jnp.zeros((B, T), jnp.int32)
-        out = flash_attention(qa, ka, va, seg, scale, min(flash_block, T), window)
+        out = flash_attention(qa, ka, va, seg, scale, min(flash_block, T), window, softcap)
     elif backend == "splash":
         out = splash_attention(qa, ka, va, seg, scale, *splash_blocks, window=window)
     elif backend in ("xla", "cudnn"):
@@ -333,13 +335,17 @@ def _from_array(out: jax.Array, q: NamedArray, batch_axes) -> NamedArray:
 
 
 # ------------------------------------------------------------------ vanilla
-def _softcap_backend(backend: str) -> str:
-    """The backend for soft-capped scores: ``vanilla`` (the one that caps them)."""
-    if backend not in ("auto", "vanilla"):
+def _softcap_backend(backend: str, seq_len: int) -> str:
+    """The backend for soft-capped scores: ``vanilla`` or ``blockwise`` (those that cap them;
+    ``auto``: by length as off the kernels)."""
+    if backend == "auto":
+        return "blockwise" if seq_len > BLOCKWISE_FROM else "vanilla"
+    if backend not in CAPPING_BACKENDS:
         raise ConfigError(
-            f"attention soft-capping (Gemma 2) needs model.attn_backend auto or vanilla, got {backend!r}"
+            f"attention soft-capping (Gemma 2) needs model.attn_backend auto, vanilla or "
+            f"blockwise, got {backend!r}"
         )
-    return "vanilla"
+    return backend
 
 
 def _blocked_causal(q, k, v, seg, drop=None, window=None, softcap=None):

@@ -4,8 +4,8 @@ attention scores times ``query_pre_attn_scalar ** -0.5`` and soft-capped, soft-c
 logits, embeddings times sqrt(hidden_dim), a GeGLU (tanh) MLP, tied embeddings and a sliding
 window on every other layer (the first included).
 
-Soft-capped attention runs on the ``vanilla`` backend only (``auto`` picks it); the
-others' kernels have no cap here, so they are refused by name. The loss with capped logits
+Soft-capped attention runs on the ``vanilla`` and ``blockwise`` backends (``auto`` picks one
+by length); the splash, xla and cudnn kernels have no cap here, so they are refused by name. The loss with capped logits
 is blocked over tokens without vocabulary blocks (``cross_entropy_vocab_block_size`` null).
 """
 
@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from loomax.config import ConfigError
 from loomax.errors import BadFileError
+from loomax.models.attention import CAPPING_BACKENDS
 from loomax.models.config import LmConfig
 from loomax.models.hf_layout import Param
 from loomax.models.llama import LlamaConfig
@@ -67,10 +68,11 @@ class Gemma2Config(LlamaConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.attn_logit_softcapping is not None and self.attn_backend not in ("auto", "vanilla"):
+        capping = ("auto", *CAPPING_BACKENDS)
+        if self.attn_logit_softcapping is not None and self.attn_backend not in capping:
             raise ConfigError(
-                "model.attn_logit_softcapping needs model.attn_backend auto or vanilla (the "
-                f"only backend that caps scores), got {self.attn_backend!r}"
+                f"model.attn_logit_softcapping needs model.attn_backend one of {capping} (the "
+                f"backends that cap scores), got {self.attn_backend!r}"
             )
         if self.final_logit_softcapping is not None and self.cross_entropy_vocab_block_size:
             raise ConfigError(
