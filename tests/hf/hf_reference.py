@@ -3,7 +3,10 @@ latter with what its relatives add when their tensors are there: projection bias
 Llama ``attention_bias``/``mlp_bias``), QK-norm per head (Qwen 3) or over the whole
 projection (OLMo 2, told apart by the norm's size), and norms after the attention and MLP
 instead of before (OLMo 2: no ``input_layernorm``), fused q/k/v and gate/up tensors (Phi 3);
-and sliding-window attention (config.json ``sliding_window``).
+and sliding-window attention (config.json ``sliding_window``, per layer by ``layer_types``);
+and Gemma 2 (``model_type`` gemma2): ``1 + w`` norms, four per layer, embeddings times
+sqrt(hidden), scores times ``query_pre_attn_scalar ** -0.5``, soft-capped scores and logits,
+a GELU-tanh gate.
 
 They read only what transformers reads (config.json fields and safetensors tensor names),
 in float64, following the transformers modelling code's math. `test_transformers` checks
@@ -34,11 +37,13 @@ def _gelu_new(x):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def _causal_softmax_attention(q, k, v, window=None):
+def _causal_softmax_attention(q, k, v, window=None, scale=None, softcap=None):
     """q: [heads, T, d], k/v: [heads, T, d] -> [T, heads * d]; ``window``: each query sees
     the keys less than that many positions back (itself included)."""
     T = q.shape[1]
-    scores = q @ k.transpose(0, 2, 1) / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(0, 2, 1) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
     visible = np.tril(np.ones((T, T), bool))
     if window is not None:
         visible &= np.triu(np.ones((T, T), bool), -(window - 1))
@@ -143,21 +148,34 @@ def llama_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
     d = config.get("head_dim") or config["hidden_size"] // H
     t = {k: v.astype(np.float64) for k, v in _unfused(t, H, K, d).items()}
     eps = config["rms_norm_eps"]
-    window = config.get("sliding_window")
+    gemma = config["model_type"] == "gemma2"
+    rms = (lambda x, w, eps: _rms_norm(x, 1 + w, eps)) if gemma else _rms_norm
+    scale = config["query_pre_attn_scalar"] ** -0.5 if gemma else None
+    softcap = config.get("attn_logit_softcapping")
     T = len(ids)
     inv = _llama_inv_freq(config, d)
     pos = np.arange(T, dtype=np.float64)
-    x = t["model.embed_tokens.weight"][ids]
+    x = t["model.embed_tokens.weight"][ids] * (math.sqrt(config["hidden_size"]) if gemma else 1)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        kinds = config.get("layer_types")
+        window = config.get("sliding_window")
+        window = window if kinds is None or kinds[i] == "sliding_attention" else None
         pre = p + "input_layernorm.weight" in t  # OLMo 2: norms after, not before
-        h = _rms_norm(x, t[p + "input_layernorm.weight"], eps) if pre else x
+        h = rms(x, t[p + "input_layernorm.weight"], eps) if pre else x
         q = _qk_norm(t, p + "self_attn.q_norm", _linear(t, p + "self_attn.q_proj", h), T, H, d, eps)
         k = _qk_norm(t, p + "self_attn.k_norm", _linear(t, p + "self_attn.k_proj", h), T, K, d, eps)
         v = _linear(t, p + "self_attn.v_proj", h).reshape(T, K, d).transpose(1, 0, 2)
         q, k = _rotate(q, pos, inv), _rotate(k, pos, inv)
         k, v = np.repeat(k, H // K, axis=0), np.repeat(v, H // K, axis=0)  # repeat_kv
-        attn = _linear(t, p + "self_attn.o_proj", _causal_softmax_attention(q, k, v, window))
+        out = _causal_softmax_attention(q, k, v, window, scale, softcap)
+        attn = _linear(t, p + "self_attn.o_proj", out)
+        if gemma:  # four norms: before and after the attention and the MLP
+            x = x + rms(attn, t[p + "post_attention_layernorm.weight"], eps)
+            h = rms(x, t[p + "pre_feedforward_layernorm.weight"], eps)
+            mlp = _swiglu(t, p + "mlp.", h, act=_gelu_new)
+            x = x + rms(mlp, t[p + "post_feedforward_layernorm.weight"], eps)
+            continue
         if pre:
             x = x + attn
             h = _rms_norm(x, t[p + "post_attention_layernorm.weight"], eps)
@@ -168,16 +186,18 @@ def llama_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
         if not pre:
             mlp = _rms_norm(mlp, t[p + "post_feedforward_layernorm.weight"], eps)
         x = x + mlp
-    x = _rms_norm(x, t["model.norm.weight"], eps)
+    x = rms(x, t["model.norm.weight"], eps)
     head = (
         t["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else t["lm_head.weight"]
     )
-    return x @ head.T
+    cap = config.get("final_logit_softcapping")
+    return cap * np.tanh(x @ head.T / cap) if cap else x @ head.T
 
 
-def _swiglu(t: dict, p: str, h, names=("gate_proj", "up_proj", "down_proj")):
+def _swiglu(t: dict, p: str, h, names=("gate_proj", "up_proj", "down_proj"), act=None):
     gate, up = _linear(t, p + names[0], h), _linear(t, p + names[1], h)
-    return _linear(t, p + names[2], gate / (1 + np.exp(-gate)) * up)
+    gate = act(gate) if act else gate / (1 + np.exp(-gate))
+    return _linear(t, p + names[2], gate * up)
 
 
 def _moe_prefix(t: dict, p: str) -> str | None:

@@ -60,6 +60,8 @@ on the CPU a Llama step at 4,096-8,192 positions ran 1.3-1.4x faster than with 1
 512 slower than 128 (bench/README.md, "Attention backends")."""
 SPLASH_BLOCKS = (512, 512)
 """Default query and key blocks of the ``splash`` backend (``model.splash_block_q/kv``)."""
+CAPPING_BACKENDS = ("vanilla", "blockwise")
+"""The backends that soft-cap attention scores (Gemma 2); splash, xla and cudnn do not here."""
 BLOCKWISE_FROM = 2048
 """``auto`` picks ``blockwise`` (on CPU/TPU) for sequences longer than this."""
 
@@ -169,11 +171,13 @@ def model_attention(
     *,
     key: jax.Array | None = None,
     window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> NamedArray:
     """``causal_attention`` of ``q`` over ``k`` and ``v`` (all on ``position``; the keys and
     values are renamed to ``key_position`` here) with a model config's backend, blocks and
     attention dropout (``attn_backend``, ``splash_blocks``, ``flash_block``, ``attn_pdrop``),
-    within a sliding ``window`` when given."""
+    within a sliding ``window``, scores times ``scale`` and soft-capped when given."""
     k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
     return causal_attention(
         q,
@@ -188,6 +192,8 @@ def model_attention(
         cudnn_documents=config.cudnn_packed_documents,
         context_parallel=config.context_parallel,
         window=window,
+        scale=scale,
+        softcap=softcap,
     )
 
 
@@ -205,8 +211,14 @@ def causal_attention(
     cudnn_documents: int = 0,
     context_parallel: str = "ring",
     window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> NamedArray:
     """Scaled dot-product causal self-attention (within a sliding ``window`` when given).
+
+    ``scale`` multiplies the scores (default ``1 / sqrt(head_size)``); ``softcap`` caps them
+    at ``softcap * tanh(scores / softcap)`` (Gemma 2), which ``vanilla`` and ``blockwise``
+    compute: ``auto`` then picks one of them by length, another backend raises ``ConfigError``.
 
     ``q`` has axes ``(..., position, heads, head_size)``; ``k`` and ``v`` have
     ``key_position`` for ``position`` and ``heads`` or ``kv_heads`` (dividing ``heads``).
@@ -233,8 +245,14 @@ def causal_attention(
     seg = None
     if segment_ids is not None:
         seg = segment_ids.rearrange((*batch_axes, Position)).array.reshape(B, T)
-    scale = 1 / math.sqrt(qa.shape[-1])
+    scale = 1 / math.sqrt(qa.shape[-1]) if scale is None else scale
+    if softcap is not None:
+        backend = _softcap_backend(backend, T)
     if context_ways() > 1:
+        if softcap is not None:
+            raise ConfigError(
+                "attention soft-capping is not supported with trainer.mesh.context > 1"
+            )
         if drop is not None:
             raise ConfigError("model.attn_pdrop > 0 is not supported with trainer.mesh.context > 1")
         if window is not None:
@@ -248,15 +266,16 @@ def causal_attention(
         backend, qa.dtype, T, qa.shape[-1], segments=seg is not None, splash_blocks=splash_blocks
     )
     if backend == "vanilla":
-        out = _blocked_causal(qa * jnp.asarray(scale, qa.dtype), ka, va, seg, drop, window)
+        qs = qa * jnp.asarray(scale, qa.dtype)
+        out = _blocked_causal(qs, ka, va, seg, drop, window, softcap)
     elif backend == "blockwise":
         if seg is None:
             seg = jnp.zeros((B, T), jnp.int32)
-        out = flash_attention(qa, ka, va, seg, scale, min(flash_block, T), window)
+        out = flash_attention(qa, ka, va, seg, scale, min(flash_block, T), window, softcap)
     elif backend == "splash":
         out = splash_attention(qa, ka, va, seg, scale, *splash_blocks, window=window)
     elif backend in ("xla", "cudnn"):
-        out = _jax_attention(qa, ka, va, seg, backend, cudnn_documents, window)
+        out = _jax_attention(qa, ka, va, seg, backend, cudnn_documents, window, scale)
     else:
         raise ValueError(f"model.attn_backend must be one of {BACKENDS}, got {backend!r}")
     return _from_array(out, q, batch_axes)
@@ -269,22 +288,25 @@ def cached_attention(
     cache_k: NamedArray,
     cache_v: NamedArray,
     start: jax.Array,
-    window: int | None = None,
+    window: int | jax.Array | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> tuple[NamedArray, NamedArray, NamedArray]:
     """Attention for incremental decoding with a KV cache: returns ``(out, cache_k, cache_v)``.
 
     ``q``, ``k``, ``v`` hold new positions ``start, start + 1, ...`` (axis ``position``);
     ``cache_k``/``cache_v`` hold all ``key_position`` slots. The new keys and values are
     written at ``start``, and each query sees every cached key at or before its position
-    (and fewer than ``window`` positions back, when given).
+    (and fewer than ``window`` positions back, when given; here ``window`` may be traced);
+    ``scale`` and ``softcap`` as in ``causal_attention``.
     """
     k = k.rename({Position: KeyPosition})
     v = v.rename({Position: KeyPosition})
     cache_k = hax.updated_slice(cache_k, {KeyPosition: start}, k.rearrange(cache_k.axes))
     cache_v = hax.updated_slice(cache_v, {KeyPosition: start}, v.rearrange(cache_v.axes))
     qa, ka, va, batch_axes = _to_arrays(q, cache_k, cache_v)
-    scale = jnp.asarray(1 / math.sqrt(qa.shape[-1]), qa.dtype)
-    out = _attend(qa * scale, ka, va, start, None, None, window=window)
+    scale = jnp.asarray(1 / math.sqrt(qa.shape[-1]) if scale is None else scale, qa.dtype)
+    out = _attend(qa * scale, ka, va, start, None, None, window=window, softcap=softcap)
     return _from_array(out, q, batch_axes), cache_k, cache_v
 
 
@@ -313,7 +335,20 @@ def _from_array(out: jax.Array, q: NamedArray, batch_axes) -> NamedArray:
 
 
 # ------------------------------------------------------------------ vanilla
-def _blocked_causal(q, k, v, seg, drop=None, window=None):
+def _softcap_backend(backend: str, seq_len: int) -> str:
+    """The backend for soft-capped scores: ``vanilla`` or ``blockwise`` (those that cap them;
+    ``auto``: by length as off the kernels)."""
+    if backend == "auto":
+        return "blockwise" if seq_len > BLOCKWISE_FROM else "vanilla"
+    if backend not in CAPPING_BACKENDS:
+        raise ConfigError(
+            f"attention soft-capping (Gemma 2) needs model.attn_backend auto, vanilla or "
+            f"blockwise, got {backend!r}"
+        )
+    return backend
+
+
+def _blocked_causal(q, k, v, seg, drop=None, window=None, softcap=None):
     seq = q.shape[-2]
     block = min(QUERY_BLOCK, seq)
     outs = []
@@ -324,15 +359,17 @@ def _blocked_causal(q, k, v, seg, drop=None, window=None):
         k_seg = None if seg is None else seg[:, first:stop]
         block_drop = None if drop is None else (drop[0], jax.random.fold_in(drop[1], start))
         qkv = (q[..., start:stop, :], k[..., first:stop, :], v[..., first:stop, :])
-        outs.append(_attend(*qkv, start, q_seg, k_seg, block_drop, first, window))
+        outs.append(_attend(*qkv, start, q_seg, k_seg, block_drop, first, window, softcap))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)
 
 
-def _attend(q, k, v, q_start, q_seg, k_seg, drop=None, k_start=0, window=None):
+def _attend(q, k, v, q_start, q_seg, k_seg, drop=None, k_start=0, window=None, softcap=None):
     """Softmax attention of (pre-scaled) ``q`` at positions ``q_start + i`` over keys at
     ``k_start + j``; ``drop`` = ``(rate, key)`` drops out probabilities."""
     acc = acc_dtype(q.dtype)
     scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=acc)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     q_pos = q_start + jnp.arange(q.shape[-2])
     visible = visible_mask(q_pos, k_start + jnp.arange(k.shape[-2]), q_seg, k_seg, window)
     scores = jnp.where(visible, scores, jnp.finfo(acc).min)
@@ -343,18 +380,20 @@ def _attend(q, k, v, q_start, q_seg, k_seg, drop=None, k_start=0, window=None):
 
 
 # ------------------------------------------------------------------ jax.nn (xla / cudnn)
-def _jax_attention(q, k, v, seg, implementation, cudnn_documents=0, window=None):
+def _jax_attention(q, k, v, seg, implementation, cudnn_documents=0, window=None, scale=None):
     B, K, G, T, D = q.shape
     qj = q.reshape(B, K * G, T, D).transpose(0, 2, 1, 3)  # [B, T, N, D], heads kv-major
     kj, vj = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    if implementation == "cudnn" and seg is not None and cudnn_documents > 0 and window is None:
+    default_scale = scale is None or scale == 1 / math.sqrt(D)
+    packed = seg is not None and cudnn_documents > 0 and window is None and default_scale
+    if implementation == "cudnn" and packed:
         out = cudnn_document_attention(qj, kj, vj, seg, cudnn_documents)
     else:
         mask = None
         if seg is not None:
             mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # [B, 1, T, S]
         out = jax.nn.dot_product_attention(
-            qj, kj, vj, mask=mask, is_causal=True, implementation=implementation,
+            qj, kj, vj, mask=mask, is_causal=True, implementation=implementation, scale=scale,
             local_window_size=None if window is None else (window - 1, 0),
         )  # fmt: skip
     return out.transpose(0, 2, 1, 3).reshape(B, K, G, T, D)

@@ -260,6 +260,11 @@ class LmModel(eqx.Module):
     def lm_head_weight(self) -> hax.NamedArray:
         """The output projection, axes ``(vocab, embed)``."""
 
+    @property
+    def final_logit_softcap(self) -> float | None:
+        """Logits are ``cap * tanh(logits / cap)`` with this cap (Gemma 2); None = as they are."""
+        return None
+
     def logits(
         self,
         tokens: hax.NamedArray,
@@ -272,7 +277,8 @@ class LmModel(eqx.Module):
         if segment_ids is not None:
             segment_ids = to_layout(segment_ids)
         hidden = self.hidden_states(to_layout(tokens), segment_ids=segment_ids, key=key)
-        return from_layout(hax.dot(hidden, self.lm_head_weight(), axis="embed"))
+        logits = hax.dot(hidden, self.lm_head_weight(), axis="embed")
+        return from_layout(soft_cap(logits, self.final_logit_softcap))
 
     def save(self, path, tokenizer=None) -> None:
         """Write config and weights to directory ``path`` (YAML and safetensors, no pickle),
@@ -281,6 +287,13 @@ class LmModel(eqx.Module):
         (``with_tokenizer=True``: with the tokenizer)."""
         saved = SavedModel(self.config, self.Vocab.size)
         write_files(path, draccus.dump(saved), self, tokenizer)
+
+
+def soft_cap(x, cap: float | None):
+    """``cap * tanh(x / cap)`` (a ``NamedArray`` or array), or ``x`` when ``cap`` is None."""
+    if cap is None:
+        return x
+    return cap * (hax.tanh(x / cap) if isinstance(x, hax.NamedArray) else jax.numpy.tanh(x / cap))
 
 
 class AuxOutputs(eqx.Module):

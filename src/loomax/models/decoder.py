@@ -4,8 +4,11 @@ Its config is a ``LlamaConfig`` or a family's subclass (``DecoderConfig`` names 
 read). The switches a family overrides: ``qkv_bias`` (biases on q/k/v alone, as Qwen 2),
 ``qk_norm_scope`` (QK-norm per head or over the whole projection, as OLMo 2), ``pre_norm``
 (norms before the attention and MLP, or only after them, as OLMo 2) and the field
-``sliding_window`` (Mistral). Weight layout and rotary convention match Hugging Face
-``LlamaForCausalLM``.
+``sliding_window`` (Mistral) with its per-layer pattern (``layer_windows``: Gemma 2's
+alternate layers, run as a ``lax.switch`` on the scanned layer index so that each kind of
+layer skips what its window excludes), the attention's ``attn_scale`` and
+``attn_logit_softcap``, ``scale_embeddings`` (by sqrt(hidden), Gemma). Weight layout and
+rotary convention match Hugging Face ``LlamaForCausalLM``.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import equinox as eqx
 import haliax as hax
 import haliax.nn as hnn
 import jax
+import jax.numpy as jnp
 from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
+from loomax.config import ConfigError
 from loomax.models import offload, taps
 from loomax.models.attention import cached_attention, model_attention
 from loomax.models.axes import KeyPosition, Position
@@ -43,6 +48,7 @@ class DecoderConfig(Protocol):
     Mlp: Axis
     Layers: Axis
     num_layers: int
+    hidden_dim: int
     rope: Any
     activation_function: str
     initializer_range: float
@@ -55,6 +61,11 @@ class DecoderConfig(Protocol):
     hybrid_norm: bool
     input_embedding_norm: bool
     sliding_window: int | None
+    layer_windows: tuple[int | None, ...]
+    attn_scale: float | None
+    attn_logit_softcap: float | None
+    final_logit_softcap: float | None
+    scale_embeddings: bool
     dropout_active: bool
     embed_pdrop: float
     resid_pdrop: float
@@ -116,18 +127,42 @@ class LlamaAttention(eqx.Module):
         segment_ids: NamedArray | None = None,
         *,
         key: PRNGKeyArray | None = None,
+        layer: jax.Array | None = None,
     ) -> NamedArray:
-        """``key`` drops out attention probabilities (``attn_pdrop``)."""
+        """``key`` drops out attention probabilities (``attn_pdrop``); ``layer`` (the block's
+        index) picks its window where the layers' windows differ."""
+        c = self.config
         q, k, v = self._qkv(x, layout_positions(x.resolve_axis(Position)))
-        window = self.config.sliding_window
-        out = model_attention(self.config, q, k, v, segment_ids, key=key, window=window)
+
+        def attend(window):
+            return lambda q, k, v: model_attention(
+                c, q, k, v, segment_ids, key=key, window=window,
+                scale=c.attn_scale, softcap=c.attn_logit_softcap,
+            )  # fmt: skip
+
+        kinds = sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)
+        if len(kinds) == 1:
+            out = attend(kinds[0])(q, k, v)
+        else:
+            if layer is None:
+                raise ConfigError(
+                    f"model.sliding_window_pattern is not supported by {type(c).__name__}"
+                )
+            kind = jnp.asarray([kinds.index(w) for w in c.layer_windows])[layer]
+            out = jax.lax.switch(kind, [attend(w) for w in kinds], q, k, v)
         return self.o_proj(name_activation(out, "attn_out"))
 
-    def decode(self, x: NamedArray, cache_k, cache_v, start):
+    def decode(self, x: NamedArray, cache_k, cache_v, start, layer=None):
         """Attention over the cache for new positions from ``start``; returns the new cache too."""
+        c = self.config
         q, k, v = self._qkv(x, hax.arange(x.resolve_axis(Position)) + start)
-        window = self.config.sliding_window
-        out, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, start, window)
+        window = c.layer_windows[0]
+        if len(set(c.layer_windows)) > 1:  # a traced window: a mask here, nothing to skip
+            full = jnp.iinfo(jnp.int32).max
+            window = jnp.asarray([full if w is None else w for w in c.layer_windows])[layer]
+        out, cache_k, cache_v = cached_attention(
+            q, k, v, cache_k, cache_v, start, window, c.attn_scale, c.attn_logit_softcap
+        )
         return self.o_proj(out), cache_k, cache_v
 
 
@@ -191,19 +226,23 @@ class LlamaBlock(eqx.Module):
         segment_ids: NamedArray | None = None,
         *,
         key: PRNGKeyArray | None = None,
+        layer: jax.Array | None = None,
     ) -> NamedArray:
-        """``key`` (training) drives this block's dropout."""
+        """``key`` (training) drives this block's dropout; ``layer`` is its index."""
         k_probs, k_attn, k_mlp = split(key, 3)
         rate = self.config.resid_pdrop
-        attn = taps.tap("attn_out", self.attn(_maybe(self.input_norm, x), segment_ids, key=k_probs))
+        attn_in = _maybe(self.input_norm, x)
+        attn = taps.tap("attn_out", self.attn(attn_in, segment_ids, key=k_probs, layer=layer))
         x = x + dropout(_maybe(self.attn_out_norm, attn), rate, k_attn)
         mlp_in = taps.tap("mlp_in", name_activation(_maybe(self.post_attn_norm, x), "mlp_in"))
         mlp = taps.tap("mlp_out", self.mlp(mlp_in))
         x = x + dropout(_maybe(self.mlp_out_norm, mlp), rate, k_mlp)
         return hax.auto_sharded(x)
 
-    def decode(self, x: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
-        attn, k, v = self.attn.decode(_maybe(self.input_norm, x), cache.k, cache.v, start)
+    def decode(
+        self, x: NamedArray, cache: KvCache, start, layer=None
+    ) -> tuple[NamedArray, KvCache]:
+        attn, k, v = self.attn.decode(_maybe(self.input_norm, x), cache.k, cache.v, start, layer)
         x = x + _maybe(self.attn_out_norm, attn)
         mlp = self.mlp(_maybe(self.post_attn_norm, x))
         return x + _maybe(self.mlp_out_norm, mlp), KvCache(k, v)
@@ -251,10 +290,11 @@ class LlamaLmModel(LmModel):
         key: PRNGKeyArray | None = None,
     ) -> NamedArray:
         c = self.config
-        x = _maybe(self.embed_norm, hax.auto_sharded(self.embed_tokens.embed(tokens)))
+        x = _maybe(self.embed_norm, hax.auto_sharded(self._embed(tokens)))
         k_embed, k_layers = split(key if c.dropout_active else None, 2)
         x = dropout(x, c.embed_pdrop, k_embed)
-        per_layer = layer_inputs(c.num_layers, key=k_layers)
+        mixed = len(set(c.layer_windows)) > 1
+        per_layer = layer_inputs(c.num_layers, key=k_layers, layer_index=mixed)
         x = run_layers(
             self.blocks,
             x,
@@ -271,12 +311,25 @@ class LlamaLmModel(LmModel):
         return KvCache(hax.zeros(axes, dtype), hax.zeros(axes, dtype))
 
     def decode(self, tokens: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
-        def layer(x, block, layer_cache):
-            return block.decode(x, layer_cache, start)
+        def layer(x, block, layer_cache, *index):  # the index where the layers' windows differ
+            return block.decode(x, layer_cache, start, *index)
 
-        x = _maybe(self.embed_norm, self.embed_tokens.embed(tokens))
-        x, cache = offload.scan(layer, self.config.Layers)(x, self.blocks.stacked, cache)
+        c = self.config
+        x = _maybe(self.embed_norm, self._embed(tokens))
+        index = [jnp.arange(c.num_layers, dtype=jnp.int32)] if len(set(c.layer_windows)) > 1 else []
+        x, cache = offload.scan(layer, c.Layers)(x, self.blocks.stacked, cache, *index)
         return self.norm(x), cache
+
+    def _embed(self, tokens: NamedArray) -> NamedArray:
+        """Token embeddings, times sqrt(hidden) in their dtype with ``scale_embeddings``."""
+        x = self.embed_tokens.embed(tokens)
+        if self.config.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(self.config.hidden_dim), x.dtype)
+        return x
+
+    @property
+    def final_logit_softcap(self) -> float | None:
+        return self.config.final_logit_softcap
 
     def lm_head_weight(self) -> NamedArray:
         if self.lm_head is None:

@@ -65,25 +65,28 @@ LATE = np.iinfo(np.int32).max
 """Position of padding keys: later than every query, so no query sees one."""
 
 
-def flash_attention(q, k, v, seg, scale: float, block: int, window: int | None = None):
+def flash_attention(
+    q, k, v, seg, scale: float, block: int, window: int | None = None, softcap: float | None = None
+):
     """Causal attention by blocks with an online softmax; O(seq) memory forward and backward.
 
     ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]``, ``seg`` is ``[B, T]``;
-    ``window``: sliding-window attention (``visible_mask``).
+    ``window``: sliding-window attention (``visible_mask``); ``softcap``: scores become
+    ``softcap * tanh(scores / softcap)`` (Gemma 2).
     """
     pos = jnp.arange(q.shape[-2], dtype=jnp.int32)
-    return flash_attention_at(q, k, v, pos, pos, seg, seg, scale, block, window)
+    return flash_attention_at(q, k, v, pos, pos, seg, seg, scale, block, window, softcap)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def flash_attention_at(
-    q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int, window: int | None = None
+    q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int, window=None, softcap=None
 ):
     """Causal attention of ``q`` (``[B, K, G, Tq, D]`` at positions ``q_pos [Tq]``, segments
     ``q_seg [B, Tq]``) over ``k``/``v`` (``[B, K, Tk, D]``, ``k_pos [Tk]``, ``k_seg [B, Tk]``):
     a query sees the keys at or before its position in its own segment (and within
     ``window``)."""
-    out, _ = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window)
+    out, _ = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window, softcap)
     return out.astype(q.dtype)
 
 
@@ -104,9 +107,11 @@ def key_blocks(k, v, k_pos, k_seg, block):
     return _split_blocks(k, block, 2), _split_blocks(v, block, 2), k_pos, k_seg
 
 
-def _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window):
+def _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap=None):
     acc = acc_dtype(q_b.dtype)
     s = jnp.einsum("bkgqd,bksd->bkgqs", q_b, k_b, preferred_element_type=acc) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
     mask = visible_mask(qp, kp, qs, ks, window)
     return s, mask
 
@@ -143,7 +148,7 @@ def forward_state(queries):
     return jnp.full(shape, jnp.finfo(acc).min, acc), jnp.zeros(shape, acc), jnp.zeros(qb.shape, acc)
 
 
-def forward_blocks(queries, state, keys, scale: float, window: int | None = None):
+def forward_blocks(queries, state, keys, scale: float, window=None, softcap=None):
     """The online softmax ``state`` of blocked ``queries`` (``query_blocks``) carried on over
     blocked ``keys`` (``key_blocks``): attention over several key parts in turn equals
     attention over them all."""
@@ -160,7 +165,7 @@ def forward_blocks(queries, state, keys, scale: float, window: int | None = None
 
             def compute(carry):
                 m, total, o = carry
-                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window)
+                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap)
                 m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, neg), axis=-1))
                 p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
                 corr = jnp.exp(m - m_new)
@@ -187,7 +192,7 @@ def finish(state):
 
 
 def block_forward(
-    q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int, window: int | None = None
+    q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int, window=None, softcap=None
 ):
     """``(out, lse)``: the attention output in the accumulation dtype (``[B, K, G, Tq, D]``)
     and the log-sum-exp of each query's visible scores (``[B, K, G, Tq]``; a query that
@@ -195,11 +200,12 @@ def block_forward(
     Tq = q.shape[-2]
     queries = query_blocks(q, q_pos, q_seg, min(block, Tq))
     keys = key_blocks(k, v, k_pos, k_seg, min(block, k.shape[-2]))
-    out, lse = finish(forward_blocks(queries, forward_state(queries), keys, scale, window))
+    state = forward_blocks(queries, forward_state(queries), keys, scale, window, softcap)
+    out, lse = finish(state)
     return merge_blocks(out, 3)[..., :Tq, :], merge_blocks(lse, 3)[..., :Tq]
 
 
-def backward_blocks(queries, gb, lb, db, dq, keys, scale: float, window: int | None = None):
+def backward_blocks(queries, gb, lb, db, dq, keys, scale: float, window=None, softcap=None):
     """``(dq, dk, dv)`` blocks, the accumulation dtype: ``dq`` (blocks like ``queries``)
     carried on over blocked ``keys``, and those keys' dK/dV, for the attention whose (global)
     log-sum-exp per query is ``lb`` and ``db = sum(g * out, -1)`` (``g``'s blocks ``gb``)."""
@@ -215,11 +221,13 @@ def backward_blocks(queries, gb, lb, db, dq, keys, scale: float, window: int | N
             k_b, v_b, ks, kp = ys
 
             def compute(dq):
-                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window)
+                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap)
                 p = jnp.where(mask, jnp.exp(s - l_b[..., None]), 0.0)
                 dv_b = jnp.einsum("bkgqs,bkgqd->bksd", p, g_b.astype(acc))
                 dp = jnp.einsum("bkgqd,bksd->bkgqs", g_b.astype(acc), v_b.astype(acc))
                 ds = p * (dp - d_b[..., None]) * scale
+                if softcap is not None:  # d(cap * tanh(x / cap)) = 1 - (capped / cap)^2
+                    ds = ds * (1 - jnp.square(s / softcap))
                 dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, k_b.astype(acc))
                 dk_b = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_b.astype(acc))
                 return dq, dk_b, dv_b
@@ -240,7 +248,7 @@ def backward_blocks(queries, gb, lb, db, dq, keys, scale: float, window: int | N
 
 
 def block_backward(
-    q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta, window: int | None = None
+    q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta, window=None, softcap=None
 ):
     """``(dq, dk, dv)`` in the accumulation dtype, of the attention whose (global) log-sum-exp
     per query is ``lse`` and ``delta = sum(g * out, -1)``, for the keys given: summed over
@@ -250,7 +258,7 @@ def block_backward(
     keys = key_blocks(k, v, k_pos, k_seg, min(block, Tk))
     gb, lb, db = grad_blocks(g, lse, delta, min(block, Tq))
     dq0 = jnp.zeros(queries[0].shape, acc_dtype(q.dtype))
-    dq, dk, dv = backward_blocks(queries, gb, lb, db, dq0, keys, scale, window)
+    dq, dk, dv = backward_blocks(queries, gb, lb, db, dq0, keys, scale, window, softcap)
     dq = merge_blocks(dq, 3)[..., :Tq, :]
     return dq, merge_blocks(dk, 2)[..., :Tk, :], merge_blocks(dv, 2)[..., :Tk, :]
 
@@ -260,17 +268,17 @@ def grad_blocks(g, lse, delta, block: int):
     return tuple(_split_blocks(_pad_to(x, block, 3), block, 3) for x in (g, lse, delta))
 
 
-def _flash_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window):
-    out, lse = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window)
+def _flash_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window, softcap):
+    out, lse = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window, softcap)
     out = out.astype(q.dtype)
     return out, (q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse)
 
 
-def _flash_bwd(scale, block, window, residuals, g):
+def _flash_bwd(scale, block, window, softcap, residuals, g):
     q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse = residuals
     delta = jnp.sum(g.astype(lse.dtype) * out.astype(lse.dtype), axis=-1)  # [B, K, G, Tq]
     dq, dk, dv = block_backward(
-        q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta, window
+        q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta, window, softcap
     )
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 

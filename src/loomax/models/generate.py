@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loomax.models.axes import Position, Vocab
-from loomax.models.config import LmModel
+from loomax.models.config import LmModel, soft_cap
 
 
 def pick_token(
@@ -181,7 +181,8 @@ class _Steps:
 
 def _logits_at(model: LmModel, hidden, index) -> jax.Array:
     h = hidden[Position, index]
-    return hax.dot(h, model.lm_head_weight(), axis="embed").rearrange((Vocab,)).array
+    logits = hax.dot(h, model.lm_head_weight(), axis="embed").rearrange((Vocab,)).array
+    return soft_cap(logits, model.final_logit_softcap)
 
 
 @functools.lru_cache(maxsize=16)  # same options, same jitted steps: no recompiling per sample

@@ -74,9 +74,18 @@ class LlamaConfig(LmConfig):
     """An RMSNorm on the token embeddings, before the first block."""
     sliding_window: int | None = None
     """Sliding-window attention on every layer: a query sees the keys fewer than this many positions back, itself included (Mistral); null = all."""
+    sliding_window_pattern: tuple[bool, ...] = ()
+    """Which layers use sliding_window, repeated over the layers ([true, false]: every other layer from the first, Gemma 2); empty = all."""
 
     def __post_init__(self):
         super().__post_init__()
+        object.__setattr__(self, "sliding_window_pattern", tuple(self.sliding_window_pattern))
+        pattern = self.sliding_window_pattern
+        if pattern and (self.sliding_window is None or len(pattern) > self.num_layers):
+            raise ConfigError(
+                "model.sliding_window_pattern needs model.sliding_window and at most "
+                f"num_layers ({self.num_layers}) entries, got {list(pattern)}"
+            )
         check_activation(self.activation_function)
         for name in ("hidden_dim", "intermediate_dim", "num_layers", "num_heads"):
             if getattr(self, name) <= 0:
@@ -138,10 +147,37 @@ class LlamaConfig(LmConfig):
     qk_norm_scope: ClassVar[str] = "head"
     """QK-norm over each head (``head``) or over the whole projection (``projection``)."""
 
+    scale_embeddings: ClassVar[bool] = False
+    """Token embeddings times sqrt(hidden_dim), in their dtype (Gemma)."""
+
     @property
     def qkv_bias(self) -> bool:
         """Biases on the query, key and value projections (Llama: ``use_bias``)."""
         return self.use_bias
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention), from ``sliding_window_pattern``."""
+        pattern = self.sliding_window_pattern or (True,)
+        return tuple(
+            self.sliding_window if pattern[i % len(pattern)] else None
+            for i in range(self.num_layers)
+        )
+
+    @property
+    def attn_scale(self) -> float | None:
+        """What the attention scores are multiplied by; None = 1 / sqrt(head_size)."""
+        return None
+
+    @property
+    def attn_logit_softcap(self) -> float | None:
+        """Soft cap of the attention scores (Gemma 2); None = none."""
+        return None
+
+    @property
+    def final_logit_softcap(self) -> float | None:
+        """Soft cap of the output logits (Gemma 2); None = none."""
+        return None
 
     def make_norm(self, axis) -> hnn.RmsNorm:
         """An RMSNorm over ``axis`` as configured (epsilon, learned scale or none)."""
@@ -158,13 +194,15 @@ class LlamaConfig(LmConfig):
         return float(self.num_layers * per_layer + 2 * d * vocab_size)
 
     def attn_flops(self, causal: bool = True) -> float:
-        """Per-token, per-layer FLOPs of QK^T and PV: a query sees ``seq_len`` keys, or
-        ``sliding_window`` of them; causal counts the half of the score matrix computed (a
-        window of w over s keys: w - w^2 / 2s of them per query on average)."""
+        """Per-token FLOPs of QK^T and PV, averaged over the layers: a query sees ``seq_len``
+        keys, or its layer's window of them; causal counts the half of the score matrix
+        computed (a window of w over s keys: w - w^2 / 2s of them per query on average)."""
         s, q = self.seq_len, self.num_heads * self.head_size
-        w = min(s, self.sliding_window or s)
-        seen = (w - w * w / (2 * s)) if causal else w  # mean keys per query
-        return 2 * 2 * seen * q
+        total = 0.0
+        for window in self.layer_windows:
+            w = min(s, window or s)
+            total += (w - w * w / (2 * s)) if causal else w  # mean keys per query
+        return 2 * 2 * total / self.num_layers * q
 
     # Hugging Face (loomax.hf.family.HfFamily) ---------------------------------------------
     hf_model_type: ClassVar[str | None] = "llama"
@@ -177,6 +215,7 @@ class LlamaConfig(LmConfig):
         "input_embedding_norm": (False, "has no norm on the embeddings"),
         "use_layer_norm_weight": (True, "has a learned scale in every RMSNorm"),
         "sliding_window": (None, "has no sliding window"),
+        "sliding_window_pattern": ((), "has the same window on every layer"),
     }
     """What export needs of a config key, and what the HF class lacks otherwise."""
 
@@ -272,6 +311,37 @@ class LlamaConfig(LmConfig):
             )
         return cls(use_bias=bias, **cls._hf_fields(hf))
 
+    def _hf_windows(self) -> dict[str, Any]:
+        """config.json's window fields (Qwen 2/3's): ``use_sliding_window``, ``sliding_window``,
+        ``max_window_layers`` (the leading full layers) and each layer's kind (``layer_types``)."""
+        if self.sliding_window is None:
+            return {"use_sliding_window": False}
+        kinds = ["full_attention" if w is None else "sliding_attention" for w in self.layer_windows]
+        leading = next((i for i, k in enumerate(kinds) if k != "full_attention"), len(kinds))
+        return {
+            "use_sliding_window": True,
+            "sliding_window": self.sliding_window,
+            "max_window_layers": leading,
+            "layer_types": kinds,
+        }
+
+    @classmethod
+    def _hf_window_fields(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        """``sliding_window`` and ``sliding_window_pattern`` of config.json's ``layer_types``, or
+        of ``use_sliding_window`` and ``max_window_layers`` (Qwen 2/3: sliding from that layer)."""
+        n, kinds = hf["num_hidden_layers"], hf.get("layer_types")
+        if kinds is None and hf.get("use_sliding_window", True) is False:
+            return {"sliding_window": None}
+        if kinds is None:
+            kinds = ["sliding_attention"] * n
+            if "use_sliding_window" in hf:
+                first = hf.get("max_window_layers", 0)
+                kinds = ["full_attention" if i < first else "sliding_attention" for i in range(n)]
+        pattern = tuple(k == "sliding_attention" for k in kinds)
+        if hf.get("sliding_window") is None or not any(pattern):
+            return {"sliding_window": None}
+        return {"sliding_window": hf["sliding_window"], "sliding_window_pattern": pattern}
+
     @classmethod
     def _hf_fields(cls, hf: dict[str, Any]) -> dict[str, Any]:
         """The fields every rotary family reads alike from config.json."""
@@ -299,6 +369,8 @@ class LlamaConfig(LmConfig):
 
 
 def _yaml(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_yaml(v) for v in value) + "]"
     return "null" if value is None else str(value).lower()
 
 

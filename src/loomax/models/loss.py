@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from loomax.models import taps
 from loomax.models.axes import Embed, Position, Vocab
-from loomax.models.config import LmModel
+from loomax.models.config import LmModel, soft_cap
 from loomax.models.sequence_layout import context_axes, context_ways, to_layout
 from loomax.models.splash import concrete_mesh, mapped_axes
 
@@ -99,12 +99,16 @@ def next_token_loss_and_metrics(
     if taps.active():
         taps.record("logits", logits_stats(h, w, block_size or h.shape[0]))
 
+    cap = model.final_logit_softcap
+
     def fused(h, w, t, m):
+        if cap is not None:
+            return capped_cross_entropy_sum(h, w, t, m, block_size, z_loss_weight, cap)
         settings = (block_size, z_loss_weight, vocab_block_size, vocab_multiple)
         return fused_cross_entropy_sum(h, w, t, m, *settings)
 
     if block_size is None:
-        total = plain_cross_entropy_sum(h, w, t, m, z_loss_weight)
+        total = plain_cross_entropy_sum(h, w, t, m, z_loss_weight, cap)
     elif context_ways() > 1:
         rows = [x.reshape(-1, hidden.resolve_axis(Position).size, *x.shape[1:]) for x in (h, t, m)]
         total = per_device_sum(fused, w.astype(h.dtype), *rows)
@@ -152,14 +156,43 @@ def _acc(dtype) -> jnp.dtype:
 
 
 def plain_cross_entropy_sum(
-    h: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array, z_loss_weight: float = 0.0
+    h: jax.Array,
+    w: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    z_loss_weight: float = 0.0,
+    softcap: float | None = None,
 ) -> jax.Array:
     """The weighted cross-entropy sum (plus z-loss) with the whole logits matrix in memory:
-    the plain form the fused and blocked losses must equal."""
-    logits = jnp.dot(h, w.T, preferred_element_type=_acc(h.dtype))
+    the plain form the fused and blocked losses must equal (logits soft-capped by ``softcap``)."""
+    logits = soft_cap(jnp.dot(h, w.T, preferred_element_type=_acc(h.dtype)), softcap)
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
     return jnp.sum((lse - picked + z_loss_weight * lse**2) * weights)
+
+
+def capped_cross_entropy_sum(
+    h: jax.Array,
+    w: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    block_size: int,
+    z_loss_weight: float,
+    softcap: float,
+) -> jax.Array:
+    """``plain_cross_entropy_sum`` with soft-capped logits, ``block_size`` tokens at a time:
+    each block is rematerialized in the backward pass (plain autodiff, not the fused
+    gradient), so at most ``[block_size, vocab]`` logits exist; no vocabulary blocks."""
+    block = min(block_size, h.shape[0])
+
+    @jax.checkpoint
+    def one(total, xs):
+        h_b, t_b, m_b = xs
+        return total + plain_cross_entropy_sum(h_b, w, t_b, m_b, z_loss_weight, softcap), None
+
+    xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block))  # padding: weight 0
+    total, _ = jax.lax.scan(one, jnp.zeros((), _acc(h.dtype)), xs)
+    return total
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:

@@ -1,7 +1,8 @@
 """Qwen 2 / 2.5 (``Qwen2ForCausalLM``): Llama with biases on the query, key and value
 projections (none on the output projection or the MLP).
 
-Qwen 2's per-layer sliding windows (``use_sliding_window``) are not read: import refuses them.
+Qwen 2's sliding windows (``use_sliding_window`` from layer ``max_window_layers`` on, or
+``layer_types``) are read and written as ``sliding_window`` and ``sliding_window_pattern``.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from loomax.errors import BadFileError
 from loomax.models.config import LmConfig
 from loomax.models.llama import LlamaConfig
 
@@ -25,7 +25,7 @@ class Qwen2Config(LlamaConfig):
     hf_model_type: ClassVar[str | None] = "qwen2"
     hf_architecture: ClassVar[str] = "Qwen2ForCausalLM"
     hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
-        **LlamaConfig.hf_requires,
+        **{k: v for k, v in LlamaConfig.hf_requires.items() if "sliding_window" not in k},
         "use_bias": (False, "has biases on q/k/v only (always)"),
     }
 
@@ -36,10 +36,8 @@ class Qwen2Config(LlamaConfig):
     def hf_config(self, vocab_size: int) -> dict[str, Any]:
         out = super().hf_config(vocab_size)
         del out["attention_bias"], out["mlp_bias"]
-        return {**out, "use_sliding_window": False}
+        return {**out, **self._hf_windows()}
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> Qwen2Config:
-        if hf.get("use_sliding_window"):
-            raise BadFileError("config.json: use_sliding_window true is not supported for qwen2")
-        return cls(**cls._hf_fields(hf))
+        return cls(**cls._hf_fields(hf), **cls._hf_window_fields(hf))

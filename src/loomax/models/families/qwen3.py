@@ -1,7 +1,8 @@
 """Qwen 3 (``Qwen3ForCausalLM``): Llama with an RMSNorm over each head of the queries and keys
 (``q_norm``/``k_norm``, before rotary), an explicit ``head_dim`` and no biases.
 
-Qwen 3's per-layer sliding windows (``use_sliding_window``) are not read: import refuses them.
+Qwen 3's sliding windows (``use_sliding_window`` from layer ``max_window_layers`` on, or
+``layer_types``) are read and written as ``sliding_window`` and ``sliding_window_pattern``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Qwen3Config(LlamaConfig):
     hf_model_type: ClassVar[str | None] = "qwen3"
     hf_architecture: ClassVar[str] = "Qwen3ForCausalLM"
     hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
-        **LlamaConfig.hf_requires,
+        **{k: v for k, v in LlamaConfig.hf_requires.items() if "sliding_window" not in k},
         "qk_norm": (True, "always has QK-norm"),
         "use_bias": (False, "has no MLP biases"),
     }
@@ -35,12 +36,10 @@ class Qwen3Config(LlamaConfig):
     def hf_config(self, vocab_size: int) -> dict[str, Any]:
         out = super().hf_config(vocab_size)
         del out["mlp_bias"]
-        return {**out, "use_sliding_window": False}
+        return {**out, **self._hf_windows()}
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> Qwen3Config:
-        if hf.get("use_sliding_window"):
-            raise BadFileError("config.json: use_sliding_window true is not supported for qwen3")
         if hf.get("attention_bias"):
             raise BadFileError("config.json: attention_bias true is not supported for qwen3")
-        return cls(**cls._hf_fields(hf))
+        return cls(**cls._hf_fields(hf), **cls._hf_window_fields(hf))
