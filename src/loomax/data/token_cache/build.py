@@ -12,16 +12,18 @@ sources, which the fingerprint has just checked. See `layout` for what is stored
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from loomax.data.cache import fingerprint
+from loomax.data.record_shards import RecordShards
 from loomax.data.sources import Shard
 from loomax.data.token_cache.assemble import assemble_splits
 from loomax.data.token_cache.damage import find_damage, reading, stored_files
@@ -110,10 +112,14 @@ def build_token_cache(
     if meta is None:
         ledger = read_ledger(build)
         before = set(ledger)
+        if isinstance(shards, RecordShards):
+            shards.learn_end(ledger)
         if build.shards_used(ledger) is None:
-            jobs = [
-                _job(build, i, before_piece) for i in range(len(build.shards)) if i not in ledger
-            ]
+            jobs: Iterable[PieceJob] = (
+                _stream_jobs(build, shards, ledger, before_piece)
+                if isinstance(shards, RecordShards)
+                else [_job(build, i, before_piece) for i in range(len(shards)) if i not in ledger]
+            )
             _tokenize_missing(build, jobs, ledger, ray_config, progress, should_stop)
         tokenized = [entry for position, entry in ledger.items() if position not in before]
         meta = _finish(build, ledger)
@@ -137,6 +143,22 @@ def _job(build: BuildPlan, position: int, before_piece: Callable[[Shard], None] 
     )
 
 
+def _stream_jobs(
+    build: BuildPlan,
+    shards: RecordShards,
+    ledger: dict[int, dict],
+    before_piece: Callable[[Shard], None] | None,
+) -> Iterator[PieceJob]:
+    """The jobs of the logical shards the ledger lacks, each with its documents, read from
+    the source's stream as the tasks take them (the shards the ledger holds are read past)."""
+    for position, documents, skipped in shards.read(
+        skip_bad_records=build.skip_bad_records, max_documents=build.max_documents
+    ):
+        if position not in ledger:
+            job = _job(build, position, before_piece)
+            yield dataclasses.replace(job, documents=documents, skipped=skipped)
+
+
 # ---------------------------------------------------------------------- tokenizing
 NODE_FAILURE_RETRIES = 3
 """Times the build resubmits a shard whose task Ray lost (worker or node died) and gave up on."""
@@ -146,7 +168,7 @@ _Outcome = tuple[PieceJob, "dict[str, Any] | BaseException"]
 
 def _tokenize_missing(
     build: BuildPlan,
-    jobs: list[PieceJob],
+    jobs: Iterable[PieceJob],
     ledger: dict[int, dict],
     ray_config: RayConfig,
     progress: bool,
@@ -172,7 +194,7 @@ def _collect(
     failures: list[tuple[PieceJob, BaseException]] = []
     tokens = sum(entry_tokens(entry) for entry in ledger.values())
     bar = tqdm(
-        total=len(build.shards),
+        total=None if isinstance(build.shards, RecordShards) else len(build.shards),
         initial=len(ledger),
         desc="token cache",
         unit="shard",
@@ -207,7 +229,7 @@ class BuildStopped(TokenCacheError):
 
 
 def _run_on_ray(
-    jobs: Sequence[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
+    jobs: Iterable[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
 ) -> Iterator[_Outcome]:
     """Runs `jobs` as Ray tasks, a few per CPU at a time, in order; yields them as they end.
 
@@ -221,13 +243,17 @@ def _run_on_ray(
     task = ray.remote(build_piece).options(scheduling_strategy="SPREAD", max_retries=3)
     tokenizer_ref = ray.put(tokenizer_json)
     in_flight = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
-    queue, running, failed = deque(jobs), {}, False
+    pending, queue, running, failed = iter(jobs), deque(), {}, False  # queue: jobs to rerun
     lost: dict[int, int] = {}  # position: times its task was lost to a system failure
     try:
-        while running or (queue and not failed):
-            while queue and not failed and len(running) < in_flight:
-                job = queue.popleft()
+        while True:
+            while not failed and len(running) < in_flight:
+                job = queue.popleft() if queue else next(pending, None)  # read as needed
+                if job is None:
+                    break
                 running[task.remote(job, tokenizer_ref)] = job
+            if not running:
+                return
             ready: list = []
             while not ready:
                 ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
@@ -252,7 +278,7 @@ def _run_on_ray(
 
 
 def _run_here(
-    jobs: Sequence[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
+    jobs: Iterable[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
 ) -> Iterator[_Outcome]:
     """Runs `jobs` one by one in this process (for stores other processes cannot see)."""
     for job in jobs:

@@ -48,6 +48,11 @@ class PieceJob:
     skip_bad_records: bool
     before_piece: Callable[[Shard], None] | None = None
     """Called with the shard in the task before it is read (see `build_token_cache`)."""
+    documents: tuple[str, ...] | None = None
+    """The shard's documents, read by the driver (a logical shard of `RecordShards`); None =
+    the task reads the shard itself."""
+    skipped: int = 0
+    """Bad records the driver skipped while reading `documents`."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -78,8 +83,12 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         split: PieceWriter(piece_dir(root, job.position, attempt, split))
         for split in split_names(job.holdout_fraction)
     }
-    stats = ReadStats()
-    documents = read_shard(job.shard, skip_bad_records=job.skip_bad_records, stats=stats)
+    stats = ReadStats(skipped=job.skipped)
+    documents = (
+        iter(job.documents)
+        if job.documents is not None
+        else read_shard(job.shard, skip_bad_records=job.skip_bad_records, stats=stats)
+    )
     index = 0
     for batch in _batched(itertools.islice(documents, job.max_documents), _ENCODE_BATCH):
         for tokens in encode_documents(tokenizer, batch):
