@@ -361,3 +361,21 @@ def wait_for_quiet_ledger(cache: Path, quiet: float = 1.5) -> None:
         now = ledger_times(cache)
         if now != seen:
             seen, since = now, time.monotonic()
+
+
+def test_ray_workers_tokenize_on_their_share_of_the_cores(ray_cluster):
+    """A worker's tokenizer gets its node's cores / Ray CPUs threads (the head has 2 CPUs),
+    not one per core in every worker."""
+    import os
+
+    import ray
+
+    from loomax.data.token_cache.tasks import _match_threads_to_cpus
+
+    def threads() -> tuple[str, int]:
+        os.environ.pop("RAYON_NUM_THREADS", None)  # as a worker of an unset driver starts
+        _match_threads_to_cpus()
+        return os.environ["RAYON_NUM_THREADS"], os.cpu_count() or 1
+
+    got, cores = ray.get(ray.remote(threads).remote())
+    assert got == str(max(1, cores // 2))

@@ -29,6 +29,7 @@ from loomax.data.token_cache.assemble import assemble_splits
 from loomax.data.token_cache.damage import find_damage, reading, stored_files
 from loomax.data.token_cache.layout import FORMAT_VERSION, META_FILE, TokenCacheError
 from loomax.data.token_cache.ledger import claim, delete_pieces, entry_tokens, read_ledger
+from loomax.data.token_cache.placement import runs_here
 from loomax.data.token_cache.settings import BuildPlan, SplitInfo, TokenCacheInfo, cache_settings
 from loomax.data.token_cache.tasks import PieceJob, build_piece
 from loomax.data.tokenizer import bos_id, eos_id, load_tokenizer, resolve_tokenizer_path
@@ -63,7 +64,8 @@ def build_token_cache(
     returned as is; one with other settings raises `TokenCacheError` naming what
     differs, unless `overwrite` deletes it first. `ray_config` says which Ray cluster
     to use; if Ray is already initialized it is used as is.
-    `memory://` caches are built in this process, since Ray workers cannot see them.
+    `memory://` caches are built in this process, since Ray workers cannot see them, and
+    so are local corpora under `placement.SMALL_BUILD_BYTES` when no Ray is running.
 
     `before_piece`, for tests and fault drills, is called with each shard to tokenize,
     in the task that tokenizes it (a Ray worker: it must pickle, e.g. a closure), before
@@ -176,11 +178,12 @@ def _tokenize_missing(
 ) -> None:
     """Runs `jobs` (the shards the ledger lacks), in order, until the shards used are all in it.
 
-    Runs on Ray, or in this process for memory:// caches. Raises `TokenCacheError` naming
-    the first shard that failed, after the shards already running have finished.
+    Runs on Ray, or in this process (`placement.runs_here`: memory:// caches, small local
+    corpora with no Ray running). Raises `TokenCacheError` naming the first shard that
+    failed, after the shards already running have finished.
     """
     tokenizer_json = build.tokenizer_file.read_text(encoding="utf-8")
-    if build.root.url.startswith("memory://"):
+    if runs_here(build, ray_config):
         _collect(build, ledger, _run_here(jobs, tokenizer_json, should_stop), progress)
         return
     with ray_session(ray_config):
