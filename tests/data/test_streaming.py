@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
+from loomax.checkpoint import list_checkpoints
 from loomax.config import ConfigError, parse_config
 from loomax.data.dataset import build_caches
 from loomax.data.run_tokenizer import prepare_tokenizer
@@ -22,6 +27,7 @@ from loomax.lm import TrainLmConfig
 from loomax.train_lm import train_lm
 
 NUM_SHARDS = 8
+DRIVER = Path(__file__).with_name("streaming_train_driver.py")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +40,11 @@ def shards(tmp_path_factory):
 
 
 def config(tmp_path, shards, cache: str, run: str, *extra: str) -> TrainLmConfig:
+    return parse_config(TrainLmConfig, None, arguments(tmp_path, shards, cache, run, *extra))
+
+
+def arguments(tmp_path, shards, cache: str, run: str, *extra: str) -> list[str]:
+    """The command-line overrides of the tiny run `run` on the cache under `cache`."""
     args = {
         "data.train": json.dumps([{"urls": [shards]}]),
         "data.tokenizer_vocab_size": "300",
@@ -53,9 +64,7 @@ def config(tmp_path, shards, cache: str, run: str, *extra: str) -> TrainLmConfig
         "trainer.progress_bar": "false",
         "sample.enabled": "false",
     }
-    return parse_config(
-        TrainLmConfig, None, [x for k, v in args.items() for x in (f"--{k}", v)] + list(extra)
-    )
+    return [x for k, v in args.items() for x in (f"--{k}", v)] + list(extra)
 
 
 def losses(tmp_path, run: str) -> list[float]:
@@ -91,6 +100,54 @@ def test_a_run_on_a_building_cache_has_the_finished_caches_losses(
     assert first.final.step == finished.final.step == 12
     assert losses(tmp_path, "building") == losses(tmp_path, "finished")
     assert len(losses(tmp_path, "building")) == 12
+
+
+@pytest.mark.slow
+def test_a_run_killed_while_the_cache_builds_resumes_to_the_uninterrupted_losses(tmp_path, shards):
+    """A streaming run (a real process, building the cache as it trains) is SIGKILLed after
+    its step-4 checkpoint, mid-build; a run resumed from that checkpoint takes the build
+    over and trains steps 5-12 with bitwise the losses of an uninterrupted run on the
+    finished cache (so the same batches), as the killed run's steps did."""
+    cache = str(tmp_path / "cache")
+    keep = ("--trainer.checkpointer.fixed_steps", "[4]", "--trainer.checkpointer.async_save")
+
+    def driver(run: str, sleep: float, *extra: str) -> subprocess.Popen:
+        args = arguments(tmp_path, shards, cache, run, *keep, "false", *extra)
+        options = json.dumps({"args": args, "sleep": sleep})
+        return subprocess.Popen([sys.executable, str(DRIVER), options])
+
+    killed = driver("killed", 3.0)  # per shard past the first chunk: killed mid-build
+    try:
+        deadline = time.monotonic() + 240
+        checkpoints = str(tmp_path / "killed" / "checkpoints")
+        while not any(c.step == 4 for c in list_checkpoints(checkpoints)):
+            assert killed.poll() is None, "the run ended before it was killed"
+            assert time.monotonic() < deadline, "no step-4 checkpoint"
+            time.sleep(0.1)
+        killed.send_signal(signal.SIGKILL)
+    finally:
+        killed.wait()
+    assert killed.returncode == -signal.SIGKILL
+    [tokens] = (p for p in (tmp_path / "cache" / "tokens").glob("train0-*") if p.is_dir())
+    done = len(list((tokens / "ledger").glob("*.json")))
+    assert not (tokens / "meta.json").exists() and done < NUM_SHARDS, "killed mid-build"
+
+    resumed = driver(
+        "resumed",
+        0.0,
+        "--trainer.load_checkpoint",
+        "true",
+        "--trainer.load_checkpoint_path",
+        checkpoints,
+    )
+    assert resumed.wait(300) == 0
+    assert (tokens / "meta.json").exists(), "the resumed run finished the build"
+    uninterrupted = train_lm(config(tmp_path, shards, cache, "uninterrupted"))
+    assert uninterrupted.final.step == 12
+    expected = losses(tmp_path, "uninterrupted")
+    assert losses(tmp_path, "resumed") == expected[4:]
+    logged = losses(tmp_path, "killed")  # those written out before the kill (up to 4)
+    assert len(logged) <= 4 and logged == expected[: len(logged)]
 
 
 def test_epochs_are_refused_while_streaming(tmp_path, shards):

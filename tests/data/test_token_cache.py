@@ -97,6 +97,26 @@ def test_cache_equals_single_process_tokenization(ray_cluster, corpus, tmp_path)
     assert again.shards_tokenized == 0 and again.fingerprint == info.fingerprint
 
 
+def test_a_streamed_source_is_fed_to_ray_tasks_as_it_is_read(ray_cluster, corpus, tmp_path):
+    """Logical shards of 10 records (`records_per_shard`): the driver reads the stream as
+    Ray takes the tasks; the cache holds the listed files' documents, with the holdout
+    split by logical shard."""
+    from dataclasses import replace
+
+    from loomax.data.record_shards import RecordShards
+
+    shards = RecordShards(replace(corpus.source, records_per_shard=10))
+    info = build_token_cache(
+        shards, corpus.tokenizer, tmp_path / "cache", progress=False, holdout_fraction=0.2
+    )
+    everything = [doc for shard in corpus.encoded for doc in shard]  # 150 documents
+    assert (info.shards_total, info.shards_tokenized) == (16, 16)  # the last one empty
+    held = [is_held_out(i // 10, i % 10, 0.2) for i in range(len(everything))]
+    cache = TokenCache.open(tmp_path / "cache")
+    assert_split(cache, "train", [d for d, h in zip(everything, held, strict=True) if not h])
+    assert_split(cache, "validation", [d for d, h in zip(everything, held, strict=True) if h])
+
+
 def test_holdout_and_bos_match_a_reference(ray_cluster, corpus, tmp_path):
     tokenizer = load_tokenizer(corpus.tokenizer)
     tokenizer.add_special_tokens(["<s>"])
@@ -341,3 +361,21 @@ def wait_for_quiet_ledger(cache: Path, quiet: float = 1.5) -> None:
         now = ledger_times(cache)
         if now != seen:
             seen, since = now, time.monotonic()
+
+
+def test_ray_workers_tokenize_on_their_share_of_the_cores(ray_cluster):
+    """A worker's tokenizer gets its node's cores / Ray CPUs threads (the head has 2 CPUs),
+    not one per core in every worker."""
+    import os
+
+    import ray
+
+    from loomax.data.token_cache.tasks import _match_threads_to_cpus
+
+    def threads() -> tuple[str, int]:
+        os.environ.pop("RAYON_NUM_THREADS", None)  # as a worker of an unset driver starts
+        _match_threads_to_cpus()
+        return os.environ["RAYON_NUM_THREADS"], os.cpu_count() or 1
+
+    got, cores = ray.get(ray.remote(threads).remote())
+    assert got == str(max(1, cores // 2))

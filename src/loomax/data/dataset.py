@@ -15,6 +15,7 @@ unchanged config reuses the old one (resuming an interrupted build).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from loomax.data.config import DataConfig
+from loomax.data.record_shards import RecordShards
 from loomax.data.report import (
     SkippedRecords,
     describe_shards,
@@ -103,7 +105,8 @@ class LmDatasets:
 class CachePlan:
     """Where one source's token cache lives and what it is built from."""
 
-    shards: list[Shard]
+    shards: Sequence[Shard]
+    """The source's shards: files or dataset pieces, or a `RecordShards` stream."""
     url: str
     key: str
     """The fingerprint of its settings (part of `url`)."""
@@ -114,7 +117,7 @@ def cache_plan(
     config: DataConfig, tokenizer_path: str | Path, kind: str, index: int, source: SourceConfig
 ) -> CachePlan:
     """The cache of `data.<kind>[index]`: `<cache_dir>/tokens/<kind><index>-<fingerprint>`."""
-    shards = source_shards(source)
+    shards = RecordShards(source) if source.records_per_shard else source_shards(source)
     settings = {
         "max_documents": source.max_documents,
         "holdout_fraction": holdout_fraction(config) if kind == "train" else 0.0,

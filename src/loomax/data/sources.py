@@ -62,6 +62,9 @@ class SourceConfig:
     max_documents: int | None = None
     """Use only the first this many documents (in shard order); null means all."""
 
+    records_per_shard: int | None = None
+    """Read the source as one stream cut into shards of this many records as it is read (a source too large to list up front); null = one shard per file or dataset piece."""
+
     def __post_init__(self) -> None:
         if isinstance(self.urls, str):
             raise ValueError(
@@ -95,6 +98,11 @@ class SourceConfig:
             raise ValueError("data source: for an `hf` source set `hf.text_key`, not `text_key`")
         if not self.weight > 0:
             raise ValueError(f"data source: `weight` must be > 0, got {self.weight}")
+        if self.records_per_shard is not None and self.records_per_shard < 1:
+            raise ValueError(
+                "data source: `records_per_shard` must be >= 1 or null, "
+                f"got {self.records_per_shard}"
+            )
         if self.max_documents is not None and self.max_documents < 1:
             raise ValueError(
                 f"data source: `max_documents` must be >= 1 or null, got {self.max_documents}"

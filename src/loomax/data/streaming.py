@@ -39,6 +39,12 @@ logger = logging.getLogger(__name__)
 def check_streaming(config: DataConfig) -> None:
     """`ConfigError` for what `stream_while_building` cannot do, before any work."""
     for i, source in enumerate(config.train):
+        if source.records_per_shard is not None:
+            raise ConfigError(
+                f"data.train[{i}].records_per_shard cannot be used with "
+                "data.stream_while_building: true yet (its shards are learned as the build "
+                "reads them); build the cache first (`loomax cache`), or remove one"
+            )
         if source.max_documents is not None:
             raise ConfigError(
                 f"data.train[{i}].max_documents cannot be used with "

@@ -12,21 +12,24 @@ sources, which the fingerprint has just checked. See `layout` for what is stored
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from loomax.data.cache import fingerprint
+from loomax.data.record_shards import RecordShards
 from loomax.data.sources import Shard
 from loomax.data.token_cache.assemble import assemble_splits
 from loomax.data.token_cache.damage import find_damage, reading, stored_files
 from loomax.data.token_cache.layout import FORMAT_VERSION, META_FILE, TokenCacheError
 from loomax.data.token_cache.ledger import claim, delete_pieces, entry_tokens, read_ledger
+from loomax.data.token_cache.placement import runs_here
 from loomax.data.token_cache.settings import BuildPlan, SplitInfo, TokenCacheInfo, cache_settings
 from loomax.data.token_cache.tasks import PieceJob, build_piece
 from loomax.data.tokenizer import bos_id, eos_id, load_tokenizer, resolve_tokenizer_path
@@ -61,7 +64,8 @@ def build_token_cache(
     returned as is; one with other settings raises `TokenCacheError` naming what
     differs, unless `overwrite` deletes it first. `ray_config` says which Ray cluster
     to use; if Ray is already initialized it is used as is.
-    `memory://` caches are built in this process, since Ray workers cannot see them.
+    `memory://` caches are built in this process, since Ray workers cannot see them, and
+    so are local corpora under `placement.SMALL_BUILD_BYTES` when no Ray is running.
 
     `before_piece`, for tests and fault drills, is called with each shard to tokenize,
     in the task that tokenizes it (a Ray worker: it must pickle, e.g. a closure), before
@@ -110,10 +114,14 @@ def build_token_cache(
     if meta is None:
         ledger = read_ledger(build)
         before = set(ledger)
+        if isinstance(shards, RecordShards):
+            shards.learn_end(ledger)
         if build.shards_used(ledger) is None:
-            jobs = [
-                _job(build, i, before_piece) for i in range(len(build.shards)) if i not in ledger
-            ]
+            jobs: Iterable[PieceJob] = (
+                _stream_jobs(build, shards, ledger, before_piece)
+                if isinstance(shards, RecordShards)
+                else [_job(build, i, before_piece) for i in range(len(shards)) if i not in ledger]
+            )
             _tokenize_missing(build, jobs, ledger, ray_config, progress, should_stop)
         tokenized = [entry for position, entry in ledger.items() if position not in before]
         meta = _finish(build, ledger)
@@ -137,6 +145,22 @@ def _job(build: BuildPlan, position: int, before_piece: Callable[[Shard], None] 
     )
 
 
+def _stream_jobs(
+    build: BuildPlan,
+    shards: RecordShards,
+    ledger: dict[int, dict],
+    before_piece: Callable[[Shard], None] | None,
+) -> Iterator[PieceJob]:
+    """The jobs of the logical shards the ledger lacks, each with its documents, read from
+    the source's stream as the tasks take them (the shards the ledger holds are read past)."""
+    for position, documents, skipped in shards.read(
+        skip_bad_records=build.skip_bad_records, max_documents=build.max_documents
+    ):
+        if position not in ledger:
+            job = _job(build, position, before_piece)
+            yield dataclasses.replace(job, documents=documents, skipped=skipped)
+
+
 # ---------------------------------------------------------------------- tokenizing
 NODE_FAILURE_RETRIES = 3
 """Times the build resubmits a shard whose task Ray lost (worker or node died) and gave up on."""
@@ -146,7 +170,7 @@ _Outcome = tuple[PieceJob, "dict[str, Any] | BaseException"]
 
 def _tokenize_missing(
     build: BuildPlan,
-    jobs: list[PieceJob],
+    jobs: Iterable[PieceJob],
     ledger: dict[int, dict],
     ray_config: RayConfig,
     progress: bool,
@@ -154,11 +178,12 @@ def _tokenize_missing(
 ) -> None:
     """Runs `jobs` (the shards the ledger lacks), in order, until the shards used are all in it.
 
-    Runs on Ray, or in this process for memory:// caches. Raises `TokenCacheError` naming
-    the first shard that failed, after the shards already running have finished.
+    Runs on Ray, or in this process (`placement.runs_here`: memory:// caches, small local
+    corpora with no Ray running). Raises `TokenCacheError` naming the first shard that
+    failed, after the shards already running have finished.
     """
     tokenizer_json = build.tokenizer_file.read_text(encoding="utf-8")
-    if build.root.url.startswith("memory://"):
+    if runs_here(build, ray_config):
         _collect(build, ledger, _run_here(jobs, tokenizer_json, should_stop), progress)
         return
     with ray_session(ray_config):
@@ -172,7 +197,7 @@ def _collect(
     failures: list[tuple[PieceJob, BaseException]] = []
     tokens = sum(entry_tokens(entry) for entry in ledger.values())
     bar = tqdm(
-        total=len(build.shards),
+        total=None if isinstance(build.shards, RecordShards) else len(build.shards),
         initial=len(ledger),
         desc="token cache",
         unit="shard",
@@ -207,7 +232,7 @@ class BuildStopped(TokenCacheError):
 
 
 def _run_on_ray(
-    jobs: Sequence[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
+    jobs: Iterable[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
 ) -> Iterator[_Outcome]:
     """Runs `jobs` as Ray tasks, a few per CPU at a time, in order; yields them as they end.
 
@@ -221,13 +246,17 @@ def _run_on_ray(
     task = ray.remote(build_piece).options(scheduling_strategy="SPREAD", max_retries=3)
     tokenizer_ref = ray.put(tokenizer_json)
     in_flight = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
-    queue, running, failed = deque(jobs), {}, False
+    pending, queue, running, failed = iter(jobs), deque(), {}, False  # queue: jobs to rerun
     lost: dict[int, int] = {}  # position: times its task was lost to a system failure
     try:
-        while running or (queue and not failed):
-            while queue and not failed and len(running) < in_flight:
-                job = queue.popleft()
+        while True:
+            while not failed and len(running) < in_flight:
+                job = queue.popleft() if queue else next(pending, None)  # read as needed
+                if job is None:
+                    break
                 running[task.remote(job, tokenizer_ref)] = job
+            if not running:
+                return
             ready: list = []
             while not ready:
                 ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
@@ -252,7 +281,7 @@ def _run_on_ray(
 
 
 def _run_here(
-    jobs: Sequence[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
+    jobs: Iterable[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
 ) -> Iterator[_Outcome]:
     """Runs `jobs` one by one in this process (for stores other processes cannot see)."""
     for job in jobs:

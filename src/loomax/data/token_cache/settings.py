@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from loomax.data.cache import file_sha256, fingerprint
+from loomax.data.record_shards import RecordShards
 from loomax.data.sources import Shard, source_fingerprint
 from loomax.data.token_cache.layout import FORMAT_VERSION
 from loomax.data.tokenizer import resolve_tokenizer_path
@@ -71,15 +72,17 @@ def cache_settings(
     the tokenizer by its file's SHA-256. `skip_bad_records` is not part of it: a shard
     that was read without error has the same tokens either way.
     """
+    streamed = isinstance(shards, RecordShards)  # its shards cannot be listed: its rule is
+    names = [shards.description] if streamed else [shard.name for shard in shards]
     sources: dict[str, str] = {}  # each source once, in order of first use
-    for shard in shards:
+    for shard in shards[:1] if streamed else shards:
         key = json.dumps(dataclasses.asdict(shard.source), sort_keys=True, default=str)
         if key not in sources:
             sources[key] = source_fingerprint(shard.source)
     return {
         "format": FORMAT_VERSION,
         "tokenizer_sha256": file_sha256(resolve_tokenizer_path(tokenizer_path)),
-        "shards": [shard.name for shard in shards],
+        "shards": names,
         "sources": list(sources.values()),
         "max_documents": max_documents,
         "holdout": {"fraction": holdout_fraction, "seed": holdout_seed},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -48,6 +49,11 @@ class PieceJob:
     skip_bad_records: bool
     before_piece: Callable[[Shard], None] | None = None
     """Called with the shard in the task before it is read (see `build_token_cache`)."""
+    documents: tuple[str, ...] | None = None
+    """The shard's documents, read by the driver (a logical shard of `RecordShards`); None =
+    the task reads the shard itself."""
+    skipped: int = 0
+    """Bad records the driver skipped while reading `documents`."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -71,6 +77,7 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         return recorded
     if job.before_piece is not None:
         job.before_piece(job.shard)
+    _match_threads_to_cpus()
     tokenizer = _tokenizer(job.tokenizer_sha256, tokenizer_json)
     bos = np.array([] if job.bos_id is None else [job.bos_id], dtype=np.int32)
     attempt = uuid.uuid4().hex[:12]  # a task left running by a killed driver writes elsewhere
@@ -78,8 +85,12 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         split: PieceWriter(piece_dir(root, job.position, attempt, split))
         for split in split_names(job.holdout_fraction)
     }
-    stats = ReadStats()
-    documents = read_shard(job.shard, skip_bad_records=job.skip_bad_records, stats=stats)
+    stats = ReadStats(skipped=job.skipped)
+    documents = (
+        iter(job.documents)
+        if job.documents is not None
+        else read_shard(job.shard, skip_bad_records=job.skip_bad_records, stats=stats)
+    )
     index = 0
     for batch in _batched(itertools.islice(documents, job.max_documents), _ENCODE_BATCH):
         for tokens in encode_documents(tokenizer, batch):
@@ -101,6 +112,18 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
     }
     root.child("ledger").write_json(f"{job.position}.json", entry)  # after the piece; atomic
     return entry
+
+
+def _match_threads_to_cpus() -> None:
+    """In a Ray worker, gives the tokenizer (rayon) this node's cores / its Ray CPUs threads,
+    unless `RAYON_NUM_THREADS` is set: rayon's default, one thread per core in every
+    worker, runs N workers x cores threads. Must run before the first encode here."""
+    ray = sys.modules.get("ray")
+    if "RAYON_NUM_THREADS" in os.environ or ray is None or not ray.is_initialized():
+        return
+    node = ray.get_runtime_context().get_node_id()
+    cpus = next((n["Resources"].get("CPU", 1) for n in ray.nodes() if n["NodeID"] == node), 1)
+    os.environ["RAYON_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, int(cpus))))
 
 
 def _ray_node_id() -> str | None:

@@ -1,0 +1,182 @@
+"""Token-cache build throughput against `datasets.map`, side by side (issue 51, item 4).
+
+On one corpus (`bench/data.py`'s: the stdlib sources repeated and shuffled into JSONL
+shards) with one tokenizer, each build in a fresh process, in rounds whose order rotates:
+
+- `ray<N>`: `build_token_cache` on a fresh local Ray cluster of N CPUs (cluster start timed
+  apart, as `build_s` excludes it);
+- `map<N>`: `load_dataset("json")` then `.map(batched=True, num_proc=N)` encoding with
+  `encode_batch_fast` (the call Loomax makes) and appending EOS into int32 lists.
+
+Every build runs with `RAYON_NUM_THREADS=1` (`--threads`), so each process tokenizes on
+one core and N (workers or `num_proc`) is the parallelism on both sides. Every build must
+give the same tokens (digest of the token stream and document lengths). Tokens/s is
+tokens / `build_s`; medians over `--rounds`.
+
+    python bench/build_vs_map.py [--mb 40] [--shards 16] [--rounds 2] [--threads 1]
+
+The last stdout line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = REPO / ".venv" / "bin" / "python"
+KINDS = ("ray1", "ray2", "map1", "map2")
+
+
+def _bench_data() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_data", REPO / "bench" / "data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_map(corpus: Path, tokenizer_path: Path, scratch: Path, num_proc: int) -> dict:
+    """`datasets.map` (batched, `num_proc` processes) encoding + EOS, as Loomax encodes."""
+    import datasets
+    import numpy as np
+    import pyarrow.compute as pc
+    from tokenizers import Tokenizer
+
+    from loomax.data.tokenizer import eos_id
+
+    datasets.disable_progress_bars()
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    eos = [eos_id(tokenizer)]
+
+    def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        return {"input_ids": [e.ids + eos for e in tokenizer.encode_batch_fast(batch["text"])]}
+
+    files = [str(p) for p in sorted(corpus.glob("*.jsonl"))]
+    start = time.perf_counter()
+    dataset = datasets.load_dataset("json", data_files=files, split="train", cache_dir=scratch)
+    load_s = time.perf_counter() - start
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
+    start = time.perf_counter()
+    out = dataset.map(
+        tokenize,
+        batched=True,
+        num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=["text"],
+        features=features,
+    )
+    map_s = time.perf_counter() - start
+    column = out.data.column("input_ids").combine_chunks()
+    tokens = column.flatten().to_numpy()
+    lengths = pc.list_value_length(column).to_numpy()
+    return {
+        "load_s": load_s,
+        "map_s": map_s,
+        "build_s": load_s + map_s,
+        "tokens": int(len(tokens)),
+        "documents": len(out),
+        "digest": _bench_data().stream_digest(tokens, np.asarray(lengths)),
+    }
+
+
+def child(kind: str, corpus: Path, tokenizer: Path, out: Path) -> dict:
+    if kind.startswith("map"):
+        return build_map(corpus, tokenizer, out, int(kind.removeprefix("map")))
+    return _bench_data().build_ray(corpus, tokenizer, out, int(kind.removeprefix("ray")))
+
+
+def spawn(kind: str, corpus: Path, tokenizer: Path, out: Path, threads: str) -> dict:
+    """Runs `kind` in a fresh process; its figures and the CPUs busy just before it."""
+    data = _bench_data()
+    command = [str(PYTHON), __file__, "--child", kind, "--corpus", str(corpus)]
+    command += ["--tokenizer", str(tokenizer), "--out", str(out)]
+    for attempt in range(3):  # a loaded VM may keep Ray's raylet past its fixed 30 s
+        busy = data.busy_cpus()
+        proc = subprocess.run(command, env=data.thread_env(threads), capture_output=True, text=True)
+        if proc.returncode == 0:
+            break
+        print(f"{kind} failed (attempt {attempt}): {proc.stderr[-300:]}", file=sys.stderr)
+    else:
+        raise RuntimeError(f"{kind} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"busy_before": busy}
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mb", type=float, default=40.0, help="corpus size in MB of JSONL")
+    parser.add_argument("--shards", type=int, default=16, help="JSONL files")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", default="1", help="RAYON_NUM_THREADS of every build")
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
+    parser.add_argument("--corpus", help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        result = child(args.child, Path(args.corpus), Path(args.tokenizer), Path(args.out))
+        print(json.dumps({k: v for k, v in result.items() if k != "cache_url"}))
+        return
+    data = _bench_data()
+    work = Path(tempfile.mkdtemp(prefix="loomax-build-vs-map-"))
+    data.make_corpus(work / "corpus", args.mb, args.shards)
+    tokenizer = data.train_tokenizer(work / "tokenizer.json", args.vocab)
+    runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
+    for round_ in range(args.rounds):
+        order = KINDS[round_ % len(KINDS) :] + KINDS[: round_ % len(KINDS)]
+        for kind in order:
+            out = work / f"{kind}-{round_}"
+            result = spawn(kind, work / "corpus", tokenizer, out, args.threads)
+            result["tokens_per_s"] = result["tokens"] / result["build_s"]
+            runs[kind].append(result)
+            print(
+                f"round {round_} {kind}: {result['build_s']:.2f} s, "
+                f"{result['tokens_per_s'] / 1e6:.3f} M tok/s, busy before "
+                f"{result['busy_before']}",
+                file=sys.stderr,
+                flush=True,
+            )
+    digests = {r["digest"] for rs in runs.values() for r in rs}
+    median = {k: statistics.median(r["tokens_per_s"] for r in rs) for k, rs in runs.items()}
+    summary = {
+        "cpu": f"{cpu_name()}, {data.os.cpu_count()} CPUs",
+        "corpus": {"mb": args.mb, "shards": args.shards, "tokens": runs["ray1"][0]["tokens"]},
+        "rayon_threads": args.threads,
+        "rounds": args.rounds,
+        "same_tokens": len(digests) == 1,
+        "median_tokens_per_s": median,
+        "median_build_s": {
+            k: statistics.median(r["build_s"] for r in rs) for k, rs in runs.items()
+        },
+        "ray_startup_s": {k: [r["startup_s"] for r in runs[k]] for k in ("ray1", "ray2")},
+        "ray2_over_map2": median["ray2"] / median["map2"],
+        "ray1_over_map1": median["ray1"] / median["map1"],
+        "runs": runs,
+    }
+    for kind in KINDS:
+        print(f"{kind}: {median[kind] / 1e6:.3f} M tok/s (median of {args.rounds})")
+    print(
+        f"ray2 / map2 = {summary['ray2_over_map2']:.2f}x; ray1 / map1 = "
+        f"{summary['ray1_over_map1']:.2f}x; same tokens: {summary['same_tokens']}"
+    )
+    print(json.dumps(summary))
+    data.shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
