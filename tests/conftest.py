@@ -251,6 +251,12 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def resume_helpers():
+    """tests/train/test_resume.py's helpers (make_trainer, start, terminate_at, params)."""
+    return load_test_module("train/test_resume.py")
+
+
+@pytest.fixture(scope="session")
 def families():
     """tests/support/families.py (every registered model type, and a tiny config of each)."""
     return _support("families")

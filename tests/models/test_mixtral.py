@@ -1,6 +1,6 @@
 """Mixtral through the loss and the step: the balance losses join the training loss (and
 only it), the router metrics come out under ``moe/`` from the scanned and the unrolled stack
-alike, activation taps still work, and the shipped ``mixtral_tiny`` config parses."""
+alike, activation taps still work, and the shipped ``mixtral_tiny`` and ``moe_tiny`` configs parse with the dense model's active width."""
 
 from __future__ import annotations
 
@@ -104,9 +104,13 @@ def test_train_step_reports_router_metrics_under_moe(model):
     assert losses[-1] < losses[0]
 
 
-def test_mixtral_tiny_config_parses(repo_root):
-    config = parse_config(TrainLmConfig, repo_root / "config" / "mixtral_tiny.yaml").model
+@pytest.mark.parametrize("name", ["mixtral_tiny", "moe_tiny"])
+def test_tiny_moe_configs_parse_with_the_dense_active_width(repo_root, name):
+    config = parse_config(TrainLmConfig, repo_root / "config" / f"{name}.yaml").model
+    dense = parse_config(TrainLmConfig, repo_root / "config" / "llama_tiny.yaml").model
     assert isinstance(config, MixtralConfig) and config.moe.num_experts > 1
+    active = config.expert_dim * (config.moe.num_experts_per_tok + config.moe.num_shared_experts)
+    assert active == dense.intermediate_dim and config.hidden_dim == dense.hidden_dim
 
 
 def test_olmoe_qk_norm_is_the_projection_scope_olmo2_uses():

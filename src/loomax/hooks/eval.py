@@ -19,6 +19,7 @@ import jmp
 import numpy as np
 
 from loomax.errors import DataSourceError
+from loomax.models.buffers import split_state
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 from loomax.train.loss_metrics import add_sums, metric_values, split_loss, zero_sums
@@ -109,7 +110,8 @@ def make_loss_evaluator(
             three, loss_sums = jax.device_get(sums)
             total, weight, nbytes = (float(x) for x in three)
             metrics = _metrics(total, weight, nbytes if count_bytes is not None else None)
-            metrics.update({k: float(v) for k, v in metric_values(loss_sums).items()})
+            reported, _ = split_state(metric_values(loss_sums))  # state statistics: not reported
+            metrics.update({k: float(v) for k, v in reported.items()})
             per_set.append(metrics)
             if name:
                 out.update({f"eval/{name}/{k}": v for k, v in metrics.items()})

@@ -299,11 +299,14 @@ def soft_cap(x, cap: float | None):
 class AuxOutputs(eqx.Module):
     """What a model returns beside its hidden states for training: ``losses`` (each already
     times its coefficient, a per-token mean the objective adds; e.g. MoE balance losses) and
-    ``metrics`` (scalars reported under their own names, e.g. ``moe/...``). Empty for a
-    dense model, so the loss and the step treat every model alike."""
+    ``metrics`` (scalars reported under their own names, e.g. ``moe/...``) and ``state``
+    (per-token means of any shape from which the step updates the model's buffers after
+    the optimizer, ``models/buffers.py``; e.g. MoE expert load). Empty for a dense model,
+    so the loss and the step treat every model alike."""
 
     losses: dict[str, jax.Array] = eqx.field(default_factory=dict)
     metrics: dict[str, jax.Array] = eqx.field(default_factory=dict)
+    state: dict[str, jax.Array] = eqx.field(default_factory=dict)
 
 
 class KvCache(eqx.Module):

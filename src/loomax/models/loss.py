@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from loomax.models import taps
 from loomax.models.axes import Embed, Position, Vocab
+from loomax.models.buffers import STATE_PREFIX
 from loomax.models.config import LmModel, soft_cap
 from loomax.models.sequence_layout import context_axes, context_ways, to_layout
 from loomax.models.splash import concrete_mesh, mapped_axes
@@ -84,7 +85,8 @@ def next_token_loss_and_metrics(
     aux_losses: bool = True,
 ) -> tuple[tuple[jax.Array, jax.Array], dict[str, jax.Array]]:
     """``((sum, number of tokens), metrics)``: ``next_token_loss`` and the model's metrics
-    (``AuxOutputs.metrics``; empty for a dense model), as a trainer's loss function returns."""
+    (``AuxOutputs.metrics``; empty for a dense model), as a trainer's loss function returns;
+    its state statistics (``AuxOutputs.state``) join them as ``state/<name>`` token means."""
     targets, weights = next_token_targets(tokens)
     # a sequence split over the context axis is laid out zig-zag; the loss, a sum, needs no undoing
     tokens, targets, weights = to_layout(tokens), to_layout(targets), to_layout(weights)
@@ -118,7 +120,8 @@ def next_token_loss_and_metrics(
     if aux_losses:
         for term in aux.losses.values():
             total = total + count * term.astype(total.dtype)
-    return (total, count), dict(aux.metrics)
+    state = {f"{STATE_PREFIX}{k}": (v * count, count) for k, v in aux.state.items()}
+    return (total, count), {**aux.metrics, **state}
 
 
 def per_device_sum(fn, w: jax.Array, *rows: jax.Array) -> jax.Array:

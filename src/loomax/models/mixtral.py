@@ -26,12 +26,13 @@ import equinox as eqx
 import haliax as hax
 import haliax.nn as hnn
 import jax
+import jax.numpy as jnp
 from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
 from loomax.config import ConfigError
 from loomax.models import taps
-from loomax.models.axes import Vocab
+from loomax.models.axes import Experts, Vocab
 from loomax.models.config import AuxOutputs, KvCache, LmConfig
 from loomax.models.decoder import LlamaAttention, LlamaLmModel, _maybe
 from loomax.models.dropout import dropout, split
@@ -93,6 +94,7 @@ class MixtralConfig(LlamaConfig):
         "num_shared_experts": (0, "has no shared experts"),
         "capacity_factor": (None, "drops no tokens"),
         "expert_intermediate_dim": (None, "sizes experts by intermediate_size"),
+        "bias_update_rate": (0.0, "has no routing bias"),
     }
     """What export needs of a ``model.moe`` key, and what the HF class lacks otherwise."""
     hf_expert_names: ClassVar[tuple[str, str, str, str]] = (
@@ -255,4 +257,34 @@ class MixtralLmModel(LlamaLmModel):
             per_layer=per_layer,
         )
         losses = aux.losses(c.moe.load_balance_loss_weight, c.moe.router_z_loss_weight)
-        return taps.tap("final", self.norm(x)), AuxOutputs(losses, aux.metrics())
+        metrics, state = aux.metrics(), {}
+        bias = self.blocks.stacked.mlp.bias
+        if bias is not None:  # aux-loss-free balancing: the step moves the bias from the load
+            state["moe_load"] = aux.load
+            metrics.update(bias_metrics(bias.value.rearrange((c.Layers.name, Experts)).array))
+        return taps.tap("final", self.norm(x)), AuxOutputs(losses, metrics, state)
+
+    def update_state(self, stats: dict[str, jax.Array]) -> MixtralLmModel:
+        """The routing bias after a step whose mean expert load was ``stats["moe_load"]``
+        ``[layers, experts]``: each expert's bias rises by ``bias_update_rate`` when it is
+        under the mean load, falls when over (DeepSeek-V3's aux-loss-free balancing)."""
+        bias = self.blocks.stacked.mlp.bias
+        if bias is None or "moe_load" not in stats:
+            return self
+        load = stats["moe_load"]
+        step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        value = bias.value.rearrange((self.config.Layers.name, Experts))
+        rate = self.config.moe.bias_update_rate
+        new = hax.named(value.array + (rate * step).astype(value.dtype), value.axes)
+        return eqx.tree_at(lambda m: m.blocks.stacked.mlp.bias.value, self, new)
+
+
+def bias_metrics(bias: jax.Array) -> dict[str, jax.Array]:
+    """``moe/router_bias_spread`` (max - min over experts, mean over layers) and per layer."""
+    spread = jax.lax.stop_gradient(jnp.max(bias, axis=-1) - jnp.min(bias, axis=-1))
+    width = len(str(bias.shape[0] - 1))
+    out = {"moe/router_bias_spread": jnp.mean(spread)}
+    out.update(
+        {f"moe/layer_{i:0{width}d}/router_bias_spread": spread[i] for i in range(len(spread))}
+    )
+    return out

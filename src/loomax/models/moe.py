@@ -9,6 +9,9 @@ then summed with the routing weights. With ``capacity_factor`` each expert takes
 ``ceil(capacity_factor * T * k / E)`` assignments (first come, first served in token
 order); the rest are dropped (their weight 0, counted in ``moe/dropped_fraction``).
 Shared experts (DeepSeek-MoE) are one dense gated MLP every token also goes through.
+With ``bias_update_rate`` > 0 the router holds a per-expert ``bias`` (a ``Buffer``: no
+gradient, no optimizer) added to the scores for the choice of experts only; the model
+moves it after each step from that step's load (``MixtralLmModel.update_state``).
 With ``trainer.mesh.expert`` > 1 the experts are split over devices and the tokens sent to
 them (``expert_parallel``).
 """
@@ -27,6 +30,7 @@ from haliax import Axis, NamedArray
 
 from loomax.config import ConfigError
 from loomax.models.axes import Embed, Experts, Mlp
+from loomax.models.buffers import Buffer
 from loomax.models.expert_parallel import expert_ways, parallel_experts
 from loomax.models.grouped_matmul import IMPLEMENTATIONS, grouped_matmul
 from loomax.models.mlp_activations import activation
@@ -55,6 +59,8 @@ class MoeConfig:
     """Coefficient of the load-balance loss (normalised to 1 at perfect balance, any k); 0 = off."""
     router_z_loss_weight: float = 0.001
     """Coefficient of the router z-loss, mean logsumexp(router logits)^2; 0 = off."""
+    bias_update_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the top-k choice only, moved this much per step toward balance (bias += rate * sign(mean load - load)); 0 = off."""
     matmul: str = "auto"
     """Grouped matmul: auto (GPU ragged_dot, TPU megablox, else blocked), blocked, ragged_dot, megablox."""
     matmul_block: int = 64
@@ -89,7 +95,7 @@ class MoeConfig:
             raise ConfigError(
                 f"model.moe.capacity_factor must be positive or null, got {self.capacity_factor}"
             )
-        for key in ("load_balance_loss_weight", "router_z_loss_weight"):
+        for key in ("load_balance_loss_weight", "router_z_loss_weight", "bias_update_rate"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.moe.{key} must be >= 0, got {getattr(self, key)}")
 
@@ -107,7 +113,8 @@ def _weights(key, axes: tuple[Axis, ...], fan_in: int, scale: float = 1.0) -> Na
 
 class MoeMlp(eqx.Module):
     """Router ``(experts, embed)``, experts' ``gate``/``up`` ``(experts, embed, mlp)`` and
-    ``down`` ``(experts, mlp, embed)``, and the shared experts' gated MLP (or None)."""
+    ``down`` ``(experts, mlp, embed)``, the shared experts' gated MLP (or None), and the
+    aux-loss-free routing bias ``(experts,)`` (a ``Buffer``; None when off)."""
 
     router: hnn.Linear
     gate: NamedArray
@@ -116,6 +123,7 @@ class MoeMlp(eqx.Module):
     shared_gate: hnn.Linear | None
     shared_up: hnn.Linear | None
     shared_down: hnn.Linear | None
+    bias: Buffer | None
     moe: MoeConfig = eqx.field(static=True)
     act: str = eqx.field(static=True)
 
@@ -139,7 +147,8 @@ class MoeMlp(eqx.Module):
                 hnn.Linear.init(Embed_, S, key=k_su, use_bias=False),
                 hnn.Linear.init(S, Embed_, key=k_sd, use_bias=False, init_scale=down_scale),
             )
-        return MoeMlp(router, gate, up, down, *shared, moe, act)
+        bias = Buffer(hax.zeros(E)) if moe.bias_update_rate else None
+        return MoeMlp(router, gate, up, down, *shared, bias, moe, act)
 
     def __call__(
         self, x: NamedArray, aux: RouterAux | None = None, layer=0
@@ -155,6 +164,7 @@ class MoeMlp(eqx.Module):
             self.moe.num_experts_per_tok,
             score=self.moe.score_function,
             norm_topk_prob=self.moe.norm_topk_prob,
+            bias=None if self.bias is None else self.bias.value.rearrange((Experts,)).array,
         )
         if expert_ways() > 1:  # experts split over the mesh: tokens travel to them
             y, sizes, dropped = parallel_experts(self, t, weights, experts)

@@ -6,6 +6,8 @@ or an explicit ``(sum, weight)`` pair (its value is the summed sum over the summ
 a weight of ``None`` makes it a plain sum). Whoever runs the loss (the train step, the
 evaluator) keeps every metric as a ``(sum, weight)`` pair, adds the pairs of microbatches
 and batches, and divides once at the end, so a split batch reports what the whole would.
+Metrics named ``state/...`` are a model's state statistics (``loomax.models.buffers``):
+arrays of any shape, reduced the same way, never reported.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from loomax.models.buffers import STATE_PREFIX
 
 MetricSums = dict[str, tuple[jax.Array, jax.Array | None]]
 """Each metric as ``(sum, weight)``; ``weight`` None = a plain sum."""
@@ -37,7 +41,8 @@ def split_loss(out: Any) -> tuple[jax.Array, jax.Array, MetricSums]:
             s, w = value
         else:  # a mean over the batch, weighted like the loss
             s, w = value * weight, weight
-        sums[name] = (_f32(s), None if w is None else _f32(w))
+        s = jnp.asarray(s, jnp.float32) if name.startswith(STATE_PREFIX) else _f32(s)
+        sums[name] = (s, None if w is None else _f32(w))
     return total, weight, sums
 
 

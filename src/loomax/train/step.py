@@ -16,6 +16,13 @@ import optax
 from jax.experimental.compute_on import compute_on
 
 from loomax.models import offload, taps
+from loomax.models.buffers import (
+    buffer_mask,
+    has_buffers,
+    split_state,
+    update_state,
+    without_buffers,
+)
 from loomax.train.loss_metrics import add_sums, metric_values, split_loss, zero_sums
 from loomax.train.state import TrainerState
 
@@ -82,15 +89,19 @@ def trainable_mask(model: Any, freeze: Sequence[str] = ()) -> Any:
     """Which leaves of ``model`` are trained: its inexact arrays, less those whose dotted
     name (``blocks.stacked.attn.qkv.weight``) matches (``re.search``) one of ``freeze``.
 
-    Returns an ``eqx.partition`` filter: ``eqx.is_inexact_array`` when nothing is frozen,
-    else a pytree of bools like ``model``.
+    The arrays inside a ``Buffer`` (``loomax.models.buffers``) are never trained. Returns an
+    ``eqx.partition`` filter: ``eqx.is_inexact_array`` when nothing is frozen and the model
+    has no buffers, else a pytree of bools like ``model``.
     """
-    if not freeze:
+    buffers = has_buffers(model)
+    if not freeze and not buffers:
         return eqx.is_inexact_array
     from loomax.optim.mask import regex_mask
 
-    frozen = regex_mask(model, list(freeze))
-    return jax.tree.map(lambda x, f: eqx.is_inexact_array(x) and not f, model, frozen)
+    frozen = regex_mask(model, list(freeze)) if freeze else jax.tree.map(lambda _: False, model)
+    inside = buffer_mask(model) if buffers else jax.tree.map(lambda _: False, model)
+    trained = lambda x, f, b: eqx.is_inexact_array(x) and not f and not b  # noqa: E731
+    return jax.tree.map(trained, model, frozen, inside)
 
 
 def without_frozen(model: Any, freeze: Sequence[str]) -> tuple[Any, list[str]]:
@@ -107,8 +118,9 @@ def without_frozen(model: Any, freeze: Sequence[str]) -> tuple[Any, list[str]]:
 
 
 def trainable_params(model: Any, freeze: Sequence[str] = ()) -> Any:
-    """``model``'s trained parameters (``trainable_mask``), None elsewhere: what the optimizer sees."""
-    return eqx.filter(model, trainable_mask(model, freeze))
+    """``model``'s trained parameters (``trainable_mask``), None elsewhere (a whole ``Buffer``
+    too): what the optimizer sees."""
+    return without_buffers(eqx.filter(model, trainable_mask(model, freeze)))
 
 
 KEEP_NAMES = ("activations/", "moe/")
@@ -182,6 +194,7 @@ def make_train_step(
 
     def sum_and_grads(model, batch, key):
         trained, frozen = eqx.partition(model, trainable_mask(model, freeze))
+        trained = without_buffers(trained)
         if num_microbatches == 1:
             (total, (weight, sums)), grads = grad_fn(trained, frozen, batch, key)
             return total, weight, sums, grads
@@ -234,8 +247,10 @@ def make_train_step(
                 updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
             model = eqx.apply_updates(before, updates)
             grad_norm = optax.tree.norm(grads)
+        values, state_stats = split_state(metric_values(sums))
+        model = update_state(model, state_stats)  # buffers: outside the optimizer
         metrics: Metrics = {"train/loss": loss, "optim/grad_norm": grad_norm}
-        for name, value in metric_values(sums).items():  # activations/..., moe/... keep their name
+        for name, value in values.items():  # activations/..., moe/... keep their name
             metrics[name if name.startswith(KEEP_NAMES) else f"train/{name}"] = value
         reported = optimizer_state_metrics(opt_state)
         metrics.update(
