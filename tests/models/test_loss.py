@@ -8,11 +8,8 @@ import numpy as np
 import pytest
 
 from loomax.models import taps
-from loomax.models.loss import (
-    fused_cross_entropy_sum,
-    logits_stats,
-    plain_cross_entropy_sum,
-)
+from loomax.models.logits_stats import logits_stats
+from loomax.models.loss import fused_cross_entropy_sum, plain_cross_entropy_sum
 
 
 def problem(n=37, d=16, v=101, seed=0):

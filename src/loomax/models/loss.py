@@ -18,6 +18,7 @@ from loomax.models import taps
 from loomax.models.axes import Embed, Position, Vocab
 from loomax.models.buffers import STATE_PREFIX
 from loomax.models.config import LmModel, soft_cap
+from loomax.models.logits_stats import logits_stats, row_blocks
 from loomax.models.sequence_layout import context_axes, context_ways, to_layout
 from loomax.models.splash import concrete_mesh, mapped_axes
 
@@ -193,54 +194,13 @@ def capped_cross_entropy_sum(
         h_b, t_b, m_b = xs
         return total + plain_cross_entropy_sum(h_b, w, t_b, m_b, z_loss_weight, softcap), None
 
-    xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block))  # padding: weight 0
+    xs = (
+        row_blocks(h, block),
+        row_blocks(targets, block),
+        row_blocks(weights, block),
+    )  # padding: weight 0
     total, _ = jax.lax.scan(one, jnp.zeros((), _acc(h.dtype)), xs)
     return total
-
-
-def _blocks(x: jax.Array, block: int) -> jax.Array:
-    n = x.shape[0]
-    pad = (-n) % block
-    if pad:
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape(-1, block, *x.shape[1:])
-
-
-def logits_stats(h: jax.Array, w: jax.Array, block_size: int) -> dict[str, jax.Array]:
-    """``taps.STATS`` of the logits ``h @ w.T`` (``[tokens, embed]`` by ``[vocab, embed]``),
-    ``block_size`` tokens at a time so the whole matrix never exists. Two passes over the
-    blocks (the head's matmul twice, on the steps that ask): sums and the largest
-    magnitude, then the centred squares and the near-zero count against the RMS. Exact, and
-    outside the gradient."""
-    h, w = jax.lax.stop_gradient(h), jax.lax.stop_gradient(w.astype(h.dtype))
-    n, vocab = h.shape[0], w.shape[0]
-    block = min(block_size, n)
-    xs = (_blocks(h, block), _blocks(jnp.ones((n,), jnp.float32), block))
-
-    def logits(h_b, valid):
-        z = jnp.dot(h_b, w.T, preferred_element_type=jnp.float32)
-        return z, jnp.broadcast_to(valid[:, None], z.shape)  # padding rows do not count
-
-    def sums(carry, xs):
-        z, v = logits(*xs)
-        total, square, peak = carry
-        peak = jnp.maximum(peak, jnp.max(jnp.abs(z) * v))
-        return (total + jnp.sum(z * v), square + jnp.sum(z * z * v), peak), None
-
-    zero = jnp.zeros((), jnp.float32)
-    (total, square, peak), _ = jax.lax.scan(sums, (zero, zero, zero), xs)
-    count = n * vocab
-    mean, rms = total / count, jnp.sqrt(square / count)
-
-    def spread(carry, xs):
-        z, v = logits(*xs)
-        centred, near = carry
-        centred = centred + jnp.sum(jnp.square(z - mean) * v)
-        return (centred, near + jnp.sum((jnp.abs(z) < taps.NEAR_ZERO * rms) * v)), None
-
-    (centred, near), _ = jax.lax.scan(spread, (zero, zero), xs)
-    std = jnp.sqrt(centred / count)
-    return {"mean": mean, "std": std, "absmax": peak, "rms": rms, "near_zero": near / count}
 
 
 def _padded_rows(w: jax.Array, multiple: int) -> jax.Array:
@@ -292,7 +252,7 @@ def fused_cross_entropy_sum(
 def _vocab_chunks(w: jax.Array, vocab_block: int):
     """``w [V, d] -> [n, vb, d]`` (zero rows padding the last chunk) and the chunks' row ids."""
     vb = min(vocab_block, w.shape[0])
-    chunks = _blocks(w, vb)
+    chunks = row_blocks(w, vb)
     return chunks, jnp.arange(chunks.shape[0] * vb).reshape(chunks.shape[0], vb)
 
 
@@ -351,7 +311,7 @@ def _fused_forward(
         lse, picked = _chunked_lse_and_picked(h_b, chunks, ids, w.shape[0], t_b)
         return total + jnp.sum((lse - picked + z_loss_weight * lse**2) * m_b), None
 
-    xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block))
+    xs = (row_blocks(h, block), row_blocks(targets, block), row_blocks(weights, block))
     total, _ = jax.lax.scan(body, jnp.zeros((), _acc(h.dtype)), xs)
     return total
 
@@ -383,7 +343,7 @@ def _fused_fwd(h, w, targets, weights, block_size, z_loss_weight, vocab_block_si
         dw = dw + jnp.dot(dlogits.T, h_b, preferred_element_type=acc)
         return dw, (dh_b, token_loss)
 
-    xs = (_blocks(h, block), _blocks(targets, block), _blocks(weights, block))
+    xs = (row_blocks(h, block), row_blocks(targets, block), row_blocks(weights, block))
     dw, (dh, token_loss) = jax.lax.scan(body, jnp.zeros(head.shape, acc), xs)
     dw = dw[:vocab]
     dh = dh.reshape(-1, h.shape[1])[: h.shape[0]]
