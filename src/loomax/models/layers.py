@@ -54,15 +54,19 @@ def run_layers(
     scan: bool = True,
     unroll: int | bool = 1,
     per_layer: dict[str, jax.Array] | None = None,
+    first_layer: int = 0,
 ) -> NamedArray:
     """``x`` through every block in order; ``per_layer`` (from ``layer_inputs``) is sliced
-    per block. With activation statistics asked for (``taps``) the blocks are scanned (all
+    per block; ``first_layer`` is the model index of the stack's first block (how the
+    activation statistics name its layers). With activation statistics asked for (``taps``) the blocks are scanned (all
     unrolled when ``scan`` is false), since taps records them as scan outputs. A stack in
     host memory is scanned by ``offload.scan`` (not unrolled: a ``ConfigError``)."""
     per_layer = per_layer or {}
     if taps.active():
         unroll = unroll if scan else True
-        return taps.scan_layers(blocks, x, segment_ids, unroll=unroll, **per_layer)
+        return taps.scan_layers(
+            blocks, x, segment_ids, unroll=unroll, first_layer=first_layer, **per_layer
+        )
     if scan and offload.any_on_host(blocks.stacked):
         call = lambda carry, block, *a, **kw: (block(carry, *a, **kw), None)  # noqa: E731
         remat = blocks.gradient_checkpointing

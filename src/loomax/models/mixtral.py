@@ -31,10 +31,10 @@ from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
 from loomax.config import ConfigError
-from loomax.models import taps
+from loomax.models import offload, taps
 from loomax.models.axes import Experts, Vocab
 from loomax.models.config import AuxOutputs, KvCache, LmConfig
-from loomax.models.decoder import LlamaAttention, LlamaLmModel, _maybe
+from loomax.models.decoder import LlamaAttention, LlamaBlock, LlamaLmModel, _maybe
 from loomax.models.dropout import dropout, split
 from loomax.models.hf_layout import Param
 from loomax.models.layers import layer_inputs, run_layers
@@ -56,6 +56,16 @@ class MixtralConfig(LlamaConfig):
         super().__post_init__()
         if self.hybrid_norm:
             raise ConfigError("model.hybrid_norm is not supported by model.type mixtral")
+        if self.moe.first_dense_layers >= self.num_layers:
+            raise ConfigError(
+                f"model.moe.first_dense_layers ({self.moe.first_dense_layers}) must be less than "
+                f"model.num_layers ({self.num_layers}): at least one layer has experts"
+            )
+
+    @property
+    def MoeLayers(self) -> Axis:
+        """The ``layers`` axis of the routed blocks (after ``moe.first_dense_layers``)."""
+        return Axis(self.Layers.name, self.num_layers - self.moe.first_dense_layers)
 
     @property
     def expert_dim(self) -> int:
@@ -73,8 +83,13 @@ class MixtralConfig(LlamaConfig):
         kv = self.kv_heads * self.head_size
         experts = moe.num_experts_per_tok + moe.num_shared_experts
         mlp = 2 * 3 * d * self.expert_dim * experts + 2 * d * moe.num_experts
-        per_layer = 2 * d * (2 * q + 2 * kv) + mlp + self.attn_flops(causal)  # qkvo, experts
-        return float(self.num_layers * per_layer + 2 * d * vocab_size)
+        attn = 2 * d * (2 * q + 2 * kv)  # qkvo projections
+        dense = self.moe.first_dense_layers
+        routed = (self.num_layers - dense) * (attn + mlp)
+        dense_flops = dense * (attn + 2 * 3 * d * self.intermediate_dim)
+        return float(
+            routed + dense_flops + self.num_layers * self.attn_flops(causal) + 2 * d * vocab_size
+        )
 
     # Hugging Face (loomax.hf.family.HfFamily) ---------------------------------------------
     hf_model_type: ClassVar[str | None] = "mixtral"
@@ -94,6 +109,7 @@ class MixtralConfig(LlamaConfig):
         "num_shared_experts": (0, "has no shared experts"),
         "capacity_factor": (None, "drops no tokens"),
         "expert_intermediate_dim": (None, "sizes experts by intermediate_size"),
+        "first_dense_layers": (0, "routes every layer"),
         "bias_update_rate": (0.0, "has no routing bias"),
     }
     """What export needs of a ``model.moe`` key, and what the HF class lacks otherwise."""
@@ -209,22 +225,30 @@ class MixtralLmModel(LlamaLmModel):
 
     config: MixtralConfig = eqx.field(static=True)
     blocks: hnn.Stacked[MixtralBlock]
+    dense_blocks: hnn.Stacked[LlamaBlock] | None = None  # moe.first_dense_layers
 
     @staticmethod
     def init(config: MixtralConfig, Vocab: Axis, *, key: PRNGKeyArray) -> MixtralLmModel:
         k_tok, k_blocks, k_head = jax.random.split(key, 3)
         weight = hax.random.normal(k_tok, (Vocab, config.Embed)) * config.initializer_range
         embed = hnn.Embedding(weight, Vocab, config.Embed)
-        blocks = hnn.Stacked.init(
-            config.Layers, MixtralBlock, gradient_checkpointing=config.remat_policy
-        )(config, key=jax.random.split(k_blocks, config.num_layers))
+        keys, n = jax.random.split(k_blocks, config.num_layers), config.moe.first_dense_layers
+        remat = config.remat_policy
+        blocks = hnn.Stacked.init(config.MoeLayers, MixtralBlock, gradient_checkpointing=remat)(
+            config, key=keys[n:]
+        )
+        dense = None
+        if n:  # the first n layers: Llama blocks with a dense MLP
+            dense_layers = Axis(config.Layers.name, n)
+            dense = hnn.Stacked.init(dense_layers, LlamaBlock, gradient_checkpointing=remat)(
+                config, key=keys[:n]
+            )
         lm_head = None
         if not config.tie_word_embeddings:
             lm_head = hnn.Linear.init(config.Embed, Vocab, key=k_head, use_bias=False)
         embed_norm = config.make_norm(config.Embed) if config.input_embedding_norm else None
-        return MixtralLmModel(
-            config, embed, blocks, config.make_norm(config.Embed), lm_head, embed_norm
-        )
+        norm = config.make_norm(config.Embed)
+        return MixtralLmModel(config, embed, blocks, norm, lm_head, embed_norm, dense)
 
     def hidden_states(
         self,
@@ -247,15 +271,15 @@ class MixtralLmModel(LlamaLmModel):
         k_embed, k_layers = split(key if c.dropout_active else None, 2)
         x = dropout(x, c.embed_pdrop, k_embed)
         per_layer = layer_inputs(c.num_layers, key=k_layers, layer_index=True)
-        carry = (x, RouterAux.zeros(c.num_layers, c.moe.num_experts))
-        x, aux = run_layers(
-            self.blocks,
-            carry,
-            segment_ids,
-            scan=c.scan_layers,
-            unroll=c.scan_unroll,
-            per_layer=per_layer,
-        )
+        n = c.moe.first_dense_layers
+        run = dict(scan=c.scan_layers, unroll=c.scan_unroll)
+        if self.dense_blocks is not None:
+            first = {k: v[:n] for k, v in per_layer.items()}
+            x = run_layers(self.dense_blocks, x, segment_ids, per_layer=first, **run)
+        # the routed layers' index is their row of the router statistics
+        routed = {k: v[n:] - n if k == "layer" else v[n:] for k, v in per_layer.items()}
+        carry = (x, RouterAux.zeros(c.num_layers - n, c.moe.num_experts))
+        x, aux = run_layers(self.blocks, carry, segment_ids, per_layer=routed, first_layer=n, **run)
         losses = aux.losses(c.moe.load_balance_loss_weight, c.moe.router_z_loss_weight)
         metrics, state = aux.metrics(), {}
         bias = self.blocks.stacked.mlp.bias
@@ -263,6 +287,20 @@ class MixtralLmModel(LlamaLmModel):
             state["moe_load"] = aux.load
             metrics.update(bias_metrics(bias.value.rearrange((c.Layers.name, Experts)).array))
         return taps.tap("final", self.norm(x)), AuxOutputs(losses, metrics, state)
+
+    def decode(self, tokens: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
+        if self.dense_blocks is None:
+            return super().decode(tokens, cache, start)
+        n, name = self.config.moe.first_dense_layers, self.config.Layers.name
+        x = _maybe(self.embed_norm, self._embed(tokens))
+        parts = []
+        for blocks, where in ((self.dense_blocks, slice(0, n)), (self.blocks, slice(n, None))):
+            part = KvCache(cache.k[name, where], cache.v[name, where])
+            step = lambda x, block, c: block.decode(x, c, start)  # noqa: E731
+            x, part = offload.scan(step, blocks.Block)(x, blocks.stacked, part)
+            parts.append(part)
+        k, v = (hax.concatenate(name, [getattr(p, a) for p in parts]) for a in ("k", "v"))
+        return self.norm(x), KvCache(k, v)
 
     def update_state(self, stats: dict[str, jax.Array]) -> MixtralLmModel:
         """The routing bias after a step whose mean expert load was ``stats["moe_load"]``

@@ -61,6 +61,8 @@ class MoeConfig:
     """Coefficient of the router z-loss, mean logsumexp(router logits)^2; 0 = off."""
     bias_update_rate: float = 0.0
     """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the top-k choice only, moved this much per step toward balance (bias += rate * sign(mean load - load)); 0 = off."""
+    first_dense_layers: int = 0
+    """The first N layers have a dense gated MLP of model.intermediate_dim instead of experts (DeepSeek's first_k_dense_replace); 0 = every layer routed."""
     matmul: str = "auto"
     """Grouped matmul: auto (GPU ragged_dot, TPU megablox, else blocked), blocked, ragged_dot, megablox."""
     matmul_block: int = 64
@@ -94,6 +96,10 @@ class MoeConfig:
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ConfigError(
                 f"model.moe.capacity_factor must be positive or null, got {self.capacity_factor}"
+            )
+        if self.first_dense_layers < 0:
+            raise ConfigError(
+                f"model.moe.first_dense_layers must be >= 0, got {self.first_dense_layers}"
             )
         for key in ("load_balance_loss_weight", "router_z_loss_weight", "bias_update_rate"):
             if getattr(self, key) < 0:

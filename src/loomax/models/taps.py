@@ -85,9 +85,17 @@ def record(name: str, stats: dict[str, jax.Array]) -> None:
         stack[-1][name] = stats
 
 
-def scan_layers(blocks: hax.nn.Stacked, x, *args, unroll: int | bool | None = None, **kwargs):
+def scan_layers(
+    blocks: hax.nn.Stacked,
+    x,
+    *args,
+    unroll: int | bool | None = None,
+    first_layer: int = 0,
+    **kwargs,
+):
     """``blocks.fold(x, *args)`` that also records, per layer, what the blocks tap and the
-    residual stream after each block (``layer_<i>/<name>/<stat>``). Same remat policy; a
+    residual stream after each block (``layer_<i>/<name>/<stat>``, ``i`` counted from
+    ``first_layer``: a model with two stacks names them in model order). Same remat policy; a
     stack in host memory is fetched a layer at a time (``offload.scan``)."""
 
     def layer(carry, block, *extra, **kw):
@@ -103,10 +111,11 @@ def scan_layers(blocks: hax.nn.Stacked, x, *args, unroll: int | bool | None = No
     )(x, blocks.stacked, *args, **kwargs)
     stack = _stack()
     if stack:
-        width = len(str(size - 1))
+        width = len(str(first_layer + size - 1))
         for name, stats in per_layer.items():
             for i in range(size):
-                stack[-1][f"layer_{i:0{width}d}/{name}"] = {k: v[i] for k, v in stats.items()}
+                where = f"layer_{first_layer + i:0{width}d}/{name}"
+                stack[-1][where] = {k: v[i] for k, v in stats.items()}
     return out
 
 
