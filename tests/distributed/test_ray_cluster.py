@@ -68,8 +68,10 @@ def test_no_address_and_no_auto_start_is_an_error(no_ray):
 START_THEN_STOP = """
 import sys
 from jax._src import xla_bridge
+import loomax.data.token_cache.placement as placement
 import loomax.train_lm as train_lm
 
+placement.SMALL_BUILD_BYTES = 0  # this corpus is small: build it on Ray anyway (the case here)
 build = train_lm.build_lm_datasets
 
 def build_then_stop(*args, **kwargs):  # the run up to its data, then no further
