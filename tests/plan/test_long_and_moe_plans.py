@@ -91,3 +91,20 @@ def _eqns(jaxpr):
             for item in value if isinstance(value, list | tuple) else [value]:
                 if isinstance(item, jex_core.ClosedJaxpr | jex_core.Jaxpr):
                     yield from _eqns(item)
+
+
+def test_megablox_kernels_are_counted_for_every_routed_row():
+    """gmm's grid covers the row tiles its groups need, known only at run time: its FLOPs
+    are the grouped matmul's, 2 x rows x k x n (forward gmm and the backward's tgmm), not
+    the static part of the grid times the body."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm
+
+    x, w = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
+    y, sizes = jnp.zeros((256, 256), jnp.bfloat16), jnp.array([64, 0, 100, 92], jnp.int32)
+    tiles = (128, 128, 128)
+    forward = jax.make_jaxpr(lambda x, w, g: gmm(x, w, g, jnp.float32, tiles))(x, w, sizes)
+    assert count_step(forward).kernel_flops == 2 * 256 * 128 * 256
+    grads = jax.make_jaxpr(lambda x, y, g: tgmm(x.T, y, g, jnp.float32, tiles))(x, y, sizes)
+    assert count_step(grads).kernel_flops == 2 * 128 * 256 * 256
