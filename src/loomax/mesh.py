@@ -13,8 +13,10 @@ never name mesh axes: this module is the one place where logical names meet the 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,19 +102,40 @@ class MeshConfig:
         devices = list(jax.devices() if devices is None else devices)
         sizes = self.resolve(len(devices))
         grid = device_grid([sizes[a] for a in MESH_AXES], devices)
-        check_context_within_processes(grid)
+        if not _CONTEXT_ACROSS_PROCESSES.get():
+            check_context_within_processes(grid)
         return Mesh(grid, MESH_AXES)
+
+
+_CONTEXT_ACROSS_PROCESSES = contextvars.ContextVar("context_across_processes", default=False)
+
+
+@contextlib.contextmanager
+def context_across_processes() -> Iterator[None]:
+    """Meshes built inside may have ``context`` groups that span processes (compiling for a
+    pod, ``loomax compile``: the program does not depend on which process loads which rows)."""
+    token = _CONTEXT_ACROSS_PROCESSES.set(True)
+    try:
+        yield
+    finally:
+        _CONTEXT_ACROSS_PROCESSES.reset(token)
+
+
+def context_spans_processes(grid: np.ndarray) -> bool:
+    """Whether a ``context`` group of the (replica, data, expert, context, model) ``grid``
+    holds devices of more than one process."""
+    axis = MESH_AXES.index(CONTEXT_AXIS)
+    groups = np.moveaxis(grid, axis, -1).reshape(-1, grid.shape[axis])
+    return any(len({d.process_index for d in group}) > 1 for group in groups)
 
 
 def check_context_within_processes(grid: np.ndarray) -> None:
     """Raise ``ConfigError`` when a ``context`` group of the (replica, data, expert, context, model)
     ``grid`` spans processes: each process loads whole rows of its own share of the batch,
     so the devices splitting one sequence must belong to one process."""
-    axis = MESH_AXES.index(CONTEXT_AXIS)
-    groups = np.moveaxis(grid, axis, -1).reshape(-1, grid.shape[axis])
-    if any(len({d.process_index for d in group}) > 1 for group in groups):
+    if context_spans_processes(grid):
         raise ConfigError(
-            f"trainer.mesh.context ({grid.shape[axis]}): a context group spans processes; "
+            f"trainer.mesh.context ({grid.shape[MESH_AXES.index(CONTEXT_AXIS)]}): a context group spans processes; "
             "keep context within the devices of one process (not supported across processes yet)"
         )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from loomax.benchmark import run_benchmark
@@ -10,6 +12,7 @@ from loomax.lm.config import TrainLmConfig
 from loomax.plan.candidates import (
     apply_overrides,
     as_flags,
+    batch_split_error,
     context_strategies,
     mesh_strategies,
     nested,
@@ -53,6 +56,64 @@ def test_long_sequences_get_context_parallel_candidates():
     assert [c.label for c in context_strategies(8, 1, 16388)] == ["fsdp cp2 4x2"]  # 16388 % 8
     config = apply_overrides(parse_config(TrainLmConfig, None, []), long[1].overrides)
     assert config.trainer.mesh.context == 4 and config.trainer.mesh.resolve(8)["data"] == 2
+
+
+def test_long_rows_get_the_context_splits_that_divide_the_batch():
+    """With the batch known, the context sizes go past 8 where few long rows need it: the
+    three smallest whose data-parallel devices split the batch (Llama-8B at 128k, 32 rows on
+    64 chips; at 1M, 16 rows on 256)."""
+    labels = [c.label for c in context_strategies(64, 1, 131072, batch=32)]
+    assert labels == ["fsdp cp2 32x2", "fsdp cp4 16x4", "fsdp cp8 8x8"]
+    labels = [c.label for c in context_strategies(256, 1, 1 << 20, batch=16)]
+    assert labels == ["fsdp cp16 16x16", "fsdp cp32 8x32", "fsdp cp64 4x64"]
+    assert context_strategies(64, 1, 8192, batch=32) == []
+    config = parse_config(TrainLmConfig, None, ["--trainer.train_batch_size", "32"])
+    fsdp = mesh_strategies(64)[0]
+    assert batch_split_error(fsdp, config) == (
+        "not compiled: trainer.train_batch_size (32) does not split over its 64 "
+        "data-parallel devices (replica x data x expert)"
+    )
+    assert batch_split_error(context_strategies(64, 1, 131072, batch=32)[2], config) is None
+    lenient = apply_overrides(config, {"trainer.allow_nondivisible_batch_size": True})
+    assert batch_split_error(fsdp, lenient) is None
+
+
+def test_plan_reports_meshes_that_cannot_split_the_batch_without_compiling(monkeypatch):
+    """Two rows of 32,768 on 8 devices: only context 4 and 8 leave few enough data-parallel
+    devices; the others are listed last, never compiled and never varied."""
+    from loomax.plan import search as search_module
+    from loomax.plan.compile import CompileResult
+    from loomax.plan.search import Ranked
+
+    compiled = []
+
+    def fake_compile_all(config, topology, candidates, **_):
+        compiled.extend(candidates)
+        out = []
+        for i, c in enumerate(candidates):
+            result = CompileResult("local", 8, {}, "cpu", 100, total_bytes=90)
+            result.fits, result.est_step_s = True, 1.0 + i
+            out.append(Ranked(c, result))
+        return out
+
+    monkeypatch.setattr(search_module, "compile_all", fake_compile_all)
+    flags = ["--model.seq_len", "32768", "--trainer.train_batch_size", "2"]
+    config = parse_config(TrainLmConfig, None, flags)
+    eight = types.SimpleNamespace(num_devices=8, num_slices=1, platform="cpu")
+    ranked = search(config, eight, max_candidates=24, progress=False)
+    skipped = [r for r in ranked if r.skipped]
+    assert skipped and ranked[-len(skipped) :] == skipped
+    assert all("does not split over its" in r.error and r.result is None for r in skipped)
+    assert {data_ways(c) for c in compiled} <= {1, 2}
+    assert any(c.label.startswith("fsdp cp4 2x4") for c in compiled)
+    table = plan_table(ranked)
+    assert "failed: not compiled" not in table and "not compiled: trainer.train_batch_size" in table
+
+
+def data_ways(candidate) -> int:
+    from loomax.plan.candidates import data_parallel_of
+
+    return data_parallel_of(candidate)
 
 
 def test_a_mixture_of_experts_gets_expert_parallel_strategies():

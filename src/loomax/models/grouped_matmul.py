@@ -13,13 +13,19 @@ come out as zeros. Every implementation does only the routed work:
   ``ragged_dot`` by masking ``x`` into ``[G, m, k]`` and contracting over all groups: G
   times the work; it remains the reference the tests compare with.)
 
-``auto`` picks by the default backend: GPU ``ragged_dot``, TPU ``megablox``, else ``blocked``.
+``auto`` picks by the platform compiled for (the mesh in context, else the default backend,
+so ``loomax compile`` for a TPU slice on a CPU host builds what the TPU runs): GPU
+``ragged_dot``; TPU ``megablox`` inside ``shard_map`` (expert parallelism), ``blocked``
+outside it (a Mosaic kernel cannot be partitioned automatically: XLA refuses it); else
+``blocked``.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from loomax.models.splash import mesh_platform
 
 IMPLEMENTATIONS = ("auto", "blocked", "ragged_dot", "megablox")
 """The values of ``model.moe.matmul``."""
@@ -30,12 +36,15 @@ MEGABLOX_TILE = 128
 
 
 def resolve(impl: str) -> str:
-    """The implementation ``impl`` names, ``auto`` resolved for the default backend."""
+    """The implementation ``impl`` names, ``auto`` resolved for the platform compiled for."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"grouped matmul must be one of {IMPLEMENTATIONS}, got {impl!r}")
     if impl != "auto":
         return impl
-    return {"gpu": "ragged_dot", "tpu": "megablox"}.get(jax.default_backend(), "blocked")
+    platform = mesh_platform()
+    if platform == "tpu" and not jax.sharding.get_abstract_mesh().manual_axes:
+        return "blocked"  # megablox must run per device (shard_map); XLA refuses it outside
+    return {"gpu": "ragged_dot", "tpu": "megablox"}.get(platform, "blocked")
 
 
 def grouped_matmul(
@@ -112,6 +121,6 @@ def _megablox(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
     acc = jnp.promote_types(x.dtype, jnp.float32)
     tiling = tuple(min(MEGABLOX_TILE, d) for d in (xp.shape[0], x.shape[1], w.shape[2]))
-    out = gmm(xp, w, group_sizes, acc, tiling, interpret=jax.default_backend() != "tpu")
+    out = gmm(xp, w, group_sizes, acc, tiling, interpret=mesh_platform() != "tpu")
     in_groups = jnp.arange(m) < jnp.sum(group_sizes)
     return jnp.where(in_groups[:, None], out[:m], 0).astype(x.dtype)

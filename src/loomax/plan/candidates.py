@@ -83,19 +83,36 @@ CONTEXT_FROM = 16384
 """Runs with sequences at least this long also try context parallelism (``context_strategies``)."""
 
 
+CONTEXT_TRIES = 3
+"""Context-parallel candidates tried at most when the batch is known: the smallest splits that
+serve (fewer ring hops and smaller collectives; each compile of a long-sequence step takes minutes)."""
+
+
 def context_strategies(
-    num_devices: int, num_slices: int, seq_len: int, max_context: int = 8
+    num_devices: int,
+    num_slices: int,
+    seq_len: int,
+    max_context: int = 8,
+    batch: int | None = None,
 ) -> list[Candidate]:
     """FSDP with each sequence split over ``context`` = 2, 4, 8 devices (ring attention),
     where it divides the devices of a slice and ``seq_len`` cuts into its 2 x context
-    zig-zag chunks; none for sequences shorter than ``CONTEXT_FROM``."""
+    zig-zag chunks; none for sequences shorter than ``CONTEXT_FROM``.
+
+    With ``batch`` (rows a step) known, the context sizes go up to a whole slice instead of
+    ``max_context``, and only those whose data-parallel devices split the batch count: the
+    ``CONTEXT_TRIES`` smallest of them (a few long rows on many chips need a wide split)."""
     if seq_len < CONTEXT_FROM:
         return []
     per_slice = num_devices // num_slices
+    limit = per_slice if batch else min(max_context, per_slice)
     out = []
     context = 2
-    while context <= min(max_context, per_slice):
-        if per_slice % context == 0 and seq_len % (2 * context) == 0:
+    while context <= limit and (batch is None or len(out) < CONTEXT_TRIES):
+        serves = per_slice % context == 0 and seq_len % (2 * context) == 0
+        if serves and batch:
+            serves = batch % (num_devices // context) == 0
+        if serves:
             data = per_slice // context
             mesh = {
                 "replica": num_slices,
@@ -113,6 +130,18 @@ def context_strategies(
             out.append(Candidate(f"fsdp cp{context} {shape}", overrides))
         context *= 2
     return out
+
+
+def batch_split_error(candidate: Candidate, config: TrainLmConfig) -> str | None:
+    """Why ``candidate``'s data-parallel devices cannot split ``config``'s batch (the run
+    would refuse it before compiling), or None when they can."""
+    batch, ways = config.trainer.batch_schedule.sizes[0], data_parallel_of(candidate)
+    if batch % ways == 0 or config.trainer.allow_nondivisible_batch_size:
+        return None
+    return (
+        f"not compiled: trainer.train_batch_size ({batch}) does not split over its {ways} "
+        "data-parallel devices (replica x data x expert)"
+    )
 
 
 def _expert_parallel(fsdp: Overrides, num_experts: int | None, tp: str) -> list[Candidate]:

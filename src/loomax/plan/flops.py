@@ -7,8 +7,9 @@ Pallas/Mosaic kernel (a custom call) as almost free. Walking the step's jaxpr in
 ``scan`` around it (and the devices of a ``shard_map`` around it); the backward pass and
 rematerialized forward passes are in the jaxpr, so they are counted too. Each Pallas call
 is counted apart (``KernelCall``): its FLOPs from its math (splash attention: the visible
-causal pairs, ``splash_kernel_flops``; another kernel: its body's matmuls once per grid
-step) and the bytes of its operands and results.
+causal pairs, ``splash_kernel_flops``; a grouped matmul whose grid is sized at run time,
+megablox: ``2 x lhs size x n``; another kernel: its body's matmuls once per grid step) and
+the bytes of its operands and results.
 """
 
 from __future__ import annotations
@@ -99,9 +100,14 @@ def _kernel(eqn) -> KernelCall:
     ]
     if len(float_ins) >= 2:  # splash: q [..., heads, T, D], then k [..., S, D]
         flops = splash_kernel_flops(name, float_ins[0].shape, float_ins[1].shape[-2])
+    grid = getattr(eqn.params.get("grid_mapping"), "grid", ())
+    matrices = [a for a in arrays[: len(eqn.invars)] if jnp.issubdtype(a.dtype, jnp.floating)]
+    if flops is None and not all(isinstance(g, int) for g in grid) and len(matrices) >= 2:
+        # a grid sized at run time (megablox gmm / tgmm: the row tiles its groups cover):
+        # a grouped matmul, every row of lhs [m, k] (or [k, m]) times rhs's n columns once
+        flops = 2.0 * math.prod(matrices[0].shape) * matrices[1].shape[-1]
     if flops is None:  # another kernel: its body's matmuls once per grid step
         body = eqn.params.get("jaxpr")
-        grid = getattr(eqn.params.get("grid_mapping"), "grid", ())
         steps = math.prod(g for g in grid if isinstance(g, int))
         flops = count_step(body).total_flops * steps if body is not None else 0.0
     return KernelCall(name or "pallas_call", flops, nbytes)

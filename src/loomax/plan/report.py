@@ -117,7 +117,8 @@ def plan_table(ranked: list[Ranked]) -> str:
         res = r.result
         if res is None:
             error = _GLOG.sub("", (r.error or "").removeprefix("CompileCrash: "))
-            rows.append(f"{i:>2}  {r.candidate.label:<{w}} failed: {error[:100]}")
+            what = "" if r.skipped else "failed: "
+            rows.append(f"{i:>2}  {r.candidate.label:<{w}} {what}{error[:100]}")
             continue
         tight = res.hbm_bytes and res.total_bytes > 0.97 * res.hbm_bytes
         fits = (

@@ -1,7 +1,8 @@
 """``loomax plan``'s search: compile every candidate, rank them by estimated step time.
 
 Four rounds, as a researcher would go: every mesh shape and mapping with the run's own
-remat policy and batch split (at long sequence lengths, context parallelism first); then, for the two best so far, the other remat policies;
+remat policy and batch split (at long sequence lengths, context parallelism first; a mesh
+whose data-parallel devices cannot split the batch is reported, not compiled); then, for the two best so far, the other remat policies;
 then, for the two best after that, 2, 4 or 8 microbatches; then, for the best, the optimizer
 state in host memory (streamed, or updated there; two candidates are kept for this round).
 Candidates compile in parallel (``jobs``), each in its own child process when the run's
@@ -24,6 +25,7 @@ from loomax.plan.candidates import (
     OFFLOAD_KEYS,
     Candidate,
     as_flags,
+    batch_split_error,
     context_strategies,
     mesh_strategies,
     microbatch_variants,
@@ -47,10 +49,14 @@ class Ranked:
     candidate: Candidate
     result: CompileResult | None
     error: str | None = None
+    skipped: bool = False
+    """Not compiled: the run would refuse it (``error`` says why); ranked last, never varied."""
 
     @property
     def sort_key(self) -> tuple:
         r = self.result
+        if self.skipped:
+            return (4, 0.0)
         if r is None:
             return (3, 0.0)
         if r.fits is False:  # by how much; those whose state alone exceeds (not compiled) last
@@ -67,6 +73,8 @@ class Ranked:
         (unknown: another policy may compile and fit), then by how much the rest exceed
         (last those whose state alone exceeds: no remat policy or batch split helps them)."""
         key = self.sort_key
+        if self.skipped:
+            return key
         return (1, 0.0) if key[0] == 3 else (2, key[1]) if key[0] == 2 else key
 
 
@@ -141,7 +149,10 @@ def search(
     first = [run_default(config, topology.num_devices)]
     seen = {_key(first[0])}
     experts = num_experts_of(config)
-    long = context_strategies(topology.num_devices, topology.num_slices, config.model.seq_len)
+    batch = config.trainer.batch_schedule.sizes[0]
+    long = context_strategies(
+        topology.num_devices, topology.num_slices, config.model.seq_len, batch=batch
+    )
     for c in [
         *long,
         *mesh_strategies(topology.num_devices, topology.num_slices, num_experts=experts),
@@ -151,7 +162,11 @@ def search(
             first.append(c)
     first = first[:max_candidates]
     common = {"jobs": jobs, "progress": progress, "config_args": config_args}
-    ranked = compile_all(config, topology, first, desc="strategies", **common)
+    # a batch the data-parallel devices cannot split: reported, not compiled
+    unsplit = [Ranked(c, None, batch_split_error(c, config), skipped=True) for c in first]
+    unsplit = [r for r in unsplit if r.error]
+    first = [c for c in first if batch_split_error(c, config) is None]
+    ranked = unsplit + compile_all(config, topology, first, desc="strategies", **common)
     budget = max_candidates - len(first)
     reserved = min(len(OFFLOAD_CANDIDATES) - 1, budget)  # the best's offload variants
     budget -= reserved
@@ -168,7 +183,7 @@ def search(
         if variants is microbatch_variants:
             best = list({_policy(r.candidate, config): r for r in reversed(best)}.values())[::-1]
             best.sort(key=lambda r: r.refine_key)
-        best = best[: 1 if variants is offload_variants else refine]
+        best = [r for r in best if not r.skipped][: 1 if variants is offload_variants else refine]
         more = []
         for r in best:
             for c in variants(r.candidate, config, platform=topology.platform):

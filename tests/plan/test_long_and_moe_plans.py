@@ -1,0 +1,110 @@
+"""Planning long sequences and mixtures of experts for TPU slices (compile-only, tiny models):
+a context group that spans hosts is compiled for a plan (with a note) though training refuses
+it, and a mixture of experts compiled for a TPU slice on a CPU host runs the megablox kernel."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from jax.extend import core as jex_core
+
+pytestmark = pytest.mark.usefixtures("libtpu")  # in the test extra: fails, not skips, without it
+
+from loomax.config import ConfigError, parse_config  # noqa: E402
+from loomax.lm.config import TrainLmConfig  # noqa: E402
+from loomax.mesh import (  # noqa: E402
+    MESH_AXES,
+    MeshConfig,
+    context_across_processes,
+    context_spans_processes,
+)
+from loomax.plan.build import SPANS_HOSTS_NOTE, built_step  # noqa: E402
+from loomax.plan.compile import compile_run  # noqa: E402
+from loomax.plan.flops import count_step  # noqa: E402
+from loomax.plan.topology import get_topology  # noqa: E402
+
+topology = functools.cache(get_topology)  # libtpu makes the devices once per process
+TWO_HOSTS = "v5p:2x2x2"  # 8 chips, 4 a host
+
+TINY = [
+    "--model.type", "llama", "--model.seq_len", "256", "--model.num_layers", "2",
+    "--model.vocab_size", "512",
+    "--model.hidden_dim", "128", "--model.intermediate_dim", "128", "--model.num_heads", "4",
+    "--model.num_kv_heads", "2", "--trainer.mp", "p=f32,c=bfloat16",
+]  # fmt: skip
+
+
+def test_a_context_group_across_hosts_is_refused_for_training_but_built_for_a_plan():
+    devices = topology(TWO_HOSTS).devices
+    assert len({d.process_index for d in devices}) == 2
+    with pytest.raises(ConfigError, match=r"trainer.mesh.context \(8\).*spans processes"):
+        MeshConfig(context=8).build(devices)
+    with context_across_processes():
+        mesh = MeshConfig(context=8).build(devices)
+    assert dict(zip(MESH_AXES, mesh.devices.shape, strict=True))["context"] == 8
+    assert context_spans_processes(mesh.devices)
+    assert not context_spans_processes(MeshConfig(context=2).build(devices).devices)
+    with pytest.raises(ConfigError):  # allowed only inside the block
+        MeshConfig(context=8).build(devices)
+
+
+def test_a_plan_notes_a_context_group_across_hosts():
+    flags = [*TINY, "--trainer.train_batch_size", "4", "--trainer.mesh.context", "8"]
+    config = parse_config(TrainLmConfig, None, flags)
+    with built_step(config, topology(TWO_HOSTS).devices) as built:
+        assert dict(built.trainer.mesh.shape)["context"] == 8
+        assert SPANS_HOSTS_NOTE in built.notes
+    within = parse_config(TrainLmConfig, None, [*flags[:-1], "2"])
+    with built_step(within, topology(TWO_HOSTS).devices) as built:
+        assert SPANS_HOSTS_NOTE not in built.notes
+
+
+@pytest.mark.parametrize("expert", [2, 1])
+def test_a_mixture_of_experts_for_a_tpu_slice_runs_the_megablox_kernel(expert):
+    """``moe.matmul: auto`` follows the devices compiled for, not this CPU host: with expert
+    parallelism (``shard_map``) the step for a TPU slice calls megablox's gmm (compiled for
+    the chip, not interpreted) and the count charges its calls as kernels; without, the
+    blocked form (XLA cannot partition a Mosaic kernel by itself), and the step compiles."""
+    flags = [*TINY, "--model.type", "mixtral", "--trainer.train_batch_size", "4"]  # last type wins
+    flags += ["--model.moe.num_experts", "4", "--trainer.mesh.expert", str(expert)]
+    config = parse_config(TrainLmConfig, None, flags)
+    with built_step(config, topology("v5p:2x2x1").devices) as built:
+        jaxpr = built.trace().jaxpr
+    kernels = [k for k in count_step(jaxpr).kernels.values() if not k.name.startswith("splash")]
+    calls = [e for e in _eqns(jaxpr) if e.primitive.name == "pallas_call"]
+    gmm = [e for e in calls if not str(e.params.get("name") or "").startswith("splash")]
+    if expert == 1:
+        assert not kernels and not gmm
+    else:  # 2 layers: 3 forward, 3 + 6 backward, on each of the 4 chips
+        assert sum(k.calls for k in kernels) == 24 * 4
+        assert gmm and all(not e.params.get("interpret") for e in gmm)
+    result = compile_run(config, topology("v5p:2x2x1"))
+    assert result.fits and result.error is None
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs inside its equations."""
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for item in value if isinstance(value, list | tuple) else [value]:
+                if isinstance(item, jex_core.ClosedJaxpr | jex_core.Jaxpr):
+                    yield from _eqns(item)
+
+
+def test_megablox_kernels_are_counted_for_every_routed_row():
+    """gmm's grid covers the row tiles its groups need, known only at run time: its FLOPs
+    are the grouped matmul's, 2 x rows x k x n (forward gmm and the backward's tgmm), not
+    the static part of the grid times the body."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm
+
+    x, w = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
+    y, sizes = jnp.zeros((256, 256), jnp.bfloat16), jnp.array([64, 0, 100, 92], jnp.int32)
+    tiles = (128, 128, 128)
+    forward = jax.make_jaxpr(lambda x, w, g: gmm(x, w, g, jnp.float32, tiles))(x, w, sizes)
+    assert count_step(forward).kernel_flops == 2 * 256 * 128 * 256
+    grads = jax.make_jaxpr(lambda x, y, g: tgmm(x.T, y, g, jnp.float32, tiles))(x, y, sizes)
+    assert count_step(grads).kernel_flops == 2 * 128 * 256 * 256
