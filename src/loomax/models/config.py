@@ -249,6 +249,11 @@ class LmModel(eqx.Module):
     def init_cache(self, batch_axes: tuple[hax.Axis, ...], max_len: int, dtype) -> KvCache:
         """An empty KV cache for decoding up to ``max_len`` positions."""
 
+    def cache_window(self) -> int | None:
+        """The attention window every layer shares, if any: decoding then needs only that
+        many cached positions (``models.rolling_cache``); None = every position."""
+        return None
+
     @abc.abstractmethod
     def decode(
         self, tokens: hax.NamedArray, cache: KvCache, start: jax.Array

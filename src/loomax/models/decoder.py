@@ -33,6 +33,7 @@ from loomax.models.dropout import dropout, split
 from loomax.models.layers import layer_inputs, run_layers
 from loomax.models.mlp_activations import activation
 from loomax.models.remat import name_activation
+from loomax.models.rolling_cache import rolling_attention, shared_window, uses_rolling
 from loomax.models.rotary import apply_rotary
 from loomax.models.sequence_layout import layout_positions
 
@@ -160,7 +161,8 @@ class LlamaAttention(eqx.Module):
         if len(set(c.layer_windows)) > 1:  # a traced window: a mask here, nothing to skip
             full = jnp.iinfo(jnp.int32).max
             window = jnp.asarray([full if w is None else w for w in c.layer_windows])[layer]
-        out, cache_k, cache_v = cached_attention(
+        attend = rolling_attention if uses_rolling(cache_k, window) else cached_attention
+        out, cache_k, cache_v = attend(
             q, k, v, cache_k, cache_v, start, window, c.attn_scale, c.attn_logit_softcap
         )
         return self.o_proj(out), cache_k, cache_v
@@ -304,6 +306,9 @@ class LlamaLmModel(LmModel):
             per_layer=per_layer,
         )
         return taps.tap("final", self.norm(x))
+
+    def cache_window(self) -> int | None:
+        return shared_window(tuple(self.config.layer_windows))
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
         c = self.config

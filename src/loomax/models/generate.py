@@ -19,6 +19,7 @@ import numpy as np
 
 from loomax.models.axes import Position, Vocab
 from loomax.models.config import LmModel, soft_cap
+from loomax.models.rolling_cache import to_rolling
 
 
 def pick_token(
@@ -227,13 +228,20 @@ def prompt_bucket(length: int, seq_len: int) -> int:
 def _cached_steps(temperature, top_k, top_p, repetition_penalty) -> _Steps:
     """KV cache: ``state`` is ``(cache, logits of the last position, tokens seen)``; one
     prefill call over the prompt's bucket (``prompt_bucket``) into a cache of the buffer's
-    length."""
+    length, or of the window when every layer shares one."""
     options = _options(temperature, top_k, top_p, repetition_penalty)
 
     @functools.partial(jax.jit, static_argnums=3)
     def prefill(model, tokens, length, cache_len):
-        cache = model.init_cache((), cache_len, model.lm_head_weight().dtype)
+        # a window all layers share: the prompt into a cache of its bucket, then its last
+        # window of positions into a window-sized rolling cache (models.rolling_cache)
+        window = model.cache_window()
+        rolling = window is not None and window < cache_len
+        size = tokens.shape[0] if rolling else cache_len
+        cache = model.init_cache((), size, model.lm_head_weight().dtype)
         hidden, cache = model.decode(hax.named(tokens, Position), cache, jnp.asarray(0))
+        if rolling:
+            cache = to_rolling(cache, length, window)
         seen = _seen(tokens, length, model.Vocab.size)
         return cache, _logits_at(model, hidden, length - 1), seen
 
