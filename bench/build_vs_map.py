@@ -47,8 +47,6 @@ def _bench_data() -> Any:
 def build_map(corpus: Path, tokenizer_path: Path, scratch: Path, num_proc: int) -> dict:
     """`datasets.map` (batched, `num_proc` processes) encoding + EOS, as Loomax encodes."""
     import datasets
-    import numpy as np
-    import pyarrow.compute as pc
     from tokenizers import Tokenizer
 
     from loomax.data.tokenizer import eos_id
@@ -73,18 +71,7 @@ def build_map(corpus: Path, tokenizer_path: Path, scratch: Path, num_proc: int) 
         remove_columns=["text"],
         features=features,
     )
-    map_s = time.perf_counter() - start
-    column = out.data.column("input_ids").combine_chunks()
-    tokens = column.flatten().to_numpy()
-    lengths = pc.list_value_length(column).to_numpy()
-    return {
-        "load_s": load_s,
-        "map_s": map_s,
-        "build_s": load_s + map_s,
-        "tokens": int(len(tokens)),
-        "documents": len(out),
-        "digest": _bench_data().stream_digest(tokens, np.asarray(lengths)),
-    }
+    return _bench_data().map_result(out, load_s, time.perf_counter() - start)
 
 
 def child(kind: str, corpus: Path, tokenizer: Path, out: Path) -> dict:

@@ -213,8 +213,6 @@ def build_hf(corpus: Path, tokenizer_path: Path, scratch: Path, fast: bool) -> d
     `encode_documents` calls) with `fast`.
     """
     import datasets
-    import numpy as np
-    import pyarrow.compute as pc
     from tokenizers import Tokenizer
 
     from loomax.data.tokenizer import eos_id
@@ -236,7 +234,14 @@ def build_hf(corpus: Path, tokenizer_path: Path, scratch: Path, fast: bool) -> d
     out = dataset.map(
         tokenize, batched=True, num_proc=None, remove_columns=["text"], features=features
     )
-    map_s = time.perf_counter() - start
+    return map_result(out, load_s, time.perf_counter() - start)
+
+
+def map_result(out, load_s: float, map_s: float) -> dict:
+    """A ``datasets.map`` build's figures: times, tokens, documents and the token digest."""
+    import numpy as np
+    import pyarrow.compute as pc
+
     column = out.data.column("input_ids").combine_chunks()
     tokens = column.flatten().to_numpy()
     lengths = pc.list_value_length(column).to_numpy()
