@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,39 +43,10 @@ def _bench_data() -> Any:
     return module
 
 
-def build_map(corpus: Path, tokenizer_path: Path, scratch: Path, num_proc: int) -> dict:
-    """`datasets.map` (batched, `num_proc` processes) encoding + EOS, as Loomax encodes."""
-    import datasets
-    from tokenizers import Tokenizer
-
-    from loomax.data.tokenizer import eos_id
-
-    datasets.disable_progress_bars()
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    eos = [eos_id(tokenizer)]
-
-    def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
-        return {"input_ids": [e.ids + eos for e in tokenizer.encode_batch_fast(batch["text"])]}
-
-    files = [str(p) for p in sorted(corpus.glob("*.jsonl"))]
-    start = time.perf_counter()
-    dataset = datasets.load_dataset("json", data_files=files, split="train", cache_dir=scratch)
-    load_s = time.perf_counter() - start
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
-    start = time.perf_counter()
-    out = dataset.map(
-        tokenize,
-        batched=True,
-        num_proc=num_proc if num_proc > 1 else None,
-        remove_columns=["text"],
-        features=features,
-    )
-    return _bench_data().map_result(out, load_s, time.perf_counter() - start)
-
-
 def child(kind: str, corpus: Path, tokenizer: Path, out: Path) -> dict:
     if kind.startswith("map"):
-        return build_map(corpus, tokenizer, out, int(kind.removeprefix("map")))
+        num_proc = int(kind.removeprefix("map"))
+        return _bench_data().build_hf(corpus, tokenizer, out, fast=True, num_proc=num_proc)
     return _bench_data().build_ray(corpus, tokenizer, out, int(kind.removeprefix("ray")))
 
 

@@ -206,8 +206,11 @@ def _time_phases(module: Any, names: tuple[str, ...]) -> dict[str, float]:
     return seconds
 
 
-def build_hf(corpus: Path, tokenizer_path: Path, scratch: Path, fast: bool) -> dict[str, Any]:
-    """`load_dataset("json")` then a batched single-process `.map` that encodes + appends EOS.
+def build_hf(
+    corpus: Path, tokenizer_path: Path, scratch: Path, fast: bool, num_proc: int = 1
+) -> dict[str, Any]:
+    """`load_dataset("json")` then a batched `.map` (``num_proc`` processes) that encodes +
+    appends EOS.
 
     `encode_batch` by default; `encode_batch_fast` (no character offsets, what Loomax's
     `encode_documents` calls) with `fast`.
@@ -232,7 +235,11 @@ def build_hf(corpus: Path, tokenizer_path: Path, scratch: Path, fast: bool) -> d
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"))})
     start = time.perf_counter()
     out = dataset.map(
-        tokenize, batched=True, num_proc=None, remove_columns=["text"], features=features
+        tokenize,
+        batched=True,
+        num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=["text"],
+        features=features,
     )
     return map_result(out, load_s, time.perf_counter() - start)
 
