@@ -142,3 +142,25 @@ def test_plan_ranks_the_gpu_candidates_that_fit(monkeypatch, plan_runs):
     )  # parameters and moments whole
     table = plan_table(ranked)
     assert "fsdp 8x1 (the run's)" in table and "yes" in table
+
+
+def test_xla_expands_ragged_dot_to_a_dense_matmul_on_gpu():
+    """What the plan's count charges for ``ragged_dot`` (plan/flops.py): XLA's GPU compiler
+    (JAX 0.10, CUDA plugin) multiplies every row by every group's weights, masking the rows
+    into ``[G, m, k]`` (a batched GEMM, then a sum over groups) or ``[m, G*k]`` (one GEMM, at
+    larger sizes): G times the routed work. Fails when XLA learns a grouped GEMM."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    (device,), _, _ = gpus.gpu_devices("h100:1")
+    m, k, n, groups = 256, 64, 128, 8
+    place = SingleDeviceSharding(device)
+    args = [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=place)
+        for shape, dtype in (((m, k), jnp.bfloat16), ((groups, k, n), jnp.bfloat16))
+    ]
+    args.append(jax.ShapeDtypeStruct((groups,), jnp.int32, sharding=place))
+    hlo = jax.jit(jax.lax.ragged_dot).lower(*args).compile().as_text()
+    dense = (f"bf16[{groups},{m},{k}]", f"bf16[{m},{groups * k}]")
+    assert any(shape in line for line in hlo.splitlines() if "dot" in line for shape in dense)

@@ -108,3 +108,73 @@ def test_megablox_kernels_are_counted_for_every_routed_row():
     assert count_step(forward).kernel_flops == 2 * 256 * 128 * 256
     grads = jax.make_jaxpr(lambda x, y, g: tgmm(x.T, y, g, jnp.float32, tiles))(x, y, sizes)
     assert count_step(grads).kernel_flops == 2 * 128 * 256 * 256
+
+
+def test_a_partly_filled_buffer_charges_its_routed_rows_only():
+    """Under ``routed_rows_scope(R, M)`` (expert parallelism's receive buffer) the megablox
+    kernels, forward and backward, are charged for R of their M rows; a dot outside the
+    scope is not scaled."""
+    import jax
+    import jax.numpy as jnp
+
+    from loomax.models.grouped_matmul import grouped_matmul, routed_rows_scope
+
+    x, w = jnp.ones((512, 128), jnp.float32), jnp.ones((4, 128, 256), jnp.float32)
+    sizes = jnp.array([64, 0, 100, 92], jnp.int32)
+
+    def loss(x, w, scoped):
+        y = grouped_matmul(x, w, sizes, impl="megablox")
+        if scoped:
+            with routed_rows_scope(128, 512):
+                y = y + grouped_matmul(x, w, sizes, impl="megablox")
+        return jnp.sum(y @ jnp.ones((256, 8)))
+
+    def count(scoped):
+        return count_step(jax.make_jaxpr(jax.grad(loss, (0, 1)), static_argnums=2)(x, w, scoped))
+
+    plain, scoped = count(False), count(True)
+    assert plain.dot_flops == scoped.dot_flops == 2 * (2 * 512 * 256 * 8)  # y @ ones, fwd + bwd
+    assert scoped.kernel_flops == pytest.approx(plain.kernel_flops * (1 + 128 / 512))
+    kernel_bytes = sorted(k.bytes for k in scoped.kernels.values())
+    assert len(kernel_bytes) == 2 * len(plain.kernels)  # the scoped calls are kept apart
+    assert kernel_bytes[0] < min(k.bytes for k in plain.kernels.values())
+
+
+def test_expert_parallel_matmuls_name_their_routed_rows():
+    """The expert-parallel layer tells the count its buffer's routed rows: ``T * k`` per
+    device plus a partial megablox tile per local expert, of ``ways * T * min(k, E / ways)``."""
+    from loomax.plan.flops import routed_fraction
+
+    flags = [*TINY, "--model.type", "mixtral", "--trainer.train_batch_size", "4"]
+    flags += ["--model.moe.num_experts", "4", "--trainer.mesh.expert", "2"]
+    config = parse_config(TrainLmConfig, None, flags)
+    with built_step(config, topology("v5p:2x2x1").devices) as built:
+        jaxpr = built.trace().jaxpr
+    scopes = set()
+
+    def walk(jaxpr, scope=""):
+        for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+            where = f"{scope}/{eqn.source_info.name_stack}"
+            if eqn.primitive.name == "pallas_call" and "splash" not in str(eqn.params.get("name")):
+                scopes.add(routed_fraction(where))
+            for value in eqn.params.values():
+                for item in value if isinstance(value, list | tuple) else [value]:
+                    if isinstance(item, jex_core.ClosedJaxpr | jex_core.Jaxpr):
+                        walk(item, where)
+
+    walk(jaxpr)
+    T, k, ways, local = config.model.seq_len, 2, 2, 2  # a row a chip: data 2 x expert 2
+    assert scopes == {(T * k + local * 127) / (ways * T * min(k, local))}
+
+
+def test_ragged_dot_counts_the_dense_product_xla_runs():
+    """``ragged_dot`` is counted as XLA executes it on CPU and GPU (JAX 0.10): every group's
+    weights times every row, forward and both backward products."""
+    import jax
+    import jax.numpy as jnp
+
+    x, w, sizes = jnp.ones((16, 4)), jnp.ones((2, 4, 8)), jnp.array([8, 8], jnp.int32)
+    forward = jax.make_jaxpr(lambda x, w: jax.lax.ragged_dot(x, w, sizes))(x, w)
+    assert count_step(forward).dot_flops == 2 * 16 * 4 * 8 * 2
+    grad = jax.grad(lambda x, w: jax.lax.ragged_dot(x, w, sizes).sum(), (0, 1))
+    assert count_step(jax.make_jaxpr(grad)(x, w)).dot_flops == 3 * 2 * 16 * 4 * 8 * 2

@@ -11,8 +11,9 @@ is split over ``expert`` too). Inside ``shard_map`` every device:
    of ``T * min(k, E / ways)`` rows per sender (the dropless bound: a token's k experts
    are distinct, so at most ``min(k, E / ways)`` of them live on one device), sender
    ``i``'s rows at slot ``i``;
-4. sorts the received rows by local expert, runs the grouped matmuls on its experts,
-   sorts them back, and returns every row to its sender by the reverse collective;
+4. sorts the received rows by local expert, runs the grouped matmuls on its experts
+   (their work follows the groups: ``T * k`` rows a device on average, which the grouped
+   matmul is told for the plan's count, not the buffer's size), sorts them back, and returns every row to its sender by the reverse collective;
 5. restores token order and combines the k results with the routing weights; with the
    experts' ``mlp`` split over ``model`` (tensor parallelism) the partial outputs are
    summed over it.
@@ -156,7 +157,7 @@ class _Local:
         slot_expert = jax.vmap(lambda e: jnp.searchsorted(e, pos, side="right"))(ends)
         slot_expert = slot_expert.reshape(-1)  # local expert of each slot; local_e = empty
         order2 = jnp.argsort(slot_expert, stable=True)
-        out = self._matmuls(recv[order2], jnp.sum(mine, axis=0), gate, up, down)
+        out = self._matmuls(recv[order2], jnp.sum(mine, axis=0), gate, up, down, n)
         back = jnp.zeros_like(out).at[order2].set(out)
         ys = self._return(back, sent, starts, me, cap, n)  # [n, D], in ``order``
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
@@ -166,9 +167,16 @@ class _Local:
             combined = jax.lax.psum(combined, self.tp)
         return combined.astype(t.dtype)
 
-    def _matmuls(self, xs, group_sizes, gate, up, down):
+    def _matmuls(self, xs, group_sizes, gate, up, down, routed: int):
+        """The experts' matmuls over the receive buffer, of which ``routed`` rows (``T * k``,
+        the mean over the expert axis: every device sends as many) are routed rows."""
         mm: Callable = lambda a, w: grouped_matmul(  # noqa: E731
-            a, w.astype(a.dtype), group_sizes, impl=self.moe.matmul, block=self.moe.matmul_block
+            a,
+            w.astype(a.dtype),
+            group_sizes,
+            impl=self.moe.matmul,
+            block=self.moe.matmul_block,
+            rows=routed,
         )
         g, u = mm(xs, gate), mm(xs, up)
         act = activation(self.act)(hax.named(g, ("tokens", Mlp))).array

@@ -13,6 +13,12 @@ come out as zeros. Every implementation does only the routed work:
   ``ragged_dot`` by masking ``x`` into ``[G, m, k]`` and contracting over all groups: G
   times the work; it remains the reference the tests compare with.)
 
+A caller whose rows are a fixed-size buffer only partly filled (expert parallelism's receive
+buffer) passes ``rows``, the routed rows it holds (the mean over devices): the grouped
+matmul runs under a ``routed_rows_scope`` naming them and the buffer's size, so the plan's
+count (``plan/flops.py``) charges the kernels whose work follows the groups (megablox's
+grid) for the routed rows, not the buffer.
+
 ``auto`` picks by the platform compiled for (the mesh in context, else the default backend,
 so ``loomax compile`` for a TPU slice on a CPU host builds what the TPU runs): GPU
 ``ragged_dot``; TPU ``megablox`` inside ``shard_map`` (expert parallelism), ``blocked``
@@ -33,6 +39,13 @@ DEFAULT_BLOCK = 64
 """Rows per block of the ``blocked`` form."""
 MEGABLOX_TILE = 128
 """Row, contraction and output tile of the megablox kernel (each dimension a multiple of it)."""
+ROUTED_ROWS = "routed_rows"
+"""Name-scope prefix ``routed_rows=R/M``: R of the M rows below it are routed (``rows=``)."""
+
+
+def routed_rows_scope(rows: int, of: int):
+    """A name scope telling the plan's count that ``rows`` of the ``of`` rows are routed."""
+    return jax.named_scope(f"{ROUTED_ROWS}={min(rows, of)}/{of}")
 
 
 def resolve(impl: str) -> str:
@@ -54,10 +67,17 @@ def grouped_matmul(
     *,
     impl: str = "auto",
     block: int = DEFAULT_BLOCK,
+    rows: int | None = None,
 ) -> jax.Array:
     """``[m, k]`` rows (sorted by group) times ``w [G, k, n]`` per group -> ``[m, n]``
-    in ``x``'s dtype (accumulated in at least float32)."""
+    in ``x``'s dtype (accumulated in at least float32). ``rows``: how many of the ``m``
+    rows the groups hold on average, when fewer (see the module docstring)."""
     impl = resolve(impl)
+    if rows is not None and rows < x.shape[0]:
+        if impl == "megablox":  # its grid covers whole row tiles: one partial tile per group
+            rows += w.shape[0] * (MEGABLOX_TILE - 1)
+        with routed_rows_scope(rows, x.shape[0]):
+            return grouped_matmul(x, w, group_sizes, impl=impl, block=block)
     group_sizes = group_sizes.astype(jnp.int32)
     if impl == "ragged_dot":
         acc = jnp.promote_types(x.dtype, jnp.float32)

@@ -8,20 +8,29 @@ Pallas/Mosaic kernel (a custom call) as almost free. Walking the step's jaxpr in
 rematerialized forward passes are in the jaxpr, so they are counted too. Each Pallas call
 is counted apart (``KernelCall``): its FLOPs from its math (splash attention: the visible
 causal pairs, ``splash_kernel_flops``; a grouped matmul whose grid is sized at run time,
-megablox: ``2 x lhs size x n``; another kernel: its body's matmuls once per grid step) and
-the bytes of its operands and results.
+megablox: ``2 x lhs size x n``, n the result's columns; another kernel: its body's matmuls once per grid step) and
+the bytes of its operands and results. A grouped matmul on a buffer only partly filled
+(expert parallelism's receive buffer) runs under a ``routed_rows=R/M`` name scope
+(``models/grouped_matmul.py``): a kernel whose grid follows the groups is charged for the
+R routed rows of its M, FLOPs and row bytes alike. ``ragged_dot_general`` counts as
+what XLA executes for it on CPU and GPU (JAX 0.10; the compiled H100 HLO shows it): the
+dense product over every group, G times the routed work.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from loomax.models.grouped_matmul import ROUTED_ROWS
 from loomax.models.splash import splash_kernel_flops
+
+_ROUTED = re.compile(ROUTED_ROWS + r"=(\d+)/(\d+)")
 
 
 @dataclass
@@ -56,19 +65,23 @@ class StepCount:
             mine.calls += k.calls * times
 
 
-def count_step(jaxpr: Any) -> StepCount:
-    """Global matmul FLOPs and kernel calls of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``)."""
+def count_step(jaxpr: Any, scope: str = "") -> StepCount:
+    """Global matmul FLOPs and kernel calls of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``);
+    ``scope`` is the name stack around it (each equation's own is relative to it)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     count = StepCount()
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        where = f"{scope}/{eqn.source_info.name_stack}"
         if name == "dot_general":
             count.dot_flops += _dot(eqn)
+        elif name == "ragged_dot_general":
+            count.dot_flops += _ragged_dot(eqn)
         elif name == "pallas_call":
-            kernel = _kernel(eqn)
+            kernel = _kernel(eqn, where)
             count.add(StepCount(kernels={_kernel_key(eqn, kernel): kernel}))
         elif name == "cond":
-            branches = [count_step(b) for b in eqn.params["branches"]]
+            branches = [count_step(b, where) for b in eqn.params["branches"]]
             count.add(max(branches, key=lambda c: c.total_flops, default=StepCount()))
         else:
             times = 1.0
@@ -77,8 +90,18 @@ def count_step(jaxpr: Any) -> StepCount:
             elif name == "shard_map":  # the body's shapes are one device's
                 times = eqn.params["mesh"].size
             for sub in _subjaxprs(eqn.params):
-                count.add(count_step(sub), times)
+                count.add(count_step(sub, where), times)
     return count
+
+
+def routed_fraction(scope: str) -> float:
+    """The share of a buffer's rows that are routed, from the innermost ``routed_rows``
+    scope in ``scope`` (1.0 without one)."""
+    found = _ROUTED.findall(scope)
+    if not found:
+        return 1.0
+    rows, of = (int(x) for x in found[-1])
+    return min(1.0, rows / of) if of else 1.0
 
 
 def _dot(eqn) -> float:
@@ -88,7 +111,18 @@ def _dot(eqn) -> float:
     return 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
 
 
-def _kernel(eqn) -> KernelCall:
+def _ragged_dot(eqn) -> float:
+    """The dense product XLA executes for a ragged dot: every group's weights times every
+    row (``2 x output size x contracted size``, times G when the output has no group axis)."""
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    (contract_lhs, _), _ = numbers.dot_dimension_numbers
+    lhs_shape = eqn.invars[0].aval.shape
+    contracted = math.prod(lhs_shape[d] for d in contract_lhs)
+    groups = eqn.invars[2].aval.shape[-1] if numbers.rhs_group_dimensions else 1
+    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted * groups
+
+
+def _kernel(eqn, scope: str = "") -> KernelCall:
     name = str(eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"), "name", ""))
     arrays = [v.aval for v in (*eqn.invars, *eqn.outvars) if hasattr(v.aval, "shape")]
     nbytes = float(sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays))
@@ -104,8 +138,12 @@ def _kernel(eqn) -> KernelCall:
     matrices = [a for a in arrays[: len(eqn.invars)] if jnp.issubdtype(a.dtype, jnp.floating)]
     if flops is None and not all(isinstance(g, int) for g in grid) and len(matrices) >= 2:
         # a grid sized at run time (megablox gmm / tgmm: the row tiles its groups cover):
-        # a grouped matmul, every row of lhs [m, k] (or [k, m]) times rhs's n columns once
-        flops = 2.0 * math.prod(matrices[0].shape) * matrices[1].shape[-1]
+        # a grouped matmul, every routed row of lhs [m, k] (or [k, m]) times the n columns of
+        # the result ([m, n] from gmm, rhs transposed or not; [G, k, n] from tgmm)
+        share = routed_fraction(scope)
+        flops = 2.0 * math.prod(matrices[0].shape) * eqn.outvars[0].aval.shape[-1] * share
+        rows = sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays if a.ndim == 2)
+        nbytes -= (1.0 - share) * rows  # the 2-D operands are rows; [G, k, n] are weights
     if flops is None:  # another kernel: its body's matmuls once per grid step
         body = eqn.params.get("jaxpr")
         steps = math.prod(g for g in grid if isinstance(g, int))
@@ -115,7 +153,7 @@ def _kernel(eqn) -> KernelCall:
 
 def _kernel_key(eqn, kernel: KernelCall) -> str:
     shapes = ",".join(str(v.aval.shape) for v in eqn.invars if hasattr(v.aval, "shape"))
-    return f"{kernel.name}[{shapes}]"
+    return f"{kernel.name}[{shapes}]:{kernel.flops:.6g}"  # same shapes, other routed rows
 
 
 def _subjaxprs(params: dict) -> list:
