@@ -3,8 +3,9 @@
 A Mixtral-shaped model (``config/mixtral_tiny.yaml`` widened: 8 layers of width 1024, 8
 experts of 1408, top 2, 2,048 positions) and the dense Llama with the same active MLP width
 (2 x 1408), one jitted bf16 training gradient each, timed in alternation. The MoE runs
-twice: ``model.moe.matmul`` ``ragged_dot`` (what ``auto`` picks on a GPU) and ``blocked``
-(the CPU form). For each: tokens/s, the active-parameter TFLOP/s (the MFU count: k experts
+twice: ``model.moe.matmul`` ``ragged_dot`` (which JAX 0.10's XLA:GPU expands to a dense
+product over every expert in the compile-only HLO: the run shows whether the device's JAX
+does too) and ``blocked`` (what ``auto`` picks on a GPU and CPU). For each: tokens/s, the active-parameter TFLOP/s (the MFU count: k experts
 and the router, causal attention as half), and XLA's FLOP estimate of the compiled gradient
 over that count. A grouped matmul expanded to a dense matmul over all experts would show as
 a ratio near E/k = 4 on the MLP, not near 1 (labelled: XLA's cost model).

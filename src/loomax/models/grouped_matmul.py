@@ -5,7 +5,10 @@
 n]``), the experts' matmul of a mixture-of-experts layer. Rows past ``sum(group_sizes)``
 come out as zeros. Every implementation does only the routed work:
 
-- ``ragged_dot`` (GPU): ``jax.lax.ragged_dot``, lowered to ``chlo.ragged_dot``;
+- ``ragged_dot``: ``jax.lax.ragged_dot``, lowered to ``chlo.ragged_dot``. JAX 0.10's XLA
+  compiles it, on GPU as on CPU, to a dense product over every group (the compiled H100 HLO,
+  ``tests/plan/test_gpus.py``): G times the routed work and a ``[G, m, k]`` temporary, so
+  ``auto`` does not pick it;
 - ``megablox`` (TPU): the Pallas ``gmm`` kernel, rows padded to its row tile;
 - ``blocked`` (CPU, any backend): each group's rows padded to a multiple of ``block``
   rows, the expert weights of every block gathered, one batched matmul over the blocks:
@@ -20,10 +23,9 @@ count (``plan/flops.py``) charges the kernels whose work follows the groups (meg
 grid) for the routed rows, not the buffer.
 
 ``auto`` picks by the platform compiled for (the mesh in context, else the default backend,
-so ``loomax compile`` for a TPU slice on a CPU host builds what the TPU runs): GPU
-``ragged_dot``; TPU ``megablox`` inside ``shard_map`` (expert parallelism), ``blocked``
-outside it (a Mosaic kernel cannot be partitioned automatically: XLA refuses it); else
-``blocked``.
+so ``loomax compile`` for a TPU slice on a CPU host builds what the TPU runs): TPU
+``megablox`` inside ``shard_map`` (expert parallelism), ``blocked`` outside it (a Mosaic
+kernel cannot be partitioned automatically: XLA refuses it); GPU and CPU ``blocked``.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def resolve(impl: str) -> str:
     platform = mesh_platform()
     if platform == "tpu" and not jax.sharding.get_abstract_mesh().manual_axes:
         return "blocked"  # megablox must run per device (shard_map); XLA refuses it outside
-    return {"gpu": "ragged_dot", "tpu": "megablox"}.get(platform, "blocked")
+    return "megablox" if platform == "tpu" else "blocked"
 
 
 def grouped_matmul(

@@ -64,7 +64,7 @@ class MoeConfig:
     first_dense_layers: int = 0
     """The first N layers have a dense gated MLP of model.intermediate_dim instead of experts (DeepSeek's first_k_dense_replace); 0 = every layer routed."""
     matmul: str = "auto"
-    """Grouped matmul: auto (GPU ragged_dot, TPU megablox, else blocked), blocked, ragged_dot, megablox."""
+    """Grouped matmul: auto (TPU megablox, else blocked), blocked, ragged_dot, megablox."""
     matmul_block: int = 64
     """Rows per block of the blocked grouped matmul (each expert's rows padded to a multiple)."""
 
