@@ -132,7 +132,7 @@ def _any_visible(qp, kp, window: int | None = None):
     return visible
 
 
-def _tie_to_queries(q_b, *rest):
+def tie_to_queries(q_b, *rest):
     """``(q_b, *rest)`` through an optimisation barrier, so that JAX sees the block's mask
     inputs (segments, positions) as depending on the queries.
 
@@ -143,6 +143,38 @@ def _tie_to_queries(q_b, *rest):
     should need O(seq). The barrier keeps that work inside the blocks, where it is cheap.
     """
     return jax.lax.optimization_barrier((q_b, *rest))
+
+
+def softmax_step(carry, pair, scale: float, window=None, softcap=None, causal=True):
+    """The online softmax ``carry`` (running max, sum, output) of a query block carried on
+    over a key block: ``pair`` is ``(q_b, qp, qs, k_b, v_b, kp, ks)``."""
+    (q_b, qp, qs, k_b, v_b, kp, ks), (m, total, o) = pair, carry
+    acc = acc_dtype(q_b.dtype)
+    s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap, causal)
+    m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, jnp.finfo(acc).min), axis=-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    total = total * corr + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v_b.dtype), v_b, preferred_element_type=acc)
+    return m_new, total, o * corr[..., None] + pv
+
+
+def grad_step(dq, pair, grads, scale: float, window=None, softcap=None, causal=True):
+    """``(dq, dk_b, dv_b)``: a query block's ``dq`` carried on over a key block, and that key
+    block's dK/dV from these queries; ``pair`` as in ``softmax_step``, ``grads`` the query
+    block's ``(g_b, l_b, d_b)`` (``grad_blocks``)."""
+    (q_b, qp, qs, k_b, v_b, kp, ks), (g_b, l_b, d_b) = pair, grads
+    acc = acc_dtype(q_b.dtype)
+    s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap, causal)
+    p = jnp.where(mask, jnp.exp(s - l_b[..., None]), 0.0)
+    dv_b = jnp.einsum("bkgqs,bkgqd->bksd", p, g_b.astype(acc))
+    dp = jnp.einsum("bkgqd,bksd->bkgqs", g_b.astype(acc), v_b.astype(acc))
+    ds = p * (dp - d_b[..., None]) * scale
+    if softcap is not None:  # d(cap * tanh(x / cap)) = 1 - (capped / cap)^2
+        ds = ds * (1 - jnp.square(s / softcap))
+    dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, k_b.astype(acc))
+    dk_b = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_b.astype(acc))
+    return dq, dk_b, dv_b
 
 
 def forward_state(queries):
@@ -160,26 +192,16 @@ def forward_blocks(queries, state, keys, scale: float, window=None, softcap=None
     query (no causal mask, no skip test; segments still apply)."""
     qb, qpb, qsb = queries
     kb, vb, kpb, ksb = keys
-    acc = acc_dtype(qb.dtype)
-    neg = jnp.finfo(acc).min
 
     def per_query_block(xs):
-        (q_b, qs, qp), init = _tie_to_queries(*xs[:3]), xs[3]
+        (q_b, qs, qp), init = tie_to_queries(*xs[:3]), xs[3]
 
         def per_key_block(carry, ys):
             k_b, v_b, ks, kp = ys
 
             def compute(carry):
-                m, total, o = carry
-                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap, causal)
-                m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, neg), axis=-1))
-                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-                corr = jnp.exp(m - m_new)
-                total = total * corr + jnp.sum(p, axis=-1)
-                o = o * corr[..., None] + jnp.einsum(
-                    "bkgqs,bksd->bkgqd", p.astype(v_b.dtype), v_b, preferred_element_type=acc
-                )
-                return m_new, total, o
+                pair = (q_b, qp, qs, k_b, v_b, kp, ks)
+                return softmax_step(carry, pair, scale, window, softcap, causal)
 
             if not causal:
                 return compute(carry), None
@@ -232,16 +254,8 @@ def backward_blocks(
             k_b, v_b, ks, kp = ys
 
             def compute(dq):
-                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap, causal)
-                p = jnp.where(mask, jnp.exp(s - l_b[..., None]), 0.0)
-                dv_b = jnp.einsum("bkgqs,bkgqd->bksd", p, g_b.astype(acc))
-                dp = jnp.einsum("bkgqd,bksd->bkgqs", g_b.astype(acc), v_b.astype(acc))
-                ds = p * (dp - d_b[..., None]) * scale
-                if softcap is not None:  # d(cap * tanh(x / cap)) = 1 - (capped / cap)^2
-                    ds = ds * (1 - jnp.square(s / softcap))
-                dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, k_b.astype(acc))
-                dk_b = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_b.astype(acc))
-                return dq, dk_b, dv_b
+                pair = (q_b, qp, qs, k_b, v_b, kp, ks)
+                return grad_step(dq, pair, (g_b, l_b, d_b), scale, window, softcap, causal)
 
             def skip(dq):
                 zeros = jnp.zeros(k_b.shape, acc)

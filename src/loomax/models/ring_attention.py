@@ -13,16 +13,17 @@ mapping says.
 
   Only the chunk pairs the causal mask lets through are computed, and which those are is
   known from the layout (device i holds chunks i and 2n-1-i): with its own keys, chunk i
-  over chunk i and 2n-1-i over 2n-1-i (causal diagonals, blockwise with per-block skips),
-  2n-1-i over i (all visible; i over 2n-1-i is hidden); with device j's keys, both query
-  chunks over key chunk j if j < i, else query chunk 2n-1-i over both key chunks: two whole
-  chunk pairs either way, with no causal mask, one ``lax.cond`` between two equal-cost
-  branches. So a static count (``plan/flops.py``: a cond costs its dearer branch) charges
-  the causal work, plus the hidden halves of the two diagonal pairs (1/(2n) over). Document
-  masks apply in every pair (segment ids of the true positions); pairs of blocks in
-  different documents are computed and masked, not skipped. The output and log-sum-exp are
-  named ``RING_RESIDUALS``: a remat policy that saves them (``model.remat_save``) keeps the
-  backward pass from running the ring forward again.
+  over chunk i and 2n-1-i over 2n-1-i (causal diagonals, only their visible block pairs:
+  ``models/causal_diagonal.py``), 2n-1-i over i (all visible; i over 2n-1-i is hidden);
+  with device j's keys, both query chunks over key chunk j if j < i, else query chunk
+  2n-1-i over both key chunks: two whole chunk pairs either way, with no causal mask, one
+  ``lax.cond`` between branches of equal cost. So a static count (``plan/flops.py``: a cond
+  costs its dearer branch) charges the causal work plus the hidden halves of the diagonal
+  blocks (1/(2nm) over, m blocks a chunk). Document masks apply in every pair (segment ids
+  of the true positions); pairs of blocks in different documents are computed and masked,
+  not skipped. The output and log-sum-exp are named ``RING_RESIDUALS``: a remat policy that
+  saves them (``model.remat_save``) keeps the backward pass from running the ring forward
+  again.
 - ``all_gather``: the keys and values (and their positions and document ids) are
   all-gathered over the axis, then each device attends its queries to the whole sequence;
   the backward reduce-scatters dK/dV. Simpler, one collective per layer; the gathered K/V
@@ -44,6 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from loomax.models.axes import Heads
+from loomax.models.causal_diagonal import diagonal_backward, diagonal_forward
 from loomax.models.flash import (
     backward_blocks,
     finish,
@@ -157,11 +159,11 @@ def _ring_forward(q, k, v, pos, seg, scale, block, axis, ways):
     c = q.shape[-2] // 2
     (qe, ql), (ke, kl) = _chunks(q, k, v, pos, seg, block)
 
-    def attend(queries, state, keys, causal=False):
-        return forward_blocks(queries, state, keys, scale, causal=causal)
+    def attend(queries, state, keys):
+        return forward_blocks(queries, state, keys, scale, causal=False)
 
-    state_e = attend(qe, forward_state(qe), ke, causal=True)
-    state_l = attend(ql, attend(ql, forward_state(ql), ke), kl, causal=True)
+    state_e = diagonal_forward(qe, forward_state(qe), ke, scale)
+    state_l = diagonal_forward(ql, attend(ql, forward_state(ql), ke), kl, scale)
 
     def visit(states, held):
         (se, sl), (he, hl) = states, held
@@ -195,12 +197,12 @@ def _ring_bwd(scale, block, axis, ways, residuals, g):
     ge, gl = (grad_blocks(g[..., h, :], lse[..., h], delta[..., h], block)
               for h in (slice(0, c), slice(c, 2 * c)))  # fmt: skip
 
-    def attend(queries, grads, dq, keys, causal=False):
-        return backward_blocks(queries, *grads, dq, keys, scale, causal=causal)
+    def attend(queries, grads, dq, keys):
+        return backward_blocks(queries, *grads, dq, keys, scale, causal=False)
 
-    dq_e, dk_e, dv_e = attend(qe, ge, jnp.zeros(qe[0].shape, acc), ke, causal=True)
+    dq_e, dk_e, dv_e = diagonal_backward(qe, ge, jnp.zeros(qe[0].shape, acc), ke, scale)
     dq_l, dk_x, dv_x = attend(ql, gl, jnp.zeros(ql[0].shape, acc), ke)
-    dq_l, dk_l, dv_l = attend(ql, gl, dq_l, kl, causal=True)
+    dq_l, dk_l, dv_l = diagonal_backward(ql, gl, dq_l, kl, scale)
     grads = ((dk_e + dk_x, dv_e + dv_x), (dk_l, dv_l))
 
     def visit(dqs, held, grads):
