@@ -60,14 +60,46 @@ def attention_inputs(order):
     return named, hax.named(jnp.asarray(seg[:, order], jnp.int32), (Batch, Position))
 
 
-def attention_loss(variant, backend="vanilla"):
+def attention_loss(variant, backend="vanilla", block=4, remat=None):
+    """The gradient of a weighted sum of the attention output; ``remat``: a Haliax scan
+    policy (``models/remat.scan_policy``) the attention is checkpointed with."""
+
     def loss(q, k, v, w, seg):
-        out = causal_attention(
-            q, k, v, backend=backend, segment_ids=seg, flash_block=4, context_parallel=variant
-        )
+        def attend(q, k, v):
+            return causal_attention(
+                q, k, v, backend=backend, segment_ids=seg, flash_block=block,
+                context_parallel=variant,
+            )  # fmt: skip
+
+        if remat is not None:
+            attend = remat.checkpoint("carry", "input", attend)
+        out = attend(q, k, v)
         return hax.sum(out * w).scalar(), out
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def attention_counts():
+    """The plan's matmul count (``plan/flops.count_step``) of the ring's forward + backward
+    (data 2 x context 4): as is, under full remat, and under remat saving the ring's
+    residuals; and the causal count (half of each of the 7 score-sized matmuls)."""
+    from loomax.models.remat import scan_policy
+    from loomax.models.ring_attention import RING_RESIDUALS
+    from loomax.plan.flops import count_step
+
+    laid, seg = attention_inputs(zigzag_order(SEQ, CONTEXT))
+    args = [laid[n] for n in "qkvw"] + [seg]
+    mesh = MeshConfig(data=2, context=CONTEXT).build()
+    policies = {"ring": None, "ring_remat": scan_policy(True)}
+    policies["ring_remat_saved"] = scan_policy(True, save=(RING_RESIDUALS,))
+    counts = {}
+    with MeshRuntime(mesh, make_axis_mappings()).mesh_context():
+        for name, remat in policies.items():
+            jaxpr = jax.make_jaxpr(attention_loss("ring", "blockwise", remat=remat))(*args)
+            counts[name] = count_step(jaxpr).total_flops
+    batch, heads, size = laid["q"].array.shape[0], laid["q"].array.shape[2], 8
+    counts["causal"] = 7 * 2 * batch * heads * size * SEQ * SEQ / 2
+    return counts
 
 
 def attention():
@@ -77,10 +109,13 @@ def attention():
     laid, seg_l = attention_inputs(order)
     result = {}
     cases = [("ring", 2, 1), ("all_gather", 2, 1), ("ring_tensor_parallel", 1, 2)]
+    cases.append(("ring_padded", 2, 1))  # blocks of 3: each 8-position chunk padded to 9
     for name, data, model in cases:
         mesh = MeshConfig(data=data, context=CONTEXT, model=model).build()
         runtime = MeshRuntime(mesh, make_axis_mappings())
-        fn = attention_loss(name.removesuffix("_tensor_parallel"), backend="blockwise")
+        variant = name.removesuffix("_tensor_parallel").removesuffix("_padded")
+        block = 3 if name.endswith("_padded") else 4
+        fn = attention_loss(variant, backend="blockwise", block=block)
         with runtime.mesh_context():
             args = [laid[n] for n in "qkvw"] + [seg_l]
             (_, out), grads = fn(*args)
@@ -93,6 +128,7 @@ def attention():
             "all_gathers": hlo.count(" all-gather("),
             "collective_permutes": hlo.count(" collective-permute("),
         }
+    result["counts"] = attention_counts()
     return result
 
 

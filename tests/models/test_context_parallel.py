@@ -35,11 +35,11 @@ def attention_runs():
     return run_worker("attention")
 
 
-@pytest.mark.parametrize("variant", ["ring", "all_gather", "ring_tensor_parallel"])
+@pytest.mark.parametrize("variant", ["ring", "all_gather", "ring_tensor_parallel", "ring_padded"])
 def test_split_attention_equals_one_device(attention_runs, variant):
     """Causal + document masks (documents crossing the shards) + grouped-query heads, data 2 x
-    context 4 (or context 4 x model 2, the heads split too): output, dQ, dK and dV equal the
-    unsplit attention's."""
+    context 4 (or context 4 x model 2, the heads split too; or blocks of 3, each chunk's last
+    block padded): output, dQ, dK and dV equal the unsplit attention's."""
     errors = attention_runs[variant]["errors"]
     assert set(errors) == {"out", "dq", "dk", "dv"}
     for name, error in errors.items():
@@ -53,6 +53,26 @@ def test_ring_never_gathers_keys_and_values(attention_runs):
     assert attention_runs["ring_tensor_parallel"]["all_gathers"] == 0
     assert attention_runs["ring"]["collective_permutes"] > 0
     assert attention_runs["all_gather"]["all_gathers"] > 0
+
+
+def test_ring_count_is_the_causal_work(attention_runs):
+    """The plan's static count (``count_step``: a cond costs its dearer branch) of the ring's
+    forward + backward is the causal work plus the hidden halves of the diagonal blocks
+    (each device's two diagonal chunk pairs of m = 2 blocks: 1 + 1 / (2 n m) = 17/16 at
+    context n = 4). When every hop ran every block pair behind a run-time cond, it was the
+    full square, 2x; with the chunk pairs static but the diagonals' block pairs behind the
+    cond, 9/8."""
+    counts = attention_runs["counts"]
+    assert counts["ring"] == pytest.approx(counts["causal"] * 17 / 16, rel=1e-9), counts
+
+
+def test_saving_ring_residuals_spares_the_forward_rerun(attention_runs):
+    """Under layer remat the backward runs the ring forward again (its two matmuls a block
+    pair: 2/7 more), unless the policy saves ``ring_residuals`` (``model.remat_save``): then
+    the count is the unremat'd one."""
+    counts = attention_runs["counts"]
+    assert counts["ring_remat_saved"] == counts["ring"], counts
+    assert counts["ring_remat"] == pytest.approx(counts["ring"] * 9 / 7, rel=1e-9), counts
 
 
 @pytest.fixture(scope="module")

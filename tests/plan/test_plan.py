@@ -164,6 +164,21 @@ def test_remat_variants_include_policies_that_keep_attention():
     )
 
 
+def test_remat_variants_of_a_ring_split_keep_the_ring_residuals():
+    """Where a candidate splits the sequence (ring attention), the plan also tries keeping
+    the ring's output and log-sum-exp (its forward is otherwise rerun in the backward);
+    elsewhere it does not."""
+    config = parse_config(TrainLmConfig, None, ["--model.seq_len", "32768"])
+    split = context_strategies(8, 1, 32768)[0]
+    labels = {c.label.removeprefix(split.label + " "): c for c in remat_variants(split, config)}
+    assert {"remat save-ring", "offload save-ring"} <= set(labels)
+    saved = labels["offload save-ring"].overrides
+    assert saved["model.gradient_checkpointing"] == "offload"
+    assert saved["model.remat_save"] == ["ring_residuals"]
+    unsplit = mesh_strategies(8)[0]
+    assert not any("ring" in c.label for c in remat_variants(unsplit, config))
+
+
 @pytest.mark.slow
 def test_plan_ranks_candidates_and_its_overlay_trains(tmp_path, repo_root):
     run = repo_root / "config" / "llama_tiny.yaml"

@@ -41,7 +41,7 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     gradient_checkpointing: bool | str = True
     """Layer remat: true (recompute block internals), false, offload, nested, recompute, save_all."""
     remat_save: tuple[str, ...] = ()
-    """Activations a remat'd layer keeps instead of recomputing: qkv, attn_out, splash_residuals, mlp_in, mlp_up."""
+    """Activations a remat'd layer keeps instead of recomputing: qkv, attn_out, splash_residuals, ring_residuals, mlp_in, mlp_up."""
     remat_offload: tuple[str, ...] = ()
     """Activations a remat'd layer keeps in pinned host memory instead of recomputing (same names)."""
     cross_entropy_block_size: int | None = 4096

@@ -107,12 +107,17 @@ def key_blocks(k, v, k_pos, k_seg, block):
     return _split_blocks(k, block, 2), _split_blocks(v, block, 2), k_pos, k_seg
 
 
-def _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap=None):
+def _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap=None, causal=True):
     acc = acc_dtype(q_b.dtype)
     s = jnp.einsum("bkgqd,bksd->bkgqs", q_b, k_b, preferred_element_type=acc) * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
-    mask = visible_mask(qp, kp, qs, ks, window)
+    if causal:
+        return s, visible_mask(qp, kp, qs, ks, window)
+    # every real query sees every real key of its segment: only padding is masked
+    mask = ((qp >= 0)[:, None] & (kp != LATE)[None, :])[None, None, None]
+    if qs is not None:
+        mask = mask & (qs[:, None, None, :, None] == ks[:, None, None, None, :])
     return s, mask
 
 
@@ -127,7 +132,7 @@ def _any_visible(qp, kp, window: int | None = None):
     return visible
 
 
-def _tie_to_queries(q_b, *rest):
+def tie_to_queries(q_b, *rest):
     """``(q_b, *rest)`` through an optimisation barrier, so that JAX sees the block's mask
     inputs (segments, positions) as depending on the queries.
 
@@ -140,6 +145,38 @@ def _tie_to_queries(q_b, *rest):
     return jax.lax.optimization_barrier((q_b, *rest))
 
 
+def softmax_step(carry, pair, scale: float, window=None, softcap=None, causal=True):
+    """The online softmax ``carry`` (running max, sum, output) of a query block carried on
+    over a key block: ``pair`` is ``(q_b, qp, qs, k_b, v_b, kp, ks)``."""
+    (q_b, qp, qs, k_b, v_b, kp, ks), (m, total, o) = pair, carry
+    acc = acc_dtype(q_b.dtype)
+    s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap, causal)
+    m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, jnp.finfo(acc).min), axis=-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    total = total * corr + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v_b.dtype), v_b, preferred_element_type=acc)
+    return m_new, total, o * corr[..., None] + pv
+
+
+def grad_step(dq, pair, grads, scale: float, window=None, softcap=None, causal=True):
+    """``(dq, dk_b, dv_b)``: a query block's ``dq`` carried on over a key block, and that key
+    block's dK/dV from these queries; ``pair`` as in ``softmax_step``, ``grads`` the query
+    block's ``(g_b, l_b, d_b)`` (``grad_blocks``)."""
+    (q_b, qp, qs, k_b, v_b, kp, ks), (g_b, l_b, d_b) = pair, grads
+    acc = acc_dtype(q_b.dtype)
+    s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap, causal)
+    p = jnp.where(mask, jnp.exp(s - l_b[..., None]), 0.0)
+    dv_b = jnp.einsum("bkgqs,bkgqd->bksd", p, g_b.astype(acc))
+    dp = jnp.einsum("bkgqd,bksd->bkgqs", g_b.astype(acc), v_b.astype(acc))
+    ds = p * (dp - d_b[..., None]) * scale
+    if softcap is not None:  # d(cap * tanh(x / cap)) = 1 - (capped / cap)^2
+        ds = ds * (1 - jnp.square(s / softcap))
+    dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, k_b.astype(acc))
+    dk_b = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_b.astype(acc))
+    return dq, dk_b, dv_b
+
+
 def forward_state(queries):
     """The online softmax's start for blocked ``queries``: (running max, sum, output)."""
     qb = queries[0]
@@ -148,33 +185,26 @@ def forward_state(queries):
     return jnp.full(shape, jnp.finfo(acc).min, acc), jnp.zeros(shape, acc), jnp.zeros(qb.shape, acc)
 
 
-def forward_blocks(queries, state, keys, scale: float, window=None, softcap=None):
+def forward_blocks(queries, state, keys, scale: float, window=None, softcap=None, causal=True):
     """The online softmax ``state`` of blocked ``queries`` (``query_blocks``) carried on over
     blocked ``keys`` (``key_blocks``): attention over several key parts in turn equals
-    attention over them all."""
+    attention over them all. ``causal=False``: the caller knows every key precedes every
+    query (no causal mask, no skip test; segments still apply)."""
     qb, qpb, qsb = queries
     kb, vb, kpb, ksb = keys
-    acc = acc_dtype(qb.dtype)
-    neg = jnp.finfo(acc).min
 
     def per_query_block(xs):
-        (q_b, qs, qp), init = _tie_to_queries(*xs[:3]), xs[3]
+        (q_b, qs, qp), init = tie_to_queries(*xs[:3]), xs[3]
 
         def per_key_block(carry, ys):
             k_b, v_b, ks, kp = ys
 
             def compute(carry):
-                m, total, o = carry
-                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap)
-                m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, neg), axis=-1))
-                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-                corr = jnp.exp(m - m_new)
-                total = total * corr + jnp.sum(p, axis=-1)
-                o = o * corr[..., None] + jnp.einsum(
-                    "bkgqs,bksd->bkgqd", p.astype(v_b.dtype), v_b, preferred_element_type=acc
-                )
-                return m_new, total, o
+                pair = (q_b, qp, qs, k_b, v_b, kp, ks)
+                return softmax_step(carry, pair, scale, window, softcap, causal)
 
+            if not causal:
+                return compute(carry), None
             carry = jax.lax.cond(_any_visible(qp, kp, window), compute, lambda c: c, carry)
             return carry, None
 
@@ -205,10 +235,13 @@ def block_forward(
     return merge_blocks(out, 3)[..., :Tq, :], merge_blocks(lse, 3)[..., :Tq]
 
 
-def backward_blocks(queries, gb, lb, db, dq, keys, scale: float, window=None, softcap=None):
+def backward_blocks(
+    queries, gb, lb, db, dq, keys, scale: float, window=None, softcap=None, causal=True
+):
     """``(dq, dk, dv)`` blocks, the accumulation dtype: ``dq`` (blocks like ``queries``)
     carried on over blocked ``keys``, and those keys' dK/dV, for the attention whose (global)
-    log-sum-exp per query is ``lb`` and ``db = sum(g * out, -1)`` (``g``'s blocks ``gb``)."""
+    log-sum-exp per query is ``lb`` and ``db = sum(g * out, -1)`` (``g``'s blocks ``gb``);
+    ``causal`` as in ``forward_blocks``."""
     qb, qpb, qsb = queries
     kb, vb, kpb, ksb = keys
     acc = acc_dtype(qb.dtype)
@@ -221,22 +254,17 @@ def backward_blocks(queries, gb, lb, db, dq, keys, scale: float, window=None, so
             k_b, v_b, ks, kp = ys
 
             def compute(dq):
-                s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap)
-                p = jnp.where(mask, jnp.exp(s - l_b[..., None]), 0.0)
-                dv_b = jnp.einsum("bkgqs,bkgqd->bksd", p, g_b.astype(acc))
-                dp = jnp.einsum("bkgqd,bksd->bkgqs", g_b.astype(acc), v_b.astype(acc))
-                ds = p * (dp - d_b[..., None]) * scale
-                if softcap is not None:  # d(cap * tanh(x / cap)) = 1 - (capped / cap)^2
-                    ds = ds * (1 - jnp.square(s / softcap))
-                dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, k_b.astype(acc))
-                dk_b = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_b.astype(acc))
-                return dq, dk_b, dv_b
+                pair = (q_b, qp, qs, k_b, v_b, kp, ks)
+                return grad_step(dq, pair, (g_b, l_b, d_b), scale, window, softcap, causal)
 
             def skip(dq):
                 zeros = jnp.zeros(k_b.shape, acc)
                 return dq, zeros, zeros
 
-            dq, dk_b, dv_b = jax.lax.cond(_any_visible(qp, kp, window), compute, skip, dq)
+            if not causal:
+                dq, dk_b, dv_b = compute(dq)
+            else:
+                dq, dk_b, dv_b = jax.lax.cond(_any_visible(qp, kp, window), compute, skip, dq)
             return dq, (dk_b, dv_b)
 
         dq_b, (dk_bs, dv_bs) = jax.lax.scan(per_key_block, dq_b, (kb, vb, ksb, kpb))

@@ -15,6 +15,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from loomax.config import ConfigError
+from loomax.models.ring_attention import RING_RESIDUALS
 from loomax.models.splash import SPLASH_RESIDUALS
 
 REMAT_POLICIES = (True, False, "offload", "nested", "recompute", "save_all")
@@ -24,6 +25,7 @@ ACTIVATIONS = {
     "qkv": "the query, key and value projections (after rotary)",
     "attn_out": "attention's output, before the output projection",
     SPLASH_RESIDUALS: "the splash kernel's output and log-sum-exp: with attn_out, no kernel rerun",
+    RING_RESIDUALS: "ring attention's output and log-sum-exp: no ring forward in the backward",
     "mlp_in": "the MLP's input: the normed residual stream after attention",
     "mlp_up": "the MLP's up (and gate) projections, before the activation: its widest matmuls",
 }

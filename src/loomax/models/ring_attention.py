@@ -10,6 +10,20 @@ mapping says.
   sends the blocks around again with their dK/dV accumulators, which arrive back at their
   owners after the last hop: no device ever holds more than one block of keys, values or
   their gradients, forward or backward. Memory per device O(seq / n).
+
+  Only the chunk pairs the causal mask lets through are computed, and which those are is
+  known from the layout (device i holds chunks i and 2n-1-i): with its own keys, chunk i
+  over chunk i and 2n-1-i over 2n-1-i (causal diagonals, only their visible block pairs:
+  ``models/causal_diagonal.py``), 2n-1-i over i (all visible; i over 2n-1-i is hidden);
+  with device j's keys, both query chunks over key chunk j if j < i, else query chunk
+  2n-1-i over both key chunks: two whole chunk pairs either way, with no causal mask, one
+  ``lax.cond`` between branches of equal cost. So a static count (``plan/flops.py``: a cond
+  costs its dearer branch) charges the causal work plus the hidden halves of the diagonal
+  blocks (1/(2nm) over, m blocks a chunk). Document masks apply in every pair (segment ids
+  of the true positions); pairs of blocks in different documents are computed and masked,
+  not skipped. The output and log-sum-exp are named ``RING_RESIDUALS``: a remat policy that
+  saves them (``model.remat_save``) keeps the backward pass from running the ring forward
+  again.
 - ``all_gather``: the keys and values (and their positions and document ids) are
   all-gathered over the axis, then each device attends its queries to the whole sequence;
   the backward reduce-scatters dK/dV. Simpler, one collective per layer; the gathered K/V
@@ -27,9 +41,11 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from loomax.models.axes import Heads
+from loomax.models.causal_diagonal import diagonal_backward, diagonal_forward
 from loomax.models.flash import (
     backward_blocks,
     finish,
@@ -46,6 +62,8 @@ from loomax.models.splash import concrete_mesh, mapped_axes
 
 VARIANTS = ("ring", "all_gather")
 """``model.context_parallel``: how attention crosses a split sequence."""
+RING_RESIDUALS = "ring_residuals"
+"""Checkpoint name of the ring's output and log-sum-exp (its backward's residuals)."""
 
 
 def context_parallel_attention(
@@ -94,13 +112,38 @@ def all_gather_attention(q, k, v, pos, seg, *, scale: float, block: int, axis):
 
 def ring_attention(q, k, v, pos, seg, *, scale: float, block: int, axis, ways: int):
     """This device's queries over every device's keys and values, passed around the ring of
-    ``ways`` devices of ``axis`` (inside ``shard_map``)."""
+    ``ways`` devices of ``axis`` (inside ``shard_map``; the zig-zag layout: ``pos`` are two
+    chunks of true positions, ``sequence_layout.zigzag_order``)."""
     return _ring(q, k, v, pos, seg, scale, block, axis, ways)
 
 
 def _hop(tree, axis, ways: int):
     """Every device's ``tree`` to the next device of the ring."""
     return jax.lax.ppermute(tree, axis, [(i, (i + 1) % ways) for i in range(ways)])
+
+
+def _chunks(q, k, v, pos, seg, block):
+    """The blocked queries and keys of this device's early and late zig-zag chunks: a pair
+    ``(early, late)`` of each (a block never straddles the two)."""
+    c = q.shape[-2] // 2
+    halves = (slice(0, c), slice(c, 2 * c))
+    queries = tuple(query_blocks(q[..., h, :], pos[h], seg[:, h], block) for h in halves)
+    keys = tuple(key_blocks(k[..., h, :], v[..., h, :], pos[h], seg[:, h], block) for h in halves)
+    return queries, keys
+
+
+def _from_earlier(held, early) -> jax.Array:
+    """Whether the ``held`` keys come from a device j before this one i (their early chunk
+    precedes our ``early`` queries): then both our query chunks see their early chunk and
+    nothing of their late one; else (j > i) our late chunk sees both of theirs and our early
+    chunk nothing."""
+    return held[0][2][0, 0] < early[1][0, 0]
+
+
+def _join(blocks, axis: int, length: int):
+    """The two chunks' blocks back into one ``[..., 2 x length, ...]`` array along ``axis``."""
+    parts = [jax.lax.slice_in_dim(merge_blocks(b, axis), 0, length, axis=axis) for b in blocks]
+    return jnp.concatenate(parts, axis=axis)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -111,50 +154,83 @@ def _ring(q, k, v, pos, seg, scale, block, axis, ways):
 def _ring_forward(q, k, v, pos, seg, scale, block, axis, ways):
     """The online softmax carried around the ring: each hop's keys continue it where the
     last left it, block by block (no per-hop partial outputs to combine). The keys and values
-    travel already cut into blocks, so no hop re-lays them out."""
-    T = q.shape[-2]
-    queries = query_blocks(q, pos, seg, block)
-    keys = key_blocks(k, v, pos, seg, block)
-    state = forward_blocks(queries, forward_state(queries), keys, scale)
+    travel already cut into blocks, so no hop re-lays them out. Only visible chunk pairs are
+    computed (module docstring), the off-diagonal ones without a causal mask."""
+    c = q.shape[-2] // 2
+    (qe, ql), (ke, kl) = _chunks(q, k, v, pos, seg, block)
+
+    def attend(queries, state, keys):
+        return forward_blocks(queries, state, keys, scale, causal=False)
+
+    state_e = diagonal_forward(qe, forward_state(qe), ke, scale)
+    state_l = diagonal_forward(ql, attend(ql, forward_state(ql), ke), kl, scale)
+
+    def visit(states, held):
+        (se, sl), (he, hl) = states, held
+        sl = attend(ql, sl, he)
+        earlier = _from_earlier(held, qe)
+        x = jax.lax.cond(earlier, lambda: attend(qe, se, he), lambda: attend(ql, sl, hl))
+        pick = partial(jax.tree.map, lambda a, b: jnp.where(earlier, a, b))
+        return pick(x, se), pick(sl, x)
 
     def step(carry, _):
-        state, held = carry
+        states, held = carry
         held = _hop(held, axis, ways)
-        return (forward_blocks(queries, state, held, scale), held), None
+        return (visit(states, held), held), None
 
-    (state, _), _ = jax.lax.scan(step, (state, keys), None, length=ways - 1)
-    out, lse = finish(state)
-    return merge_blocks(out, 3)[..., :T, :].astype(q.dtype), merge_blocks(lse, 3)[..., :T]
+    (states, _), _ = jax.lax.scan(step, ((state_e, state_l), (ke, kl)), None, length=ways - 1)
+    out, lse = zip(*(finish(s) for s in states), strict=True)
+    return _join(out, 3, c).astype(q.dtype), _join(lse, 3, c)
 
 
 def _ring_fwd(q, k, v, pos, seg, scale, block, axis, ways):
     out, lse = _ring_forward(q, k, v, pos, seg, scale, block, axis, ways)
+    out, lse = checkpoint_name(out, RING_RESIDUALS), checkpoint_name(lse, RING_RESIDUALS)
     return out, (q, k, v, pos, seg, out, lse)
 
 
 def _ring_bwd(scale, block, axis, ways, residuals, g):
     q, k, v, pos, seg, out, lse = residuals
-    T, acc = q.shape[-2], lse.dtype
+    c, acc = q.shape[-2] // 2, lse.dtype
     delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)
-    queries = query_blocks(q, pos, seg, block)
-    gb, lb, db = grad_blocks(g, lse, delta, block)
-    keys = key_blocks(k, v, pos, seg, block)
+    (qe, ql), (ke, kl) = _chunks(q, k, v, pos, seg, block)
+    ge, gl = (grad_blocks(g[..., h, :], lse[..., h], delta[..., h], block)
+              for h in (slice(0, c), slice(c, 2 * c)))  # fmt: skip
 
-    def attend(dq, held):
-        return backward_blocks(queries, gb, lb, db, dq, held, scale)
+    def attend(queries, grads, dq, keys):
+        return backward_blocks(queries, *grads, dq, keys, scale, causal=False)
 
-    dq, dk, dv = attend(jnp.zeros(queries[0].shape, acc), keys)
+    dq_e, dk_e, dv_e = diagonal_backward(qe, ge, jnp.zeros(qe[0].shape, acc), ke, scale)
+    dq_l, dk_x, dv_x = attend(ql, gl, jnp.zeros(ql[0].shape, acc), ke)
+    dq_l, dk_l, dv_l = diagonal_backward(ql, gl, dq_l, kl, scale)
+    grads = ((dk_e + dk_x, dv_e + dv_x), (dk_l, dv_l))
+
+    def visit(dqs, held, grads):
+        (dq_e, dq_l), (he, hl), ((dk_e, dv_e), (dk_l, dv_l)) = dqs, held, grads
+
+        def early_keys():
+            dq_e2, dk_1, dv_1 = attend(qe, ge, dq_e, he)
+            dq_l2, dk_2, dv_2 = attend(ql, gl, dq_l, he)
+            return (dq_e2, dq_l2), ((dk_e + dk_1 + dk_2, dv_e + dv_1 + dv_2), (dk_l, dv_l))
+
+        def late_queries():
+            dq_l2, dk_1, dv_1 = attend(ql, gl, dq_l, he)
+            dq_l2, dk_2, dv_2 = attend(ql, gl, dq_l2, hl)
+            return (dq_e, dq_l2), ((dk_e + dk_1, dv_e + dv_1), (dk_l + dk_2, dv_l + dv_2))
+
+        return jax.lax.cond(_from_earlier(held, qe), early_keys, late_queries)
 
     def step(carry, _):
-        dq, held, grads = carry
+        dqs, held, grads = carry
         held, grads = _hop((held, grads), axis, ways)  # a block travels with its dK/dV
-        dq, dk_s, dv_s = attend(dq, held)
-        return (dq, held, (grads[0] + dk_s, grads[1] + dv_s)), None
+        dqs, grads = visit(dqs, held, grads)
+        return (dqs, held, grads), None
 
-    (dq, _, grads), _ = jax.lax.scan(step, (dq, keys, (dk, dv)), None, length=ways - 1)
-    dk, dv = _hop(grads, axis, ways)  # the last hop brings each block's gradients home
-    dq = merge_blocks(dq, 3)[..., :T, :]
-    dk, dv = (merge_blocks(x, 2)[..., :T, :] for x in (dk, dv))
+    carry = ((dq_e, dq_l), (ke, kl), grads)
+    ((dq_e, dq_l), _, grads), _ = jax.lax.scan(step, carry, None, length=ways - 1)
+    (dk_e, dv_e), (dk_l, dv_l) = _hop(grads, axis, ways)  # the last hop brings them home
+    dq = _join((dq_e, dq_l), 3, c)
+    dk, dv = _join((dk_e, dk_l), 2, c), _join((dv_e, dv_l), 2, c)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 

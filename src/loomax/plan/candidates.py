@@ -179,6 +179,14 @@ REMAT_CANDIDATES = (
 """``(label, model.gradient_checkpointing, model.remat_save)`` of the remat policies a plan
 tries: full remat, layer inputs offloaded to host, none, and each of the first two keeping
 attention's inputs and results (``SAVE_ATTENTION``: attention is not recomputed)."""
+SAVE_RING = ("ring_residuals",)
+"""What spares a remat'd layer its ring attention (a split sequence): the ring's output and
+log-sum-exp."""
+RING_REMAT_CANDIDATES = (
+    ("remat save-ring", True, SAVE_RING),
+    ("offload save-ring", "offload", SAVE_RING),
+)
+"""The remat policies a plan also tries where the sequence is split (ring attention)."""
 
 
 OFFLOAD_KEYS = (
@@ -233,10 +241,15 @@ def remat_of(candidate: Candidate, config: TrainLmConfig) -> tuple:
 
 
 def remat_variants(base: Candidate, config: TrainLmConfig, **_: object) -> list[Candidate]:
-    """``base`` with each other remat policy of ``REMAT_CANDIDATES``."""
+    """``base`` with each other remat policy of ``REMAT_CANDIDATES`` (and, where ``base``
+    splits the sequence for ring attention, ``RING_REMAT_CANDIDATES``)."""
     own = remat_of(base, config)
     out = []
-    for name, policy, save in REMAT_CANDIDATES:
+    context = base.overrides.get("trainer.mesh", {}).get("context", 1)
+    policies = REMAT_CANDIDATES
+    if context > 1 and config.model.context_parallel == "ring":
+        policies += RING_REMAT_CANDIDATES
+    for name, policy, save in policies:
         if (policy, save) != own:
             overrides = {
                 **base.overrides,
