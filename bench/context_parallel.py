@@ -9,6 +9,7 @@ step (it may not fit): its memory is then the compiled program's account, and it
 tokens/s. ``--json PATH`` writes the rows.
 
 .venv/bin/python bench/context_parallel.py [--seq 8192] [--context 4] [--steps 3]
+    [--warmup 1] [--cases 'no split,ring,all_gather']
 """
 
 from __future__ import annotations
@@ -78,11 +79,12 @@ def attention_memory(seq: int, context: int, variant: str) -> tuple[float, float
 
 def step_speed(
     seq: int, context: int, variant: str, steps: int, run: bool = True, width: int = 64,
-    layers: int = 2,
+    layers: int = 2, warmup: int = 1,
 ) -> tuple[float | None, float, float]:  # fmt: skip
     """A Llama's (tiny by default: ``width`` 64, 4 heads, 2 layers) loss and gradients on one
     row of ``seq`` tokens (documents at EOS): ``(tokens/s, temporary MiB, total MiB per
-    device)``; tokens/s None unless ``run``."""
+    device)``; tokens/s None unless ``run``. ``warmup`` untimed executions of the compiled
+    step come first (0 for long sequences: nothing is left to compile by then)."""
     rt = runtime(context)
     config = LlamaConfig(
         seq_len=seq, hidden_dim=width, intermediate_dim=2 * width, num_layers=layers, num_heads=4,
@@ -106,7 +108,8 @@ def step_speed(
         total = temp + (stats.argument_size_in_bytes + stats.output_size_in_bytes) / 2**20
         if not run:
             return None, temp, total
-        jax.block_until_ready(compiled(model, tokens))
+        for _ in range(warmup):
+            jax.block_until_ready(compiled(model, tokens))
         start = time.perf_counter()
         for _ in range(steps):
             jax.block_until_ready(compiled(model, tokens))
@@ -124,17 +127,27 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64, help="the Llama's hidden size")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--memory-only", action="store_true", help="compile; run no step")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before the timed")
+    parser.add_argument(
+        "--cases", default=",".join(c[0] for c in CASES), help="comma-separated subset of cases"
+    )
     args = parser.parse_args()
+    chosen = args.cases.split(",")
+    unknown = sorted(set(chosen) - {c[0] for c in CASES})
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; choose from {[c[0] for c in CASES]}")
     print(f"sequence {args.seq}, context {args.context} ({DEVICES} fake CPU devices)")
     heads = ("attn temp MiB", "attn total MiB", "step tok/s", "step temp MiB", "step total MiB")
     print(f"{'':12} " + " ".join(f"{h:>14}" for h in heads))
     rows = []
     for name, context, variant in CASES:
+        if name not in chosen:
+            continue
         context = context or args.context
         temp, total = attention_memory(args.seq, context, variant)
         run = not (args.memory_only or (context == 1 and args.no_split_estimate))
         speed, step_temp, step_total = step_speed(
-            args.seq, context, variant, args.steps, run, args.width, args.layers
+            args.seq, context, variant, args.steps, run, args.width, args.layers, args.warmup
         )
         shown = f"{speed:14.0f}" if speed is not None else f"{'(not run)':>14}"
         print(f"{name:12} {temp:14.1f} {total:14.1f} {shown} {step_temp:14.1f} {step_total:14.1f}")
@@ -146,7 +159,7 @@ def main() -> None:
         })  # fmt: skip
     if args.json:
         meta = {"seq": args.seq, "context": args.context, "devices": DEVICES, "steps": args.steps,
-                "width": args.width, "layers": args.layers}  # fmt: skip
+                "warmup": args.warmup, "width": args.width, "layers": args.layers}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump({**meta, "rows": rows}, f, indent=1)
 
