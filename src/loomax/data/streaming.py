@@ -92,9 +92,7 @@ def streaming_datasets(
             say_every_s=say_every_s,
         )
         if primary:
-            build = functools.partial(
-                _build, plan, str(tokenizer_path), config.skip_bad_records, ray
-            )
+            build = functools.partial(_build, plan, str(tokenizer_path), config, ray)
             background.start(name, build, windows)
         train.append(windows)
     try:
@@ -131,14 +129,15 @@ def streaming_datasets(
     )
 
 
-def _build(plan, tokenizer_path, skip_bad_records, ray, should_stop):
+def _build(plan, tokenizer_path, config, ray, should_stop):
     """One train cache's build under its lease (run on a background thread)."""
     return build_shared(
         plan.shards,
         tokenizer_path,
         plan.url,
         **plan.settings,
-        skip_bad_records=skip_bad_records,
+        skip_bad_records=config.skip_bad_records,
+        fast_encoder=config.fast_encoder != "off",
         ray_config=ray or RayConfig(),
         progress=False,
         should_stop=should_stop,

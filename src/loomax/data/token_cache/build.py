@@ -55,6 +55,7 @@ def build_token_cache(
     progress: bool = True,
     before_piece: Callable[[Shard], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    fast_encoder: bool = True,
 ) -> TokenCacheInfo:
     """Tokenizes `shards` with Ray into a token cache at `cache_url`, or resumes that build.
 
@@ -75,6 +76,9 @@ def build_token_cache(
     `should_stop`, polled about once a second while shards are tokenized, ends the build
     early when it returns True (the tasks running are cancelled, finished shards are kept
     in the ledger) by raising `BuildStopped`.
+
+    `fast_encoder` lets the tasks encode with tiktoken where `fast_encoder.fast_encoder`
+    shows it gives the tokenizer's ids (the cache is the same, byte for byte, either way).
     """
     if not 0 <= holdout_fraction < 1:
         raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
@@ -104,6 +108,7 @@ def build_token_cache(
             "bos_id": bos_id(tokenizer) if bos else None,  # raises now if there is none
         },
         skip_bad_records=skip_bad_records,
+        fast_encoder=fast_encoder,
     )
     meta, tokenized = claim(build, overwrite), []
     problem = None if meta is None else find_damage(build.root, meta)
@@ -142,6 +147,7 @@ def _job(build: BuildPlan, position: int, before_piece: Callable[[Shard], None] 
         holdout_seed=build.holdout["seed"],
         skip_bad_records=build.skip_bad_records,
         before_piece=before_piece,
+        fast_encoder=build.fast_encoder,
     )
 
 
