@@ -5,6 +5,7 @@ real tensorstore files under tmp_path.
 """
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from loomax.data.token_cache import (
     layout,
     tasks,
 )
+from loomax.data.token_cache import build as build_module
 from loomax.data.tokenizer import encode_documents, load_tokenizer, train_bpe_tokenizer
 from loomax.storage import Directory
 
@@ -95,6 +97,20 @@ def test_cache_equals_single_process_tokenization(ray_cluster, corpus, tmp_path)
 
     again = build(corpus, tmp_path / "cache")  # complete: found, nothing tokenized
     assert again.shards_tokenized == 0 and again.fingerprint == info.fingerprint
+
+
+def test_shards_past_background_from_run_nice_on_ray_never_here(ray_cluster, corpus, tmp_path):
+    """A streaming run's build past its first chunk yields the cores: its Ray tasks run at
+    BACKGROUND_NICE; a build in this process (a memory:// cache) never renices the driver."""
+    build(corpus, tmp_path / "cache", background_from=4)
+    ledger = [
+        json.loads((tmp_path / "cache" / "ledger" / f"{i}.json").read_text())
+        for i in range(NUM_SHARDS)
+    ]
+    assert [e["nice"] >= build_module.BACKGROUND_NICE for e in ledger[4:]] == [True, True]
+    before = os.nice(0)
+    build(corpus, "memory://nice-cache", background_from=0)
+    assert os.nice(0) == before
 
 
 def test_a_streamed_source_is_fed_to_ray_tasks_as_it_is_read(ray_cluster, corpus, tmp_path):

@@ -138,6 +138,7 @@ def _build(plan, tokenizer_path, config, ray, should_stop):
         **plan.settings,
         skip_bad_records=config.skip_bad_records,
         fast_encoder=config.fast_encoder != "off",
+        background_from=config.stream_chunk_shards,  # the first chunk at full priority
         ray_config=ray or RayConfig(),
         progress=False,
         should_stop=should_stop,

@@ -39,6 +39,9 @@ from loomax.storage import Directory, to_url
 
 logger = logging.getLogger(__name__)
 
+BACKGROUND_NICE = 10
+"""Niceness added to the Ray workers that tokenize a build's shards from `background_from` on."""
+
 
 def build_token_cache(
     shards: Sequence[Shard],
@@ -56,6 +59,7 @@ def build_token_cache(
     before_piece: Callable[[Shard], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     fast_encoder: bool = True,
+    background_from: int | None = None,
 ) -> TokenCacheInfo:
     """Tokenizes `shards` with Ray into a token cache at `cache_url`, or resumes that build.
 
@@ -79,6 +83,11 @@ def build_token_cache(
 
     `fast_encoder` lets the tasks encode with tiktoken where `fast_encoder.fast_encoder`
     shows it gives the tokenizer's ids (the cache is the same, byte for byte, either way).
+    `background_from`: the Ray tasks of the shards from this position on raise their
+    worker's niceness by `BACKGROUND_NICE` (a streaming run's build past its first chunk,
+    which the training process next to it waits on less than on its own compile and
+    steps). Their worker processes stay that nice; tasks are started in shard order, so
+    the earlier shards' tasks run first, at the workers' own priority.
     """
     if not 0 <= holdout_fraction < 1:
         raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
@@ -109,6 +118,7 @@ def build_token_cache(
         },
         skip_bad_records=skip_bad_records,
         fast_encoder=fast_encoder,
+        background_from=background_from,
     )
     meta, tokenized = claim(build, overwrite), []
     problem = None if meta is None else find_damage(build.root, meta)
@@ -148,6 +158,9 @@ def _job(build: BuildPlan, position: int, before_piece: Callable[[Shard], None] 
         skip_bad_records=build.skip_bad_records,
         before_piece=before_piece,
         fast_encoder=build.fast_encoder,
+        nice=BACKGROUND_NICE
+        if build.background_from is not None and position >= build.background_from
+        else 0,
     )
 
 
@@ -289,12 +302,13 @@ def _run_on_ray(
 def _run_here(
     jobs: Iterable[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
 ) -> Iterator[_Outcome]:
-    """Runs `jobs` one by one in this process (for stores other processes cannot see)."""
+    """Runs `jobs` one by one in this process (for stores other processes cannot see),
+    at this process's own priority (no `nice`: it may be the training process)."""
     for job in jobs:
         if should_stop is not None and should_stop():
             raise BuildStopped("token cache: build stopped (finished shards are kept)")
         try:
-            yield job, build_piece(job, tokenizer_json)
+            yield job, build_piece(dataclasses.replace(job, nice=0), tokenizer_json)
         except Exception as error:  # reported by the caller, like a failed Ray task
             yield job, error
             return

@@ -128,6 +128,8 @@ class BuildPlan:
     skip_bad_records: bool
     fast_encoder: bool = True
     """Whether tasks may encode with the exact tiktoken encoder (not a setting: same tokens)."""
+    background_from: int | None = None
+    """Shards from this position on are tokenized by Ray tasks at `BACKGROUND_NICE`."""
 
     @property
     def max_documents(self) -> int | None:

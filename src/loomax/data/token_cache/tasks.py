@@ -4,7 +4,8 @@ A task reads its shard, tokenizes it in batches, writes the documents of each sp
 piece of its own (`pieces/<i>/<attempt>/<split>/`), and only then records the shard in
 the ledger (`ledger/<i>.json`), so a ledger entry always names a complete piece. The
 entry also names the Ray node that did the work (`node`, None outside Ray) and the encoder
-(`encoder`: `tiktoken` where `fast_encoder` is exact, else `tokenizers`; the same ids).
+(`encoder`: `tiktoken` where `fast_encoder` is exact, else `tokenizers`; the same ids)
+and the niceness it ran at (`nice`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ class PieceJob:
     """Bad records the driver skipped while reading `documents`."""
     fast_encoder: bool = True
     """Encode with `fast_encoder.fast_encoder` where it is exact (the same ids either way)."""
+    nice: int = 0
+    """Niceness a Ray task adds to its worker process (once per process) before tokenizing."""
+
+
+_NICED: list[int] = []
+"""The niceness this process was raised to by a task's `nice`, once (a worker runs many)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -87,6 +94,8 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         return recorded
     if job.before_piece is not None:
         job.before_piece(job.shard)
+    if job.nice and not _NICED:  # a Ray worker (`_run_here` clears it: never the driver)
+        _NICED.append(os.nice(job.nice))
     _match_threads_to_cpus()
     tokenizer = _tokenizer(job.tokenizer_sha256, tokenizer_json)
     fast = _fast_encoder(job.tokenizer_sha256, tokenizer_json) if job.fast_encoder else None
@@ -121,6 +130,7 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         "splits": {split: writer.close() for split, writer in writers.items()},
         "node": _ray_node_id(),
         "encoder": "tokenizers" if fast is None else "tiktoken",
+        "nice": os.nice(0),
     }
     root.child("ledger").write_json(f"{job.position}.json", entry)  # after the piece; atomic
     return entry
