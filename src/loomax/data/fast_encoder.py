@@ -71,7 +71,7 @@ class FastEncoder:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, added tokens split out (what `encode_batch_fast` gives)."""
-        if any(_LONE_SURROGATE.search(text) for text in texts):  # the tokenizer's own error
+        if any(not t.isascii() and _LONE_SURROGATE.search(t) for t in texts):  # HF's error
             return [e.ids for e in self._fallback.encode_batch_fast(list(texts))]
         threads = int(os.environ.get("RAYON_NUM_THREADS") or os.cpu_count() or 1)
         if threads <= 1 or len(texts) < 2:
