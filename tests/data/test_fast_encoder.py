@@ -24,6 +24,7 @@ PIECES = [
 def _documents(seed: int, count: int) -> list[str]:
     rng = random.Random(seed)
     docs = ["", " ", "<|endoftext|>", "<|endoftext|><|endoftext|>", "\n\n\n   \t"]
+    docs += ["x" * 3000, " " * 2000 + "a", "ab" * 4000, "é" * 1500]  # tiktoken's long-piece path
     docs += ["".join(rng.choice(PIECES) + rng.choice(["", " "]) for _ in range(rng.randint(0, 60)))
              for _ in range(count)]  # fmt: skip
     return docs
