@@ -113,6 +113,29 @@ def test_shards_past_background_from_run_nice_on_ray_never_here(ray_cluster, cor
     assert os.nice(0) == before
 
 
+def test_held_background_shards_run_one_at_a_time(ray_cluster, corpus, tmp_path):
+    """While `held()`, the tasks past `background_from` leave a core free: on the 2-CPU
+    cluster, no two of them (nor one and a first-chunk task) run at once."""
+    spans_dir = tmp_path / "spans"
+    spans_dir.mkdir()
+
+    def record(shard) -> None:  # a closure: pickled by value to the tasks
+        start = time.time()
+        time.sleep(0.4)
+        (spans_dir / Path(shard.name).name).write_text(f"{start} {time.time()}")
+
+    build(corpus, tmp_path / "cache", background_from=2, held=lambda: True, before_piece=record)
+    spans = {
+        int(p.stem.removeprefix("shard_")): tuple(map(float, p.read_text().split()))
+        for p in spans_dir.iterdir()
+    }
+    assert sorted(spans) == list(range(NUM_SHARDS))
+    first_chunk_end = max(spans[0][1], spans[1][1])
+    background = sorted(spans[k] for k in range(2, NUM_SHARDS))  # by start
+    assert background[0][0] >= first_chunk_end
+    assert all(b[0] >= a[1] for a, b in zip(background, background[1:], strict=False))
+
+
 def test_a_streamed_source_is_fed_to_ray_tasks_as_it_is_read(ray_cluster, corpus, tmp_path):
     """Logical shards of 10 records (`records_per_shard`): the driver reads the stream as
     Ray takes the tasks; the cache holds the listed files' documents, with the holdout

@@ -92,7 +92,9 @@ def streaming_datasets(
             say_every_s=say_every_s,
         )
         if primary:
-            build = functools.partial(_build, plan, str(tokenizer_path), config, ray)
+            build = functools.partial(
+                _build, plan, str(tokenizer_path), config, ray, background.held
+            )
             background.start(name, build, windows)
         train.append(windows)
     try:
@@ -129,7 +131,7 @@ def streaming_datasets(
     )
 
 
-def _build(plan, tokenizer_path, config, ray, should_stop):
+def _build(plan, tokenizer_path, config, ray, held, should_stop):
     """One train cache's build under its lease (run on a background thread)."""
     return build_shared(
         plan.shards,
@@ -139,6 +141,7 @@ def _build(plan, tokenizer_path, config, ray, should_stop):
         skip_bad_records=config.skip_bad_records,
         fast_encoder=config.fast_encoder != "off",
         background_from=config.stream_chunk_shards,  # the first chunk at full priority
+        held=held,  # and the rest narrowed to leave a core, until the first step
         ray_config=ray or RayConfig(),
         progress=False,
         should_stop=should_stop,

@@ -60,6 +60,7 @@ def build_token_cache(
     should_stop: Callable[[], bool] | None = None,
     fast_encoder: bool = True,
     background_from: int | None = None,
+    held: Callable[[], bool] | None = None,
 ) -> TokenCacheInfo:
     """Tokenizes `shards` with Ray into a token cache at `cache_url`, or resumes that build.
 
@@ -87,7 +88,9 @@ def build_token_cache(
     worker's niceness by `BACKGROUND_NICE` (a streaming run's build past its first chunk,
     which the training process next to it waits on less than on its own compile and
     steps). Their worker processes stay that nice; tasks are started in shard order, so
-    the earlier shards' tasks run first, at the workers' own priority.
+    the earlier shards' tasks run first, at the workers' own priority. While `held()` is
+    true those tasks also run at most (Ray CPUs - 1) at a time, at least one: a streaming
+    run holds its build so until its first step, leaving a core to its compiles.
     """
     if not 0 <= holdout_fraction < 1:
         raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
@@ -137,7 +140,7 @@ def build_token_cache(
                 if isinstance(shards, RecordShards)
                 else [_job(build, i, before_piece) for i in range(len(shards)) if i not in ledger]
             )
-            _tokenize_missing(build, jobs, ledger, ray_config, progress, should_stop)
+            _tokenize_missing(build, jobs, ledger, ray_config, progress, should_stop, held)
         tokenized = [entry for position, entry in ledger.items() if position not in before]
         meta = _finish(build, ledger)
     delete_pieces(build.root)
@@ -194,6 +197,7 @@ def _tokenize_missing(
     ray_config: RayConfig,
     progress: bool,
     should_stop: Callable[[], bool] | None = None,
+    held: Callable[[], bool] | None = None,
 ) -> None:
     """Runs `jobs` (the shards the ledger lacks), in order, until the shards used are all in it.
 
@@ -206,7 +210,8 @@ def _tokenize_missing(
         _collect(build, ledger, _run_here(jobs, tokenizer_json, should_stop), progress)
         return
     with ray_session(ray_config):
-        _collect(build, ledger, _run_on_ray(jobs, tokenizer_json, should_stop), progress)
+        runner = _run_on_ray(jobs, tokenizer_json, should_stop, held)
+        _collect(build, ledger, runner, progress)
 
 
 def _collect(
@@ -251,7 +256,10 @@ class BuildStopped(TokenCacheError):
 
 
 def _run_on_ray(
-    jobs: Iterable[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
+    jobs: Iterable[PieceJob],
+    tokenizer_json: str,
+    should_stop: Callable[[], bool] | None = None,
+    held: Callable[[], bool] | None = None,
 ) -> Iterator[_Outcome]:
     """Runs `jobs` as Ray tasks, a few per CPU at a time, in order; yields them as they end.
 
@@ -264,7 +272,8 @@ def _run_on_ray(
     # again by this loop (up to NODE_FAILURE_RETRIES times) if Ray gives up on it
     task = ray.remote(build_piece).options(scheduling_strategy="SPREAD", max_retries=3)
     tokenizer_ref = ray.put(tokenizer_json)
-    in_flight = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    in_flight = 2 * cpus
     pending, queue, running, failed = iter(jobs), deque(), {}, False  # queue: jobs to rerun
     lost: dict[int, int] = {}  # position: times its task was lost to a system failure
     try:
@@ -272,6 +281,9 @@ def _run_on_ray(
             while not failed and len(running) < in_flight:
                 job = queue.popleft() if queue else next(pending, None)  # read as needed
                 if job is None:
+                    break
+                if job.nice and held is not None and len(running) >= max(1, cpus - 1) and held():
+                    queue.appendleft(job)  # background shards wait: see `build_token_cache`
                     break
                 running[task.remote(job, tokenizer_ref)] = job
             if not running:
