@@ -5,7 +5,6 @@ real tensorstore files under tmp_path.
 """
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -28,7 +27,6 @@ from loomax.data.token_cache import (
     layout,
     tasks,
 )
-from loomax.data.token_cache import build as build_module
 from loomax.data.tokenizer import encode_documents, load_tokenizer, train_bpe_tokenizer
 from loomax.storage import Directory
 
@@ -97,43 +95,6 @@ def test_cache_equals_single_process_tokenization(ray_cluster, corpus, tmp_path)
 
     again = build(corpus, tmp_path / "cache")  # complete: found, nothing tokenized
     assert again.shards_tokenized == 0 and again.fingerprint == info.fingerprint
-
-
-def test_shards_past_background_from_run_nice_on_ray_never_here(ray_cluster, corpus, tmp_path):
-    """A streaming run's build past its first chunk yields the cores: its Ray tasks run at
-    BACKGROUND_NICE; a build in this process (a memory:// cache) never renices the driver."""
-    build(corpus, tmp_path / "cache", background_from=4)
-    ledger = [
-        json.loads((tmp_path / "cache" / "ledger" / f"{i}.json").read_text())
-        for i in range(NUM_SHARDS)
-    ]
-    assert [e["nice"] >= build_module.BACKGROUND_NICE for e in ledger[4:]] == [True, True]
-    before = os.nice(0)
-    build(corpus, "memory://nice-cache", background_from=0)
-    assert os.nice(0) == before
-
-
-def test_held_background_shards_run_one_at_a_time(ray_cluster, corpus, tmp_path):
-    """While `held()`, the tasks past `background_from` leave a core free: on the 2-CPU
-    cluster, no two of them (nor one and a first-chunk task) run at once."""
-    spans_dir = tmp_path / "spans"
-    spans_dir.mkdir()
-
-    def record(shard) -> None:  # a closure: pickled by value to the tasks
-        start = time.time()
-        time.sleep(0.4)
-        (spans_dir / Path(shard.name).name).write_text(f"{start} {time.time()}")
-
-    build(corpus, tmp_path / "cache", background_from=2, held=lambda: True, before_piece=record)
-    spans = {
-        int(p.stem.removeprefix("shard_")): tuple(map(float, p.read_text().split()))
-        for p in spans_dir.iterdir()
-    }
-    assert sorted(spans) == list(range(NUM_SHARDS))
-    first_chunk_end = max(spans[0][1], spans[1][1])
-    background = sorted(spans[k] for k in range(2, NUM_SHARDS))  # by start
-    assert background[0][0] >= first_chunk_end
-    assert all(b[0] >= a[1] for a, b in zip(background, background[1:], strict=False))
 
 
 def test_a_streamed_source_is_fed_to_ray_tasks_as_it_is_read(ray_cluster, corpus, tmp_path):

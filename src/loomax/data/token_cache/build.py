@@ -312,10 +312,14 @@ def _run_on_ray(
 
 
 def _run_here(
-    jobs: Iterable[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
+    jobs: Iterable[PieceJob],
+    tokenizer_json: str,
+    should_stop: Callable[[], bool] | None = None,
+    held: Callable[[], bool] | None = None,
 ) -> Iterator[_Outcome]:
     """Runs `jobs` one by one in this process (for stores other processes cannot see),
-    at this process's own priority (no `nice`: it may be the training process)."""
+    at this process's own priority (no `nice`: it may be the training process). `held`
+    changes nothing here (one shard at a time already); it is `_run_on_ray`'s signature."""
     for job in jobs:
         if should_stop is not None and should_stop():
             raise BuildStopped("token cache: build stopped (finished shards are kept)")
