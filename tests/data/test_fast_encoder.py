@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
+from loomax.data import DataConfig
 from loomax.data import fast_encoder as fe
+from loomax.data.dataset import build_caches
 from loomax.data.sources import SourceConfig, source_shards
 from loomax.data.token_cache import build_token_cache
 from loomax.data.tokenizer import encode_documents, train_bpe_tokenizer
@@ -144,3 +146,18 @@ def test_a_cache_built_fast_is_byte_identical(trained, tmp_path: Path) -> None:
         encoder = json.loads((out / "ledger" / "0.json").read_text())["encoder"]
         assert encoder == ("tiktoken" if fast else "tokenizers")
     assert caches[True] and caches[True] == caches[False]
+
+
+@pytest.mark.parametrize("setting, encoder", [("auto", "tiktoken"), ("off", "tokenizers")])
+def test_data_fast_encoder_reaches_the_build(trained, tmp_path: Path, setting, encoder) -> None:
+    with (tmp_path / "a.jsonl").open("w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in _documents(5, 40))
+    trained.save(str(tmp_path / "tokenizer.json"))
+    config = DataConfig(
+        train=[SourceConfig(urls=[str(tmp_path / "a.jsonl")])],
+        cache_dir=str(tmp_path / "caches"),
+        fast_encoder=setting,
+    )
+    build_caches(config, tmp_path / "tokenizer.json", progress=False, kinds=("train",))
+    [entry] = (tmp_path / "caches").rglob("ledger/0.json")
+    assert json.loads(entry.read_text())["encoder"] == encoder
