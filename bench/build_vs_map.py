@@ -4,9 +4,12 @@ On one corpus (`bench/data.py`'s: the stdlib sources repeated and shuffled into 
 shards) with one tokenizer, each build in a fresh process, in rounds whose order rotates:
 
 - `ray<N>`: `build_token_cache` on a fresh local Ray cluster of N CPUs (cluster start timed
-  apart, as `build_s` excludes it);
+  apart, as `build_s` excludes it), with its default `data.fast_encoder: auto` (tiktoken,
+  exact for this tokenizer); `ray2_hf` the same with it off (`encode_batch_fast`);
 - `map<N>`: `load_dataset("json")` then `.map(batched=True, num_proc=N)` encoding with
-  `encode_batch_fast` (the call Loomax makes) and appending EOS into int32 lists.
+  `tokenizers`' `encode_batch_fast` (what a researcher would write) and appending EOS into
+  int32 lists; `map<N>_fast` the same encoding with Loomax's fast encoder, to show how
+  much of the gain is the encoder and how much the rest of the build.
 
 Every build runs with `RAYON_NUM_THREADS=1` (`--threads`), so each process tokenizes on
 one core and N (workers or `num_proc`) is the parallelism on both sides. Every build must
@@ -33,7 +36,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = REPO / ".venv" / "bin" / "python"
-KINDS = ("ray1", "ray2", "map1", "map2")
+LOAD_BEFORE: list[str] = []
+"""/proc/loadavg's 1, 5 and 15 minute load averages when the bench started."""
+KINDS = ("ray1", "ray2", "ray2_hf", "map1", "map2", "map1_fast", "map2_fast")
 
 
 def _bench_data() -> Any:
@@ -44,10 +49,14 @@ def _bench_data() -> Any:
 
 
 def child(kind: str, corpus: Path, tokenizer: Path, out: Path) -> dict:
-    if kind.startswith("map"):
-        num_proc = int(kind.removeprefix("map"))
-        return _bench_data().build_hf(corpus, tokenizer, out, fast=True, num_proc=num_proc)
-    return _bench_data().build_ray(corpus, tokenizer, out, int(kind.removeprefix("ray")))
+    name, _, variant = kind.partition("_")
+    if name.startswith("map"):
+        num_proc = int(name.removeprefix("map"))
+        return _bench_data().build_hf(
+            corpus, tokenizer, out, fast=True, num_proc=num_proc, tiktoken=variant == "fast"
+        )
+    workers = int(name.removeprefix("ray"))
+    return _bench_data().build_ray(corpus, tokenizer, out, workers, fast_encoder=variant != "hf")
 
 
 def spawn(kind: str, corpus: Path, tokenizer: Path, out: Path, threads: str) -> dict:
@@ -80,6 +89,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", default="1", help="RAYON_NUM_THREADS of every build")
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument(
+        "--cpu", default="", help="the CPU as the README names it (kept in the JSON)"
+    )
     parser.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
@@ -89,6 +101,9 @@ def main() -> None:
         result = child(args.child, Path(args.corpus), Path(args.tokenizer), Path(args.out))
         print(json.dumps({k: v for k, v in result.items() if k != "cache_url"}))
         return
+    global LOAD_BEFORE
+    LOAD_BEFORE = Path("/proc/loadavg").read_text().split()[:3]  # before the corpus is made
+    print(f"load average before: {' '.join(LOAD_BEFORE)}", file=sys.stderr, flush=True)
     data = _bench_data()
     work = Path(tempfile.mkdtemp(prefix="loomax-build-vs-map-"))
     data.make_corpus(work / "corpus", args.mb, args.shards)
@@ -112,6 +127,7 @@ def main() -> None:
     median = {k: statistics.median(r["tokens_per_s"] for r in rs) for k, rs in runs.items()}
     summary = {
         "cpu": f"{cpu_name()}, {data.os.cpu_count()} CPUs",
+        "cpu_named": args.cpu,
         "corpus": {"mb": args.mb, "shards": args.shards, "tokens": runs["ray1"][0]["tokens"]},
         "rayon_threads": args.threads,
         "rounds": args.rounds,
@@ -123,13 +139,18 @@ def main() -> None:
         "ray_startup_s": {k: [r["startup_s"] for r in runs[k]] for k in ("ray1", "ray2")},
         "ray2_over_map2": median["ray2"] / median["map2"],
         "ray1_over_map1": median["ray1"] / median["map1"],
+        "ray2_over_map2_fast": median["ray2"] / median["map2_fast"],
+        "ray2_hf_over_map2": median["ray2_hf"] / median["map2"],
+        "load_average_before": LOAD_BEFORE,
         "runs": runs,
     }
     for kind in KINDS:
         print(f"{kind}: {median[kind] / 1e6:.3f} M tok/s (median of {args.rounds})")
     print(
         f"ray2 / map2 = {summary['ray2_over_map2']:.2f}x; ray1 / map1 = "
-        f"{summary['ray1_over_map1']:.2f}x; same tokens: {summary['same_tokens']}"
+        f"{summary['ray1_over_map1']:.2f}x; ray2 / map2_fast = "
+        f"{summary['ray2_over_map2_fast']:.2f}x; ray2_hf / map2 = "
+        f"{summary['ray2_hf_over_map2']:.2f}x; same tokens: {summary['same_tokens']}"
     )
     print(json.dumps(summary))
     data.shutil.rmtree(work, ignore_errors=True)

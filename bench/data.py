@@ -93,10 +93,18 @@ def stream_digest(tokens: Any, lengths: Any) -> str:
 
 # ---------------------------------------------------------------------- one build (child process)
 def build_ray(
-    corpus: Path, tokenizer: Path, cache: Path, workers: int, nodes: int = 0
+    corpus: Path,
+    tokenizer: Path,
+    cache: Path,
+    workers: int,
+    nodes: int = 0,
+    fast_encoder: bool = False,
 ) -> dict[str, Any]:
     """Builds the token cache on a fresh local Ray cluster of `workers` CPUs, or (`nodes`
-    > 0) on a cluster of that many `ray start` nodes of 1 CPU each on this machine."""
+    > 0) on a cluster of that many `ray start` nodes of 1 CPU each on this machine.
+
+    `fast_encoder` as `data.fast_encoder: auto` (tiktoken where exact); off by default, so
+    this file's figures stay those of `encode_batch_fast` they were recorded with."""
     import secrets
 
     if nodes:  # before Ray is imported: it reads the auth mode once
@@ -124,7 +132,13 @@ def build_ray(
         shards = source_shards(SourceConfig(urls=[str(corpus / "*.jsonl")]))
         start = time.perf_counter()
         info = build_token_cache(
-            shards, tokenizer, cache, ray_config=config, progress=False, overwrite=True
+            shards,
+            tokenizer,
+            cache,
+            ray_config=config,
+            progress=False,
+            overwrite=True,
+            fast_encoder=fast_encoder,
         )
         build_s = time.perf_counter() - start
         ray.shutdown()
@@ -207,25 +221,40 @@ def _time_phases(module: Any, names: tuple[str, ...]) -> dict[str, float]:
 
 
 def build_hf(
-    corpus: Path, tokenizer_path: Path, scratch: Path, fast: bool, num_proc: int = 1
+    corpus: Path,
+    tokenizer_path: Path,
+    scratch: Path,
+    fast: bool,
+    num_proc: int = 1,
+    tiktoken: bool = False,
 ) -> dict[str, Any]:
     """`load_dataset("json")` then a batched `.map` (``num_proc`` processes) that encodes +
     appends EOS.
 
     `encode_batch` by default; `encode_batch_fast` (no character offsets, what Loomax's
-    `encode_documents` calls) with `fast`.
+    `encode_documents` calls) with `fast`; Loomax's exact tiktoken encoder
+    (`loomax.data.fast_encoder`, made once per process) with `tiktoken`.
     """
     import datasets
     from tokenizers import Tokenizer
 
+    from loomax.data.fast_encoder import fast_encoder
     from loomax.data.tokenizer import eos_id
 
     datasets.disable_progress_bars()
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
     eos = [eos_id(tokenizer)]
     encode = tokenizer.encode_batch_fast if fast else tokenizer.encode_batch
+    if tiktoken and fast_encoder(tokenizer) is None:
+        raise RuntimeError(f"{tokenizer_path}: no exact fast encoder (see its debug log)")
 
     def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        if tiktoken:  # in each map process: converted once there (cached), like a Ray worker
+            return {
+                "input_ids": [
+                    ids + eos for ids in fast_encoder(tokenizer).encode_batch(batch["text"])
+                ]
+            }
         return {"input_ids": [e.ids + eos for e in encode(batch["text"])]}
 
     files = [str(p) for p in sorted(corpus.glob("*.jsonl"))]

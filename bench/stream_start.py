@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+LOAD_BEFORE: list[str] = []
+"""/proc/loadavg's 1, 5 and 15 minute load averages when the bench started."""
 LOOMAX = REPO / ".venv" / "bin" / "loomax"
 PYTHON = REPO / ".venv" / "bin" / "python"
 IN_PROCESS = """
@@ -116,23 +118,57 @@ sample:
     return path
 
 
-def run(args: list[str], watch: Path | None = None, in_process: bool = False) -> dict:
-    """Runs `loomax ARGS`; with `watch`, also the time its first `train/loss` appeared there."""
+TIMELINE = (
+    ("first log line (imports, config, Ray joined)", ""),
+    ("first chunk built, training starts", "training starts on"),
+    ("trainer and hooks made", "loomax.train_lm: model:"),
+    ("step-0 eval done (model init, eval compiled)", "eval at step 0"),
+)
+"""Marks of a run's log before its first step: (what, text of the line that marks it)."""
+
+
+def timeline(log: Path, started: float) -> dict[str, float]:
+    """Seconds from the process start to each `TIMELINE` mark found in its log."""
+    marks: dict[str, float] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            stamp = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
+        except ValueError:
+            continue
+        seconds = stamp + int(line[20:23]) / 1000 - started
+        for what, text in TIMELINE:
+            if what not in marks and text in line:
+                marks[what] = round(seconds, 2)
+    return marks
+
+
+def run(
+    args: list[str], watch: Path | None = None, in_process: bool = False, log: Path | None = None
+) -> dict:
+    """Runs `loomax ARGS`; with `watch`, also the time its first `train/loss` appeared there;
+    with `log`, its stderr goes there and the figures get its `timeline`."""
     import os
 
     env = os.environ | {"RAY_AUTH_MODE": "disabled"}
-    start = time.perf_counter()
+    start, wall_start = time.perf_counter(), time.time()
     command = [str(PYTHON), "-c", IN_PROCESS] if in_process else [str(LOOMAX)]
-    process = subprocess.Popen([*command, *args], stdout=subprocess.DEVNULL, env=env)
+    stderr = log.open("w") if log is not None else None
+    process = subprocess.Popen([*command, *args], stdout=subprocess.DEVNULL, stderr=stderr, env=env)
     first = None
     while process.poll() is None:
         if first is None and watch is not None and watch.exists():
             if any("train/loss" in line for line in watch.read_text().splitlines()):
                 first = time.perf_counter() - start
         time.sleep(0.05)
+    if stderr is not None:
+        stderr.close()
     if process.returncode:
-        raise RuntimeError(f"loomax {' '.join(args)} failed with {process.returncode}")
-    return {"seconds": time.perf_counter() - start, "first_step_seconds": first}
+        tail = log.read_text()[-3000:] if log is not None else ""
+        raise RuntimeError(f"loomax {' '.join(args)} failed with {process.returncode}\n{tail}")
+    figures = {"seconds": time.perf_counter() - start, "first_step_seconds": first}
+    if log is not None:
+        figures["timeline"] = timeline(log, wall_start) | {"first train/loss logged": first}
+    return figures
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -149,7 +185,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=8, help="data.stream_chunk_shards")
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--in-process", action="store_true", help="no Ray: builds in-process")
+    parser.add_argument("--cpu", default="", help="the CPU as the README names it (in the JSON)")
     options = parser.parse_args()
+    LOAD_BEFORE[:] = Path("/proc/loadavg").read_text().split()[:3]
     work = Path(tempfile.mkdtemp(prefix="loomax-stream-bench-"))
     ray_root = Path(tempfile.mkdtemp(prefix="lxsb", dir="/tmp"))  # Ray's socket paths: short
     head = None
@@ -173,6 +211,7 @@ def main() -> None:
                 ["train", *common, *cache_dir(cache), "--trainer.run_dir", str(run_dir)],
                 watch=run_dir / "metrics.jsonl",
                 in_process=options.in_process,
+                log=work / f"{name}.log",
             )
             return {**figures, "losses": losses(run_dir)}
 
@@ -190,6 +229,10 @@ def main() -> None:
             "finished_first_step_seconds": finished["first_step_seconds"],
             "steps": options.steps,
             "same_losses": fresh["losses"] == finished["losses"],
+            "fresh_timeline_s": fresh["timeline"],
+            "finished_timeline_s": finished["timeline"],
+            "load_average_before": LOAD_BEFORE,
+            "cpu": options.cpu,
             "losses_fresh_last": fresh["losses"][-1],
             "losses_finished_last": finished["losses"][-1],
         }

@@ -150,6 +150,13 @@ def _train_on(config: TrainLmConfig, run_id: str, data: LmDatasets) -> TrainLmRe
             trainer.add_hook(hook)
             hooks.append(hook)
     evaluator = next(h for h in hooks if isinstance(h, EvalHook))  # the run's own eval
+    if data.background is not None:  # the caches still build: at full width once training runs
+        background = data.background
+
+        def first_step_done(info: StepInfo) -> None:
+            background.training_started()
+
+        trainer.add_hook(first_step_done)
 
     trainer.run_config = to_json_dict(config)
     run_dir = trainer.run_dir

@@ -21,6 +21,7 @@ def test_defaults_use_embedded_stdlib_and_held_out_split() -> None:
         ({"tokenizer_vocab_size": 100}, "data.tokenizer_vocab_size"),
         ({"train": []}, "data.train"),
         ({"cache_dir": ""}, "data.cache_dir"),
+        ({"fast_encoder": "on"}, "data.fast_encoder"),
     ],
 )
 def test_invalid_values_name_the_key(kwargs: dict, key: str) -> None:

@@ -39,6 +39,7 @@ class BackgroundBuilds:
         self._watched: list[GrowingWindows] = []
         self._say_every_s = say_every_s
         self._monitor: threading.Thread | None = None
+        self._training = threading.Event()
 
     def ensure_ray(self) -> None:
         """Joins or starts Ray once, from the first build that tokenizes (not per thread)."""
@@ -92,6 +93,15 @@ class BackgroundBuilds:
             self._monitor = threading.Thread(target=self._say, daemon=True, name="cache-progress")
             self._monitor.start()
 
+    def held(self) -> bool:
+        """Whether the builds still hold back their shards past the first chunk (until
+        `training_started`: the run's compiles get a core of their own)."""
+        return not self._training.is_set()
+
+    def training_started(self) -> None:
+        """Called after the first training step: the builds go on at full width."""
+        self._training.set()
+
     def error(self, name: str) -> BaseException | None:
         """The error of `name`'s build, if it failed."""
         return self._errors.get(name)
@@ -117,6 +127,7 @@ class BackgroundBuilds:
         if self.running:
             logger.info("training ended before the token cache was complete: stopping its build")
         self._stop.set()
+        self._training.set()
         self.join()
         if self._monitor is not None:
             self._monitor.join()

@@ -149,6 +149,7 @@ def build_caches(
             plan.url,
             **plan.settings,
             skip_bad_records=config.skip_bad_records,
+            fast_encoder=config.fast_encoder != "off",
             overwrite=overwrite,
             ray_config=ray or RayConfig(),
             progress=progress,

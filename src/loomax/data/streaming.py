@@ -93,7 +93,7 @@ def streaming_datasets(
         )
         if primary:
             build = functools.partial(
-                _build, plan, str(tokenizer_path), config.skip_bad_records, ray
+                _build, plan, str(tokenizer_path), config, ray, background.held
             )
             background.start(name, build, windows)
         train.append(windows)
@@ -131,14 +131,17 @@ def streaming_datasets(
     )
 
 
-def _build(plan, tokenizer_path, skip_bad_records, ray, should_stop):
+def _build(plan, tokenizer_path, config, ray, held, should_stop):
     """One train cache's build under its lease (run on a background thread)."""
     return build_shared(
         plan.shards,
         tokenizer_path,
         plan.url,
         **plan.settings,
-        skip_bad_records=skip_bad_records,
+        skip_bad_records=config.skip_bad_records,
+        fast_encoder=config.fast_encoder != "off",
+        background_from=config.stream_chunk_shards,  # the first chunk at full priority
+        held=held,  # and the rest narrowed to leave a core, until the first step
         ray_config=ray or RayConfig(),
         progress=False,
         should_stop=should_stop,

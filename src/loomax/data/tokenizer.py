@@ -7,12 +7,16 @@ one corpus can still be sampled and evaluated on any other.
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from loomax.atomic_files import replace_path
 from loomax.errors import BadFileError, DataSourceError, MissingFileError
+
+if TYPE_CHECKING:
+    from loomax.data.fast_encoder import FastEncoder
 
 EOS_TOKEN = "<|endoftext|>"
 """End-of-document token of the tokenizers trained here (id 0)."""
@@ -138,17 +142,24 @@ def eos_id(tokenizer: Tokenizer) -> int:
 
 
 def encode_documents(
-    tokenizer: Tokenizer, documents: Sequence[str], append_eos: bool = True
+    tokenizer: Tokenizer,
+    documents: Sequence[str],
+    append_eos: bool = True,
+    fast: "FastEncoder | None" = None,
 ) -> list[np.ndarray]:
     """Token ids of each document as int32 arrays, each followed by EOS if `append_eos`.
 
     Uses the tokenizer's multi-threaded batch encoding (`encode_batch_fast`: `encode_batch`
-    without character offsets, which are not needed here).
+    without character offsets, which are not needed here), or `fast`, the same ids from
+    `fast_encoder.fast_encoder(tokenizer)`.
     """
     eos = [eos_id(tokenizer)] if append_eos else []
     encoded: list[np.ndarray] = []
     for start in range(0, len(documents), ENCODE_CHUNK):
         chunk = list(documents[start : start + ENCODE_CHUNK])
-        for encoding in tokenizer.encode_batch_fast(chunk):
-            encoded.append(np.array(encoding.ids + eos, dtype=np.int32))
+        if fast is not None:
+            ids = fast.encode_batch(chunk)
+        else:
+            ids = [encoding.ids for encoding in tokenizer.encode_batch_fast(chunk)]
+        encoded.extend(np.array(each + eos, dtype=np.int32) for each in ids)
     return encoded

@@ -39,6 +39,9 @@ from loomax.storage import Directory, to_url
 
 logger = logging.getLogger(__name__)
 
+BACKGROUND_NICE = 10
+"""Niceness added to the Ray workers that tokenize a build's shards from `background_from` on."""
+
 
 def build_token_cache(
     shards: Sequence[Shard],
@@ -55,6 +58,9 @@ def build_token_cache(
     progress: bool = True,
     before_piece: Callable[[Shard], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    fast_encoder: bool = True,
+    background_from: int | None = None,
+    held: Callable[[], bool] | None = None,
 ) -> TokenCacheInfo:
     """Tokenizes `shards` with Ray into a token cache at `cache_url`, or resumes that build.
 
@@ -75,6 +81,16 @@ def build_token_cache(
     `should_stop`, polled about once a second while shards are tokenized, ends the build
     early when it returns True (the tasks running are cancelled, finished shards are kept
     in the ledger) by raising `BuildStopped`.
+
+    `fast_encoder` lets the tasks encode with tiktoken where `fast_encoder.fast_encoder`
+    shows it gives the tokenizer's ids (the cache is the same, byte for byte, either way).
+    `background_from`: the Ray tasks of the shards from this position on raise their
+    worker's niceness by `BACKGROUND_NICE` (a streaming run's build past its first chunk,
+    which the training process next to it waits on less than on its own compile and
+    steps). Their worker processes stay that nice; tasks are started in shard order, so
+    the earlier shards' tasks run first, at the workers' own priority. While `held()` is
+    true those tasks also run at most (Ray CPUs - 1) at a time, at least one: a streaming
+    run holds its build so until its first step, leaving a core to its compiles.
     """
     if not 0 <= holdout_fraction < 1:
         raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
@@ -104,6 +120,8 @@ def build_token_cache(
             "bos_id": bos_id(tokenizer) if bos else None,  # raises now if there is none
         },
         skip_bad_records=skip_bad_records,
+        fast_encoder=fast_encoder,
+        background_from=background_from,
     )
     meta, tokenized = claim(build, overwrite), []
     problem = None if meta is None else find_damage(build.root, meta)
@@ -122,7 +140,7 @@ def build_token_cache(
                 if isinstance(shards, RecordShards)
                 else [_job(build, i, before_piece) for i in range(len(shards)) if i not in ledger]
             )
-            _tokenize_missing(build, jobs, ledger, ray_config, progress, should_stop)
+            _tokenize_missing(build, jobs, ledger, ray_config, progress, should_stop, held)
         tokenized = [entry for position, entry in ledger.items() if position not in before]
         meta = _finish(build, ledger)
     delete_pieces(build.root)
@@ -142,6 +160,10 @@ def _job(build: BuildPlan, position: int, before_piece: Callable[[Shard], None] 
         holdout_seed=build.holdout["seed"],
         skip_bad_records=build.skip_bad_records,
         before_piece=before_piece,
+        fast_encoder=build.fast_encoder,
+        nice=BACKGROUND_NICE
+        if build.background_from is not None and position >= build.background_from
+        else 0,
     )
 
 
@@ -175,6 +197,7 @@ def _tokenize_missing(
     ray_config: RayConfig,
     progress: bool,
     should_stop: Callable[[], bool] | None = None,
+    held: Callable[[], bool] | None = None,
 ) -> None:
     """Runs `jobs` (the shards the ledger lacks), in order, until the shards used are all in it.
 
@@ -187,7 +210,8 @@ def _tokenize_missing(
         _collect(build, ledger, _run_here(jobs, tokenizer_json, should_stop), progress)
         return
     with ray_session(ray_config):
-        _collect(build, ledger, _run_on_ray(jobs, tokenizer_json, should_stop), progress)
+        runner = _run_on_ray(jobs, tokenizer_json, should_stop, held)
+        _collect(build, ledger, runner, progress)
 
 
 def _collect(
@@ -232,7 +256,10 @@ class BuildStopped(TokenCacheError):
 
 
 def _run_on_ray(
-    jobs: Iterable[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
+    jobs: Iterable[PieceJob],
+    tokenizer_json: str,
+    should_stop: Callable[[], bool] | None = None,
+    held: Callable[[], bool] | None = None,
 ) -> Iterator[_Outcome]:
     """Runs `jobs` as Ray tasks, a few per CPU at a time, in order; yields them as they end.
 
@@ -245,7 +272,8 @@ def _run_on_ray(
     # again by this loop (up to NODE_FAILURE_RETRIES times) if Ray gives up on it
     task = ray.remote(build_piece).options(scheduling_strategy="SPREAD", max_retries=3)
     tokenizer_ref = ray.put(tokenizer_json)
-    in_flight = 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    in_flight = 2 * cpus
     pending, queue, running, failed = iter(jobs), deque(), {}, False  # queue: jobs to rerun
     lost: dict[int, int] = {}  # position: times its task was lost to a system failure
     try:
@@ -253,6 +281,9 @@ def _run_on_ray(
             while not failed and len(running) < in_flight:
                 job = queue.popleft() if queue else next(pending, None)  # read as needed
                 if job is None:
+                    break
+                if job.nice and held is not None and len(running) >= max(1, cpus - 1) and held():
+                    queue.appendleft(job)  # background shards wait: see `build_token_cache`
                     break
                 running[task.remote(job, tokenizer_ref)] = job
             if not running:
@@ -281,14 +312,19 @@ def _run_on_ray(
 
 
 def _run_here(
-    jobs: Iterable[PieceJob], tokenizer_json: str, should_stop: Callable[[], bool] | None = None
+    jobs: Iterable[PieceJob],
+    tokenizer_json: str,
+    should_stop: Callable[[], bool] | None = None,
+    held: Callable[[], bool] | None = None,
 ) -> Iterator[_Outcome]:
-    """Runs `jobs` one by one in this process (for stores other processes cannot see)."""
+    """Runs `jobs` one by one in this process (for stores other processes cannot see),
+    at this process's own priority (no `nice`: it may be the training process). `held`
+    changes nothing here (one shard at a time already); it is `_run_on_ray`'s signature."""
     for job in jobs:
         if should_stop is not None and should_stop():
             raise BuildStopped("token cache: build stopped (finished shards are kept)")
         try:
-            yield job, build_piece(job, tokenizer_json)
+            yield job, build_piece(dataclasses.replace(job, nice=0), tokenizer_json)
         except Exception as error:  # reported by the caller, like a failed Ray task
             yield job, error
             return

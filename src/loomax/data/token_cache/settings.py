@@ -126,6 +126,10 @@ class BuildPlan:
     token_ids: dict[str, int | None]
     """`vocab_size`, `eos_id` and `bos_id` (None without `bos`), recorded in meta.json."""
     skip_bad_records: bool
+    fast_encoder: bool = True
+    """Whether tasks may encode with the exact tiktoken encoder (not a setting: same tokens)."""
+    background_from: int | None = None
+    """Shards from this position on are tokenized by Ray tasks at `BACKGROUND_NICE`."""
 
     @property
     def max_documents(self) -> int | None:

@@ -3,7 +3,9 @@
 A task reads its shard, tokenizes it in batches, writes the documents of each split to a
 piece of its own (`pieces/<i>/<attempt>/<split>/`), and only then records the shard in
 the ledger (`ledger/<i>.json`), so a ledger entry always names a complete piece. The
-entry also names the Ray node that did the work (`node`, None outside Ray).
+entry also names the Ray node that did the work (`node`, None outside Ray) and the encoder
+(`encoder`: `tiktoken` where `fast_encoder` is exact, else `tokenizers`; the same ids)
+and the niceness it ran at (`nice`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import tensorstore as ts
 from tokenizers import Tokenizer
 
+from loomax.data.fast_encoder import FastEncoder, fast_encoder
 from loomax.data.sources import ReadStats, Shard, read_shard
 from loomax.data.token_cache.layout import create_array, is_held_out, piece_dir, split_names
 from loomax.data.tokenizer import encode_documents
@@ -54,12 +57,26 @@ class PieceJob:
     the task reads the shard itself."""
     skipped: int = 0
     """Bad records the driver skipped while reading `documents`."""
+    fast_encoder: bool = True
+    """Encode with `fast_encoder.fast_encoder` where it is exact (the same ids either way)."""
+    nice: int = 0
+    """Niceness a Ray task adds to its worker process (once per process) before tokenizing."""
+
+
+_NICED: list[int] = []
+"""The niceness this process was raised to by a task's `nice`, once (a worker runs many)."""
 
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(sha256: str, text: str) -> Tokenizer:
     """The tokenizer of a tokenizer.json's text, parsed once per process."""
     return Tokenizer.from_str(text)
+
+
+@functools.lru_cache(maxsize=4)
+def _fast_encoder(sha256: str, text: str) -> FastEncoder | None:
+    """The exact fast encoder of a tokenizer.json's text, or None; made once per process."""
+    return fast_encoder(_tokenizer(sha256, text))
 
 
 def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
@@ -77,8 +94,11 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         return recorded
     if job.before_piece is not None:
         job.before_piece(job.shard)
+    if job.nice and not _NICED:  # a Ray worker (`_run_here` clears it: never the driver)
+        _NICED.append(os.nice(job.nice))
     _match_threads_to_cpus()
     tokenizer = _tokenizer(job.tokenizer_sha256, tokenizer_json)
+    fast = _fast_encoder(job.tokenizer_sha256, tokenizer_json) if job.fast_encoder else None
     bos = np.array([] if job.bos_id is None else [job.bos_id], dtype=np.int32)
     attempt = uuid.uuid4().hex[:12]  # a task left running by a killed driver writes elsewhere
     writers = {
@@ -93,7 +113,7 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
     )
     index = 0
     for batch in _batched(itertools.islice(documents, job.max_documents), _ENCODE_BATCH):
-        for tokens in encode_documents(tokenizer, batch):
+        for tokens in encode_documents(tokenizer, batch, fast=fast):
             held_out = is_held_out(job.position, index, job.holdout_fraction, job.holdout_seed)
             writers["validation" if held_out else "train"].append(
                 np.concatenate((bos, tokens)) if len(bos) else tokens
@@ -109,6 +129,8 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         "skipped_examples": stats.examples,
         "splits": {split: writer.close() for split, writer in writers.items()},
         "node": _ray_node_id(),
+        "encoder": "tokenizers" if fast is None else "tiktoken",
+        "nice": os.nice(0),
     }
     root.child("ledger").write_json(f"{job.position}.json", entry)  # after the piece; atomic
     return entry

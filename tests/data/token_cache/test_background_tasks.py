@@ -1,0 +1,75 @@
+"""A streaming build's background shards on Ray: niced, and held to leave a core free.
+
+Builds run on the run's shared 2-CPU Ray cluster (conftest's `ray_cluster`).
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from loomax.data.sources import SourceConfig, source_shards
+from loomax.data.token_cache import build_token_cache
+from loomax.data.token_cache.build import BACKGROUND_NICE
+from loomax.data.tokenizer import train_bpe_tokenizer
+
+pytestmark = pytest.mark.slow
+
+NUM_SHARDS = 6
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Six small .jsonl shards and a BPE tokenizer of them."""
+    root = tmp_path_factory.mktemp("background")
+    documents = [f"shard {k}, doc {i}: x = {i * k}\n" for k in range(NUM_SHARDS) for i in range(8)]
+    for k in range(NUM_SHARDS):
+        lines = "".join(json.dumps({"text": d}) + "\n" for d in documents[k * 8 : k * 8 + 8])
+        (root / f"shard_{k}.jsonl").write_text(lines, encoding="utf-8")
+    train_bpe_tokenizer(documents, 300, root / "tokenizer.json")
+    source = SourceConfig(urls=[str(root / f"shard_{{0..{NUM_SHARDS - 1}}}.jsonl")])
+    return SimpleNamespace(shards=source_shards(source), tokenizer=root / "tokenizer.json")
+
+
+def build(corpus, cache, **kwargs):
+    return build_token_cache(corpus.shards, corpus.tokenizer, cache, progress=False, **kwargs)
+
+
+def test_shards_past_background_from_run_nice_on_ray_never_here(ray_cluster, corpus, tmp_path):
+    """A streaming run's build past its first chunk yields the cores: its Ray tasks run at
+    BACKGROUND_NICE; a build in this process (a memory:// cache) never renices the driver."""
+    build(corpus, tmp_path / "cache", background_from=4)
+    ledger = [
+        json.loads((tmp_path / "cache" / "ledger" / f"{i}.json").read_text())
+        for i in range(NUM_SHARDS)
+    ]
+    assert [e["nice"] >= BACKGROUND_NICE for e in ledger[4:]] == [True, True]
+    before = os.nice(0)
+    build(corpus, "memory://nice-cache", background_from=0)
+    assert os.nice(0) == before
+
+
+def test_held_background_shards_run_one_at_a_time(ray_cluster, corpus, tmp_path):
+    """While `held()`, the tasks past `background_from` leave a core free: on the 2-CPU
+    cluster, no two of them (nor one and a first-chunk task) run at once."""
+    spans_dir = tmp_path / "spans"
+    spans_dir.mkdir()
+
+    def record(shard) -> None:  # a closure: pickled by value to the tasks
+        start = time.time()
+        time.sleep(0.4)
+        (spans_dir / Path(shard.name).name).write_text(f"{start} {time.time()}")
+
+    build(corpus, tmp_path / "cache", background_from=2, held=lambda: True, before_piece=record)
+    spans = {
+        int(p.stem.removeprefix("shard_")): tuple(map(float, p.read_text().split()))
+        for p in spans_dir.iterdir()
+    }
+    assert sorted(spans) == list(range(NUM_SHARDS))
+    first_chunk_end = max(spans[0][1], spans[1][1])
+    background = sorted(spans[k] for k in range(2, NUM_SHARDS))  # by start
+    assert background[0][0] >= first_chunk_end
+    assert all(b[0] >= a[1] for a, b in zip(background, background[1:], strict=False))
