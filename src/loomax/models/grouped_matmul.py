@@ -30,6 +30,8 @@ kernel cannot be partitioned automatically: XLA refuses it); GPU and CPU ``block
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
@@ -75,18 +77,20 @@ def grouped_matmul(
     in ``x``'s dtype (accumulated in at least float32). ``rows``: how many of the ``m``
     rows the groups hold on average, when fewer (see the module docstring)."""
     impl = resolve(impl)
+    scope = contextlib.nullcontext()
     if rows is not None and rows < x.shape[0]:
         if impl == "megablox":  # its grid covers whole row tiles: one partial tile per group
             rows += w.shape[0] * (MEGABLOX_TILE - 1)
-        with routed_rows_scope(rows, x.shape[0]):
-            return grouped_matmul(x, w, group_sizes, impl=impl, block=block)
+        scope = routed_rows_scope(rows, x.shape[0])
     group_sizes = group_sizes.astype(jnp.int32)
-    if impl == "ragged_dot":
-        acc = jnp.promote_types(x.dtype, jnp.float32)
-        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=acc).astype(x.dtype)
-    if impl == "megablox":
-        return _megablox(x, w, group_sizes)
-    return blocked_grouped_matmul(x, w, group_sizes, block)
+    with scope:
+        if impl == "ragged_dot":
+            acc = jnp.promote_types(x.dtype, jnp.float32)
+            out = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=acc)
+            return out.astype(x.dtype)
+        if impl == "megablox":
+            return _megablox(x, w, group_sizes)
+        return blocked_grouped_matmul(x, w, group_sizes, block)
 
 
 def block_layout(group_sizes: jax.Array, m: int, block: int):
