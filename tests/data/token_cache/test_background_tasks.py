@@ -14,6 +14,7 @@ import pytest
 from loomax.data.sources import SourceConfig, source_shards
 from loomax.data.token_cache import build_token_cache
 from loomax.data.token_cache.build import BACKGROUND_NICE
+from loomax.data.token_cache.priority import autogroup_nice
 from loomax.data.tokenizer import train_bpe_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -48,6 +49,18 @@ def test_shards_past_background_from_run_nice_on_ray_never_here(ray_cluster, cor
     ]
     assert [e["nice"] >= BACKGROUND_NICE for e in ledger[4:]] == [True, True]
     before = os.nice(0)
+    own_group = autogroup_nice()
+    if own_group is not None:  # Linux with autogroups: the Ray head is a session of its own
+        # niceness counts only inside an autogroup: the Ray node's group is niced too ...
+        assert [e["autogroup_nice"] for e in ledger[4:]] == [BACKGROUND_NICE] * 2
+        build(corpus, tmp_path / "foreground")  # ... and set back by the next plain build
+        entries = [
+            json.loads(p.read_text()) for p in (tmp_path / "foreground" / "ledger").iterdir()
+        ]
+        assert {e["autogroup_nice"] for e in entries} == {0}
+        assert autogroup_nice() == own_group  # the driver's group is never touched
+    else:
+        assert {e["autogroup_nice"] for e in ledger} == {None}
     build(corpus, "memory://nice-cache", background_from=0)
     assert os.nice(0) == before
 

@@ -30,6 +30,7 @@ from loomax.data.token_cache.damage import find_damage, reading, stored_files
 from loomax.data.token_cache.layout import FORMAT_VERSION, META_FILE, TokenCacheError
 from loomax.data.token_cache.ledger import claim, delete_pieces, entry_tokens, read_ledger
 from loomax.data.token_cache.placement import runs_here
+from loomax.data.token_cache.priority import autogroup_id
 from loomax.data.token_cache.settings import BuildPlan, SplitInfo, TokenCacheInfo, cache_settings
 from loomax.data.token_cache.tasks import PieceJob, build_piece
 from loomax.data.tokenizer import bos_id, eos_id, load_tokenizer, resolve_tokenizer_path
@@ -164,6 +165,7 @@ def _job(build: BuildPlan, position: int, before_piece: Callable[[Shard], None] 
         nice=BACKGROUND_NICE
         if build.background_from is not None and position >= build.background_from
         else 0,
+        driver_autogroup=autogroup_id(),
     )
 
 

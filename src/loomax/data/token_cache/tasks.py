@@ -5,7 +5,7 @@ piece of its own (`pieces/<i>/<attempt>/<split>/`), and only then records the sh
 the ledger (`ledger/<i>.json`), so a ledger entry always names a complete piece. The
 entry also names the Ray node that did the work (`node`, None outside Ray) and the encoder
 (`encoder`: `tiktoken` where `fast_encoder` is exact, else `tokenizers`; the same ids)
-and the niceness it ran at (`nice`).
+and the niceness it ran at (`nice`, and `autogroup_nice`: its autogroup's, or None).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 from loomax.data.fast_encoder import FastEncoder, fast_encoder
 from loomax.data.sources import ReadStats, Shard, read_shard
 from loomax.data.token_cache.layout import create_array, is_held_out, piece_dir, split_names
+from loomax.data.token_cache.priority import autogroup_nice, set_task_priority
 from loomax.data.tokenizer import encode_documents
 from loomax.storage import Directory
 
@@ -60,11 +61,10 @@ class PieceJob:
     fast_encoder: bool = True
     """Encode with `fast_encoder.fast_encoder` where it is exact (the same ids either way)."""
     nice: int = 0
-    """Niceness a Ray task adds to its worker process (once per process) before tokenizing."""
-
-
-_NICED: list[int] = []
-"""The niceness this process was raised to by a task's `nice`, once (a worker runs many)."""
+    """Niceness a Ray task adds to its worker process (once per process) and gives its Ray
+    node's autogroup before tokenizing (`priority.set_task_priority`)."""
+    driver_autogroup: str | None = None
+    """`priority.autogroup_id()` of the process that started the build (None: unknown)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -94,8 +94,7 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         return recorded
     if job.before_piece is not None:
         job.before_piece(job.shard)
-    if job.nice and not _NICED:  # a Ray worker (`_run_here` clears it: never the driver)
-        _NICED.append(os.nice(job.nice))
+    set_task_priority(job.nice, job.driver_autogroup)  # `_run_here` clears nice: the driver
     _match_threads_to_cpus()
     tokenizer = _tokenizer(job.tokenizer_sha256, tokenizer_json)
     fast = _fast_encoder(job.tokenizer_sha256, tokenizer_json) if job.fast_encoder else None
@@ -131,6 +130,7 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         "node": _ray_node_id(),
         "encoder": "tokenizers" if fast is None else "tiktoken",
         "nice": os.nice(0),
+        "autogroup_nice": autogroup_nice(),
     }
     root.child("ledger").write_json(f"{job.position}.json", entry)  # after the piece; atomic
     return entry
