@@ -15,9 +15,11 @@ tokens/s. ``--json PATH`` writes the rows.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
+from pathlib import Path
 
 DEVICES = 8
 os.environ["XLA_FLAGS"] = (
@@ -26,17 +28,11 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import haliax as hax  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from loomax.lm.loss import lm_loss_for  # noqa: E402
 from loomax.mesh import MeshConfig, make_axis_mappings  # noqa: E402
 from loomax.models import LlamaConfig  # noqa: E402
-from loomax.models.attention import causal_attention  # noqa: E402
-from loomax.models.axes import Batch, Heads, HeadSize, KeyPosition, KvHeads, Position  # noqa: E402
 from loomax.runtime import MeshRuntime  # noqa: E402
 
 CASES = (("no split", 1, "ring"), ("ring", None, "ring"), ("all_gather", None, "all_gather"))
@@ -49,32 +45,18 @@ def runtime(context: int) -> MeshRuntime:
 
 
 def attention_memory(seq: int, context: int, variant: str) -> tuple[float, float]:
-    """Forward + backward of one causal attention (8 query heads, 2 KV heads of 64, documents;
-    the loss a weighted sum of the output, so its cotangent is a real array, not a constant
-    XLA folds away), compiled only: ``(temporary MiB, total MiB)`` per device, the total
-    with the arguments (q, k, v, weights, documents) and outputs (dQ, dK, dV)."""
-    rt = runtime(context)
-    split = NamedSharding(rt.mesh, P(None, "context"))
-    q = jax.ShapeDtypeStruct((1, seq, HEADS, HEAD_SIZE), jnp.float32, sharding=split)
-    kv = jax.ShapeDtypeStruct((1, seq, KV_HEADS, HEAD_SIZE), jnp.float32, sharding=split)
-    seg = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=split)
-
-    def loss(q, k, v, w, seg):
-        out = causal_attention(
-            hax.named(q, (Batch, Position, Heads, HeadSize)),
-            hax.named(k, (Batch, KeyPosition, KvHeads, HeadSize)),
-            hax.named(v, (Batch, KeyPosition, KvHeads, HeadSize)),
-            backend="blockwise",
-            segment_ids=hax.named(seg, (Batch, Position)),
-            context_parallel=variant,
-        )
-        return (out.array * w).sum()
-
-    with rt.mesh_context():
-        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, q, seg).compile()
-    stats = compiled.memory_analysis()
-    held = stats.argument_size_in_bytes + stats.output_size_in_bytes
-    return stats.temp_size_in_bytes / 2**20, (stats.temp_size_in_bytes + held) / 2**20
+    """Forward + backward of one causal attention (8 query heads, 2 KV heads of 64, documents,
+    the default blocks), compiled only: ``(temporary MiB, total MiB)`` per device, the total
+    with the arguments and outputs (the tests' ``attention_bytes``)."""
+    spec = importlib.util.spec_from_file_location(
+        "context_parallel_run", Path(__file__).parents[1] / "tests/models/context_parallel_run.py"
+    )
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    got = run.attention_bytes(
+        context, variant, seq=seq, heads=HEADS, kv_heads=KV_HEADS, size=HEAD_SIZE, flash_block=None
+    )
+    return got["temp"] / 2**20, got["total"] / 2**20
 
 
 def step_speed(

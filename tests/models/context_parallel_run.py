@@ -210,19 +210,31 @@ def train():
     }
 
 
-def attention_bytes(context: int, variant: str) -> dict:
+def attention_bytes(
+    context: int,
+    variant: str,
+    *,
+    seq: int = 1024,
+    heads: int = 4,
+    kv_heads: int = 2,
+    size: int = 16,
+    flash_block: int | None = 16,
+) -> dict:
     """XLA's per-device account (``memory_analysis``) of the compiled forward + backward of one
-    causal attention (1,024 positions, 4 query / 2 KV heads of 16, blocks of 16, documents;
-    a weighted sum of the output as the loss, so its cotangent is a real input), compile only."""
+    causal attention (``seq`` positions, ``heads`` query / ``kv_heads`` KV heads of ``size``,
+    blocks of ``flash_block`` (None: the default), documents; a weighted sum of the output as
+    the loss, so its cotangent is a real input), compile only: temporaries, and in "total"
+    also the arguments (q, k, v, weights, documents) and outputs (dQ, dK, dV) a device holds.
+    Also ``bench/context_parallel.py``'s attention memory."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    seq, heads, kv_heads, size = 1024, 4, 2, 16
     mesh = MeshConfig(data=1, context=context).build(jax.devices()[:context])
     split = NamedSharding(mesh, P(None, "context"))
     q = jax.ShapeDtypeStruct((1, seq, heads, size), jnp.float32, sharding=split)
     kv = jax.ShapeDtypeStruct((1, seq, kv_heads, size), jnp.float32, sharding=split)
     seg = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=split)
+    blocks = {} if flash_block is None else {"flash_block": flash_block}
 
     def loss(q, k, v, w, seg):
         out = causal_attention(
@@ -231,8 +243,8 @@ def attention_bytes(context: int, variant: str) -> dict:
             hax.named(v, (Batch, KeyPosition, KvHeads, HeadSize)),
             backend="blockwise",
             segment_ids=hax.named(seg, (Batch, Position)),
-            flash_block=16,
             context_parallel=variant,
+            **blocks,
         )
         return (out.array * w).sum()
 
