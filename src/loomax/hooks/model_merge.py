@@ -60,10 +60,7 @@ class ModelMergeHook(Hook):
         **settings: Any,
     ):
         super().__init__(config, **settings)
-        if self.config.directory is None and run_dir is None:
-            raise ValueError("ModelMergeHook needs a directory or a run_dir")
-        directory = self.config.directory
-        self.directory = Path(directory) if directory else Path(run_dir) / "merged"
+        self.directory = self.output_directory(run_dir, "merged")
         self.steps = sorted(set(self.config.steps))
         """The steps saved at, sorted."""
         self.saved: list[int] = []

@@ -89,10 +89,7 @@ class ProfilerHook(Hook):
         **settings: Any,
     ):
         super().__init__(config, **settings)
-        if self.config.directory is None and run_dir is None:
-            raise ValueError("ProfilerHook needs a directory or a run_dir")
-        directory = self.config.directory
-        self.directory = Path(directory) if directory else Path(run_dir) / "profile"
+        self.directory = self.output_directory(run_dir, "profile")
         processes = self.config.processes
         self.enabled = processes is None or jax.process_index() in processes
         self.active = False

@@ -170,6 +170,13 @@ class Hook:
         """The hook of ``config`` in a run (override to take what it needs from ``context``)."""
         return cls(config)
 
+    def output_directory(self, run_dir: str | Path | None, name: str) -> Path:
+        """Where the hook writes: its config's ``directory``, else ``run_dir/name``."""
+        directory = getattr(self.config, "directory", None)
+        if directory is None and run_dir is None:
+            raise ValueError(f"{type(self).__name__} needs a directory or a run_dir")
+        return Path(directory) if directory else Path(run_dir) / name
+
     @property
     def name(self) -> str:
         """How logs and control requests name this hook."""
