@@ -93,3 +93,9 @@ def test_summary_needs_a_trace(tmp_path):
 )
 def test_kernel_categories(name, category):  # names seen in an H200 trace of GPT-2
     assert kernel_category(name) == category
+
+
+def test_the_trace_directory_defaults_to_the_run_dir_and_is_required(tmp_path):
+    assert ProfilerHook(run_dir=tmp_path).directory == tmp_path / "profile"
+    with pytest.raises(ValueError, match="ProfilerHook needs a directory or a run_dir"):
+        ProfilerHook()
