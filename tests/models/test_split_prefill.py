@@ -61,3 +61,23 @@ def test_cache_stays_split_while_decoding(runs, variant):
     assert run["cache_position_spec"] == "context"
     assert run["stepped_cache_position_spec"] == "context"
     assert run["decode_collectives"] == {"all-gather": 0, "all-reduce": 3}
+
+
+def test_bench_runs_at_small_size(tmp_path):
+    """bench/split_prefill.py (its 16,384-position figures are in bench/README.md) at 256
+    positions: each case compiles and runs, and a split cache holds 1/8 of the positions
+    per device at context 8, its prefill fewer temporaries than the unsplit one."""
+    out = tmp_path / "split.json"
+    bench = Path(__file__).parents[2] / "bench" / "split_prefill.py"
+    args = ["--seq", "256", "--hidden", "64", "--layers", "1", "--steps", "1", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(bench), *args], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"no split", "one device forward", "ring", "all_gather"}
+    whole = rows["no split"]
+    for split in ("ring", "all_gather"):
+        assert rows[split]["cache_mib_per_device"] == whole["cache_mib_per_device"] / 8
+        assert rows[split]["prefill"]["temp_mib"] < whole["prefill"]["temp_mib"]
+        assert rows[split]["decode_step_ms"] > 0
