@@ -2,7 +2,8 @@
 
 A tiny grouped-query Llama; a 37-token prompt in a 64-position cache, prefilled whole on
 one device and split over data 2 x context 4 with each ``model.context_parallel`` variant;
-then greedy generation from each (a 60-position buffer: rounded up to 64 when split).
+then greedy generation from each (a 60-position buffer: rounded up to 64 when split), and
+from a tiny GPT-2 and Mixtral.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from loomax.mesh import MeshConfig, make_axis_mappings  # noqa: E402
 from loomax.models import Gpt2Config, LlamaConfig  # noqa: E402
 from loomax.models.axes import KeyPosition, Position  # noqa: E402
 from loomax.models.generate import _cached_steps, _split_steps, sample_tokens  # noqa: E402
+from loomax.models.mixtral import MixtralConfig  # noqa: E402
+from loomax.models.moe import MoeConfig  # noqa: E402
 from loomax.models.sequence_layout import from_layout  # noqa: E402
 from loomax.models.split_prefill import on_mesh, split_prefill  # noqa: E402
 from loomax.runtime import MeshRuntime  # noqa: E402
@@ -121,6 +124,15 @@ def main() -> dict:
     on = on_mesh(gpt2, runtime.mesh)
     result["gpt2"]["split_tokens"], result["gpt2"]["split_prefills"] = split_calls(
         on, prompt, **greedy
+    )
+    moe = MoeConfig(num_experts=4, num_experts_per_tok=2)
+    mixtral = sharpened(MixtralConfig(
+        seq_len=CACHE, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, moe=moe,
+    ))  # fmt: skip
+    result["mixtral"] = {"unsplit_tokens": sample_tokens(mixtral, prompt, **greedy)}
+    result["mixtral"]["split_tokens"], result["mixtral"]["split_prefills"] = split_calls(
+        mixtral, prompt, mesh=runtime.mesh, **greedy
     )
     return result
 
