@@ -103,6 +103,9 @@ def main() -> dict:
         one = sample_tokens(model, prompt, **greedy)
         many, used = split_calls(model, prompt, mesh=runtime.mesh, **greedy)
         state = _split_state(model, runtime, prompt)
+        garbage = np.random.default_rng(2).integers(1, VOCAB, CACHE - PROMPT)
+        noisy = jnp.asarray(np.concatenate([prompt, garbage]), jnp.int32)
+        noisy_logits, noisy_cache = split(model, noisy, runtime)
         step = _cached_steps(0.0, None, None, None).next
         stepped, _ = step(on_mesh(model, runtime.mesh), state, jnp.asarray(PROMPT), greedy["key"])
         result[variant] = {
@@ -114,6 +117,8 @@ def main() -> dict:
             "unsplit_tokens": one,
             "split_tokens": many,
             "split_prefills": used,
+            "garbage_pad_logits_diff": max_error(noisy_logits[:PROMPT], logits[:PROMPT]),
+            "garbage_pad_tokens": greedy_from(model, runtime, noisy[:BUFFER], prompt),
             "decode_collectives": decode_step_collectives(on_mesh(model, runtime.mesh), state),
         }
     gpt2 = sharpened(Gpt2Config(seq_len=BUFFER, hidden_dim=32, num_layers=2, num_heads=4))
@@ -135,6 +140,19 @@ def main() -> dict:
         mixtral, prompt, mesh=runtime.mesh, **greedy
     )
     return result
+
+
+def greedy_from(model, runtime, buffer, prompt) -> list[int]:
+    """``NEW`` greedy tokens after ``prompt`` from the split prefill of ``buffer`` (the prompt,
+    then what the padding holds)."""
+    model, out = on_mesh(model, runtime.mesh), list(prompt)
+    steps = _split_steps(runtime.mesh, 0.0, None, None, None)
+    with hax.axis_mapping({}):
+        state = steps.start(model, buffer, len(prompt))
+        for pos in range(len(prompt), len(prompt) + NEW):
+            state, token = steps.next(model, state, jnp.asarray(pos), jax.random.PRNGKey(0))
+            out.append(int(token))
+    return out
 
 
 def split_calls(model, prompt, **options):

@@ -53,6 +53,17 @@ def test_greedy_from_a_split_prefill_equals_one_device(runs, variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_padding_is_never_attended(runs, variant):
+    """The positions after the prompt filled with random tokens instead of zeros (27 in the
+    64-position prefill; 23 of the 60-position buffer, then the rounding's zeros):
+    the prompt's logits are bitwise the same (no prompt position sees them), and so are the
+    greedy tokens (a decode step overwrites its slot before any query can see it)."""
+    run = runs[variant]
+    assert run["garbage_pad_logits_diff"] == 0.0
+    assert run["garbage_pad_tokens"] == run["split_tokens"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_cache_stays_split_while_decoding(runs, variant):
     """The cache comes out of the prefill split over ``context`` along its positions, a
     decode step keeps it so, and the compiled step has no all-gather: GSPMD reduces the
