@@ -19,9 +19,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from loomax.config import ConfigError  # noqa: E402
 from loomax.mesh import MeshConfig, make_axis_mappings  # noqa: E402
 from loomax.models import Gpt2Config, LlamaConfig  # noqa: E402
 from loomax.models.axes import KeyPosition, Position  # noqa: E402
+from loomax.models.families.mistral import MistralConfig  # noqa: E402
 from loomax.models.generate import _cached_steps, _split_steps, sample_tokens  # noqa: E402
 from loomax.models.mixtral import MixtralConfig  # noqa: E402
 from loomax.models.moe import MoeConfig  # noqa: E402
@@ -139,6 +141,14 @@ def main() -> dict:
     result["mixtral"]["split_tokens"], result["mixtral"]["split_prefills"] = split_calls(
         mixtral, prompt, mesh=runtime.mesh, **greedy
     )
+    window = MistralConfig(seq_len=CACHE, hidden_dim=32, intermediate_dim=64, num_layers=1,
+                           num_heads=4, num_kv_heads=2, sliding_window=8)  # fmt: skip
+    try:
+        sample_tokens(window.build(VOCAB, key=jax.random.PRNGKey(0)), prompt, mesh=runtime.mesh,
+                      **greedy)  # fmt: skip
+        result["window_error"] = None
+    except ConfigError as error:
+        result["window_error"] = str(error)
     return result
 
 

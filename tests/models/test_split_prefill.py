@@ -93,3 +93,9 @@ def test_bench_runs_at_small_size(tmp_path):
         assert rows[split]["cache_mib_per_device"] == whole["cache_mib_per_device"] / 8
         assert rows[split]["prefill"]["temp_mib"] < whole["prefill"]["temp_mib"]
         assert rows[split]["decode_step_ms"] > 0
+
+
+def test_sliding_window_is_refused(runs):
+    """A split prefill is full causal, as training's split attention: a Mistral with a
+    sliding window sampled on a context mesh is a ConfigError naming the key."""
+    assert "model.sliding_window is not supported" in runs["window_error"]

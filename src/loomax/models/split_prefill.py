@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from loomax.config import ConfigError
 from loomax.mesh import make_axis_mappings
-from loomax.models.attention import model_attention
+from loomax.models.attention import AttentionSettings, model_attention
 from loomax.models.axes import KeyPosition, Position
 from loomax.models.config import KvCache, LmModel
 from loomax.models.sequence_layout import (
@@ -73,12 +73,20 @@ def hidden_at(hidden: NamedArray, position: jax.Array) -> NamedArray:
 
 
 def split_prefill_attention(
-    config, q, k, v, cache_k: NamedArray, cache_v: NamedArray, window=None, scale=None,
-    softcap=None,
-) -> tuple[NamedArray, NamedArray, NamedArray]:  # fmt: skip
+    config: AttentionSettings,
+    q: NamedArray,
+    k: NamedArray,
+    v: NamedArray,
+    cache_k: NamedArray,
+    cache_v: NamedArray,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> tuple[NamedArray, NamedArray, NamedArray]:
     """A decoder layer's attention in a split prefill (``q``, ``k``, ``v`` zig-zag laid out,
     as long as the cache): the model's context-parallel attention, and the keys and values
-    as the new cache (true order, split contiguously). Returns ``(out, cache_k, cache_v)``."""
+    as the new cache (true order, split contiguously). Returns ``(out, cache_k, cache_v)``;
+    a ``window`` or ``softcap`` is refused there as in training (``ConfigError``)."""
     T, S = q.resolve_axis(Position).size, cache_k.resolve_axis(KeyPosition).size
     if T != S:
         raise ValueError(f"a split prefill fills the whole cache: {T} positions, cache of {S}")
