@@ -123,6 +123,13 @@ def main() -> dict:
             "garbage_pad_tokens": greedy_from(model, runtime, noisy[:BUFFER], prompt),
             "decode_collectives": decode_step_collectives(on_mesh(model, runtime.mesh), state),
         }
+    # the ring Llama's weights laid out as a trainer's (FSDP over data): split unasked
+    model = tiny_llama("ring")
+    sharded = jax.device_put(model, runtime.state_shardings(model))
+    result["trainer_weights"] = {"unsplit_tokens": result["ring"]["unsplit_tokens"]}
+    result["trainer_weights"]["split_tokens"], result["trainer_weights"]["split_prefills"] = (
+        split_calls(sharded, prompt, **greedy)
+    )
     gpt2 = sharpened(Gpt2Config(seq_len=BUFFER, hidden_dim=32, num_layers=2, num_heads=4))
     greedy = dict(seq_len=BUFFER, max_new_tokens=NEW, temperature=0.0, key=jax.random.PRNGKey(1))
     result["gpt2"] = {

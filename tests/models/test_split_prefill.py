@@ -39,10 +39,11 @@ def test_split_prefill_equals_one_device(runs, variant):
         assert run[name] < TOLERANCE, (variant, name, run[name])
 
 
-@pytest.mark.parametrize("variant", [*VARIANTS, "gpt2", "mixtral"])
+@pytest.mark.parametrize("variant", [*VARIANTS, "trainer_weights", "gpt2", "mixtral"])
 def test_greedy_from_a_split_prefill_equals_one_device(runs, variant):
-    """``sample_tokens(..., mesh=...)`` (GPT-2: its weights on the mesh, no ``mesh`` given;
-    Mixtral: Llama's attention around its experts):
+    """``sample_tokens(..., mesh=...)`` (``trainer_weights``: the ring Llama's weights split
+    over the mesh by the parameter mapping, as a trainer leaves them, and GPT-2's copied
+    whole to it, no ``mesh`` given; Mixtral: Llama's attention around its experts):
     8 greedy tokens after the prompt in a 60-position buffer (split: rounded up to 64; GPT-2's
     learned positions past its table are padding) are those of the unsplit prefill, and they
     are not one token repeated."""
