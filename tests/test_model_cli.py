@@ -101,6 +101,17 @@ def test_bad_checkpoint_is_a_usage_error(tmp_path, capsys):
         load_for_inference(tmp_path / "missing")
 
 
+def test_bad_context_split_is_a_usage_error_before_loading(tmp_path, capsys):
+    """``generate --context`` must divide the devices (one here): refused before the missing
+    checkpoint is looked at."""
+    for bad in ("3", "0"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "x",
+                  "--context", bad])  # fmt: skip
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"--context {bad} must be a positive divisor" in err
+
+
 def test_load_for_inference_returns_the_trained_weights_and_config(run):
     root, result, config = run
     loaded = load_for_inference(root / "run" / "checkpoints")

@@ -92,8 +92,13 @@ def generate_command(args: list[str], parser: argparse.ArgumentParser, guard: Gu
         "--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's)"
     )
     parser.add_argument("--no_stop", action="store_true", help="do not stop at EOS")
+    parser.add_argument(
+        "--context", type=int, default=1,
+        help="prefill the prompt split over this many devices (a long prompt; docs/sharding.md)",
+    )  # fmt: skip
     known, overrides = _parse(parser, args)
     _check_sampling(known)
+    mesh = _context_mesh(known.context)
     loaded = _load(known, overrides, guard)
     path = known.tokenizer or loaded.tokenizer
     if path is None:
@@ -115,8 +120,22 @@ def generate_command(args: list[str], parser: argparse.ArgumentParser, guard: Gu
         repetition_penalty=known.repetition_penalty,
         key=jax.random.PRNGKey(known.seed),
         stop_token=None if known.no_stop else eos_id(tokenizer),
+        mesh=mesh,
     )
     print(tokenizer.decode(tokens))
+
+
+def _context_mesh(context: int):
+    """The mesh a ``--context`` split prefill runs on (context x data over every device), or
+    None for 1; a one-line ``UserError`` when it does not divide the devices."""
+    import jax
+
+    from loomax.mesh import MeshConfig
+
+    devices = jax.device_count()
+    if context < 1 or devices % context:
+        raise UserError(f"--context {context} must be a positive divisor of the {devices} devices")
+    return MeshConfig(context=context).build() if context > 1 else None
 
 
 def _check_sampling(known) -> None:

@@ -35,7 +35,8 @@ from loomax.models.mlp_activations import activation
 from loomax.models.remat import name_activation
 from loomax.models.rolling_cache import rolling_attention, shared_window, uses_rolling
 from loomax.models.rotary import apply_rotary
-from loomax.models.sequence_layout import layout_positions
+from loomax.models.sequence_layout import context_ways, layout_positions
+from loomax.models.split_prefill import split_prefill_attention
 
 
 class DecoderConfig(Protocol):
@@ -154,10 +155,18 @@ class LlamaAttention(eqx.Module):
         return self.o_proj(name_activation(out, "attn_out"))
 
     def decode(self, x: NamedArray, cache_k, cache_v, start, layer=None):
-        """Attention over the cache for new positions from ``start``; returns the new cache too."""
+        """Attention over the cache for new positions from ``start``; returns the new cache too.
+        With ``position`` split over the context axis, a prefill of the whole cache from 0
+        with the tokens zig-zag laid out (``models/split_prefill.py``)."""
         c = self.config
-        q, k, v = self._qkv(x, hax.arange(x.resolve_axis(Position)) + start)
+        q, k, v = self._qkv(x, layout_positions(x.resolve_axis(Position)) + start)
         window = c.layer_windows[0]
+        if context_ways() > 1:  # any layer's window: refused there (full causal only)
+            window = next((w for w in c.layer_windows if w is not None), None)
+            out, cache_k, cache_v = split_prefill_attention(
+                c, q, k, v, cache_k, cache_v, window, c.attn_scale, c.attn_logit_softcap
+            )
+            return self.o_proj(out), cache_k, cache_v
         if len(set(c.layer_windows)) > 1:  # a traced window: a mask here, nothing to skip
             full = jnp.iinfo(jnp.int32).max
             window = jnp.asarray([full if w is None else w for w in c.layer_windows])[layer]

@@ -16,10 +16,12 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from loomax.models.axes import Position, Vocab
 from loomax.models.config import LmModel, soft_cap
 from loomax.models.rolling_cache import to_rolling
+from loomax.models.split_prefill import context_split, on_mesh, prompt_prefill, weights_mesh
 
 
 def pick_token(
@@ -82,11 +84,16 @@ def sample_tokens(
     top_p: float | None = None,
     repetition_penalty: float | None = None,
     use_cache: bool = True,
+    mesh: Mesh | None = None,
 ) -> list[int]:
     """``prompt`` followed by up to ``max_new_tokens`` sampled tokens.
 
     Stops early at ``stop_token`` (included) or when ``seq_len`` positions are filled; a
     prompt longer than ``seq_len - 1`` keeps its last tokens. ``temperature == 0`` is greedy.
+    When ``mesh`` (default: the mesh the model's weights lie on) has a ``context`` axis of
+    size n > 1, the prompt is prefilled split over it, the cache being the whole buffer
+    (``seq_len`` rounded up to a multiple of 2n), and decoding reads that cache where it
+    lies (``models/split_prefill.py``); ``use_cache=False`` never splits.
     """
     if not prompt:
         raise ValueError("sample_tokens needs a non-empty prompt")
@@ -97,14 +104,18 @@ def sample_tokens(
     options = (temperature, top_k, top_p, repetition_penalty)
     stop = min(seq_len, len(prompt) + max_new_tokens)
     steps = _cached_steps(*options) if use_cache else _full_steps(*options)
-    state = steps.start(model, jnp.asarray(buffer), len(prompt))
-    out = list(prompt)
-    for pos in range(len(prompt), stop):
-        key, step_key = jax.random.split(key)
-        state, token = steps.next(model, state, jnp.asarray(pos), step_key)
-        out.append(int(token))
-        if stop_token is not None and out[-1] == stop_token:
-            break
+    mesh = weights_mesh(model) if mesh is None else mesh
+    if use_cache and context_split(mesh) > 1:
+        model, steps = on_mesh(model, mesh), _split_steps(mesh, *options)
+    with hax.axis_mapping({}):  # decoding never splits the position axis
+        state = steps.start(model, jnp.asarray(buffer), len(prompt))
+        out = list(prompt)
+        for pos in range(len(prompt), stop):
+            key, step_key = jax.random.split(key)
+            state, token = steps.next(model, state, jnp.asarray(pos), step_key)
+            out.append(int(token))
+            if stop_token is not None and out[-1] == stop_token:
+                break
     return out
 
 
@@ -138,14 +149,16 @@ def sample_batch(
     keys = jnp.concatenate([keys, jnp.repeat(keys[:1], rows - len(prompts), axis=0)])
     start, next_token = _batched_steps(temperature, top_k, top_p, repetition_penalty, seq_len)
     width = prompt_bucket(int(length.max()), seq_len)
-    state = start(model, jnp.asarray(buffer[:, :width]), jnp.asarray(length))
+    with hax.axis_mapping({}):  # rows decoded whole (no context split here)
+        state = start(model, jnp.asarray(buffer[:, :width]), jnp.asarray(length))
     out = [list(p) for p in prompts]
     stop = [min(seq_len, len(p) + max_new_tokens) for p in prompts]
     live = [len(p) < s for p, s in zip(prompts, stop, strict=True)]
     pos = length.copy()
     while any(live):
         keys, step_keys = _split_rows(keys)
-        state, tokens = next_token(model, state, jnp.asarray(pos), step_keys)
+        with hax.axis_mapping({}):
+            state, tokens = next_token(model, state, jnp.asarray(pos), step_keys)
         tokens = np.asarray(tokens)
         for i in (i for i, alive in enumerate(live) if alive):
             out[i].append(int(tokens[i]))
@@ -181,7 +194,11 @@ class _Steps:
 
 
 def _logits_at(model: LmModel, hidden, index) -> jax.Array:
-    h = hidden[Position, index]
+    return _head(model, hidden[Position, index])
+
+
+def _head(model: LmModel, h) -> jax.Array:
+    """``[vocab]`` logits of one final hidden state ``h`` (axis ``embed``)."""
     logits = hax.dot(h, model.lm_head_weight(), axis="embed").rearrange((Vocab,)).array
     return soft_cap(logits, model.final_logit_softcap)
 
@@ -257,3 +274,21 @@ def _cached_steps(temperature, top_k, top_p, repetition_penalty) -> _Steps:
         return prefill(model, tokens[:width], jnp.asarray(length), tokens.shape[0])
 
     return _Steps(start, next_token, prefill)
+
+
+@functools.lru_cache(maxsize=8)
+def _split_steps(mesh, temperature, top_k, top_p, repetition_penalty) -> _Steps:
+    """``_cached_steps`` with the prompt prefilled split over ``mesh``'s context axis
+    (``models/split_prefill.prompt_prefill``); the steps read the cache where it lies."""
+    steps, prefill = (
+        _cached_steps(temperature, top_k, top_p, repetition_penalty),
+        prompt_prefill(mesh),
+    )
+    seen, head = jax.jit(_seen, static_argnums=2), jax.jit(_head)
+
+    def start(model, tokens, length):
+        cache, hidden = prefill(model, tokens, length)
+        logits = head(model, hidden)
+        return cache, logits, seen(tokens, jnp.asarray(length), model.Vocab.size)
+
+    return _Steps(start, steps.next)

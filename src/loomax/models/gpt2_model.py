@@ -27,6 +27,7 @@ from loomax.models.mlp_activations import activation
 from loomax.models.norms import layer_norm
 from loomax.models.remat import name_activation
 from loomax.models.sequence_layout import context_ways, layout_positions
+from loomax.models.split_prefill import split_prefill_attention
 
 
 class Gpt2ModelConfig(Protocol):
@@ -108,9 +109,11 @@ class Gpt2Attention(eqx.Module):
     def decode(self, x: NamedArray, cache_k, cache_v, start, layer: jax.Array | None = None):
         """Attention over the cache for new positions from ``start``; returns the new cache too."""
         qkv = self.qkv(x)
-        out, cache_k, cache_v = cached_attention(
-            _scaled(qkv["qkv", 0], layer), qkv["qkv", 1], qkv["qkv", 2], cache_k, cache_v, start
-        )
+        q, k, v = _scaled(qkv["qkv", 0], layer), qkv["qkv", 1], qkv["qkv", 2]
+        if context_ways() > 1:  # a split prompt (models/split_prefill.py)
+            out, cache_k, cache_v = split_prefill_attention(self.config, q, k, v, cache_k, cache_v)
+        else:
+            out, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, start)
         return self.out(out), cache_k, cache_v
 
 
@@ -256,7 +259,12 @@ class Gpt2LmModel(LmModel):
     def decode(self, tokens: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
         Pos = tokens.resolve_axis(Position)
         x = self.token_embeddings.embed(tokens)
-        x = x + self.position_embeddings.weight[Position, hax.dslice(start, Pos.size)]
+        if context_ways() > 1:  # a split prompt, zig-zag laid out (models/split_prefill.py)
+            last = self.config.Pos.size - 1  # padding past the table: any row
+            at = hax.minimum(layout_positions(Pos) + start, last)
+            x = x + self.position_embeddings.weight.take(Position, at)
+        else:
+            x = x + self.position_embeddings.weight[Position, hax.dslice(start, Pos.size)]
 
         def layer(x, block, layer_cache, per_layer):
             return block.decode(x, layer_cache, start, per_layer.get("layer"))
