@@ -116,7 +116,7 @@ def run(
     }
     shards = state.model.token_embeddings.weight.array.addressable_shards
     specs["embedding_shard_shape"] = list(shards[0].data.shape)
-    final = trainer.train(state, loader().iter_from(0, jax.process_index(), jax.process_count()))
+    final = trainer.train(state, loader().iter_from(0, *trainer.runtime.row_block))
     return {
         "losses": losses,
         "activations": activations,
