@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
         "peak_flops",
         "batch_schedule",
     },
-    {"cli_parser"},
+    {"cli_parser", "row_blocks"},
     {"mesh", "tree_paths"},
     {"distributed", "runtime", "tracking"},
     {"models", "optim", "data", "checkpoint"},

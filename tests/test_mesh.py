@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-import numpy as np
 import pytest
 
 from loomax.config import ConfigError, parse_config
 from loomax.lm import TrainLmConfig
-from loomax.mesh import MESH_AXES, MeshConfig, check_context_within_processes, make_axis_mappings
+from loomax.mesh import MESH_AXES, MeshConfig, make_axis_mappings
 from loomax.train import TrainerConfig
 
 
@@ -85,15 +82,6 @@ def test_context_axis_splits_the_sequence():
         MeshConfig(context=0)
     with pytest.raises(ValueError, match="'position' is mapped twice"):
         make_axis_mappings(context_axis="position", tensor_parallel_axes=["position"])
-
-
-def test_context_groups_stay_within_a_process():
-    host = [SimpleNamespace(process_index=p, platform="cpu") for p in (0, 0, 1, 1)]
-    check_context_within_processes(np.array(host, dtype=object).reshape(2, 1, 1, 2, 1))
-    with pytest.raises(ConfigError, match="a context group spans processes"):
-        check_context_within_processes(
-            np.array(host, dtype=object).reshape(1, 2, 1, 2, 1).swapaxes(1, 3)
-        )
 
 
 def test_context_split_checked_before_work():

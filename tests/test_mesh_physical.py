@@ -7,6 +7,7 @@ import pytest
 
 from loomax.config import ConfigError
 from loomax.mesh import MeshConfig
+from loomax.row_blocks import RowBlock, row_blocks
 
 pytestmark = pytest.mark.usefixtures("libtpu")
 
@@ -46,3 +47,15 @@ def test_fewer_replicas_than_slices_is_refused(topology):
         ConfigError, match=r"trainer.mesh.replica \(1\) must be a multiple of the 2"
     ):
         MeshConfig(replica=1, data=-1, model=1).build(topology("2xv5p:4x4x4"))
+
+
+def test_the_128k_layout_shares_each_row_block_between_two_hosts(topology):
+    """``llama_8b_128k.yaml`` on v5p-128 (16 hosts of 4 chips): data 8 x context 8 on the
+    torus; each context group spans two hosts, which load the same eighth of the batch."""
+    mesh = MeshConfig(data=8, context=8).build(topology("v5p:4x4x4"))
+    blocks = row_blocks(mesh.devices)
+    assert set(blocks.values()) == {RowBlock(i, 8) for i in range(8)}
+    for group in mesh.devices.reshape(8, 8):  # a batch position's context group
+        hosts = {d.process_index for d in group}
+        assert len(hosts) == 2 and len({blocks[h] for h in hosts}) == 1
+    assert any(blocks[p].index != p // 2 for p in blocks)  # not derivable from the index

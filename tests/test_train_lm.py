@@ -185,7 +185,10 @@ def test_eval_batch_must_split_over_data_parallel_devices(tmp_path, tiny_corpus)
 
     config = small_config(tmp_path, tiny_corpus)
     data = build_lm_datasets(config.data, config.model.seq_len)
-    assert eval_sets(config, data, 2)[0].shape[0] == 8  # one process holds all 8 rows
+    whole = eval_sets(config, data, 2)[0]
+    assert whole.shape[0] == 8  # one process holds all 8 rows
+    second = eval_sets(config, data, 2, rows=(1, 2))[0]  # row block 1 of 2 (MeshRuntime.row_block)
+    assert (second == whole[4:]).all()
     with pytest.raises(ValueError, match=r"trainer.eval_batch_size to a multiple of 3"):
         eval_sets(config, data, 3)
 

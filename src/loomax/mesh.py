@@ -13,10 +13,8 @@ never name mesh axes: this module is the one place where logical names meet the 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from loomax.config import ConfigError
+from loomax.row_blocks import row_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -102,42 +101,17 @@ class MeshConfig:
         devices = list(jax.devices() if devices is None else devices)
         sizes = self.resolve(len(devices))
         grid = device_grid([sizes[a] for a in MESH_AXES], devices)
-        if not _CONTEXT_ACROSS_PROCESSES.get():
-            check_context_within_processes(grid)
+        if jax.process_count() > 1:  # (devices of a topology, compiled on one host: any layout)
+            row_blocks(grid)  # a ConfigError if the processes cannot split the rows
         return Mesh(grid, MESH_AXES)
-
-
-_CONTEXT_ACROSS_PROCESSES = contextvars.ContextVar("context_across_processes", default=False)
-
-
-@contextlib.contextmanager
-def context_across_processes() -> Iterator[None]:
-    """Meshes built inside may have ``context`` groups that span processes (compiling for a
-    pod, ``loomax compile``: the program does not depend on which process loads which rows)."""
-    token = _CONTEXT_ACROSS_PROCESSES.set(True)
-    try:
-        yield
-    finally:
-        _CONTEXT_ACROSS_PROCESSES.reset(token)
 
 
 def context_spans_processes(grid: np.ndarray) -> bool:
     """Whether a ``context`` group of the (replica, data, expert, context, model) ``grid``
-    holds devices of more than one process."""
+    holds devices of more than one process (they then load the same rows: ``row_blocks``)."""
     axis = MESH_AXES.index(CONTEXT_AXIS)
     groups = np.moveaxis(grid, axis, -1).reshape(-1, grid.shape[axis])
     return any(len({d.process_index for d in group}) > 1 for group in groups)
-
-
-def check_context_within_processes(grid: np.ndarray) -> None:
-    """Raise ``ConfigError`` when a ``context`` group of the (replica, data, expert, context, model)
-    ``grid`` spans processes: each process loads whole rows of its own share of the batch,
-    so the devices splitting one sequence must belong to one process."""
-    if context_spans_processes(grid):
-        raise ConfigError(
-            f"trainer.mesh.context ({grid.shape[MESH_AXES.index(CONTEXT_AXIS)]}): a context group spans processes; "
-            "keep context within the devices of one process (not supported across processes yet)"
-        )
 
 
 def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarray:
@@ -146,9 +120,9 @@ def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarr
     TPU devices follow the physical topology (``mesh_utils``): over several slices,
     ``replica`` goes across slices (DCN) and every ``data`` x ``expert`` x ``context`` x ``model`` group stays within
     one (ICI); within a slice, groups follow the torus's links. Other devices (CPU, GPU) are
-    laid out in order, process-major, so each process's devices hold a contiguous slice of
-    the batch (what ``make_array_from_process_local_data`` expects); so are TPU devices of a
-    multi-process run whose physical layout would not give each process a contiguous slice.
+    laid out in order, process-major, so each process's devices hold a contiguous block of
+    the batch (``row_blocks``; processes of a group spanning hosts share one); so are TPU
+    devices of a multi-process run whose physical layout would not split the rows so.
     """
     in_order = np.array(devices, dtype=object).reshape(shape)
     if devices[0].platform != "tpu":
@@ -172,25 +146,17 @@ def device_grid(shape: Sequence[int], devices: Sequence[jax.Device]) -> np.ndarr
     except (ValueError, NotImplementedError, AssertionError) as e:
         logger.warning("trainer.mesh %s: no physical layout (%s); devices in id order", shape, e)
         return in_order
-    if jax.process_count() > 1 and not _batch_contiguous_per_process(grid):
+    if jax.process_count() > 1 and not _rows_split_by_process(grid):
         return in_order
     return grid
 
 
-def _batch_contiguous_per_process(grid: np.ndarray) -> bool:
-    """Whether each process's devices cover one contiguous range of batch (replica, data, expert) positions."""
-    n = len(DATA_AXES)  # the leading mesh axes
-    batch = np.arange(int(np.prod(grid.shape[:n]))).reshape(grid.shape[:n])
-    for process in {d.process_index for d in grid.flat}:
-        mine = sorted(
-            {
-                int(batch[where[:n]])
-                for where, x in np.ndenumerate(grid)
-                if x.process_index == process
-            }
-        )
-        if mine != list(range(mine[0], mine[-1] + 1)):
-            return False
+def _rows_split_by_process(grid: np.ndarray) -> bool:
+    """Whether the processes' devices in ``grid`` hold equal, disjoint or shared row blocks."""
+    try:
+        row_blocks(grid)
+    except ConfigError:
+        return False
     return True
 
 

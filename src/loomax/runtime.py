@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from loomax.config import ConfigError
 from loomax.mesh import (
     AxisMappings,
     MeshConfig,
@@ -25,6 +26,7 @@ from loomax.mesh import (
     data_parallel_size,
     replicate_indivisible,
 )
+from loomax.row_blocks import RowBlock, local_rows, row_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +78,28 @@ class MeshRuntime:
                 logger.warning("parameter mapping: %s: kept whole on every device", note)
         return shardings
 
+    @functools.cached_property
+    def row_block(self) -> RowBlock:
+        """The rows of every batch this process loads: block ``index`` of ``count`` equal
+        blocks (``row_blocks``; the processes of a context group spanning hosts share one).
+        ``BatchLoader.batch(step, *runtime.row_block)`` reads them."""
+        blocks = row_blocks(self.mesh.devices)
+        process = jax.process_index()
+        if process not in blocks:
+            raise ConfigError(f"trainer.mesh: process {process} holds no device of the mesh")
+        return blocks[process]
+
     def shard_batch(self, local_batch: Any) -> Any:
-        """A global batch array from this process's rows, split over (replica, data)."""
+        """A global batch array from this process's rows (its ``row_block``), split over
+        (replica, data, expert): each device gets the rows of its batch position."""
+        block = self.row_block
 
         def to_global(x):
             x = np.asarray(x)
             sharding = batch_sharding(self.mesh, x.ndim)
-            global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
-            return jax.make_array_from_process_local_data(sharding, x, global_shape)
+            shape = (x.shape[0] * block.count, *x.shape[1:])
+            rows = functools.partial(local_rows, block=block, local=x.shape[0], total=shape[0])
+            return jax.make_array_from_callback(shape, sharding, lambda index: x[rows(index)])
 
         return jax.tree.map(to_global, local_batch)
 

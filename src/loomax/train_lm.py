@@ -104,7 +104,8 @@ def _train_on(config: TrainLmConfig, run_id: str, data: LmDatasets) -> TrainLmRe
         epoch_size=epoch_size,
     )
     vocab_size = resolve_vocab_size(model_config, data.vocab_size)
-    validation = eval_sets(config, data, trainer.runtime.data_parallel_size)
+    rows = trainer.runtime.row_block  # the rows of each batch this process loads
+    validation = eval_sets(config, data, trainer.runtime.data_parallel_size, rows)
     loader = make_loader(config, data)
 
     def tokens_done(step: int) -> int:  # tokens trained on by `step`, under any batch schedule
@@ -183,7 +184,7 @@ def _train_on(config: TrainLmConfig, run_id: str, data: LmDatasets) -> TrainLmRe
         if trainer_config.eval_only:  # one eval of the state, no training batches read
             batches = iter(())
         else:
-            batches = loader.iter_from(int(state.step), jax.process_index(), jax.process_count())
+            batches = loader.iter_from(int(state.step), *rows)
         try:
             final = trainer.train(state, batches)
         finally:

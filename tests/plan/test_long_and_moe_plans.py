@@ -1,6 +1,6 @@
 """Planning long sequences and mixtures of experts for TPU slices (compile-only, tiny models):
-a context group that spans hosts is compiled for a plan (with a note) though training refuses
-it, and a mixture of experts compiled for a TPU slice on a CPU host runs the megablox kernel."""
+a context group that spans hosts loads one row block on each of its hosts and is compiled with
+a note, and a mixture of experts compiled for a TPU slice on a CPU host runs the megablox kernel."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from loomax.lm.config import TrainLmConfig  # noqa: E402
 from loomax.mesh import (  # noqa: E402
     MESH_AXES,
     MeshConfig,
-    context_across_processes,
     context_spans_processes,
 )
 from loomax.plan.build import SPANS_HOSTS_NOTE, built_step  # noqa: E402
 from loomax.plan.compile import compile_run  # noqa: E402
 from loomax.plan.flops import count_step  # noqa: E402
 from loomax.plan.topology import get_topology  # noqa: E402
+from loomax.row_blocks import row_blocks  # noqa: E402
 
 topology = functools.cache(get_topology)  # libtpu makes the devices once per process
 TWO_HOSTS = "v5p:2x2x2"  # 8 chips, 4 a host
@@ -35,18 +35,22 @@ TINY = [
 ]  # fmt: skip
 
 
-def test_a_context_group_across_hosts_is_refused_for_training_but_built_for_a_plan():
+def test_a_context_group_across_hosts_loads_one_row_block_on_both():
+    """On v5p:2x2x2 (4 chips a host) a context group of 8 alternates between the two hosts
+    along the ring; both load the same rows. Data 2 x context 4 keeps a group per host."""
     devices = topology(TWO_HOSTS).devices
     assert len({d.process_index for d in devices}) == 2
-    with pytest.raises(ConfigError, match=r"trainer.mesh.context \(8\).*spans processes"):
-        MeshConfig(context=8).build(devices)
-    with context_across_processes():
-        mesh = MeshConfig(context=8).build(devices)
+    mesh = MeshConfig(context=8).build(devices)
     assert dict(zip(MESH_AXES, mesh.devices.shape, strict=True))["context"] == 8
     assert context_spans_processes(mesh.devices)
-    assert not context_spans_processes(MeshConfig(context=2).build(devices).devices)
-    with pytest.raises(ConfigError):  # allowed only inside the block
-        MeshConfig(context=8).build(devices)
+    assert [d.process_index for d in mesh.devices.flat] == [0, 1] * 4  # not contiguous
+    assert row_blocks(mesh.devices) == {0: (0, 1), 1: (0, 1)}
+    split = MeshConfig(data=2, context=4).build(devices).devices
+    assert not context_spans_processes(split)
+    assert row_blocks(split) == {0: (0, 2), 1: (1, 2)}
+    with pytest.raises(ConfigError, match=r"process 0's devices hold batch positions \[0, 2\]"):
+        # the torus layout puts a host's rows apart (a pod's own run lays them in id order)
+        row_blocks(MeshConfig(data=4, context=2).build(devices).devices)
 
 
 def test_a_plan_notes_a_context_group_across_hosts():

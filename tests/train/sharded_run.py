@@ -7,6 +7,8 @@ Run as a subprocess (the device count is fixed when JAX starts):
   python sharded_run.py load CHECKPOINTS '[[1,1,1,1], ...]'         # load the final checkpoint on meshes
   python sharded_run.py llama '[[KV_HEADS, 1,2,2,4], ...]'          # a grouped-query Llama on meshes
   python sharded_run.py mixtral '[[1,4,2,8], ...]'                  # a tiny Mixtral (MoE) on meshes
+  python sharded_run.py context [ID COUNT PORT RUN_DIR]             # a Llama, data 2 x context 4 over
+                                                                     # 8 devices (of 1 or COUNT processes)
 
 The training modes save a final checkpoint under RUN_DIR (or a temporary directory).
 """
@@ -58,6 +60,8 @@ def make_trainer(mesh: MeshConfig, run_dir: str, devices=None, **settings) -> Tr
     )
     optimizer = AdamConfig(learning_rate=3e-3, warmup=0)
     run_id = setup_process(config)
+    if callable(devices):  # picked once the processes have joined
+        devices = devices()
     return Trainer(config, optimizer.build(STEPS), lm_loss(), run_id=run_id, devices=devices)
 
 
@@ -112,7 +116,7 @@ def run(
     }
     shards = state.model.token_embeddings.weight.array.addressable_shards
     specs["embedding_shard_shape"] = list(shards[0].data.shape)
-    final = trainer.train(state, loader().iter_from(0, jax.process_index(), jax.process_count()))
+    final = trainer.train(state, loader().iter_from(0, *trainer.runtime.row_block))
     return {
         "losses": losses,
         "activations": activations,
@@ -181,6 +185,51 @@ def run_mixtral(mesh: MeshConfig, devices) -> dict:
     return {"losses": losses, "load_balance": balance}
 
 
+def run_context(distributed: DistributedConfig | None = None, run_dir=None) -> dict:
+    """4 steps and an eval of a tiny Llama, data 2 x context 4 over 8 devices interleaved
+    across processes (a process's devices at every other place of each context group)."""
+    from loomax.data.loader import process_rows
+    from loomax.hooks.eval import make_loss_evaluator
+    from loomax.mesh import context_spans_processes
+
+    model = LlamaConfig(
+        seq_len=64, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, cross_entropy_block_size=32,
+    )  # fmt: skip
+
+    def interleaved():
+        return [jax.devices()[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)]
+
+    mesh = MeshConfig(data=2, context=4)
+    trainer = make_trainer(
+        mesh,
+        run_dir or tempfile.mkdtemp(),
+        interleaved,
+        distributed=distributed or DistributedConfig(),
+    )
+    rows = trainer.runtime.row_block
+    losses: list[float] = []
+    trainer.add_hook(lambda info: losses.append(info.loss))
+    state = trainer.initial_state(lambda key: model.build(VOCAB, key=key))
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 40 * model.seq_len, dtype=np.int32)
+    data = BatchLoader(TokenWindows(tokens, model.seq_len), BATCH, seed=0)
+    final = trainer.train(state, data.iter_from(0, *rows))
+    evals = [data.batch(STEPS + i) for i in range(2)]  # as eval_sets: the block's rows of each
+    evaluate = make_loss_evaluator(
+        lm_loss(), [b[process_rows(len(b), *rows)] for b in evals],
+        trainer.config.policy, jit=trainer.runtime.jit, prepare=trainer.place_batch,
+    )  # fmt: skip
+    return {
+        "losses": losses,
+        "eval_loss": evaluate(final.state.model)["eval/loss"],
+        "row_block": list(rows),
+        "spans_processes": context_spans_processes(trainer.mesh.devices),
+        "processes": [d.process_index for d in trainer.mesh.devices.flat],
+        "mesh": dict(trainer.mesh.shape),
+        "digest": digest(final.state),
+    }
+
+
 def main() -> None:
     mode = sys.argv[1]
     if mode == "meshes":
@@ -210,6 +259,15 @@ def main() -> None:
             mesh = MeshConfig(replica, data, model)
             out.append(run_llama(kv_heads, mesh, jax.devices()[:n]))
         print(json.dumps(out))
+    elif mode == "context":
+        dist, run_dir = None, None
+        if len(sys.argv) > 2:
+            run_dir = sys.argv[5]
+            pid, count, port = map(int, sys.argv[2:5])
+            dist = DistributedConfig(
+                coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid
+            )
+        print(json.dumps({**run_context(dist, run_dir), "process_index": jax.process_index()}))
     elif mode == "mixtral":
         out = []
         for replica, data, model, n in json.loads(sys.argv[2]):

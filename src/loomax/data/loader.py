@@ -15,7 +15,9 @@ from loomax.errors import DataSourceError
 
 
 def process_rows(num_rows: int, process_index: int, process_count: int) -> slice:
-    """The contiguous rows of a global batch that process `process_index` holds."""
+    """The contiguous rows of a global batch in row block `process_index` of `process_count`
+    equal blocks (a process's block: ``MeshRuntime.row_block``; the processes of a context
+    group spanning hosts load the same block)."""
     share, rem = divmod(num_rows, process_count)
     if rem:
         raise ValueError(
@@ -146,8 +148,9 @@ class BatchLoader:
     def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
         """Batch ``step`` as an int32 array of shape ``(batch size of step, seq_len)``.
 
-        With ``process_count > 1``, only this process's contiguous share of the rows,
-        ``(batch size / process_count, seq_len)``: the other rows are never read.
+        With ``process_count > 1``, only the rows of block ``process_index`` of
+        ``process_count`` (``MeshRuntime.row_block``: a process's block, not always its
+        index), ``(batch size / process_count, seq_len)``: the other rows are never read.
         """
         rows = process_rows(self.schedule.size_at(step), process_index, process_count)
         datasets, indices = self.locate(step, rows)

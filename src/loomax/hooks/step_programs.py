@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from loomax.mesh import batch_sharding
+from loomax.row_blocks import row_blocks
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 
@@ -104,7 +105,10 @@ class StepProgramsHook(Hook):
 
     def _global_shape(self, x: Any) -> jax.ShapeDtypeStruct:
         x = np.asarray(x)
-        shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+        shape = (
+            x.shape[0] * row_blocks(self.mesh.devices)[jax.process_index()].count,
+            *x.shape[1:],
+        )
         return jax.ShapeDtypeStruct(shape, x.dtype, sharding=batch_sharding(self.mesh, x.ndim))
 
 

@@ -6,7 +6,6 @@ import logging
 import re
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from loomax.config import ConfigError
@@ -18,9 +17,11 @@ logger = logging.getLogger(__name__)
 
 
 def eval_sets(
-    config: TrainLmConfig, data: LmDatasets, dp: int
+    config: TrainLmConfig, data: LmDatasets, dp: int, rows: tuple[int, int] = (0, 1)
 ) -> list[np.ndarray] | dict[str, list[np.ndarray]]:
-    """This process's rows of the eval batches: one list, or ``{name: batches}`` per validation source when there are several."""
+    """This process's rows of the eval batches (``rows``: row block ``index`` of ``count``,
+    ``MeshRuntime.row_block``; default all): one list, or ``{name: batches}`` per
+    validation source when there are several."""
     size = config.trainer.eval_batch_size or config.trainer.batch_schedule.sizes[0]
     limit = config.trainer.max_eval_batches_of(size, config.model.seq_len)
     sets: dict[str, list[np.ndarray]] = {}
@@ -50,8 +51,9 @@ def eval_sets(
             f"must divide the eval batch per device (eval batches of {sizes} sequences over "
             f"{dp} data-parallel devices)"
         )
-    rows = lambda b: b[process_rows(len(b), jax.process_index(), jax.process_count())]  # noqa: E731
-    out = {name: [rows(b) for b in batches] for name, batches in sets.items()}
+    out = {
+        name: [b[process_rows(len(b), *rows)] for b in batches] for name, batches in sets.items()
+    }
     return out[""] if "" in out else out
 
 

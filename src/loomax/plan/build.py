@@ -24,7 +24,7 @@ from loomax.config import ConfigError
 from loomax.lm.config import TrainLmConfig
 from loomax.lm.loss import lm_loss_for, model_lm_loss
 from loomax.lm.weights import initial_model
-from loomax.mesh import batch_sharding, context_across_processes, context_spans_processes
+from loomax.mesh import batch_sharding, context_spans_processes
 from loomax.tracking import NoopTrackerConfig
 from loomax.train import HookContext, Trainer, TrainerState
 
@@ -122,46 +122,44 @@ def built_step(config: TrainLmConfig, devices: Sequence[jax.Device]) -> Iterator
     vocab_size, vocab_note = vocab_size_of(config)
     loss_fn, loss_note = loss_of(config)
     notes = [n for n in (vocab_note, loss_note) if n]
-    with context_across_processes():  # the program does not depend on which host loads what
-        scratch = tempfile.mkdtemp(prefix="loomax-compile-")
-        try:
-            trainer_config = dataclasses.replace(
-                config.trainer,
-                tracker=NoopTrackerConfig(),
-                progress_bar=False,
-                run_dir=scratch,
-                load_checkpoint=False,
-                checkpointer=dataclasses.replace(
-                    config.trainer.checkpointer, base_path=f"{scratch}/checkpoints"
-                ),
-            )
-            steps, batches = trainer_config.num_train_steps, trainer_config.batch_schedule
-            trainer = Trainer(
-                trainer_config,
-                config.optimizer.build(steps, batches),
-                loss_fn,
-                run_id="compile",
-                lr_schedule=config.optimizer.lr_scheduler(steps, batches),
-                devices=devices,
-            )
-            if context_spans_processes(trainer.mesh.devices):
-                notes.append(SPANS_HOSTS_NOTE)
-            notes += _add_hooks(trainer, config, vocab_size, loss_fn)
-            state = trainer.abstract_state(initial_model(config, vocab_size))
-            batch = jax.ShapeDtypeStruct(
-                (batches.sizes[0], config.model.seq_len),
-                jnp.int32,
-                sharding=batch_sharding(trainer.mesh, 2),
-            )
-            yield BuiltStep(trainer, state, batch, vocab_size, notes)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+    scratch = tempfile.mkdtemp(prefix="loomax-compile-")
+    try:
+        trainer_config = dataclasses.replace(
+            config.trainer,
+            tracker=NoopTrackerConfig(),
+            progress_bar=False,
+            run_dir=scratch,
+            load_checkpoint=False,
+            checkpointer=dataclasses.replace(
+                config.trainer.checkpointer, base_path=f"{scratch}/checkpoints"
+            ),
+        )
+        steps, batches = trainer_config.num_train_steps, trainer_config.batch_schedule
+        trainer = Trainer(
+            trainer_config,
+            config.optimizer.build(steps, batches),
+            loss_fn,
+            run_id="compile",
+            lr_schedule=config.optimizer.lr_scheduler(steps, batches),
+            devices=devices,
+        )
+        if context_spans_processes(trainer.mesh.devices):
+            notes.append(SPANS_HOSTS_NOTE)
+        notes += _add_hooks(trainer, config, vocab_size, loss_fn)
+        state = trainer.abstract_state(initial_model(config, vocab_size))
+        batch = jax.ShapeDtypeStruct(
+            (batches.sizes[0], config.model.seq_len),
+            jnp.int32,
+            sharding=batch_sharding(trainer.mesh, 2),
+        )
+        yield BuiltStep(trainer, state, batch, vocab_size, notes)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 SPANS_HOSTS_NOTE = (
-    "a trainer.mesh.context group spans hosts (processes): compiled as the pod would run it, "
-    "but `loomax train` refuses it today (each process loads whole rows; keep context within "
-    "one host's devices)"
+    "a trainer.mesh.context group spans hosts (processes): compiled as the pod would run it; "
+    "`loomax train` trains it, the hosts of a group loading the same rows of each batch"
 )
 
 
