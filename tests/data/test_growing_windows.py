@@ -174,3 +174,17 @@ def test_pieces_deleted_under_a_reader_are_read_from_the_flat_arrays(corpus):
     start += cache.tokens(1)
     np.testing.assert_array_equal(got[1], flat[start + 3 : start + 9])
     assert cache.complete
+
+
+def test_a_wait_looks_at_a_local_ledger_often_and_at_an_object_store_less(tmp_path):
+    """A fresh run's first step starts within LOCAL_POLL_S of its chunk on a local disk (a
+    cheap listing); on gs:// or s3:// each look is a paid request, once a second."""
+    from loomax.data.growing_windows import LOCAL_POLL_S, REMOTE_POLL_S
+    from loomax.data.token_cache.partial import GrowingCache
+
+    def poll(url: str) -> float:
+        cache = GrowingCache(url, "key", ["a", "b"])
+        return GrowingWindows(cache, 4, 1, "data.train[0]")._poll_s
+
+    assert poll(str(tmp_path / "cache")) == poll("memory://cache") == LOCAL_POLL_S == 0.1
+    assert poll("gs://bucket/cache") == REMOTE_POLL_S == 1.0
