@@ -99,4 +99,7 @@ def test_bench_runs_at_small_size(tmp_path):
 def test_sliding_window_is_refused(runs):
     """A split prefill is full causal, as training's split attention: a Mistral with a
     sliding window sampled on a context mesh is a ConfigError naming the key."""
-    assert "model.sliding_window is not supported" in runs["window_error"]
+    assert (
+        "model.sliding_window is not supported when sampling with a split prompt"
+        in (runs["window_error"])
+    )

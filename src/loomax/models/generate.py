@@ -21,7 +21,13 @@ from jax.sharding import Mesh
 from loomax.models.axes import Position, Vocab
 from loomax.models.config import LmModel, soft_cap
 from loomax.models.rolling_cache import to_rolling
-from loomax.models.split_prefill import context_split, on_mesh, prompt_prefill, weights_mesh
+from loomax.models.split_prefill import (
+    check_splittable,
+    context_split,
+    on_mesh,
+    prompt_prefill,
+    weights_mesh,
+)
 
 
 def pick_token(
@@ -106,6 +112,7 @@ def sample_tokens(
     steps = _cached_steps(*options) if use_cache else _full_steps(*options)
     mesh = weights_mesh(model) if mesh is None else mesh
     if use_cache and context_split(mesh) > 1:
+        check_splittable(model)
         model, steps = on_mesh(model, mesh), _split_steps(mesh, *options)
     with hax.axis_mapping({}):  # decoding never splits the position axis
         state = steps.start(model, jnp.asarray(buffer), len(prompt))

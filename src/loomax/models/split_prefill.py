@@ -65,6 +65,19 @@ def split_prefill(model: LmModel, tokens: NamedArray) -> tuple[NamedArray, KvCac
     return model.decode(to_layout(tokens), cache, jnp.asarray(0, jnp.int32))
 
 
+def check_splittable(model: LmModel) -> None:
+    """``ConfigError`` before any compile when ``model``'s attention cannot run split: a split
+    prefill is full causal attention, as training's context-parallel attention is."""
+    config = getattr(model, "config", None)
+    for key in ("sliding_window", "attn_logit_softcap"):
+        if getattr(config, key, None) is not None:
+            raise ConfigError(
+                f"model.{key} is not supported when sampling with a split prompt (a mesh "
+                "with context > 1; the split prefill is full causal attention): sample on a "
+                "mesh without a context axis"
+            )
+
+
 def hidden_at(hidden: NamedArray, position: jax.Array) -> NamedArray:
     """The hidden state of true position ``position`` (traced) of zig-zag laid-out states: a
     masked sum over the split axis (an all-reduce of one vector, no gather of the sequence)."""
