@@ -21,6 +21,8 @@ import numpy as np  # noqa: E402
 from loomax.mesh import MeshConfig, make_axis_mappings  # noqa: E402
 from loomax.models.attention import causal_attention  # noqa: E402
 from loomax.models.axes import Batch, Heads, HeadSize, KeyPosition, KvHeads, Position  # noqa: E402
+from loomax.models.remat import scan_policy  # noqa: E402
+from loomax.models.ring_attention import RING_RESIDUALS  # noqa: E402
 from loomax.models.sequence_layout import zigzag_order  # noqa: E402
 from loomax.plan.flops import count_step  # noqa: E402
 from loomax.runtime import MeshRuntime  # noqa: E402
@@ -30,6 +32,9 @@ CASES = {  # name: (mesh sizes, batch, query heads, kv heads)
     "data2_context4": (dict(data=2, context=4), 2, 4, 2),  # chunks of one 128-block
     "context2_model4": (dict(context=2, model=4), 1, 8, 4),  # chunks of two blocks
 }
+
+REMATS = {"remat": scan_policy(True), "remat_saved": scan_policy(True, save=(RING_RESIDUALS,))}
+"""Full layer remat, and remat that saves the ring's output and log-sum-exp."""
 
 
 def inputs(order, batch: int, heads: int, kv_heads: int):
@@ -51,12 +56,20 @@ def inputs(order, batch: int, heads: int, kv_heads: int):
     return [*named, hax.named(jnp.asarray(seg[:, order], jnp.int32), (Batch, Position))]
 
 
-def attention_loss(backend: str):
+def attention_loss(backend: str, remat=None):
+    """Value and q/k/v gradients of a weighted sum of the ring's output; ``remat``: a Haliax
+    scan policy (``models/remat.scan_policy``) the attention is checkpointed with."""
+
     def loss(q, k, v, w, seg):
-        out = causal_attention(
-            q, k, v, backend=backend, segment_ids=seg, flash_block=64,
-            splash_blocks=(BLOCK, BLOCK), context_parallel="ring",
-        )  # fmt: skip
+        def attend(q, k, v):
+            return causal_attention(
+                q, k, v, backend=backend, segment_ids=seg, flash_block=64,
+                splash_blocks=(BLOCK, BLOCK), context_parallel="ring",
+            )  # fmt: skip
+
+        if remat is not None:
+            attend = remat.checkpoint("carry", "input", attend)
+        out = attend(q, k, v)
         return hax.sum(out * w).scalar(), out
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -71,6 +84,10 @@ def main() -> dict:
             (_, ref), ref_grads = attention_loss("blockwise")(*args)
             (_, out), grads = attention_loss("splash")(*args)
             count = count_step(jax.make_jaxpr(attention_loss("splash"))(*args))
+            remats = {
+                name: count_step(jax.make_jaxpr(attention_loss("splash", policy))(*args))
+                for name, policy in REMATS.items()
+            }
         errors = {"out": float(jnp.max(jnp.abs(out.array - ref.array)))}
         for g_name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
             errors[g_name] = float(jnp.max(jnp.abs(g.array - r.array)))
@@ -80,6 +97,7 @@ def main() -> dict:
             "kernel_flops": count.kernel_flops,
             "dot_flops": count.dot_flops,
             "kernels": sorted({k.name for k in count.kernels.values()}),
+            **{f"{n}_flops": c.kernel_flops for n, c in remats.items()},
             # splash passes per visible (query, key) pair and head dim: fwd 4, dq 6, dkv 8
             "causal_flops": 18.0 * batch * heads * HEAD * SEQ * (SEQ + 1) / 2,
         }

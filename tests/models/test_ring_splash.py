@@ -60,6 +60,15 @@ def test_splash_ring_count_is_the_causal_work(splash_runs, case):
     assert run["kernel_flops"] == pytest.approx(run["causal_flops"], rel=1e-12)
 
 
+@pytest.mark.parametrize("case", ["data2_context4", "context2_model4"])
+def test_saving_ring_residuals_spares_the_splash_forward_rerun(splash_runs, case):
+    """Under layer remat the backward runs the splash ring's forward kernels again (4 of the
+    18 passes a pair: fwd 4, dq 6, dkv 8), unless the policy saves ``ring_residuals``."""
+    run = splash_runs[case]
+    assert run["remat_saved_flops"] == pytest.approx(run["kernel_flops"], rel=1e-12)
+    assert run["remat_flops"] == pytest.approx(run["kernel_flops"] * 22 / 18, rel=1e-12)
+
+
 def test_full_pair_flops_count_every_pair():
     shape = (2, 4, 256, 128)
     causal = splash_kernel_flops("splash_mha_fwd_residuals", shape, 256)
