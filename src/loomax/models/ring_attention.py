@@ -31,7 +31,7 @@ mapping says.
 
 The per-block kernel is the ``blockwise`` backend's (``models/flash.py``), with the true
 positions and document ids of queries and keys, so causal and document masks hold across
-the split; or, for the ring with ``kernel="splash"`` (TPU), splash per chunk pair
+the split; or, for the ring where ``ring_kernel`` picks it (TPU), splash per chunk pair
 (``models/ring_splash.py``). cuDNN (GPU) is not used per block (docs/sharding.md).
 """
 
