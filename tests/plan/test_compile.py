@@ -90,3 +90,19 @@ def test_kernels_are_charged_below_peak():
     assert kernel_seconds(compute, peak=1e15, bandwidth=1e12) == 1.0
     memory = KernelCall("splash_mha_fwd", flops=1e9, bytes=2e12)
     assert kernel_seconds(memory, peak=1e15, bandwidth=1e12) == 2.0
+
+
+def test_context_parallel_ring_compiles_splash_per_chunk_pair(plan_runs):
+    """auto on TPU with context 2: the ring runs splash per chunk pair (its private dq/dkv
+    kernels lowered by Mosaic for v5p), and the count is the unsplit splash count above:
+    the ring's pairs are exactly the causal ones, the all-visible pairs charged whole."""
+    seq, layers, batch, heads, head = 512, 2, 8, 4, 16
+    result = plan_runs.compiled(
+        "llama", "v5p:2x2x1", "--model.seq_len", str(seq), "--model.num_heads", str(heads),
+        "--model.splash_block_q", "128", "--model.splash_block_kv", "128",
+        "--trainer.mesh.context", "2",
+    )  # fmt: skip
+    assert result.mesh["context"] == 2 and result.fits is True and result.error is None
+    pairs = seq * (seq + 1) / 2
+    assert result.kernel_flops == layers * batch * heads * head * pairs * (2 * 4 + 6 + 8)
+    assert any("splash_mha_dkv" in n and "splash_mha_fwd" in n for n in result.notes)

@@ -19,10 +19,10 @@ Backends (``attn_backend``):
   ``cudnn_unsupported_reason`` and ``splash_unsupported_reason`` say why a kernel cannot
   serve a case.
 
-When the compute mapping splits ``position`` over mesh axes of more than one device (the
-``context`` axis: ``trainer.mesh.context``), every backend gives way to context-parallel
-attention (``models/ring_attention.py``: ``ring`` or ``all_gather``, ``model.context_parallel``)
-on the sequence as ``models/sequence_layout.py`` lays it out.
+When the compute mapping splits ``position`` over the ``context`` mesh axis, context-parallel
+attention (``models/ring_attention.py``, ``model.context_parallel``) takes over on the zig-zag
+layout; its per-block kernel is blockwise, or splash for the ring where the backend is
+``splash`` (or ``auto`` on TPU): ``ring_kernel``.
 
 Every backend takes optional ``segment_ids`` (axes ``(..., position)``): a query only sees
 keys of its own segment, which keeps packed documents apart (see ``segment_ids_from_eos``),
@@ -228,8 +228,7 @@ def causal_attention(
     ``auto`` then means ``vanilla``, another backend raises ``ConfigError``. On ``cudnn``
     with ``segment_ids``, ``cudnn_documents > 0`` attends through cuDNN's packed-sequence
     kernel when no row has more documents than that (``models/cudnn_packed.py``).
-    With the sequence split over the context axis (``context_ways() > 1``), attention is
-    ``context_parallel`` (``ring`` or ``all_gather``) over the zig-zag layout instead.
+    With the sequence split (``context_ways() > 1``), ``context_parallel`` attention instead.
     """
     drop = None
     if key is not None and dropout_rate > 0:
@@ -260,7 +259,9 @@ def causal_attention(
                 "model.sliding_window is not supported with trainer.mesh.context > 1 "
                 "(context-parallel attention is full causal)"
             )
-        out = context_parallel_attention(qa, ka, va, seg, scale, flash_block, context_parallel)
+        out = context_parallel_attention(
+            qa, ka, va, seg, scale, flash_block, context_parallel, backend, splash_blocks
+        )
         return _from_array(out, q, batch_axes)
     backend = resolve_backend(
         backend, qa.dtype, T, qa.shape[-1], segments=seg is not None, splash_blocks=splash_blocks

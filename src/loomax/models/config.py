@@ -53,7 +53,7 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     z_loss_weight: float = 0.0
     """Weight of the z-loss, the mean squared log-partition of the logits; 0 = off."""
     attn_backend: str = "auto"
-    """Attention: auto, vanilla, blockwise (flash-style, O(seq) memory), splash (TPU kernel), xla or cudnn (jax.nn)."""
+    """Attention: auto, vanilla, blockwise (flash-style, O(seq) memory), splash (TPU kernel; with context parallelism, per chunk pair of the ring), xla or cudnn (jax.nn)."""
     splash_block_q: int = SPLASH_BLOCKS[0]
     """Query block of the splash kernel (a multiple of 128; seq_len must be a multiple of it)."""
     splash_block_kv: int = SPLASH_BLOCKS[1]

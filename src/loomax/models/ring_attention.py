@@ -31,8 +31,8 @@ mapping says.
 
 The per-block kernel is the ``blockwise`` backend's (``models/flash.py``), with the true
 positions and document ids of queries and keys, so causal and document masks hold across
-the split. On TPU (splash) or GPU (cuDNN) the same ring would run their kernels per block;
-not done yet (docs/sharding.md).
+the split; or, for the ring where ``ring_kernel`` picks it (TPU), splash per chunk pair
+(``models/ring_splash.py``). cuDNN (GPU) is not used per block (docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from loomax.config import ConfigError
 from loomax.models.axes import Heads
 from loomax.models.causal_diagonal import diagonal_backward, diagonal_forward
 from loomax.models.flash import (
@@ -57,8 +58,14 @@ from loomax.models.flash import (
     merge_blocks,
     query_blocks,
 )
+from loomax.models.ring_splash import splash_ring_attention
 from loomax.models.sequence_layout import context_axes, context_ways, zigzag_order
-from loomax.models.splash import concrete_mesh, mapped_axes
+from loomax.models.splash import (
+    concrete_mesh,
+    mapped_axes,
+    mesh_platform,
+    splash_unsupported_reason,
+)
 
 VARIANTS = ("ring", "all_gather")
 """``model.context_parallel``: how attention crosses a split sequence."""
@@ -67,12 +74,22 @@ RING_RESIDUALS = "ring_residuals"
 
 
 def context_parallel_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, seg, scale: float, block: int, variant: str
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    seg,
+    scale: float,
+    block: int,
+    variant: str,
+    backend: str = "blockwise",
+    splash_blocks: tuple[int, int] = (512, 512),
 ) -> jax.Array:
     """Causal attention of a sequence laid out over the context axes of the mesh in context.
 
     ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]``, ``seg`` is ``[B, T]``
     document ids or None, all in the zig-zag layout. Returns ``q``'s shape and dtype.
+    The per-block kernel follows ``backend`` (``model.attn_backend``; ``ring_kernel``):
+    ``block`` is blockwise's, ``splash_blocks`` splash's query and key blocks.
     """
     if variant not in VARIANTS:
         raise ValueError(f"model.context_parallel must be one of {VARIANTS}, got {variant!r}")
@@ -84,8 +101,19 @@ def context_parallel_attention(
     ctx = axes[0] if len(axes) == 1 else axes
     batch = mapped_axes(mesh, "batch", B, keep_trivial=True)
     heads = mapped_axes(mesh, Heads, K * G, K, keep_trivial=True)
+    kernel = ring_kernel(backend, variant, T // (2 * ways), splash_blocks)
     block = min(block, T // (2 * ways))  # a block never straddles two zig-zag chunks
-    if variant == "ring":
+    if kernel == "splash":
+        local = partial(
+            splash_ring_attention,
+            scale=scale,
+            blocks=splash_blocks,
+            axis=ctx,
+            ways=ways,
+            interpret=mesh_platform() != "tpu",
+            residual_name=RING_RESIDUALS,
+        )
+    elif variant == "ring":
         local = partial(ring_attention, scale=scale, block=block, axis=ctx, ways=ways)
     else:
         local = partial(all_gather_attention, scale=scale, block=block, axis=ctx)
@@ -97,6 +125,32 @@ def context_parallel_attention(
         out_specs=q_spec,
         check_vma=False,  # the blockwise kernel's scans start from unvarying zeros
     )(q, k, v, positions, seg)
+
+
+def ring_kernel(
+    backend: str,
+    variant: str,
+    chunk: int,
+    splash_blocks: tuple[int, int] = (512, 512),
+    platform: str = "detect",
+) -> str:
+    """The per-block kernel of context-parallel attention (``models/ring_attention.py``):
+    ``splash`` for the ring where ``backend`` is ``splash``, or ``auto`` on TPU where the
+    zig-zag ``chunk`` (positions) suits splash's blocks; else ``blockwise`` (``all_gather``
+    always). ``splash`` asked for with a chunk it cannot serve raises ``ConfigError``."""
+    if variant != "ring" or backend not in ("auto", "splash"):
+        return "blockwise"
+    reason = splash_unsupported_reason(chunk, *splash_blocks)
+    if backend == "splash":
+        if reason:
+            raise ConfigError(
+                f"model.attn_backend splash cannot serve the ring's chunk pairs ({chunk} "
+                f"positions a zig-zag chunk: seq_len / (2 x context)): {reason}"
+            )
+        return "splash"
+    if platform == "detect":
+        platform = mesh_platform()
+    return "splash" if platform == "tpu" and reason is None else "blockwise"
 
 
 def all_gather_attention(q, k, v, pos, seg, *, scale: float, block: int, axis):

@@ -202,10 +202,13 @@ forward QK^T and PV; dq recomputes QK^T, then dO V^T and dS K; dkv recomputes QK
 then dO V^T, P^T dO and dS^T Q; the fused backward does both (QK^T and dO V^T once)."""
 
 
-def splash_kernel_flops(name: str, q_shape: tuple[int, ...], kv_len: int) -> float | None:
-    """Matmul FLOPs of one call of a causal splash kernel (``name`` as the Pallas call names
-    it, ``q_shape`` ``[..., heads, T, D]``), counting only the visible (causal) pairs; None
-    for a kernel that is not splash's."""
+def splash_kernel_flops(
+    name: str, q_shape: tuple[int, ...], kv_len: int, *, causal: bool = True
+) -> float | None:
+    """Matmul FLOPs of one call of a splash kernel (``name`` as the Pallas call names it,
+    ``q_shape`` ``[..., heads, T, D]``), counting only the visible (causal) pairs, or every
+    pair where not ``causal`` (the ring's all-visible chunk pairs); None for a kernel that
+    is not splash's."""
     if not name.startswith("splash_"):
         return None
     parts = name.split("_")
@@ -214,5 +217,5 @@ def splash_kernel_flops(name: str, q_shape: tuple[int, ...], kv_len: int) -> flo
         return None
     *lead, q_len, head_dim = q_shape
     short = min(q_len, kv_len)  # query i sees keys 0..i
-    visible = short * (short + 1) / 2 + (q_len - short) * kv_len
+    visible = short * (short + 1) / 2 + (q_len - short) * kv_len if causal else q_len * kv_len
     return float(passes * math.prod(lead) * visible * head_dim)

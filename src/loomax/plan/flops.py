@@ -7,7 +7,8 @@ Pallas/Mosaic kernel (a custom call) as almost free. Walking the step's jaxpr in
 ``scan`` around it (and the devices of a ``shard_map`` around it); the backward pass and
 rematerialized forward passes are in the jaxpr, so they are counted too. Each Pallas call
 is counted apart (``KernelCall``): its FLOPs from its math (splash attention: the visible
-causal pairs, ``splash_kernel_flops``; a grouped matmul whose grid is sized at run time,
+causal pairs, ``splash_kernel_flops``, every pair under the splash ring's all-visible scope,
+``models/splash_pair.py``; a grouped matmul whose grid is sized at run time,
 megablox: ``2 x lhs size x n``, n the result's columns; another kernel: its body's matmuls once per grid step) and
 the bytes of its operands and results. A grouped matmul on a buffer only partly filled
 (expert parallelism's receive buffer) runs under a ``routed_rows=R/M`` name scope
@@ -29,6 +30,7 @@ from jax.extend import core as jex_core
 
 from loomax.models.grouped_matmul import ROUTED_ROWS
 from loomax.models.splash import splash_kernel_flops
+from loomax.models.splash_pair import FULL_SCOPE
 
 _ROUTED = re.compile(ROUTED_ROWS + r"=(\d+)/(\d+)")
 
@@ -133,7 +135,10 @@ def _kernel(eqn, scope: str = "") -> KernelCall:
         if jnp.issubdtype(a.dtype, jnp.floating) and a.ndim >= 3
     ]
     if len(float_ins) >= 2:  # splash: q [..., heads, T, D], then k [..., S, D]
-        flops = splash_kernel_flops(name, float_ins[0].shape, float_ins[1].shape[-2])
+        full = FULL_SCOPE in scope  # the splash ring's all-visible chunk pairs
+        flops = splash_kernel_flops(
+            name, float_ins[0].shape, float_ins[1].shape[-2], causal=not full
+        )
     grid = getattr(eqn.params.get("grid_mapping"), "grid", ())
     matrices = [a for a in arrays[: len(eqn.invars)] if jnp.issubdtype(a.dtype, jnp.floating)]
     if flops is None and not all(isinstance(g, int) for g in grid) and len(matrices) >= 2:
