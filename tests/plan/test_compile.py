@@ -93,14 +93,14 @@ def test_kernels_are_charged_below_peak():
 
 
 def test_context_parallel_ring_compiles_splash_per_chunk_pair(plan_runs):
-    """auto on TPU with context 2: the ring runs splash per chunk pair (its private dq/dkv
+    """attn_backend splash with context 2: the ring runs splash per chunk pair (its private dq/dkv
     kernels lowered by Mosaic for v5p), and the count is the unsplit splash count above:
     the ring's pairs are exactly the causal ones, the all-visible pairs charged whole."""
     seq, layers, batch, heads, head = 512, 2, 8, 4, 16
     result = plan_runs.compiled(
         "llama", "v5p:2x2x1", "--model.seq_len", str(seq), "--model.num_heads", str(heads),
         "--model.splash_block_q", "128", "--model.splash_block_kv", "128",
-        "--trainer.mesh.context", "2",
+        "--trainer.mesh.context", "2", "--model.attn_backend", "splash",
     )  # fmt: skip
     assert result.mesh["context"] == 2 and result.fits is True and result.error is None
     pairs = seq * (seq + 1) / 2

@@ -22,7 +22,7 @@ Backends (``attn_backend``):
 When the compute mapping splits ``position`` over the ``context`` mesh axis, context-parallel
 attention (``models/ring_attention.py``, ``model.context_parallel``) takes over on the zig-zag
 layout; its per-block kernel is blockwise, or splash for the ring where the backend is
-``splash`` (or ``auto`` on TPU): ``ring_kernel``.
+``splash`` (``auto`` stays blockwise there): ``ring_kernel``.
 
 Every backend takes optional ``segment_ids`` (axes ``(..., position)``): a query only sees
 keys of its own segment, which keeps packed documents apart (see ``segment_ids_from_eos``),

@@ -132,25 +132,21 @@ def ring_kernel(
     variant: str,
     chunk: int,
     splash_blocks: tuple[int, int] = (512, 512),
-    platform: str = "detect",
 ) -> str:
     """The per-block kernel of context-parallel attention (``models/ring_attention.py``):
-    ``splash`` for the ring where ``backend`` is ``splash``, or ``auto`` on TPU where the
-    zig-zag ``chunk`` (positions) suits splash's blocks; else ``blockwise`` (``all_gather``
-    always). ``splash`` asked for with a chunk it cannot serve raises ``ConfigError``."""
-    if variant != "ring" or backend not in ("auto", "splash"):
+    ``splash`` for the ring where ``backend`` is ``splash`` (asked for: it has been compiled
+    for TPUs, never run on one, and its estimate is below the blockwise ring's, see
+    docs/sharding.md), else ``blockwise`` (``auto`` on every platform; ``all_gather`` always).
+    ``splash`` asked for with a chunk it cannot serve raises ``ConfigError``."""
+    if variant != "ring" or backend != "splash":
         return "blockwise"
     reason = splash_unsupported_reason(chunk, *splash_blocks)
-    if backend == "splash":
-        if reason:
-            raise ConfigError(
-                f"model.attn_backend splash cannot serve the ring's chunk pairs ({chunk} "
-                f"positions a zig-zag chunk: seq_len / (2 x context)): {reason}"
-            )
-        return "splash"
-    if platform == "detect":
-        platform = mesh_platform()
-    return "splash" if platform == "tpu" and reason is None else "blockwise"
+    if reason:
+        raise ConfigError(
+            f"model.attn_backend splash cannot serve the ring's chunk pairs ({chunk} "
+            f"positions a zig-zag chunk: seq_len / (2 x context)): {reason}"
+        )
+    return "splash"
 
 
 def all_gather_attention(q, k, v, pos, seg, *, scale: float, block: int, axis):
