@@ -275,6 +275,12 @@ def plan_runs():
 
 
 @pytest.fixture(scope="session")
+def json_worker():
+    """tests/support/cpu_workers.py's ``run_json_worker``: a worker script on fake CPU devices."""
+    return _support("cpu_workers").run_json_worker
+
+
+@pytest.fixture(scope="session")
 def processes_support():
     """tests/support/processes.py (children killed together, stderr shown, port retries)."""
     return _support("processes")

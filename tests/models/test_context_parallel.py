@@ -4,7 +4,6 @@ JAX starts): ring and all-gather attention against one device, values and gradie
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,19 +19,9 @@ TOLERANCE = 1e-5
 """Split attention sums the same terms in another order (per ring step, then combined)."""
 
 
-def run_worker(mode: str) -> dict:
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), mode], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
-def attention_runs():
-    return run_worker("attention")
+def attention_runs(json_worker):
+    return json_worker(WORKER, "attention")
 
 
 @pytest.mark.parametrize("variant", ["ring", "all_gather", "ring_tensor_parallel", "ring_padded"])
@@ -76,8 +65,8 @@ def test_saving_ring_residuals_spares_the_forward_rerun(attention_runs):
 
 
 @pytest.fixture(scope="module")
-def memory_runs():
-    return run_worker("memory")
+def memory_runs(json_worker):
+    return json_worker(WORKER, "memory")
 
 
 def test_ring_attention_memory_per_device_falls_with_context(memory_runs):
@@ -122,8 +111,8 @@ def test_zigzag_layout():
 
 
 @pytest.fixture(scope="module")
-def train_runs():
-    return run_worker("train")
+def train_runs(json_worker):
+    return json_worker(WORKER, "train")
 
 
 def test_split_training_gives_the_losses_of_one_device(train_runs):

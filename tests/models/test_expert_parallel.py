@@ -6,10 +6,6 @@ A run's experts must split over the axis; MoE FLOPs count the active experts onl
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,14 +19,8 @@ WORKER = Path(__file__).with_name("expert_parallel_run.py")
 
 
 @pytest.fixture(scope="module")
-def runs():
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, str(WORKER)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def runs(json_worker):
+    return json_worker(WORKER)
 
 
 @pytest.mark.slow

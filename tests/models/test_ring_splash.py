@@ -4,10 +4,6 @@ the pin on splash's private backward entry points; the plan's count of the splas
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -24,14 +20,8 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def splash_runs():
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, str(WORKER)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def splash_runs(json_worker):
+    return json_worker(WORKER)
 
 
 @pytest.mark.parametrize("case", ["data2_context4", "context2_model4"])

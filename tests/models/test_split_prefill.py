@@ -5,7 +5,6 @@ generation from it gives the same tokens, and the cache stays split while decodi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +17,8 @@ VARIANTS = ("ring", "all_gather")
 
 
 @pytest.fixture(scope="module")
-def runs():
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    worker = Path(__file__).with_name("split_prefill_run.py")
-    proc = subprocess.run(
-        [sys.executable, str(worker)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def runs(json_worker):
+    return json_worker(Path(__file__).with_name("split_prefill_run.py"))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,17 +30,9 @@ def worker_env(devices: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
+def suite(tmp_path_factory, json_worker):
     run_dir = tmp_path_factory.mktemp("diloco")
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), "suite", str(run_dir)],
-        env=worker_env(8),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json_worker(WORKER, "suite", str(run_dir))
 
 
 @pytest.mark.slow

@@ -3,10 +3,6 @@ split over ``data``; against plain data parallel and FSDP on 8 CPU devices (a su
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,14 +24,8 @@ COUNTS = 2 * 4  # Adam's step count and the LR schedule's, int32 scalars, on eve
 
 
 @pytest.fixture(scope="module")
-def runs():
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, str(WORKER)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def runs(json_worker):
+    return json_worker(WORKER)
 
 
 @pytest.mark.slow
