@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -19,7 +18,6 @@ from loomax.lm import TrainLmConfig
 from loomax.lm.loss import lm_loss_for
 from loomax.models.fp8 import check_fp8
 from loomax.peak_flops import measure_matmul_flops, total_peak_flops
-from loomax.tracking import NoopTrackerConfig
 from loomax.train import Trainer, setup_process
 
 PROFILE_STEPS = 3
@@ -54,13 +52,7 @@ def run_benchmark(
             "loomax bench needs model.vocab_size (it uses random token ids, no tokenizer)"
         )
     scratch = tempfile.mkdtemp(prefix="loomax-bench-")
-    trainer_config = dataclasses.replace(
-        config.trainer,
-        tracker=NoopTrackerConfig(),
-        progress_bar=False,
-        run_dir=scratch,
-        load_checkpoint=False,
-    )
+    trainer_config = config.trainer.for_scratch_run(scratch)
     trainer = Trainer(
         trainer_config,
         config.optimizer.build(trainer_config.num_train_steps),

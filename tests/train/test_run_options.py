@@ -111,3 +111,15 @@ def test_model_averaging_is_a_trainer_key_over_the_ema_hook(tiny, tmp_path):
 
 def embedding(model):
     return np.asarray(model.token_embeddings.weight.array)
+
+
+def test_a_scratch_run_tracks_nothing_loads_nothing_and_saves_inside_its_folder(tmp_path):
+    """`loomax compile` and `loomax bench` build their trainers from `for_scratch_run`."""
+    from loomax.tracking import JsonlTrackerConfig, NoopTrackerConfig
+
+    config = TrainerConfig(tracker=JsonlTrackerConfig(), load_checkpoint=True)
+    scratch = config.for_scratch_run(str(tmp_path))
+    assert isinstance(scratch.tracker, NoopTrackerConfig)
+    assert (scratch.progress_bar, scratch.load_checkpoint) == (False, False)
+    assert scratch.run_dir == str(tmp_path)
+    assert scratch.checkpointer.base_path == f"{tmp_path}/checkpoints"

@@ -25,7 +25,6 @@ from loomax.lm.config import TrainLmConfig
 from loomax.lm.loss import lm_loss_for, model_lm_loss
 from loomax.lm.weights import initial_model
 from loomax.mesh import batch_sharding, context_spans_processes
-from loomax.tracking import NoopTrackerConfig
 from loomax.train import HookContext, Trainer, TrainerState
 
 logger = logging.getLogger(__name__)
@@ -124,16 +123,7 @@ def built_step(config: TrainLmConfig, devices: Sequence[jax.Device]) -> Iterator
     notes = [n for n in (vocab_note, loss_note) if n]
     scratch = tempfile.mkdtemp(prefix="loomax-compile-")
     try:
-        trainer_config = dataclasses.replace(
-            config.trainer,
-            tracker=NoopTrackerConfig(),
-            progress_bar=False,
-            run_dir=scratch,
-            load_checkpoint=False,
-            checkpointer=dataclasses.replace(
-                config.trainer.checkpointer, base_path=f"{scratch}/checkpoints"
-            ),
-        )
+        trainer_config = config.trainer.for_scratch_run(scratch)
         steps, batches = trainer_config.num_train_steps, trainer_config.batch_schedule
         trainer = Trainer(
             trainer_config,

@@ -18,7 +18,7 @@ from loomax.config import ConfigError
 from loomax.distributed import DistributedConfig, RayConfig
 from loomax.jax_setup import check_jax_options
 from loomax.mesh import AxisMappings, MeshConfig, make_axis_mappings
-from loomax.tracking import JsonlTrackerConfig, TrackerConfig
+from loomax.tracking import JsonlTrackerConfig, NoopTrackerConfig, TrackerConfig
 from loomax.train.averaging import ModelAveragingConfig
 from loomax.train.diloco import WORKERS, DiLoCoConfig
 from loomax.train.hook_config import HookConfig
@@ -256,6 +256,20 @@ class TrainerConfig:
 
         steps = Epochs(epoch_size, self.batch_schedule).steps_for(self.num_train_epochs)
         return dataclasses.replace(self, num_train_steps=steps)
+
+    def for_scratch_run(self, directory: str) -> TrainerConfig:
+        """This config for a throwaway run in ``directory`` (``loomax compile``, ``loomax bench``):
+        no tracker, progress bar or checkpoint loading; any checkpoint lands in it."""
+        return dataclasses.replace(
+            self,
+            tracker=NoopTrackerConfig(),
+            progress_bar=False,
+            run_dir=directory,
+            load_checkpoint=False,
+            checkpointer=dataclasses.replace(
+                self.checkpointer, base_path=f"{directory}/checkpoints"
+            ),
+        )
 
     def run_path(self, run_id: str, run_dir: str | Path | None = None) -> Path:
         """The run directory: ``run_dir``, else ``trainer.run_dir``, else ``runs/<run_id>``."""
