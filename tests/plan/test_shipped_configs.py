@@ -6,7 +6,7 @@ runs are ``quickstart.yaml`` resized). Each config is read as shipped (its vocab
 known without a flag or a download), then compiled with its own model type, attention
 backend, remat policy, precision, loss, document masks and hooks, at a size that compiles in
 seconds: two layers, one sequence per chip, at most 512 positions, a vocabulary of 4096
-and a residual stream of at most 256 (libtpu takes minutes for the full widths; bench/README.md has those figures).
+a residual stream of at most 256 and at most 16 experts (libtpu takes minutes for the full widths; bench/README.md has those figures).
 
 ``llama_8b.yaml`` (offload, splash, document mask, FSDP) is the case Haliax's own offload
 policy broke: it also offloads each layer's slice of the sharded parameters, and libtpu's
@@ -51,6 +51,9 @@ def small(config: TrainLmConfig) -> list[str]:
             flags += ["--model.intermediate_dim", "512", "--model.head_dim", "64"]
         if getattr(model, "num_kv_heads", None):
             flags += ["--model.num_kv_heads", "2"]
+    moe = getattr(model, "moe", None)
+    if moe is not None and moe.num_experts > 16:  # OLMoE's 64: compiles 3x slower, same code
+        flags += ["--model.moe.num_experts", "16"]
     for axis in ("context", "expert"):  # a long-context or MoE run's split kept, on 4 chips
         if getattr(config.trainer.mesh, axis) > 2:
             flags += [f"--trainer.mesh.{axis}", "2"]
