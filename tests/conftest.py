@@ -257,6 +257,12 @@ def resume_helpers():
 
 
 @pytest.fixture(scope="session")
+def autogroups():
+    """tests/support/autogroups.py (code in an autogroup of its own; what the kernel allows)."""
+    return _support("autogroups")
+
+
+@pytest.fixture(scope="session")
 def families():
     """tests/support/families.py (every registered model type, and a tiny config of each)."""
     return _support("families")

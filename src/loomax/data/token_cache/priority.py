@@ -23,22 +23,57 @@ _NICED: list[int] = []
 """The niceness this process was raised to by a task's `nice`, once (a worker runs many)."""
 
 
-def autogroup_id() -> str | None:
-    """This process's autogroup as `<boot id>/<autogroup>` (unique across hosts and boots);
-    None where the kernel has no autogroups."""
+DEFAULT_AUTOGROUP = "default"
+"""`autogroup_id`'s name for the kernel's default autogroup: that of processes whose session
+never called `setsid` (init's, and a container's whose entry point never did). Its file
+under /proc reads empty, and its nice value cannot be set."""
+
+
+def _autogroup_line(pid: int | str = "self") -> str | None:
+    """The text of `/proc/<pid>/autogroup` ("" in the default autogroup); None where the
+    kernel has no autogroups (or the file cannot be read)."""
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}/{Path('/proc/self/autogroup').read_text().split()[0]}"
-    except (OSError, IndexError):
+        return Path(f"/proc/{pid}/autogroup").read_text().strip()
+    except OSError:
         return None
+
+
+def parse_autogroup(line: str | None) -> tuple[str, int | None] | None:
+    """`(name, nice)` of a `/proc/<pid>/autogroup` text: `("/autogroup-7", 0)` for
+    "/autogroup-7 nice 0", `(DEFAULT_AUTOGROUP, None)` for the default group's empty text, and
+    None for no text (no autogroups)."""
+    if line is None:
+        return None
+    fields = line.split()
+    if not fields:
+        return DEFAULT_AUTOGROUP, None
+    try:
+        return fields[0], int(fields[-1])
+    except ValueError:
+        return fields[0], None
+
+
+def _boot_id() -> str:
+    """This boot's id (the host's name where the kernel does not say): autogroup numbers are
+    unique only within one boot of one host."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return os.uname().nodename
+
+
+def autogroup_id() -> str | None:
+    """This process's autogroup as `<boot id>/<autogroup>` (unique across hosts and boots;
+    `<boot id>/default` in the default group); None where the kernel has no autogroups."""
+    group = parse_autogroup(_autogroup_line())
+    return None if group is None else f"{_boot_id()}/{group[0]}"
 
 
 def autogroup_nice(pid: int | str = "self") -> int | None:
-    """The nice value of process `pid`'s autogroup; None where the kernel has no autogroups."""
-    try:
-        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
-    except (OSError, ValueError, IndexError):
-        return None
+    """The nice value of process `pid`'s autogroup; None where the kernel has no autogroups
+    or the process is in the default autogroup (which has none)."""
+    group = parse_autogroup(_autogroup_line(pid))
+    return None if group is None else group[1]
 
 
 def set_task_priority(nice: int, driver_autogroup: str | None) -> None:
@@ -49,6 +84,8 @@ def set_task_priority(nice: int, driver_autogroup: str | None) -> None:
         _NICED.append(os.nice(nice))
     own = autogroup_id()
     if own is None or driver_autogroup is None or own == driver_autogroup:
+        return
+    if own.endswith(f"/{DEFAULT_AUTOGROUP}"):  # shared with every setsid-less process: left be
         return
     if autogroup_nice() == nice:
         return
