@@ -8,7 +8,9 @@ python context_parallel_run.py memory      # compiled attention fwd+bwd bytes pe
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import sys
 import tempfile
 
@@ -186,16 +188,35 @@ def loss_gradients(mesh: MeshConfig, devices) -> list[np.ndarray]:
         return params.logits(hax.named(tokens, (Batch, Position))).array
 
     with runtime.mesh_context():
-        grads = jax.jit(jax.grad(mean_loss))(params, runtime.shard_batch(tokens))
+        grad = jax.jit(jax.grad(mean_loss))
+        grads = grad(params, runtime.shard_batch(tokens))
         out = jax.jit(logits)(params, runtime.shard_batch(tokens))
+        hlo = grad.lower(params, runtime.shard_batch(tokens)).compile().as_text()
+    LARGEST_COLLECTIVE[str(mesh)] = largest_collective(hlo)
     return [np.asarray(out)] + [np.asarray(g) for g in jax.tree.leaves(grads)]
 
 
-def gradient_error() -> float:
-    """Largest difference of the logits and of each gradient, data 2 x context 4 against one
-    device, relative to the largest entry of each."""
+LARGEST_COLLECTIVE: dict[str, int] = {}
+"""Per mesh of ``loss_gradients``: elements of the largest array an all-reduce or all-gather
+of its compiled gradient program produces."""
+
+
+def largest_collective(hlo: str) -> int:
+    """Elements of the largest array an all-reduce or all-gather of the compiled ``hlo`` makes."""
+    sizes = [0]
+    for line in hlo.splitlines():
+        found = re.search(r" = (.*?) (all-reduce|all-gather)(-start)?\(", line)
+        for dims in re.findall(r"\[([\d,]*)\]", found.group(1) if found else ""):
+            sizes.append(math.prod(int(d) for d in dims.split(",") if d))
+    return max(sizes)
+
+
+def gradient_error(mesh: MeshConfig = MeshConfig(data=2, context=CONTEXT)) -> float:
+    """Largest difference of the logits and of each gradient, ``mesh`` (on the first devices
+    it needs) against one device, relative to the largest entry of each."""
     one = loss_gradients(MeshConfig(data=1), jax.devices()[:1])
-    split = loss_gradients(MeshConfig(data=2, context=CONTEXT), jax.devices())
+    count = math.prod(v for v in mesh.as_dict().values() if v > 0)
+    split = loss_gradients(mesh, jax.devices()[:count])
     return max(
         float(np.max(np.abs(a - b)) / np.max(np.abs(a))) for a, b in zip(one, split, strict=True)
     )
@@ -203,8 +224,13 @@ def gradient_error() -> float:
 
 def train():
     devices = jax.devices()
+    data4 = MeshConfig(data=BATCH)
     return {
         "gradient_error": gradient_error(),
+        # rows split over data alone: the fused loss runs per device, as under context
+        "data4_gradient_error": gradient_error(data4),
+        "data4_largest_collective": LARGEST_COLLECTIVE[str(data4)],
+        "hidden_elements": BATCH * TRAIN_SEQ * 32,
         "one_device": train_losses(MeshConfig(data=1), devices[:1]),
         "ring": train_losses(MeshConfig(data=2, context=CONTEXT), devices),
     }

@@ -131,6 +131,16 @@ def test_split_loss_gradients_and_logits_equal_one_device(train_runs):
     assert train_runs["gradient_error"] < TOLERANCE
 
 
+def test_loss_over_rows_split_by_data_runs_on_each_devices_own_rows(train_runs):
+    """With the rows split over `data` alone the fused loss runs per device too. In the global
+    view its scan over token blocks made every device walk every block: XLA:CPU all-gathered
+    the whole batch's hidden states to each device, and the v5p program of
+    config/mixtral_8x7b.yaml all-reduced a [1024, 2048, 4096] buffer at every block."""
+    assert train_runs["data4_gradient_error"] < TOLERANCE
+    # no collective as large as the whole batch's hidden states: the largest left is a gradient
+    assert train_runs["data4_largest_collective"] < train_runs["hidden_elements"]
+
+
 def test_sliding_window_with_a_split_sequence_is_refused_up_front():
     """Context-parallel attention is full causal: a sliding window there is a ConfigError
     naming both keys, raised when the run's config is made (before any work)."""

@@ -145,21 +145,28 @@ class _Local:
         sizes = jnp.bincount(flat, length=E)
         every = jax.lax.all_gather(sizes, EXPERT_AXIS)  # [ways, E]: each sender's counts
         per_shard = every.reshape(ways, ways, local_e)  # [sender, receiver, local expert]
-        sent = jnp.sum(per_shard, axis=-1)  # [sender, receiver] rows
-        starts = jnp.cumsum(sent, axis=1) - sent  # where each receiver's rows start, per sender
         me = jax.lax.axis_index(EXPERT_AXIS)
         xs = t[order // k]
         cap = T * min(k, local_e)  # rows one sender can route to one device (distinct top-k)
-        recv = self._send(xs, sent, starts, me, cap)  # [ways * cap, D], sender i at i * cap
-        mine = per_shard[:, me]  # [sender, local expert]
-        pos = jnp.arange(cap)
-        ends = jnp.cumsum(mine, axis=1)
-        slot_expert = jax.vmap(lambda e: jnp.searchsorted(e, pos, side="right"))(ends)
-        slot_expert = slot_expert.reshape(-1)  # local expert of each slot; local_e = empty
-        order2 = jnp.argsort(slot_expert, stable=True)
-        out = self._matmuls(recv[order2], jnp.sum(mine, axis=0), gate, up, down, n)
-        back = jnp.zeros_like(out).at[order2].set(out)
-        ys = self._return(back, sent, starts, me, cap, n)  # [n, D], in ``order``
+        group_sizes = jnp.sum(per_shard[:, me], axis=0)  # rows of each local expert here
+        if self.form == "ragged":  # rows land grouped by local expert: no sort here
+            plan = _GroupedExchange(every, per_shard, me, local_e)
+            recv = plan.send(xs, ways * cap)
+            out = self._matmuls(recv, group_sizes, gate, up, down, n)
+            ys = plan.back(out, n)  # [n, D], in ``order``
+        else:
+            sent = jnp.sum(per_shard, axis=-1)  # [sender, receiver] rows
+            starts = jnp.cumsum(sent, axis=1) - sent  # each receiver's rows start, per sender
+            recv = self._send(xs, sent, starts, me, cap)  # [ways * cap, D], sender i at i * cap
+            mine = per_shard[:, me]  # [sender, local expert]
+            pos = jnp.arange(cap)
+            ends = jnp.cumsum(mine, axis=1)
+            slot_expert = jax.vmap(lambda e: jnp.searchsorted(e, pos, side="right"))(ends)
+            slot_expert = slot_expert.reshape(-1)  # local expert of each slot; local_e = empty
+            order2 = jnp.argsort(slot_expert, stable=True)
+            out = self._matmuls(recv[order2], group_sizes, gate, up, down, n)
+            back = jnp.zeros_like(out).at[order2].set(out)
+            ys = self._return(back, sent, starts, me, cap, n)  # [n, D], in ``order``
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
         y = ys[inverse].reshape(T, k, -1)
         combined = jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
@@ -177,19 +184,17 @@ class _Local:
             impl=self.moe.matmul,
             block=self.moe.matmul_block,
             rows=routed,
+            # the buffer's rows past the groups are never read: not sent home, skipped by the
+            # next grouped matmul and by the weight gradients (megablox's tgmm masks by group)
+            zero_rest=False,
         )
         g, u = mm(xs, gate), mm(xs, up)
         act = activation(self.act)(hax.named(g, ("tokens", Mlp))).array
         return mm(act * u, down)
 
     def _send(self, xs, sent, starts, me, cap):
-        """Each sorted row to its expert's device: ``[ways * cap, D]``, sender i at ``i * cap``."""
-        if self.form == "ragged":
-            out = jnp.zeros((self.ways * cap, xs.shape[-1]), xs.dtype)
-            offsets = jnp.full((self.ways,), me * cap, jnp.int32)
-            return jax.lax.ragged_all_to_all(
-                xs, out, starts[me], sent[me], offsets, sent[:, me], axis_name=EXPERT_AXIS
-            )
+        """The padded form: each sorted row to its expert's device, ``[ways * cap, D]``, sender
+        i at ``i * cap``."""
         shard, slot = self._slots(sent[me], starts[me], xs.shape[0])
         buf = jnp.zeros((self.ways, cap, xs.shape[-1]), xs.dtype)
         buf = buf.at[shard, slot].set(xs, mode="drop")
@@ -197,12 +202,6 @@ class _Local:
 
     def _return(self, back, sent, starts, me, cap, n):
         """The reverse of ``_send``: each device's ``n`` rows home, in sorted order."""
-        if self.form == "ragged":
-            out = jnp.zeros((n, back.shape[-1]), back.dtype)
-            offsets = jnp.arange(self.ways, dtype=jnp.int32) * cap
-            return jax.lax.ragged_all_to_all(
-                back, out, offsets, sent[:, me], starts[:, me], sent[me], axis_name=EXPERT_AXIS
-            )
         home = jax.lax.all_to_all(back.reshape(self.ways, cap, -1), EXPERT_AXIS, 0, 0)
         shard, slot = self._slots(sent[me], starts[me], n)
         return home.at[shard, slot].get(mode="fill", fill_value=0)
@@ -213,3 +212,58 @@ class _Local:
         shard = jnp.searchsorted(jnp.cumsum(counts), r, side="right")
         slot = r - starts[jnp.minimum(shard, self.ways - 1)]
         return shard, slot
+
+
+class _GroupedExchange:
+    """The ragged form's exchange: one ``ragged_all_to_all`` per local expert, each sender's
+    rows landing in the receiver's buffer already grouped by local expert (expert ``e``'s rows
+    from sender 0, then sender 1, ...; every group after the one before), so the grouped
+    matmuls run on the buffer as it arrives and no row is sorted on the way there or back.
+
+    ``every [ways, E]``: each device's rows per expert (all-gathered); ``per_shard`` the same
+    as ``[sender, receiver, local expert]``; ``me`` this device's index on the expert axis.
+    """
+
+    def __init__(self, every, per_shard, me, local_e: int):
+        self.local_e, self.me, self.per_shard = local_e, me, per_shard
+        # where expert g's rows start in each sender's sorted rows: [sender, E]
+        self.sorted_start = jnp.cumsum(every, axis=1) - every
+        # where local expert e's group starts in each receiver's buffer: [receiver, local_e]
+        totals = jnp.sum(per_shard, axis=0)
+        self.group_start = jnp.cumsum(totals, axis=1) - totals
+        # where each sender's rows start inside that group: [sender, receiver, local_e]
+        self.within = jnp.cumsum(per_shard, axis=0) - per_shard
+
+    def send(self, xs, rows: int):
+        """``xs`` (sorted by expert) to the experts' devices: ``[rows, D]``, grouped."""
+        me, ps = self.me, self.per_shard
+        out = jnp.zeros((rows, xs.shape[-1]), xs.dtype)
+        for e in range(self.local_e):
+            experts = jnp.arange(ps.shape[1]) * self.local_e + e  # expert e of every receiver
+            out = jax.lax.ragged_all_to_all(
+                xs,
+                out,
+                self.sorted_start[me, experts],  # my rows for each receiver's expert e
+                ps[me, :, e],
+                self.group_start[:, e] + self.within[me, :, e],  # where they land there
+                ps[:, me, e],  # what each sender sends me for my expert e
+                axis_name=EXPERT_AXIS,
+            )
+        return out
+
+    def back(self, out, n: int):
+        """The reverse of ``send``: every row home, ``[n, D]`` in its sender's sorted order."""
+        me, ps = self.me, self.per_shard
+        home = jnp.zeros((n, out.shape[-1]), out.dtype)
+        for e in range(self.local_e):
+            mine = me * self.local_e + e  # my expert e, as each sender numbers it
+            home = jax.lax.ragged_all_to_all(
+                out,
+                home,
+                self.group_start[me, e] + self.within[:, me, e],  # each sender's rows here
+                ps[:, me, e],
+                self.sorted_start[:, mine],  # where they sit in that sender's sorted rows
+                ps[me, :, e],  # what each expert device returns to me
+                axis_name=EXPERT_AXIS,
+            )
+        return home
