@@ -12,6 +12,7 @@ the ragged form computes are checked on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -137,7 +138,7 @@ MODEL = MixtralConfig(
 VOCAB, STEPS, BATCH = 64, 5, 8
 
 
-def train_losses(mesh: MeshConfig, devices) -> dict:
+def train_losses(mesh: MeshConfig, devices, model: MixtralConfig = MODEL) -> dict:
     config = TrainerConfig(
         num_train_steps=STEPS, train_batch_size=BATCH, mesh=mesh, progress_bar=False,
         tracker=NoopTrackerConfig(), run_dir=tempfile.mkdtemp(),
@@ -146,10 +147,10 @@ def train_losses(mesh: MeshConfig, devices) -> dict:
     trainer = Trainer(config, optimizer, lm_loss(), devices=devices)
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
-    state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+    state = trainer.initial_state(lambda key: model.build(VOCAB, key=key))
     gate = state.model.blocks.stacked.mlp.gate.array
-    tokens = np.random.default_rng(0).integers(0, VOCAB, 40 * MODEL.seq_len, dtype=np.int32)
-    batches = BatchLoader(TokenWindows(tokens, MODEL.seq_len), BATCH, seed=0)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 40 * model.seq_len, dtype=np.int32)
+    batches = BatchLoader(TokenWindows(tokens, model.seq_len), BATCH, seed=0)
     trainer.train(state, batches.iter_from(0, 0, 1))
     return {
         "losses": losses,
@@ -163,7 +164,13 @@ def main() -> None:
     layers = layer_diffs()
     one = train_losses(MeshConfig(1, 1, 1), jax.devices()[:1])
     split = train_losses(MESHES["expert4_data2"], jax.devices())
-    print(json.dumps({"ragged_ops": lowered, "layer": layers, "one": one, "expert4_data2": split}))
+    # the gate/up projections kept for the backward, up to the mean routed rows (32 a device
+    # here): a device holding more takes the recompute branch, the others the kept rows
+    moe = dataclasses.replace(MODEL.moe, saved_rows=1.0)
+    kept_model = dataclasses.replace(MODEL, moe=moe, remat_save=("moe_up", "moe_out"))
+    kept = train_losses(MESHES["expert4_data2"], jax.devices(), kept_model)
+    result = {"ragged_ops": lowered, "layer": layers, "one": one, "expert4_data2": split}
+    print(json.dumps({**result, "expert4_data2_kept": kept}))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ def test_training_on_expert4_data2_gives_the_losses_of_one_device(runs):
     assert split["gate_spec"] == "P(None, 'expert', 'data', 'model')"  # (layers, experts, ...)
     assert len(one["losses"]) == 5
     np.testing.assert_allclose(split["losses"], one["losses"], rtol=1e-5)
+    # keeping the experts' projections of the mean routed rows (the rest recomputed)
+    np.testing.assert_allclose(runs["expert4_data2_kept"]["losses"], one["losses"], rtol=1e-5)
 
 
 def test_experts_must_split_over_the_expert_axis():

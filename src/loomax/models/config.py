@@ -41,7 +41,7 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     gradient_checkpointing: bool | str = True
     """Layer remat: true (recompute block internals), false, offload, nested, recompute, save_all."""
     remat_save: tuple[str, ...] = ()
-    """Activations a remat'd layer keeps instead of recomputing: qkv, attn_out, splash_residuals, ring_residuals, mlp_in, mlp_up."""
+    """Activations a remat'd layer keeps instead of recomputing: qkv, attn_out, splash_residuals, ring_residuals, mlp_in, mlp_up, moe_up, moe_out."""
     remat_offload: tuple[str, ...] = ()
     """Activations a remat'd layer keeps in pinned host memory instead of recomputing (same names)."""
     cross_entropy_block_size: int | None = 4096
@@ -100,6 +100,13 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
         for key in ("remat_save", "remat_offload"):  # a list from YAML or a plan: hashable
             object.__setattr__(self, key, tuple(getattr(self, key)))
         check_remat(self.gradient_checkpointing, self.remat_save, self.remat_offload)
+        moe = getattr(self, "moe", None)  # the MoE families'
+        kept = (*self.remat_save, *self.remat_offload)
+        if moe is not None and moe.saved_rows is not None and "moe_up" not in kept:
+            raise ConfigError(
+                "model.moe.saved_rows sets how many rows `moe_up` keeps: add moe_up to "
+                "model.remat_save (or model.remat_offload), or leave saved_rows null"
+            )
         for key in ("splash_block_q", "splash_block_kv"):
             if getattr(self, key) <= 0 or getattr(self, key) % LANES:
                 raise ConfigError(

@@ -7,20 +7,23 @@ is split over ``expert`` too). Inside ``shard_map`` every device:
 1. sorts its ``T * k`` assignments by expert (stable) and counts them per expert;
 2. all-gathers the counts over the expert axis: each device then knows how many rows it
    sends to and receives from every other;
-3. sends each row to the device holding its expert, into a receive buffer with one slot
-   of ``T * min(k, E / ways)`` rows per sender (the dropless bound: a token's k experts
-   are distinct, so at most ``min(k, E / ways)`` of them live on one device), sender
-   ``i``'s rows at slot ``i``;
-4. sorts the received rows by local expert, runs the grouped matmuls on its experts
-   (their work follows the groups: ``T * k`` rows a device on average, which the grouped
-   matmul is told for the plan's count, not the buffer's size), sorts them back, and returns every row to its sender by the reverse collective;
+3. sends each row to the device holding its expert, into a receive buffer of ``ways`` x
+   ``T * min(k, E / ways)`` rows (the dropless bound: a token's k experts are distinct, so
+   at most ``min(k, E / ways)`` of them live on one device);
+4. runs the grouped matmuls on its experts (their work follows the groups: ``T * k`` rows
+   a device on average, which the grouped matmul is told for the plan's count, not the
+   buffer's size; ``models/expert_ffn.py``, whose backward may keep only those rows), and
+   returns every row to its sender by the reverse collective;
 5. restores token order and combines the k results with the routing weights; with the
    experts' ``mlp`` split over ``model`` (tensor parallelism) the partial outputs are
    summed over it.
 
 Two forms of the collective give the same result: ``ragged`` (``jax.lax.ragged_all_to_all``,
-only the routed rows travel: GPU and TPU) and ``padded`` (``jax.lax.all_to_all`` of the
-whole fixed-size buffer: what XLA:CPU can run, as it has no ragged-all-to-all). Routing,
+only the routed rows travel: GPU and TPU; one exchange per local expert, so the rows land
+grouped by local expert, the routed ones first, and nothing is sorted there or back) and
+``padded`` (``jax.lax.all_to_all`` of the whole fixed-size buffer, sender ``i`` at slot
+``i``, then sorted by local expert and back: what XLA:CPU can run, as it has no
+ragged-all-to-all). Routing,
 capacity drops and the router statistics are computed before, on the global arrays, so
 the layer gives the single-device result whatever the split.
 """
@@ -28,7 +31,6 @@ the layer gives the single-device result whatever the split.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import haliax as hax
 import jax
@@ -38,8 +40,10 @@ from jax.sharding import PartitionSpec as P
 from loomax.config import ConfigError
 from loomax.mesh import EXPERT_AXIS
 from loomax.models.axes import Batch, Embed, Experts, Mlp
-from loomax.models.grouped_matmul import grouped_matmul
+from loomax.models.expert_ffn import expert_ffn
+from loomax.models.grouped_matmul import grouped_matmul, grouped_matmul_grads
 from loomax.models.mlp_activations import activation
+from loomax.models.remat import name_activation
 
 FORMS = ("ragged", "padded")
 """How rows travel between devices: ``ragged_all_to_all`` or a fixed-size ``all_to_all``."""
@@ -168,7 +172,7 @@ class _Local:
             back = jnp.zeros_like(out).at[order2].set(out)
             ys = self._return(back, sent, starts, me, cap, n)  # [n, D], in ``order``
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
-        y = ys[inverse].reshape(T, k, -1)
+        y = name_activation(ys[inverse].reshape(T, k, -1), "moe_out")
         combined = jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
         if self.tp:
             combined = jax.lax.psum(combined, self.tp)
@@ -177,20 +181,19 @@ class _Local:
     def _matmuls(self, xs, group_sizes, gate, up, down, routed: int):
         """The experts' matmuls over the receive buffer, of which ``routed`` rows (``T * k``,
         the mean over the expert axis: every device sends as many) are routed rows."""
-        mm: Callable = lambda a, w: grouped_matmul(  # noqa: E731
-            a,
-            w.astype(a.dtype),
-            group_sizes,
-            impl=self.moe.matmul,
-            block=self.moe.matmul_block,
-            rows=routed,
-            # the buffer's rows past the groups are never read: not sent home, skipped by the
-            # next grouped matmul and by the weight gradients (megablox's tgmm masks by group)
-            zero_rest=False,
+        settings = {"impl": self.moe.matmul, "block": self.moe.matmul_block}
+        # the buffer's rows past the groups are never read: not sent home, skipped by the
+        # next grouped matmul and by the weight gradients (megablox's tgmm masks by group)
+        mm = lambda a, w, sizes: grouped_matmul(  # noqa: E731
+            a, w, sizes, rows=min(routed, a.shape[0]), zero_rest=False, **settings
         )
-        g, u = mm(xs, gate), mm(xs, up)
-        act = activation(self.act)(hax.named(g, ("tokens", Mlp))).array
-        return mm(act * u, down)
+        mm_grads = lambda a, w, sizes, dy: grouped_matmul_grads(  # noqa: E731
+            a, w, sizes, dy, rows=min(routed, a.shape[0]), **settings
+        )
+        act = lambda g: activation(self.act)(hax.named(g, ("tokens", Mlp))).array  # noqa: E731
+        weights = (w.astype(xs.dtype) for w in (gate, up, down))
+        keep = self.moe.kept_rows(routed, xs.shape[0])
+        return expert_ffn(xs, group_sizes, *weights, mm=mm, mm_grads=mm_grads, act=act, keep=keep)
 
     def _send(self, xs, sent, starts, me, cap):
         """The padded form: each sorted row to its expert's device, ``[ways * cap, D]``, sender

@@ -32,6 +32,7 @@ kernel cannot be partitioned automatically: XLA refuses it); GPU and CPU ``block
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -159,3 +160,62 @@ def _megablox(x: jax.Array, w: jax.Array, group_sizes: jax.Array, zero_rest: boo
         return out[:m]
     in_groups = jnp.arange(m) < jnp.sum(group_sizes)
     return jnp.where(in_groups[:, None], out[:m], 0)
+
+
+def grouped_matmul_grads(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    dy: jax.Array,
+    *,
+    impl: str = "auto",
+    block: int = DEFAULT_BLOCK,
+    rows: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``(dx, dw)`` of ``grouped_matmul(x, w, group_sizes)`` for the cotangent ``dy``, with
+    no forward product (a backward written by hand calls this: ``jax.vjp`` would also run the
+    forward kernel). Rows of ``dx`` past the groups may hold any values (``zero_rest=False``)."""
+    impl = resolve(impl)
+    scope = contextlib.nullcontext()
+    if rows is not None and rows < x.shape[0]:
+        if impl == "megablox":
+            rows += w.shape[0] * (MEGABLOX_TILE - 1)
+        scope = routed_rows_scope(rows, x.shape[0])
+    group_sizes = group_sizes.astype(jnp.int32)
+    with scope:
+        if impl == "megablox":
+            return _megablox_grads(x, w, group_sizes, dy)
+        if impl == "blocked":
+            dx = blocked_grouped_matmul(dy, w.swapaxes(1, 2), group_sizes, block)
+            return dx, _blocked_weight_grad(x, dy, group_sizes, w.shape[0], block).astype(w.dtype)
+        _, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, group_sizes, impl=impl), x, w)
+        return vjp(dy)
+
+
+def _blocked_weight_grad(x, dy, group_sizes, groups: int, block: int) -> jax.Array:
+    """``[G, k, n]``: each group's ``x[rows]^T dy[rows]``, one batched matmul over blocks."""
+    m, k = x.shape
+    block = max(1, min(block, m))
+    num_blocks, source, valid, block_group, _, _ = block_layout(group_sizes, m, block)
+    xb = jnp.where(valid[:, None], x[source], 0).reshape(num_blocks, block, k)
+    dyb = jnp.where(valid[:, None], dy[source], 0).reshape(num_blocks, block, -1)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    per_block = jnp.einsum("bik,bin->bkn", xb, dyb, preferred_element_type=acc)
+    return jax.ops.segment_sum(per_block, block_group, num_segments=groups)
+
+
+def _megablox_grads(x, w, group_sizes, dy):
+    """megablox's own backward kernels (gmm against the transposed weights, tgmm)."""
+    # the module (the package's ``gmm`` attribute is the function with its custom VJP)
+    kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+    m = x.shape[0]
+    pad = (-m) % MEGABLOX_TILE
+    xp, dyp = (jnp.pad(a, ((0, pad), (0, 0))) if pad else a for a in (x, dy))
+    tiling = tuple(min(MEGABLOX_TILE, d) for d in (xp.shape[0], x.shape[1], w.shape[2]))
+    interpret = mesh_platform() != "tpu"
+    dx = kernels.gmm(dyp, w, group_sizes, x.dtype, tiling, transpose_rhs=True, interpret=interpret)
+    dw = kernels.tgmm(
+        xp.swapaxes(0, 1), dyp, group_sizes, w.dtype, tiling, num_actual_groups=w.shape[0],
+        interpret=interpret,
+    )  # fmt: skip
+    return dx[:m], dw

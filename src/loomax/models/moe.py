@@ -67,6 +67,8 @@ class MoeConfig:
     """Grouped matmul: auto (TPU megablox, else blocked), blocked, ragged_dot, megablox."""
     matmul_block: int = 64
     """Rows per block of the blocked grouped matmul (each expert's rows padded to a multiple)."""
+    saved_rows: float | None = None
+    """Expert parallelism with remat_save [moe_up]: keep this many times a device's mean routed rows (T x k) of the experts' gate/up projections, not the whole dropless buffer; a device holding more recomputes them (null = the whole buffer)."""
 
     def __post_init__(self):
         for key in ("num_experts", "num_experts_per_tok", "matmul_block"):
@@ -101,9 +103,23 @@ class MoeConfig:
             raise ConfigError(
                 f"model.moe.first_dense_layers must be >= 0, got {self.first_dense_layers}"
             )
+        if self.saved_rows is not None and self.saved_rows <= 0:
+            raise ConfigError(
+                f"model.moe.saved_rows must be positive or null, got {self.saved_rows}"
+            )
         for key in ("load_balance_loss_weight", "router_z_loss_weight", "bias_update_rate"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.moe.{key} must be >= 0, got {getattr(self, key)}")
+
+    def kept_rows(self, routed: int, buffer: int) -> int:
+        """Rows of a ``buffer``-row receive buffer whose gate/up projections a layer keeps
+        for its backward, ``routed`` rows a device on average (``saved_rows``; a multiple of
+        128, megablox's row tile, from 128 rows)."""
+        if self.saved_rows is None:
+            return buffer
+        rows = self.saved_rows * routed
+        tile = 128 if rows >= 128 else 8  # (tiny buffers: a multiple of 8)
+        return min(buffer, tile * math.ceil(rows / tile))
 
     def capacity(self, tokens: int) -> int | None:
         """Assignments each expert may take for ``tokens`` tokens; None = dropless."""

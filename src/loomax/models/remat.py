@@ -28,6 +28,9 @@ ACTIVATIONS = {
     RING_RESIDUALS: "ring attention's output and log-sum-exp: no ring forward in the backward",
     "mlp_in": "the MLP's input: the normed residual stream after attention",
     "mlp_up": "the MLP's up (and gate) projections, before the activation: its widest matmuls",
+    "moe_up": "expert parallelism's gate and up projections of the routed rows "
+    "(model.moe.saved_rows of them): no experts' forward in the backward",
+    "moe_out": "expert parallelism's expert outputs back home, before the routing weights",
 }
 """Names ``model.remat_save`` / ``model.remat_offload`` accept, and what each is."""
 

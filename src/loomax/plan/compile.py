@@ -133,6 +133,7 @@ def compile_run(
         traced = built.trace()
         count = count_step(traced.jaxpr)
         result.step_flops, result.kernel_flops = count.total_flops, count.kernel_flops
+        worst = count_step(traced.jaxpr, with_fallbacks=True) if count.fallbacks else None
         try:
             with _no_cache_writes(topology):
                 compiled = traced.lower().compile()
@@ -145,6 +146,8 @@ def compile_run(
         result.compile_s = time.perf_counter() - start
         _memory(result, compiled)
         _estimate(result, compiled, topology, count)
+        if worst is not None:
+            _fallback_note(result, compiled, topology, count, worst)
         if measure_steps:
             result.measured_step_s = _measure(trainer, config, built, compiled, measure_steps)
             peak = topology.peak_per_device
@@ -225,20 +228,42 @@ def _memory(result: CompileResult, compiled) -> None:
 
 
 def _estimate(result: CompileResult, compiled, topology: Topology, count: StepCount) -> None:
-    """Step time: XLA's part from its cost model, plus the Pallas kernels' (``kernel_seconds``).
-
-    XLA's cost analysis counts each loop body once; its ``optimal_seconds`` and bytes are
-    scaled by (matmul FLOPs XLA executes) / (FLOPs XLA counted), and XLA's part is at least
-    the roofline of those FLOPs at the chip's peak and those bytes at its HBM bandwidth.
-    """
+    """Step time: XLA's part from its cost model, plus the Pallas kernels' (``_times``)."""
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
+    if not cost:
+        _roofline(result, compiled, topology, count.dot_flops / topology.num_devices)
+        return
+    xla_s, result.est_kernel_s = _times(compiled, topology, count)
+    if xla_s is not None:
+        result.est_step_s = xla_s + result.est_kernel_s
+    peak = topology.peak_per_device
+    if result.est_step_s and peak:
+        result.est_mfu = result.model_flops / (result.est_step_s * peak * topology.num_devices)
+    if count.kernels and result.est_step_s:
+        names = sorted({k.name.split("_segmented")[0] for k in count.kernels.values()})
+        result.notes.append(
+            f"{result.est_kernel_s / result.est_step_s:.0%} of the estimated step time is Pallas "
+            f"kernels XLA does not cost ({', '.join(names)}): their FLOPs at "
+            f"{KERNEL_PEAK_FRACTION:.0%} of peak (an assumed kernel efficiency) or bytes at HBM "
+            "bandwidth"
+        )
+
+
+def _times(compiled, topology: Topology, count: StepCount) -> tuple[float | None, float]:
+    """``(XLA's part, the kernels' part)`` of a step's time, seconds a device.
+
+    XLA's cost analysis counts each loop body once; its ``optimal_seconds`` and bytes are
+    scaled by (matmul FLOPs XLA executes) / (FLOPs XLA counted), and XLA's part is at least
+    the roofline of those FLOPs at the chip's peak and those bytes at its HBM bandwidth (None
+    without any of them). The kernels: each call per ``kernel_seconds``.
+    """
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
     devices = topology.num_devices
     per_device = count.dot_flops / devices
-    if not cost:
-        _roofline(result, compiled, topology, per_device)
-        return
     counted = float(cost.get("flops", 0.0) or 0.0)
     scale = max(1.0, per_device / counted) if counted > 0 else 1.0
     optimal = float(cost.get("optimal_seconds", -1.0) or -1.0)
@@ -249,21 +274,28 @@ def _estimate(result: CompileResult, compiled, topology: Topology, count: StepCo
     bandwidth = topology.chip.hbm_bandwidth if topology.chip else None
     if bandwidth and cost.get("bytes accessed"):
         estimates.append(float(cost["bytes accessed"]) * scale / bandwidth)
-    result.est_kernel_s = sum(
+    kernels = sum(
         k.calls / devices * kernel_seconds(k, peak, bandwidth) for k in count.kernels.values()
     )
-    if estimates:
-        result.est_step_s = max(estimates) + result.est_kernel_s
-    if result.est_step_s and peak:
-        result.est_mfu = result.model_flops / (result.est_step_s * peak * devices)
-    if count.kernels and result.est_step_s:
-        names = sorted({k.name.split("_segmented")[0] for k in count.kernels.values()})
-        result.notes.append(
-            f"{result.est_kernel_s / result.est_step_s:.0%} of the estimated step time is Pallas "
-            f"kernels XLA does not cost ({', '.join(names)}): their FLOPs at "
-            f"{KERNEL_PEAK_FRACTION:.0%} of peak (an assumed kernel efficiency) or bytes at HBM "
-            "bandwidth"
-        )
+    return (max(estimates) if estimates else None), kernels
+
+
+def _fallback_note(result: CompileResult, compiled, topology: Topology, count, worst) -> None:
+    """The estimate's assumption about the MoE layers' kept rows, and the step if every
+    conditional took its fallback (``plan/flops.py``, ``models/expert_ffn.py``)."""
+    xla_s, kernel_s = _times(compiled, topology, worst)
+    peak = topology.peak_per_device
+    worst_case = "no estimate"
+    if xla_s is not None and peak:
+        step = xla_s + kernel_s
+        mfu = result.model_flops / (step * peak * topology.num_devices)
+        worst_case = f"est. {step:.3g} s a step, MFU {mfu:.1%}"
+    result.notes.append(
+        "FLOPs, kernels and the estimate assume every device's routed rows fit the rows its MoE "
+        "layers keep (model.moe.saved_rows); a device holding more recomputes its experts' "
+        f"forward in the backward ({count.fallbacks:,.0f} such conditionals a step, all "
+        f"devices). If every one did: {worst_case}"
+    )
 
 
 def kernel_seconds(kernel: KernelCall, peak: float | None, bandwidth: float | None) -> float:

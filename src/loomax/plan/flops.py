@@ -15,7 +15,10 @@ the bytes of its operands and results. A grouped matmul on a buffer only partly 
 (``models/grouped_matmul.py``): a kernel whose grid follows the groups is charged for the
 R routed rows of its M, FLOPs and row bytes alike. ``ragged_dot_general`` counts as
 what XLA executes for it on CPU and GPU (JAX 0.10; the compiled H100 HLO shows it): the
-dense product over every group, G times the routed work.
+dense product over every group, G times the routed work. Of a ``cond``, the costlier branch
+counts, except a rare fallback (the MoE backward's recompute when a device holds more routed
+rows than it kept, ``models/expert_ffn.py``): the count assumes the routed rows fit, and says
+how many such fallbacks it left out (``StepCount.fallbacks``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from loomax.models.expert_ffn import KEPT_ROWS_FALLBACK
 from loomax.models.grouped_matmul import ROUTED_ROWS
 from loomax.models.splash import splash_kernel_flops
 from loomax.models.splash_pair import FULL_SCOPE
@@ -51,6 +55,8 @@ class StepCount:
 
     dot_flops: float = 0.0
     kernels: dict[str, KernelCall] = field(default_factory=dict)
+    fallbacks: float = 0.0
+    """Conditionals whose rare fallback branch (``KEPT_ROWS_FALLBACK``) was left out."""
 
     @property
     def kernel_flops(self) -> float:
@@ -62,14 +68,16 @@ class StepCount:
 
     def add(self, other: StepCount, times: float = 1.0) -> None:
         self.dot_flops += other.dot_flops * times
+        self.fallbacks += other.fallbacks * times
         for key, k in other.kernels.items():
             mine = self.kernels.setdefault(key, KernelCall(k.name, k.flops, k.bytes, 0.0))
             mine.calls += k.calls * times
 
 
-def count_step(jaxpr: Any, scope: str = "") -> StepCount:
+def count_step(jaxpr: Any, scope: str = "", *, with_fallbacks: bool = False) -> StepCount:
     """Global matmul FLOPs and kernel calls of ``jaxpr`` (a ``Jaxpr`` or ``ClosedJaxpr``);
-    ``scope`` is the name stack around it (each equation's own is relative to it)."""
+    ``scope`` is the name stack around it (each equation's own is relative to it).
+    ``with_fallbacks``: count rare fallback branches too, as if always taken."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     count = StepCount()
     for eqn in jaxpr.eqns:
@@ -82,8 +90,15 @@ def count_step(jaxpr: Any, scope: str = "") -> StepCount:
         elif name == "pallas_call":
             kernel = _kernel(eqn, where)
             count.add(StepCount(kernels={_kernel_key(eqn, kernel): kernel}))
-        elif name == "cond":
-            branches = [count_step(b, where) for b in eqn.params["branches"]]
+        elif name == "cond":  # the costlier branch, unless it is a rare fallback
+            branches = [
+                count_step(b, where, with_fallbacks=with_fallbacks) for b in eqn.params["branches"]
+            ]
+            pairs = zip(eqn.params["branches"], branches, strict=True)
+            usual = [c for b, c in pairs if not _fallback(b)]
+            if len(usual) < len(branches) and usual:
+                count.fallbacks += 1
+                branches = branches if with_fallbacks else usual
             count.add(max(branches, key=lambda c: c.total_flops, default=StepCount()))
         else:
             times = 1.0
@@ -92,8 +107,15 @@ def count_step(jaxpr: Any, scope: str = "") -> StepCount:
             elif name == "shard_map":  # the body's shapes are one device's
                 times = eqn.params["mesh"].size
             for sub in _subjaxprs(eqn.params):
-                count.add(count_step(sub, where), times)
+                count.add(count_step(sub, where, with_fallbacks=with_fallbacks), times)
     return count
+
+
+def _fallback(branch: Any) -> bool:
+    """Whether a cond branch is a rare fallback: its work runs under ``KEPT_ROWS_FALLBACK``
+    (the MoE backward's recompute on a device holding more rows than it kept)."""
+    jaxpr = getattr(branch, "jaxpr", branch)
+    return any(KEPT_ROWS_FALLBACK in str(e.source_info.name_stack) for e in jaxpr.eqns)
 
 
 def routed_fraction(scope: str) -> float:
