@@ -82,13 +82,8 @@ def grouped_matmul(
     false lets ``megablox`` leave the rows past the groups as the kernel left them (any
     values: for a caller that never reads them, sparing a pass over the whole buffer)."""
     impl = resolve(impl)
-    scope = contextlib.nullcontext()
-    if rows is not None and rows < x.shape[0]:
-        if impl == "megablox":  # its grid covers whole row tiles: one partial tile per group
-            rows += w.shape[0] * (MEGABLOX_TILE - 1)
-        scope = routed_rows_scope(rows, x.shape[0])
     group_sizes = group_sizes.astype(jnp.int32)
-    with scope:
+    with _routed(impl, rows, x.shape[0], w.shape[0]):
         if impl == "ragged_dot":
             acc = jnp.promote_types(x.dtype, jnp.float32)
             out = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=acc)
@@ -96,6 +91,15 @@ def grouped_matmul(
         if impl == "megablox":
             return _megablox(x, w, group_sizes, zero_rest)
         return blocked_grouped_matmul(x, w, group_sizes, block)
+
+
+def _routed(impl: str, rows: int | None, m: int, groups: int):
+    """The ``routed_rows`` scope for ``rows`` routed of ``m`` (none when all are)."""
+    if rows is None or rows >= m:
+        return contextlib.nullcontext()
+    if impl == "megablox":  # its grid covers whole row tiles: one partial tile per group
+        rows += groups * (MEGABLOX_TILE - 1)
+    return routed_rows_scope(rows, m)
 
 
 def block_layout(group_sizes: jax.Array, m: int, block: int):
@@ -176,13 +180,8 @@ def grouped_matmul_grads(
     no forward product (a backward written by hand calls this: ``jax.vjp`` would also run the
     forward kernel). Rows of ``dx`` past the groups may hold any values (``zero_rest=False``)."""
     impl = resolve(impl)
-    scope = contextlib.nullcontext()
-    if rows is not None and rows < x.shape[0]:
-        if impl == "megablox":
-            rows += w.shape[0] * (MEGABLOX_TILE - 1)
-        scope = routed_rows_scope(rows, x.shape[0])
     group_sizes = group_sizes.astype(jnp.int32)
-    with scope:
+    with _routed(impl, rows, x.shape[0], w.shape[0]):
         if impl == "megablox":
             return _megablox_grads(x, w, group_sizes, dy)
         if impl == "blocked":
