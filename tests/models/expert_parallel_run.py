@@ -131,6 +131,17 @@ def layer_diffs() -> dict:
     return out
 
 
+def recomputed_fraction() -> float:
+    """The layer's ``moe/recomputed_fraction`` on expert 4 x data 2, the projections kept for
+    each device's mean routed rows: the devices holding more recompute."""
+    mlp = layer(saved_rows=1.0)
+    runtime = MeshRuntime.create(MESHES["expert4_data2"], make_axis_mappings())
+    placed = jax.device_put(mlp, runtime.state_shardings(mlp))
+    x = jax.device_put(X, runtime.state_shardings(X, runtime.mappings.compute))
+    run = runtime.jit(lambda m, x: m(x, RouterAux.zeros(1, m.moe.num_experts), 0)[1])
+    return float(run(placed, x).metrics()["moe/recomputed_fraction"])
+
+
 MODEL = MixtralConfig(
     seq_len=16, hidden_dim=32, intermediate_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
     moe=MoeConfig(num_experts=8, num_experts_per_tok=2, matmul_block=8),
@@ -170,6 +181,7 @@ def main() -> None:
     kept_model = dataclasses.replace(MODEL, moe=moe, remat_save=("moe_up", "moe_out"))
     kept = train_losses(MESHES["expert4_data2"], jax.devices(), kept_model)
     result = {"ragged_ops": lowered, "layer": layers, "one": one, "expert4_data2": split}
+    result["recomputed_fraction"] = recomputed_fraction()
     print(json.dumps({**result, "expert4_data2_kept": kept}))
 
 

@@ -86,4 +86,5 @@ def test_saved_rows_without_moe_up_kept_is_refused():
         MixtralConfig(moe=MoeConfig(saved_rows=1.25))
     config = MixtralConfig(moe=MoeConfig(saved_rows=1.25), remat_save=("moe_up", "moe_out"))
     assert config.moe.kept_rows(routed=1000, buffer=4096) == 1280  # 1.25 x 1000, tiles of 128
+    assert config.moe.kept_rows(routed=10, buffer=4096) == 13  # tiny: no tile
     assert config.moe.kept_rows(routed=4000, buffer=4096) == 4096  # never past the buffer

@@ -97,7 +97,9 @@ def capacity_keep(flat: jax.Array, num_experts: int, capacity: int) -> jax.Array
 
 
 def parallel_experts(mlp, t: jax.Array, weights: jax.Array, experts: jax.Array, *, form=None):
-    """``MoeMlp._experts`` over the expert axis: ``(y [T, D], sizes [E], dropped)``.
+    """``MoeMlp._experts`` over the expert axis: ``(y [T, D], sizes [E], dropped,
+    recomputed)``, the last the fraction of devices whose routed rows exceed the rows kept
+    for the backward (``model.moe.saved_rows``; 0 when the whole buffer is kept).
 
     ``t [T, D]`` are the tokens (rows in batch-major order), ``weights``/``experts [T, k]``
     their routing. ``form`` is one of ``FORMS`` (default: ``default_form``).
@@ -122,14 +124,14 @@ def parallel_experts(mlp, t: jax.Array, weights: jax.Array, experts: jax.Array, 
     down = mlp.down.rearrange((Experts, Mlp, Embed)).array
     local = _Local(mlp, ways, form or default_form(mesh), tp)
     w_in, w_out = P(EXPERT_AXIS, None, tp), P(EXPERT_AXIS, tp, None)
-    y = jax.shard_map(
+    y, recomputed = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(P(rows, None), P(rows, None), P(rows, None), w_in, w_in, w_out),
-        out_specs=P(rows, None),
+        out_specs=(P(rows, None), P(mesh.axis_names)),
         check_vma=False,  # the TPU's megablox kernel (Pallas) declares no varying axes
     )(t, weights, experts, gate, up, down)
-    return y, sizes, dropped
+    return y, sizes, dropped, jnp.mean(recomputed)
 
 
 class _Local:
@@ -176,7 +178,8 @@ class _Local:
         combined = jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
         if self.tp:
             combined = jax.lax.psum(combined, self.tp)
-        return combined.astype(t.dtype)
+        over = jnp.sum(group_sizes) > self.moe.kept_rows(n, recv.shape[0])
+        return combined.astype(t.dtype), over.astype(jnp.float32)[None]
 
     def _matmuls(self, xs, group_sizes, gate, up, down, routed: int):
         """The experts' matmuls over the receive buffer, of which ``routed`` rows (``T * k``,

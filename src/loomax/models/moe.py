@@ -114,12 +114,13 @@ class MoeConfig:
     def kept_rows(self, routed: int, buffer: int) -> int:
         """Rows of a ``buffer``-row receive buffer whose gate/up projections a layer keeps
         for its backward, ``routed`` rows a device on average (``saved_rows``; a multiple of
-        128, megablox's row tile, from 128 rows)."""
+        128, megablox's row tile, from 128 rows on)."""
         if self.saved_rows is None:
             return buffer
-        rows = self.saved_rows * routed
-        tile = 128 if rows >= 128 else 8  # (tiny buffers: a multiple of 8)
-        return min(buffer, tile * math.ceil(rows / tile))
+        rows = math.ceil(self.saved_rows * routed)
+        if rows >= 128:
+            rows = 128 * math.ceil(rows / 128)
+        return min(buffer, rows)
 
     def capacity(self, tokens: int) -> int | None:
         """Assignments each expert may take for ``tokens`` tokens; None = dropless."""
@@ -188,8 +189,9 @@ class MoeMlp(eqx.Module):
             norm_topk_prob=self.moe.norm_topk_prob,
             bias=None if self.bias is None else self.bias.value.rearrange((Experts,)).array,
         )
+        recomputed = 0.0
         if expert_ways() > 1:  # experts split over the mesh: tokens travel to them
-            y, sizes, dropped = parallel_experts(self, t, weights, experts)
+            y, sizes, dropped, recomputed = parallel_experts(self, t, weights, experts)
         else:
             y, sizes, dropped = self._experts(t, weights, experts)
         out = hax.named(y.reshape(*(a.size for a in lead), Embed_.size), (*lead, Embed_))
@@ -197,7 +199,7 @@ class MoeMlp(eqx.Module):
             gate, up = self.shared_gate(x), self.shared_up(x)
             out = out + self.shared_down(activation(self.act)(gate) * up).rearrange(out.axes)
         if aux is not None:
-            aux = aux.record(layer, logits, probs, sizes, dropped)
+            aux = aux.record(layer, logits, probs, sizes, dropped, recomputed)
         return out, aux
 
     def _experts(self, t: jax.Array, weights: jax.Array, experts: jax.Array):

@@ -79,7 +79,9 @@ class RouterAux(eqx.Module):
     ``load [layers, E]`` is each expert's share of the assignments times E (1 = balanced),
     ``dropped [layers]`` the fraction of assignments over capacity, ``entropy [layers]``
     the mean entropy (nats) of the router's distribution; ``balance`` and ``z`` the two
-    losses per layer (differentiable; the rest carry no gradient).
+    losses per layer (differentiable; the rest carry no gradient); ``recomputed [layers]``
+    the fraction of devices whose routed rows exceeded the rows kept for the backward
+    (``model.moe.saved_rows``: they recompute the experts' forward).
     """
 
     balance: jax.Array
@@ -87,11 +89,12 @@ class RouterAux(eqx.Module):
     load: jax.Array
     entropy: jax.Array
     dropped: jax.Array
+    recomputed: jax.Array
 
     @staticmethod
     def zeros(num_layers: int, num_experts: int) -> RouterAux:
         z = jnp.zeros((num_layers,), jnp.float32)
-        return RouterAux(z, z, jnp.zeros((num_layers, num_experts), jnp.float32), z, z)
+        return RouterAux(z, z, jnp.zeros((num_layers, num_experts), jnp.float32), z, z, z)
 
     def record(
         self,
@@ -100,6 +103,7 @@ class RouterAux(eqx.Module):
         probs: jax.Array,
         group_sizes: jax.Array,
         dropped: jax.Array,
+        recomputed: jax.Array | float = 0.0,
     ) -> RouterAux:
         """This aux with row ``layer`` set from that layer's routing."""
         sg = jax.lax.stop_gradient
@@ -113,6 +117,7 @@ class RouterAux(eqx.Module):
             self.load.at[layer].set(sg(load)),
             self.entropy.at[layer].set(entropy),
             self.dropped.at[layer].set(sg(dropped.astype(jnp.float32) / total)),
+            self.recomputed.at[layer].set(sg(jnp.asarray(recomputed, jnp.float32))),
         )
 
     def losses(self, balance_weight: float, z_weight: float) -> dict[str, jax.Array]:
@@ -125,13 +130,15 @@ class RouterAux(eqx.Module):
         return out
 
     def metrics(self) -> dict[str, jax.Array]:
-        """``moe/...`` scalars: the unweighted losses, dropped fraction, and per layer the
-        load's max, min and coefficient of variation and the router entropy."""
+        """``moe/...`` scalars: the unweighted losses, dropped fraction, recomputed fraction
+        (mean over layers), and per layer the load's max, min and coefficient of variation
+        and the router entropy."""
         sg = jax.lax.stop_gradient
         out = {
             "moe/load_balance_loss": sg(jnp.mean(self.balance)),
             "moe/router_z_loss": sg(jnp.mean(self.z)),
             "moe/dropped_fraction": jnp.mean(self.dropped),
+            "moe/recomputed_fraction": jnp.mean(self.recomputed),
         }
         num_layers = self.load.shape[0]
         width = len(str(num_layers - 1))
