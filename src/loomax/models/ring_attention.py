@@ -269,9 +269,12 @@ def _ring_bwd(scale, block, axis, ways, residuals, g):
         dq, dk, dv = backward_blocks(queries, *grads, dq, keys, scale, causal=False, dkv=dkv)
         return dq, (dk, dv)
 
-    dq_e, *dkv_e = diagonal_backward(qe, ge, _after(jnp.zeros(qe[0].shape, acc), lse), ke, scale)
-    dq_l, dkv_e = attend(ql, gl, _after(jnp.zeros(ql[0].shape, acc), lse), ke, tuple(dkv_e))
-    dq_l, *dkv_l = diagonal_backward(ql, gl, dq_l, kl, scale)
+    def zeros(like):  # accumulators, built once the forward is done
+        return _after(jnp.zeros(like.shape, acc), lse)
+
+    dq_e, *dkv_e = diagonal_backward(qe, ge, zeros(qe[0]), ke, scale, (zeros(ke[0]),) * 2)
+    dq_l, dkv_e = attend(ql, gl, zeros(ql[0]), ke, tuple(dkv_e))
+    dq_l, *dkv_l = diagonal_backward(ql, gl, dq_l, kl, scale, (zeros(kl[0]),) * 2)
     grads = (dkv_e, tuple(dkv_l))
 
     def visit(dqs, held, grads):
