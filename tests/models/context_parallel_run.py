@@ -286,6 +286,9 @@ def memory():
         "one_device": attention_bytes(1, "ring"),
         "ring": attention_bytes(CONTEXT, "ring"),
         "all_gather": attention_bytes(CONTEXT, "all_gather"),
+        # zig-zag chunks of 256 positions: a block of 256 fits, RING_BLOCK caps it
+        "ring_block_256": attention_bytes(CONTEXT, "ring", seq=2048, flash_block=256),
+        "ring_block_128": attention_bytes(CONTEXT, "ring", seq=2048, flash_block=128),
     }
 
 

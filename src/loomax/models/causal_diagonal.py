@@ -18,21 +18,13 @@ import jax.numpy as jnp
 from loomax.models.flash import (
     acc_dtype,
     backward_blocks,
+    block_at,
     forward_blocks,
     grad_step,
+    put_block,
     softmax_step,
     tie_to_queries,
 )
-
-
-def _at(tree, i):
-    """Block ``i`` (traced) of each leaf of ``tree``."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
-
-
-def _put(tree, i, value):
-    """``tree`` with block ``i`` of each leaf replaced by ``value`` (in place in a loop)."""
-    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, i, 0), tree, value)
 
 
 def _pick(first, a, b):
@@ -54,45 +46,47 @@ def diagonal_forward(queries, state, keys, scale: float):
         return forward_blocks(queries, state, keys, scale)
 
     def per_pair(state, p):
-        qa, qz = tie_to_queries(_at(queries, p), _at(queries, m - 1 - p))
+        qa, qz = tie_to_queries(block_at(queries, p), block_at(queries, m - 1 - p))
 
         def step(states, t):
             first, index = _schedule(p, t)
-            pair = (*_pick(first, qa, qz), *_at(keys, index))
+            pair = (*_pick(first, qa, qz), *block_at(keys, index))
             new = softmax_step(_pick(first, *states), pair, scale)
             return _pick(first, (new, states[1]), (states[0], new)), None
 
-        (sa, sz), _ = jax.lax.scan(step, (_at(state, p), _at(state, m - 1 - p)), jnp.arange(m + 1))
-        return _put(_put(state, p, sa), m - 1 - p, sz), None
+        pair_states = (block_at(state, p), block_at(state, m - 1 - p))
+        (sa, sz), _ = jax.lax.scan(step, pair_states, jnp.arange(m + 1))
+        return put_block(put_block(state, p, sa), m - 1 - p, sz), None
 
     return jax.lax.scan(per_pair, state, jnp.arange(m // 2))[0]
 
 
-def diagonal_backward(queries, grads, dq, keys, scale: float):
-    """``backward_blocks(queries, *grads, dq, keys, scale)`` (``grads``: ``(gb, lb, db)``)
-    for a diagonal: ``(dq, dk, dv)`` blocks, visiting only the visible block pairs."""
+def diagonal_backward(queries, grads, dq, keys, scale: float, dkv=None):
+    """``backward_blocks(queries, *grads, dq, keys, scale, dkv=dkv)`` (``grads``: ``(gb, lb,
+    db)``) for a diagonal: ``(dq, dk, dv)`` blocks, visiting only the visible block pairs."""
     m = queries[0].shape[0]
     if m % 2:
-        return backward_blocks(queries, *grads, dq, keys, scale)
+        return backward_blocks(queries, *grads, dq, keys, scale, dkv=dkv)
 
     def per_pair(carry, p):
         dq, dkv = carry
-        qa, qz = _at(queries, p), _at(queries, m - 1 - p)
-        ga, gz = _at(grads, p), _at(grads, m - 1 - p)
+        qa, qz = block_at(queries, p), block_at(queries, m - 1 - p)
+        ga, gz = block_at(grads, p), block_at(grads, m - 1 - p)
 
         def step(carry, t):
             dqs, dkv = carry
             first, index = _schedule(p, t)
-            pair = (*_pick(first, qa, qz), *_at(keys, index))
+            pair = (*_pick(first, qa, qz), *block_at(keys, index))
             dq_new, dk_b, dv_b = grad_step(_pick(first, *dqs), pair, _pick(first, ga, gz), scale)
             dqs = _pick(first, (dq_new, dqs[1]), (dqs[0], dq_new))
-            dkv = _put(dkv, index, jax.tree.map(jnp.add, _at(dkv, index), (dk_b, dv_b)))
+            dkv = put_block(dkv, index, jax.tree.map(jnp.add, block_at(dkv, index), (dk_b, dv_b)))
             return (dqs, dkv), None
 
-        dqs = (_at(dq, p), _at(dq, m - 1 - p))
+        dqs = (block_at(dq, p), block_at(dq, m - 1 - p))
         ((dqa, dqz), dkv), _ = jax.lax.scan(step, (dqs, dkv), jnp.arange(m + 1))
-        return (_put(_put(dq, p, dqa), m - 1 - p, dqz), dkv), None
+        return (put_block(put_block(dq, p, dqa), m - 1 - p, dqz), dkv), None
 
-    zeros = jnp.zeros(keys[0].shape, acc_dtype(queries[0].dtype))
-    (dq, (dk, dv)), _ = jax.lax.scan(per_pair, (dq, (zeros, zeros)), jnp.arange(m // 2))
+    if dkv is None:
+        dkv = (jnp.zeros(keys[0].shape, acc_dtype(queries[0].dtype)),) * 2
+    (dq, (dk, dv)), _ = jax.lax.scan(per_pair, (dq, dkv), jnp.arange(m // 2))
     return dq, dk, dv

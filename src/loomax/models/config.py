@@ -67,7 +67,7 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     scan_layers: bool = True
     """Run the layers by a scan; false = unrolled, one block after another (same stacked parameters and checkpoints)."""
     flash_attention_block_size: int | None = None
-    """Query and key block of the blockwise attention backend; null = 256."""
+    """Query and key block of the blockwise attention backend; null = 256 (the blockwise ring's at most 128)."""
     embed_pdrop: float = 0.0
     """Dropout rate on the embeddings, in training only (the step's key); 0 = off."""
     resid_pdrop: float = 0.0

@@ -40,6 +40,16 @@ def visible_mask(q_pos, k_pos, q_seg, k_seg, window: int | None = None):
     return mask
 
 
+def block_at(tree, i):
+    """Block ``i`` (traced) of each leaf of ``tree`` (blocks along the leading axis)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def put_block(tree, i, value):
+    """``tree`` with block ``i`` of each leaf replaced by ``value`` (in place in a loop)."""
+    return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, i, 0), tree, value)
+
+
 def _split_blocks(x, block, axis):
     """``[..., n * block, ...] -> [n, ..., block, ...]`` along ``axis``."""
     shape = x.shape
@@ -159,6 +169,12 @@ def softmax_step(carry, pair, scale: float, window=None, softcap=None, causal=Tr
     return m_new, total, o * corr[..., None] + pv
 
 
+def _key_grad(x, t):
+    """``sum over (g, q) of t[b,k,g,q,s] x[b,k,g,q,d]`` as ``[B, K, S, D]``: x^T t, then its
+    (small) transpose, so the score-sized ``t`` needs no transposed copy."""
+    return jnp.swapaxes(jnp.einsum("bkgqd,bkgqs->bkds", x, t), -1, -2)
+
+
 def grad_step(dq, pair, grads, scale: float, window=None, softcap=None, causal=True):
     """``(dq, dk_b, dv_b)``: a query block's ``dq`` carried on over a key block, and that key
     block's dK/dV from these queries; ``pair`` as in ``softmax_step``, ``grads`` the query
@@ -167,13 +183,13 @@ def grad_step(dq, pair, grads, scale: float, window=None, softcap=None, causal=T
     acc = acc_dtype(q_b.dtype)
     s, mask = _block_scores(q_b, k_b, qp, kp, qs, ks, scale, window, softcap, causal)
     p = jnp.where(mask, jnp.exp(s - l_b[..., None]), 0.0)
-    dv_b = jnp.einsum("bkgqs,bkgqd->bksd", p, g_b.astype(acc))
+    dv_b = _key_grad(g_b.astype(acc), p)
     dp = jnp.einsum("bkgqd,bksd->bkgqs", g_b.astype(acc), v_b.astype(acc))
     ds = p * (dp - d_b[..., None]) * scale
     if softcap is not None:  # d(cap * tanh(x / cap)) = 1 - (capped / cap)^2
         ds = ds * (1 - jnp.square(s / softcap))
     dq = dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, k_b.astype(acc))
-    dk_b = jnp.einsum("bkgqs,bkgqd->bksd", ds, q_b.astype(acc))
+    dk_b = _key_grad(q_b.astype(acc), ds)
     return dq, dk_b, dv_b
 
 
@@ -236,42 +252,49 @@ def block_forward(
 
 
 def backward_blocks(
-    queries, gb, lb, db, dq, keys, scale: float, window=None, softcap=None, causal=True
-):
+    queries, gb, lb, db, dq, keys, scale: float, window=None, softcap=None, causal=True,
+    dkv=None,
+):  # fmt: skip
     """``(dq, dk, dv)`` blocks, the accumulation dtype: ``dq`` (blocks like ``queries``)
     carried on over blocked ``keys``, and those keys' dK/dV, for the attention whose (global)
     log-sum-exp per query is ``lb`` and ``db = sum(g * out, -1)`` (``g``'s blocks ``gb``);
-    ``causal`` as in ``forward_blocks``."""
+    ``causal`` as in ``forward_blocks``. ``dkv``: the keys' ``(dk, dv)`` blocks so far, added
+    to (default zeros). ``dq``, dK and dV are updated in place, a block at a time: no
+    per-block stacks of partial gradients, no second copy of ``dq``."""
     qb, qpb, qsb = queries
     kb, vb, kpb, ksb = keys
     acc = acc_dtype(qb.dtype)
 
-    def per_query_block(carry, xs):
-        dk, dv = carry
-        q_b, qs, qp, g_b, l_b, d_b, dq_b = xs
+    def per_query_block(carry, i):
+        dq, dk, dv = carry
+        q_b, qs, qp, g_b, l_b, d_b, dq_b = block_at((qb, qsb, qpb, gb, lb, db, dq), i)
 
-        def per_key_block(dq, ys):
-            k_b, v_b, ks, kp = ys
+        def per_key_block(carry, j):
+            dq_b, dk, dv = carry
+            k_b, v_b, ks, kp = block_at((kb, vb, ksb, kpb), j)
 
-            def compute(dq):
+            def compute(dq_b):
                 pair = (q_b, qp, qs, k_b, v_b, kp, ks)
-                return grad_step(dq, pair, (g_b, l_b, d_b), scale, window, softcap, causal)
+                return grad_step(dq_b, pair, (g_b, l_b, d_b), scale, window, softcap, causal)
 
-            def skip(dq):
+            def skip(dq_b):
                 zeros = jnp.zeros(k_b.shape, acc)
-                return dq, zeros, zeros
+                return dq_b, zeros, zeros
 
             if not causal:
-                dq, dk_b, dv_b = compute(dq)
+                dq_b, dk_b, dv_b = compute(dq_b)
             else:
-                dq, dk_b, dv_b = jax.lax.cond(_any_visible(qp, kp, window), compute, skip, dq)
-            return dq, (dk_b, dv_b)
+                visible = _any_visible(qp, kp, window)
+                dq_b, dk_b, dv_b = jax.lax.cond(visible, compute, skip, dq_b)
+            dk, dv = (put_block(a, j, block_at(a, j) + b) for a, b in ((dk, dk_b), (dv, dv_b)))
+            return (dq_b, dk, dv), None
 
-        dq_b, (dk_bs, dv_bs) = jax.lax.scan(per_key_block, dq_b, (kb, vb, ksb, kpb))
-        return (dk + dk_bs, dv + dv_bs), dq_b
+        (dq_b, dk, dv), _ = jax.lax.scan(per_key_block, (dq_b, dk, dv), jnp.arange(kb.shape[0]))
+        return (put_block(dq, i, dq_b), dk, dv), None
 
-    zeros = jnp.zeros(kb.shape, acc)
-    (dk, dv), dq = jax.lax.scan(per_query_block, (zeros, zeros), (qb, qsb, qpb, gb, lb, db, dq))
+    if dkv is None:
+        dkv = (jnp.zeros(kb.shape, acc),) * 2
+    (dq, dk, dv), _ = jax.lax.scan(per_query_block, (dq, *dkv), jnp.arange(qb.shape[0]))
     return dq, dk, dv
 
 

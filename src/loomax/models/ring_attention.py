@@ -69,6 +69,11 @@ from loomax.models.splash import (
 
 VARIANTS = ("ring", "all_gather")
 """``model.context_parallel``: how attention crosses a split sequence."""
+RING_BLOCK = 128
+"""Largest query and key block of the blockwise ring: its score tiles (block^2 x heads) are
+the one part of a device's working set that does not shrink with the context axis (at 8,192
+positions, context 4, 8 heads: 0.5 MiB a tile at 128, 2 MiB at 256; a tiny Llama's CPU step
+ran as fast with 128 as with 256, docs/sharding.md)."""
 RING_RESIDUALS = "ring_residuals"
 """Checkpoint name of the ring's output and log-sum-exp (its backward's residuals)."""
 
@@ -103,6 +108,8 @@ def context_parallel_attention(
     heads = mapped_axes(mesh, Heads, K * G, K, keep_trivial=True)
     kernel = ring_kernel(backend, variant, T // (2 * ways), splash_blocks)
     block = min(block, T // (2 * ways))  # a block never straddles two zig-zag chunks
+    if variant == "ring":
+        block = min(block, RING_BLOCK)
     if kernel == "splash":
         local = partial(
             splash_ring_attention,
@@ -196,6 +203,16 @@ def _join(blocks, axis: int, length: int):
     return jnp.concatenate(parts, axis=axis)
 
 
+def _after(x, anchor):
+    """``x``, made to wait for ``anchor``: ``x + 0 * anchor[0, ...]`` (``anchor`` finite).
+    XLA:CPU drops optimization barriers before it schedules, and its concurrency-optimized
+    scheduler starts a value as soon as its operands exist: the backward's zero dQ
+    accumulators and its layout of the cotangent would be built at the start of the
+    program and held through the forward pass (docs/sharding.md, "Memory per device")."""
+    first = jax.lax.index_in_dim(anchor.reshape(-1), 0, keepdims=False)
+    return x + (first * 0).astype(x.dtype)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _ring(q, k, v, pos, seg, scale, block, axis, ways):
     return _ring_forward(q, k, v, pos, seg, scale, block, axis, ways)[0]
@@ -242,31 +259,36 @@ def _ring_fwd(q, k, v, pos, seg, scale, block, axis, ways):
 def _ring_bwd(scale, block, axis, ways, residuals, g):
     q, k, v, pos, seg, out, lse = residuals
     c, acc = q.shape[-2] // 2, lse.dtype
+    g = _after(g, lse)  # the backward's layouts and accumulators wait for the forward
     delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)
     (qe, ql), (ke, kl) = _chunks(q, k, v, pos, seg, block)
     ge, gl = (grad_blocks(g[..., h, :], lse[..., h], delta[..., h], block)
               for h in (slice(0, c), slice(c, 2 * c)))  # fmt: skip
 
-    def attend(queries, grads, dq, keys):
-        return backward_blocks(queries, *grads, dq, keys, scale, causal=False)
+    def attend(queries, grads, dq, keys, dkv):
+        dq, dk, dv = backward_blocks(queries, *grads, dq, keys, scale, causal=False, dkv=dkv)
+        return dq, (dk, dv)
 
-    dq_e, dk_e, dv_e = diagonal_backward(qe, ge, jnp.zeros(qe[0].shape, acc), ke, scale)
-    dq_l, dk_x, dv_x = attend(ql, gl, jnp.zeros(ql[0].shape, acc), ke)
-    dq_l, dk_l, dv_l = diagonal_backward(ql, gl, dq_l, kl, scale)
-    grads = ((dk_e + dk_x, dv_e + dv_x), (dk_l, dv_l))
+    def zeros(like):  # accumulators, built once the forward is done
+        return _after(jnp.zeros(like.shape, acc), lse)
+
+    dq_e, *dkv_e = diagonal_backward(qe, ge, zeros(qe[0]), ke, scale, (zeros(ke[0]),) * 2)
+    dq_l, dkv_e = attend(ql, gl, zeros(ql[0]), ke, tuple(dkv_e))
+    dq_l, *dkv_l = diagonal_backward(ql, gl, dq_l, kl, scale, (zeros(kl[0]),) * 2)
+    grads = (dkv_e, tuple(dkv_l))
 
     def visit(dqs, held, grads):
-        (dq_e, dq_l), (he, hl), ((dk_e, dv_e), (dk_l, dv_l)) = dqs, held, grads
+        (dq_e, dq_l), (he, hl), (dkv_e, dkv_l) = dqs, held, grads
 
-        def early_keys():
-            dq_e2, dk_1, dv_1 = attend(qe, ge, dq_e, he)
-            dq_l2, dk_2, dv_2 = attend(ql, gl, dq_l, he)
-            return (dq_e2, dq_l2), ((dk_e + dk_1 + dk_2, dv_e + dv_1 + dv_2), (dk_l, dv_l))
+        def early_keys():  # their early keys: both our query chunks add to its dK/dV
+            dq_e2, dkv = attend(qe, ge, dq_e, he, dkv_e)
+            dq_l2, dkv = attend(ql, gl, dq_l, he, dkv)
+            return (dq_e2, dq_l2), (dkv, dkv_l)
 
-        def late_queries():
-            dq_l2, dk_1, dv_1 = attend(ql, gl, dq_l, he)
-            dq_l2, dk_2, dv_2 = attend(ql, gl, dq_l2, hl)
-            return (dq_e, dq_l2), ((dk_e + dk_1, dv_e + dv_1), (dk_l + dk_2, dv_l + dv_2))
+        def late_queries():  # our late queries over both their chunks
+            dq_l2, dkv_e2 = attend(ql, gl, dq_l, he, dkv_e)
+            dq_l2, dkv_l2 = attend(ql, gl, dq_l2, hl, dkv_l)
+            return (dq_e, dq_l2), (dkv_e2, dkv_l2)
 
         return jax.lax.cond(_from_earlier(held, qe), early_keys, late_queries)
 
