@@ -204,13 +204,14 @@ def _join(blocks, axis: int, length: int):
 
 
 def _after(x, anchor):
-    """``x``, made to wait for ``anchor``: ``x + 0 * anchor[0, ...]`` (``anchor`` finite).
+    """``x``, made to wait for ``anchor``: ``x`` plus a zero computed from ``anchor[0, ...]``
+    (0 times whether it is NaN: a zero whatever the anchor holds, inf and NaN included).
     XLA:CPU drops optimization barriers before it schedules, and its concurrency-optimized
     scheduler starts a value as soon as its operands exist: the backward's zero dQ
     accumulators and its layout of the cotangent would be built at the start of the
     program and held through the forward pass (docs/sharding.md, "Memory per device")."""
     first = jax.lax.index_in_dim(anchor.reshape(-1), 0, keepdims=False)
-    return x + (first * 0).astype(x.dtype)
+    return x + jnp.isnan(first).astype(x.dtype) * 0
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
