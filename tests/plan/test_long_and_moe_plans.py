@@ -5,6 +5,7 @@ a note, and a mixture of experts compiled for a TPU slice on a CPU host runs the
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 from jax.extend import core as jex_core
@@ -64,14 +65,18 @@ def test_a_plan_notes_a_context_group_across_hosts():
         assert SPANS_HOSTS_NOTE not in built.notes
 
 
-@pytest.mark.parametrize("expert", [2, 1])
-def test_a_mixture_of_experts_for_a_tpu_slice_runs_the_megablox_kernel(expert):
+@pytest.mark.parametrize("expert,kept", [(2, False), (1, False), (2, True)])
+def test_a_mixture_of_experts_for_a_tpu_slice_runs_the_megablox_kernel(expert, kept):
     """``moe.matmul: auto`` follows the devices compiled for, not this CPU host: with expert
     parallelism (``shard_map``) the step for a TPU slice calls megablox's gmm (compiled for
     the chip, not interpreted) and the count charges its calls as kernels; without, the
-    blocked form (XLA cannot partition a Mosaic kernel by itself), and the step compiles."""
+    blocked form (XLA cannot partition a Mosaic kernel by itself), and the step compiles.
+    With the experts' projections kept (``moe.saved_rows``), the backward runs no forward
+    gmm again, and the report says what the count assumes and the step if it did."""
     flags = [*TINY, "--model.type", "mixtral", "--trainer.train_batch_size", "4"]  # last type wins
     flags += ["--model.moe.num_experts", "4", "--trainer.mesh.expert", str(expert)]
+    if kept:
+        flags += ["--model.moe.saved_rows", "1.5", "--model.remat_save", "[moe_up, moe_out]"]
     config = parse_config(TrainLmConfig, None, flags)
     with built_step(config, topology("v5p:2x2x1").devices) as built:
         jaxpr = built.trace().jaxpr
@@ -80,11 +85,17 @@ def test_a_mixture_of_experts_for_a_tpu_slice_runs_the_megablox_kernel(expert):
     gmm = [e for e in calls if not str(e.params.get("name") or "").startswith("splash")]
     if expert == 1:
         assert not kernels and not gmm
-    else:  # 2 layers: 3 forward, 3 + 6 backward, on each of the 4 chips
-        assert sum(k.calls for k in kernels) == 24 * 4
+    else:  # 2 layers: 3 forward, (3 again unless kept) + 6 backward, on each of the 4 chips
+        assert sum(k.calls for k in kernels) == (18 if kept else 24) * 4
         assert gmm and all(not e.params.get("interpret") for e in gmm)
     result = compile_run(config, topology("v5p:2x2x1"))
     assert result.fits and result.error is None
+    fallback = [n for n in result.notes if "model.moe.saved_rows" in n]
+    assert len(fallback) == kept
+    if kept:  # 2 layers x 4 chips; every layer recomputing costs more
+        assert "(8 such conditionals a step, all devices). If every one did: est." in fallback[0]
+        worst = float(re.search(r"MFU (\d+\.\d)%", fallback[0]).group(1))
+        assert worst < 100 * result.est_mfu
 
 
 def _eqns(jaxpr):

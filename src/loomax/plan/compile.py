@@ -18,7 +18,7 @@ import contextlib
 import math
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import jax
 
@@ -282,14 +282,14 @@ def _times(compiled, topology: Topology, count: StepCount) -> tuple[float | None
 
 def _fallback_note(result: CompileResult, compiled, topology: Topology, count, worst) -> None:
     """The estimate's assumption about the MoE layers' kept rows, and the step if every
-    conditional took its fallback (``plan/flops.py``, ``models/expert_ffn.py``)."""
-    xla_s, kernel_s = _times(compiled, topology, worst)
-    peak = topology.peak_per_device
+    conditional took its fallback (``plan/flops.py``, ``models/expert_ffn.py``): the same
+    estimate (cost model or roofline) of the count with the fallbacks in."""
+    alt = replace(result, notes=[], est_step_s=None, est_mfu=None)
+    _estimate(alt, compiled, topology, worst)
     worst_case = "no estimate"
-    if xla_s is not None and peak:
-        step = xla_s + kernel_s
-        mfu = result.model_flops / (step * peak * topology.num_devices)
-        worst_case = f"est. {step:.3g} s a step, MFU {mfu:.1%}"
+    if alt.est_step_s is not None and alt.est_mfu is not None:
+        kind = "a lower bound of" if alt.estimate == "roofline" else "est."
+        worst_case = f"{kind} {alt.est_step_s:.3g} s a step, MFU {alt.est_mfu:.1%}"
     result.notes.append(
         "FLOPs, kernels and the estimate assume every device's routed rows fit the rows its MoE "
         "layers keep (model.moe.saved_rows); a device holding more recomputes its experts' "
