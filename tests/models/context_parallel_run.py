@@ -62,15 +62,16 @@ def attention_inputs(order):
     return named, hax.named(jnp.asarray(seg[:, order], jnp.int32), (Batch, Position))
 
 
-def attention_loss(variant, backend="vanilla", block=4, remat=None):
+def attention_loss(variant, backend="vanilla", block=4, remat=None, **options):
     """The gradient of a weighted sum of the attention output; ``remat``: a Haliax scan
-    policy (``models/remat.scan_policy``) the attention is checkpointed with."""
+    policy (``models/remat.scan_policy``) the attention is checkpointed with; ``options``
+    more of ``causal_attention``'s (e.g. ``splash_blocks``). Also ``ring_splash_run.py``'s."""
 
     def loss(q, k, v, w, seg):
         def attend(q, k, v):
             return causal_attention(
                 q, k, v, backend=backend, segment_ids=seg, flash_block=block,
-                context_parallel=variant,
+                context_parallel=variant, **options,
             )  # fmt: skip
 
         if remat is not None:

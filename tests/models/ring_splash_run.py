@@ -13,13 +13,13 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import context_parallel_run  # noqa: E402  (this folder: the worker's sys.path[0])
 import haliax as hax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from loomax.mesh import MeshConfig, make_axis_mappings  # noqa: E402
-from loomax.models.attention import causal_attention  # noqa: E402
 from loomax.models.axes import Batch, Heads, HeadSize, KeyPosition, KvHeads, Position  # noqa: E402
 from loomax.models.remat import scan_policy  # noqa: E402
 from loomax.models.ring_attention import RING_RESIDUALS  # noqa: E402
@@ -59,20 +59,9 @@ def inputs(order, batch: int, heads: int, kv_heads: int):
 def attention_loss(backend: str, remat=None):
     """Value and q/k/v gradients of a weighted sum of the ring's output; ``remat``: a Haliax
     scan policy (``models/remat.scan_policy``) the attention is checkpointed with."""
-
-    def loss(q, k, v, w, seg):
-        def attend(q, k, v):
-            return causal_attention(
-                q, k, v, backend=backend, segment_ids=seg, flash_block=64,
-                splash_blocks=(BLOCK, BLOCK), context_parallel="ring",
-            )  # fmt: skip
-
-        if remat is not None:
-            attend = remat.checkpoint("carry", "input", attend)
-        out = attend(q, k, v)
-        return hax.sum(out * w).scalar(), out
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    return context_parallel_run.attention_loss(
+        "ring", backend, 64, remat, splash_blocks=(BLOCK, BLOCK)
+    )
 
 
 def main() -> dict:
