@@ -188,3 +188,43 @@ def test_a_wait_looks_at_a_local_ledger_often_and_at_an_object_store_less(tmp_pa
 
     assert poll(str(tmp_path / "cache")) == poll("memory://cache") == LOCAL_POLL_S == 0.1
     assert poll("gs://bucket/cache") == REMOTE_POLL_S == 1.0
+
+
+def test_a_source_cut_as_it_is_read_trains_while_its_cache_builds(corpus, caplog):
+    """`records_per_shard`: the shards' number is unknown until the build reads the end of
+    the stream. A reader of the half-built cache gives the finished cache's batches, says
+    how far the build is without a total, and learns the end from the ledger."""
+    from dataclasses import replace
+
+    from loomax.data.record_shards import RecordShards
+
+    source = replace(corpus.shards[0].source, records_per_shard=6)
+    shards = 105 // 6 + 1  # 105 documents: 17 logical shards of 6, then one of 3
+
+    def records(url, **kwargs):
+        return build_token_cache(
+            RecordShards(source), corpus.tokenizer, url, progress=False, **kwargs
+        )
+
+    def open_ended(url, key) -> GrowingWindows:
+        cache = GrowingCache(url, key, RecordShards(source).names)
+        return GrowingWindows(cache, SEQ_LEN, CHUNK, "data.train[0]", poll_s=0.02)
+
+    full_url, part_url = (f"memory://records-{uuid.uuid4().hex[:8]}-{x}" for x in "fp")
+    key = records(full_url).fingerprint
+    with pytest.raises(TokenCacheError, match="on purpose"):
+        records(part_url, before_piece=fail_from(7))  # shards 0-6: chunks 0-2
+    full, part = open_ended(full_url, key), open_ended(part_url, key)
+    assert full.refresh() > part.refresh() > 0
+    assert full.complete and full.cache.num_shards == shards and full.num_chunks == 9
+    assert part.chunks_ready == 3 and not part.complete and not part.cache.num_shards_known
+    assert part.progress().startswith("7 shards tokenized (of a stream)")
+    full_loader = BatchLoader(full, 4, seed=1, prefetch=0)
+    part_loader = BatchLoader(part, 4, seed=1, prefetch=0)
+    ready_steps = len(part) // 4
+    for step in range(ready_steps):
+        np.testing.assert_array_equal(part_loader.batch(step), full_loader.batch(step))
+    records(part_url)  # the next run resumes the build: shards 7-17
+    for step in range(ready_steps, 2 * (len(full) // 4) + 1):  # through a second epoch
+        np.testing.assert_array_equal(part_loader.batch(step), full_loader.batch(step))
+    assert part.complete and part.cache.num_shards == shards and len(part) == len(full)

@@ -151,6 +151,7 @@ def test_records_per_shard_errors():
     streamed = SourceConfig(urls=["a.jsonl"], records_per_shard=10)
     with pytest.raises(TypeError, match="every 10 records: the number of shards"):
         list(RecordShards(streamed))
-    config = DataConfig(train=[streamed], stream_while_building=True)
-    with pytest.raises(ConfigError, match=r"data.train\[0\].records_per_shard cannot be used"):
-        check_streaming(config)
+    check_streaming(DataConfig(train=[streamed], stream_while_building=True))  # trains as it builds
+    limited = SourceConfig(urls=["a.jsonl"], records_per_shard=10, max_documents=5)
+    with pytest.raises(ConfigError, match=r"data.train\[0\].max_documents cannot be used"):
+        check_streaming(DataConfig(train=[limited], stream_while_building=True))

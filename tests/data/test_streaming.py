@@ -39,14 +39,17 @@ def shards(tmp_path_factory):
     return str(root / f"part_{{0..{NUM_SHARDS - 1}}}.jsonl")
 
 
-def config(tmp_path, shards, cache: str, run: str, *extra: str) -> TrainLmConfig:
-    return parse_config(TrainLmConfig, None, arguments(tmp_path, shards, cache, run, *extra))
+def config(tmp_path, shards, cache: str, run: str, *extra: str, **source) -> TrainLmConfig:
+    return parse_config(
+        TrainLmConfig, None, arguments(tmp_path, shards, cache, run, *extra, **source)
+    )
 
 
-def arguments(tmp_path, shards, cache: str, run: str, *extra: str) -> list[str]:
-    """The command-line overrides of the tiny run `run` on the cache under `cache`."""
+def arguments(tmp_path, shards, cache: str, run: str, *extra: str, **source) -> list[str]:
+    """The command-line overrides of the tiny run `run` on the cache under `cache`
+    (`source`: more settings of the train source)."""
     args = {
-        "data.train": json.dumps([{"urls": [shards]}]),
+        "data.train": json.dumps([{"urls": [shards], **source}]),
         "data.tokenizer_vocab_size": "300",
         "data.validation_fraction": "0.1",
         "data.cache_dir": cache,
@@ -98,6 +101,33 @@ def test_a_run_on_a_building_cache_has_the_finished_caches_losses(
     build_caches(building.data, prepare_tokenizer(building.data), progress=False)  # `loomax cache`
     finished = train_lm(config(tmp_path, shards, cache, "finished"))
     assert first.final.step == finished.final.step == 12
+    assert losses(tmp_path, "building") == losses(tmp_path, "finished")
+    assert len(losses(tmp_path, "building")) == 12
+
+
+def test_a_source_read_as_one_stream_trains_while_its_cache_builds(
+    tmp_path, shards, monkeypatch, caplog
+):
+    """`records_per_shard` (a source too large to list, cut into logical shards as the
+    build reads it): a run starts before the build knows how many shards there are and
+    trains on the batches, and losses, of a run on the finished cache."""
+    slow = build_module.build_piece
+    monkeypatch.setattr(
+        build_module,
+        "build_piece",
+        lambda job, tok: (time.sleep(0.3) if job.position >= 2 else None) or slow(job, tok),
+    )
+    cache = f"memory://records-{uuid.uuid4().hex[:8]}"
+    streamed = dict(records_per_shard=30)  # 320 documents: 10 shards of 30, one of 20
+    building = config(tmp_path, shards, cache, "building", **streamed)
+    caplog.set_level(logging.INFO, logger="loomax.data.streaming")
+    train_lm(building)
+    [started] = [r.getMessage() for r in caplog.records if "training starts on" in r.getMessage()]
+    assert "(of a stream)" in started, started  # before the build knew how many shards
+    monkeypatch.setattr(build_module, "build_piece", slow)
+    [info], _ = build_caches(building.data, prepare_tokenizer(building.data), progress=False)
+    assert info.shards_total == 11
+    train_lm(config(tmp_path, shards, cache, "finished", **streamed))
     assert losses(tmp_path, "building") == losses(tmp_path, "finished")
     assert len(losses(tmp_path, "building")) == 12
 

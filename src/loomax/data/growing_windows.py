@@ -64,7 +64,6 @@ class GrowingWindows:
         if chunk_shards < 1:
             raise ValueError(f"chunk_shards must be >= 1, got {chunk_shards}")
         self.cache, self.seq_len, self.chunk_shards, self.name = cache, seq_len, chunk_shards, name
-        self.num_chunks = -(-cache.num_shards // chunk_shards)
         if poll_s is None:
             local = local_path(cache.root.url) is not None or cache.root.url.startswith("memory://")
             poll_s = LOCAL_POLL_S if local else REMOTE_POLL_S
@@ -80,6 +79,11 @@ class GrowingWindows:
         return range(
             chunk * self.chunk_shards, min((chunk + 1) * self.chunk_shards, self.cache.num_shards)
         )
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks of the cache (huge until the number of shards is known: `records_per_shard`)."""
+        return -(-self.cache.num_shards // self.chunk_shards)
 
     @property
     def chunks_ready(self) -> int:
@@ -116,10 +120,14 @@ class GrowingWindows:
         """How far the build is, for the log: shards and tokens done, chunks ready."""
         done = self.cache.entries
         tokens = sum(self.cache.tokens(p) for p in done)
-        share = len(done) / max(1, self.cache.num_shards)
+        if self.cache.num_shards_known:
+            share = len(done) / max(1, self.cache.num_shards)
+            shards = f"{len(done)}/{self.cache.num_shards} shards tokenized ({share:.0%})"
+            chunks = f"{self.chunks_ready}/{self.num_chunks}"
+        else:  # a source cut into shards as it is read: its end is not known yet
+            shards, chunks = f"{len(done)} shards tokenized (of a stream)", f"{self.chunks_ready}"
         return (
-            f"{len(done)}/{self.cache.num_shards} shards tokenized ({share:.0%}), "
-            f"{tokens:,} train tokens; {self.chunks_ready}/{self.num_chunks} chunks of "
+            f"{shards}, {tokens:,} train tokens; {chunks} chunks of "
             f"{self.chunk_shards} shards ready ({len(self):,} windows)"
         )
 

@@ -73,6 +73,11 @@ class RecordShards(Sequence[Shard]):
         if short:
             self.end = min(short) + 1
 
+    @property
+    def names(self) -> RecordShardNames:
+        """The shards' names, as a reader of the growing cache needs them (open-ended)."""
+        return RecordShardNames(self)
+
     def read(
         self, *, skip_bad_records: bool = False, max_documents: int | None = None
     ) -> Iterator[tuple[int, tuple[str, ...], int]]:
@@ -92,3 +97,33 @@ class RecordShards(Sequence[Shard]):
             if self.end is not None:
                 return
             index += 1
+
+
+class RecordShardNames(Sequence[str]):
+    """The names of `shards`' logical shards, for a reader of their cache while it builds
+    (`GrowingCache`): its length is unknown (huge) until `learn_end` finds the last shard
+    in the ledger (or the build's reading of the stream does)."""
+
+    def __init__(self, shards: RecordShards) -> None:
+        self.shards = shards
+
+    @property
+    def end(self) -> int | None:
+        """How many shards there are, once known."""
+        return self.shards.end
+
+    def learn_end(self, ledger: dict[int, dict]) -> None:
+        """`RecordShards.learn_end`: the end, from the ledger entries read so far."""
+        self.shards.learn_end(ledger)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self.shards[index].name

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from loomax.data.background_build import BackgroundBuilds
 from loomax.data.config import DataConfig
 from loomax.data.dataset import LmDatasets, build_caches, cache_plan
 from loomax.data.growing_windows import GrowingWindows
+from loomax.data.record_shards import RecordShards
 from loomax.data.run_tokenizer import prepare_tokenizer
 from loomax.data.token_cache import TokenCache
 from loomax.data.token_cache.layout import META_FILE
@@ -39,12 +41,6 @@ logger = logging.getLogger(__name__)
 def check_streaming(config: DataConfig) -> None:
     """`ConfigError` for what `stream_while_building` cannot do, before any work."""
     for i, source in enumerate(config.train):
-        if source.records_per_shard is not None:
-            raise ConfigError(
-                f"data.train[{i}].records_per_shard cannot be used with "
-                "data.stream_while_building: true yet (its shards are learned as the build "
-                "reads them); build the cache first (`loomax cache`), or remove one"
-            )
         if source.max_documents is not None:
             raise ConfigError(
                 f"data.train[{i}].max_documents cannot be used with "
@@ -84,7 +80,7 @@ def streaming_datasets(
     for i, plan in enumerate(plans):
         name = f"data.train[{i}]"
         windows = GrowingWindows(
-            GrowingCache(plan.url, plan.key, [shard.name for shard in plan.shards]),
+            GrowingCache(plan.url, plan.key, _shard_names(plan.shards)),
             seq_len,
             config.stream_chunk_shards,
             name,
@@ -146,6 +142,14 @@ def _build(plan, tokenizer_path, config, ray, held, should_stop):
         progress=False,
         should_stop=should_stop,
     )
+
+
+def _shard_names(shards) -> Sequence[str]:
+    """The names of a cache's shards in order; open-ended for a source cut into logical
+    shards as it is read (`records_per_shard`: learned from the ledger as it grows)."""
+    if isinstance(shards, RecordShards):
+        return RecordShards(shards.source).names  # its own: the build's learns apart
+    return [shard.name for shard in shards]
 
 
 def _needs_ray(url: str) -> bool:

@@ -28,13 +28,15 @@ class GrowingCache:
     """The shards of the cache at `url` (of fingerprint `key`) that are done, readable by split.
 
     `names` are the build's shard names in order (an entry counts only under its own name
-    and fingerprint, as in the build's ledger).
+    and fingerprint, as in the build's ledger). For a source cut into logical shards as
+    it is read (`records_per_shard`) they are open-ended: a sequence whose `learn_end`
+    finds their number in the ledger entries, `end` None until then.
     """
 
     def __init__(self, url: str | os.PathLike, key: str, names: Sequence[str]) -> None:
         self.root = Directory(to_url(url))
         self.key = key
-        self.names = list(names)
+        self.names = names if hasattr(names, "learn_end") else list(names)  # open-ended: as is
         self.entries: dict[int, dict] = {}
         self.complete = False
         self._arrays: dict[tuple, ts.TensorStore] = {}
@@ -43,7 +45,13 @@ class GrowingCache:
 
     @property
     def num_shards(self) -> int:
+        """How many shards the cache has (huge while an open-ended count is not known)."""
         return len(self.names)
+
+    @property
+    def num_shards_known(self) -> bool:
+        """Whether `num_shards` is the count (false while open-ended names lack their end)."""
+        return getattr(self.names, "end", 0) is not None
 
     def refresh(self) -> dict[int, dict]:
         """Reads the ledger entries not seen before; returns all entries so far, by position."""
@@ -63,6 +71,8 @@ class GrowingCache:
             if entry.get("fingerprint") == self.key and entry.get("name") == self.names[position]:
                 with self._lock:
                     self.entries[position] = entry
+        if not self.num_shards_known:
+            self.names.learn_end(self.entries)  # type: ignore[attr-defined]
         if not self.complete:
             self._check_complete()
         return dict(self.entries)
