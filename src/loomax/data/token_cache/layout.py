@@ -94,14 +94,15 @@ def array_spec(url: str, dtype: str | None = None, size: int | None = None) -> d
     }
     if dtype is None:
         return spec
-    read_chunk = min(READ_CHUNK, _next_power_of_two(max(size or 0, 1)))
+    fits = _next_power_of_two(max(size or 0, 1))
+    read_chunk = min(READ_CHUNK, fits)
+    # a stored file no larger than the array needs: its index has an entry per inner
+    # chunk, so a 90-element array in a 4M-element file wrote a 32,768-entry index
+    stored = max(read_chunk, min(SHARD_TOKENS, fits))
     spec["metadata"] = {
         "shape": [size],
         "data_type": dtype,
-        "chunk_grid": {
-            "name": "regular",
-            "configuration": {"chunk_shape": [max(SHARD_TOKENS, read_chunk)]},
-        },
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [stored]}},
         "codecs": [
             {
                 "name": "sharding_indexed",
