@@ -16,7 +16,8 @@ one core and N (workers or `num_proc`) is the parallelism on both sides. Every b
 give the same tokens (digest of the token stream and document lengths). Tokens/s is
 tokens / `build_s`; medians over `--rounds`.
 
-    python bench/build_vs_map.py [--mb 40] [--shards 16] [--rounds 2] [--threads 1]
+    python bench/build_vs_map.py [--mb 40] [--shards 16] [--rounds 2] [--threads 1] [--gzip]
+                                 [--only ray1,ray2,map2_fast]
 
 The last stdout line is one JSON object with every figure.
 """
@@ -24,6 +25,7 @@ The last stdout line is one JSON object with every figure.
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import json
 import platform
@@ -89,6 +91,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", default="1", help="RAYON_NUM_THREADS of every build")
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--gzip", action="store_true", help="gzip every shard (.jsonl.gz)")
+    parser.add_argument("--only", default=",".join(KINDS), help="the builds to run, by kind")
     parser.add_argument(
         "--cpu", default="", help="the CPU as the README names it (kept in the JSON)"
     )
@@ -106,11 +110,17 @@ def main() -> None:
     print(f"load average before: {' '.join(LOAD_BEFORE)}", file=sys.stderr, flush=True)
     data = _bench_data()
     work = Path(tempfile.mkdtemp(prefix="loomax-build-vs-map-"))
-    data.make_corpus(work / "corpus", args.mb, args.shards)
+    plain = data.make_corpus(work / "corpus", args.mb, args.shards)
+    if args.gzip:  # both sides read the .gz files (datasets' json loader decompresses them)
+        for path in plain:
+            with path.open("rb") as src, gzip.open(f"{path}.gz", "wb", 6) as out:
+                data.shutil.copyfileobj(src, out)
+            path.unlink()
     tokenizer = data.train_tokenizer(work / "tokenizer.json", args.vocab)
-    runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
+    kinds = tuple(k for k in KINDS if k in args.only.split(","))
+    runs: dict[str, list[dict]] = {kind: [] for kind in kinds}
     for round_ in range(args.rounds):
-        order = KINDS[round_ % len(KINDS) :] + KINDS[: round_ % len(KINDS)]
+        order = kinds[round_ % len(kinds) :] + kinds[: round_ % len(kinds)]
         for kind in order:
             out = work / f"{kind}-{round_}"
             result = spawn(kind, work / "corpus", tokenizer, out, args.threads)
@@ -125,10 +135,19 @@ def main() -> None:
             )
     digests = {r["digest"] for rs in runs.values() for r in rs}
     median = {k: statistics.median(r["tokens_per_s"] for r in rs) for k, rs in runs.items()}
+
+    def ratio(a: str, b: str) -> float | None:
+        return median[a] / median[b] if a in median and b in median else None
+
     summary = {
         "cpu": f"{cpu_name()}, {data.os.cpu_count()} CPUs",
         "cpu_named": args.cpu,
-        "corpus": {"mb": args.mb, "shards": args.shards, "tokens": runs["ray1"][0]["tokens"]},
+        "corpus": {
+            "mb": args.mb,
+            "shards": args.shards,
+            "gzip": args.gzip,
+            "tokens": next(iter(runs.values()))[0]["tokens"],
+        },
         "rayon_threads": args.threads,
         "rounds": args.rounds,
         "same_tokens": len(digests) == 1,
@@ -136,21 +155,23 @@ def main() -> None:
         "median_build_s": {
             k: statistics.median(r["build_s"] for r in rs) for k, rs in runs.items()
         },
-        "ray_startup_s": {k: [r["startup_s"] for r in runs[k]] for k in ("ray1", "ray2")},
-        "ray2_over_map2": median["ray2"] / median["map2"],
-        "ray1_over_map1": median["ray1"] / median["map1"],
-        "ray2_over_map2_fast": median["ray2"] / median["map2_fast"],
-        "ray2_hf_over_map2": median["ray2_hf"] / median["map2"],
+        "ray_startup_s": {
+            k: [r["startup_s"] for r in runs[k]] for k in kinds if "startup_s" in runs[k][0]
+        },
+        "ray2_over_map2": ratio("ray2", "map2"),
+        "ray1_over_map1": ratio("ray1", "map1"),
+        "ray2_over_map2_fast": ratio("ray2", "map2_fast"),
+        "ray1_over_map1_fast": ratio("ray1", "map1_fast"),
+        "ray2_hf_over_map2": ratio("ray2_hf", "map2"),
         "load_average_before": LOAD_BEFORE,
         "runs": runs,
     }
-    for kind in KINDS:
+    for kind in kinds:
         print(f"{kind}: {median[kind] / 1e6:.3f} M tok/s (median of {args.rounds})")
+    pairs = [k for k in summary if k.endswith(("_over_map1", "_over_map2", "_fast")) and summary[k]]
     print(
-        f"ray2 / map2 = {summary['ray2_over_map2']:.2f}x; ray1 / map1 = "
-        f"{summary['ray1_over_map1']:.2f}x; ray2 / map2_fast = "
-        f"{summary['ray2_over_map2_fast']:.2f}x; ray2_hf / map2 = "
-        f"{summary['ray2_hf_over_map2']:.2f}x; same tokens: {summary['same_tokens']}"
+        "; ".join(f"{k.replace('_over_', ' / ')} = {summary[k]:.2f}x" for k in pairs)
+        + f"; same tokens: {summary['same_tokens']}"
     )
     print(json.dumps(summary))
     data.shutil.rmtree(work, ignore_errors=True)

@@ -129,7 +129,7 @@ def build_ray(
             config = RayConfig(num_cpus=workers)
         init_ray(config)
         startup_s = time.perf_counter() - start
-        shards = source_shards(SourceConfig(urls=[str(corpus / "*.jsonl")]))
+        shards = source_shards(SourceConfig(urls=[str(corpus / "*.jsonl*")]))  # plain or .gz
         start = time.perf_counter()
         info = build_token_cache(
             shards,
@@ -257,7 +257,7 @@ def build_hf(
             }
         return {"input_ids": [e.ids + eos for e in encode(batch["text"])]}
 
-    files = [str(p) for p in sorted(corpus.glob("*.jsonl"))]
+    files = [str(p) for p in sorted(corpus.glob("*.jsonl*"))]  # plain or .gz
     start = time.perf_counter()
     dataset = datasets.load_dataset("json", data_files=files, split="train", cache_dir=scratch)
     load_s = time.perf_counter() - start
