@@ -41,6 +41,8 @@ CANDIDATES = {
     "no_ynn": "--xla_cpu_experimental_ynn_fusion_type=",
     "xnn_dot": "--xla_cpu_experimental_xnn_fusion_type=dot",
     "ynn_all": "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce",
+    "llvm_o1": "--xla_backend_optimization_level=1",
+    "elemental_emitters": "--xla_cpu_use_fusion_emitters=false",
 }
 
 

@@ -10,7 +10,12 @@ process with a fresh cache folder:
 3. the same `loomax train` on the cache finished by 1: its losses must be the same, bitwise.
 
     python bench/stream_start.py [--mb 40] [--shards 192] [--steps 30] [--workers 2]
-                                 [--in-process]
+                                 [--in-process] [--compile-cache]
+
+With `--compile-cache`, 4. a run on the finished cache fills a JAX compilation cache (every
+program compiling in 0.1 s or more), and 5. a fresh streaming run on another empty cache
+takes its programs from there: a researcher's relaunch of a model already compiled
+(`trainer.jax_compilation_cache_dir`). Without it every run compiles cold.
 
 All runs join one Ray head of `--workers` CPUs that the bench starts first (`ray start`,
 as the tests' shared head), so Ray's own start-up (tens of seconds on a loaded VM) is in
@@ -143,13 +148,21 @@ def timeline(log: Path, started: float) -> dict[str, float]:
 
 
 def run(
-    args: list[str], watch: Path | None = None, in_process: bool = False, log: Path | None = None
+    args: list[str],
+    watch: Path | None = None,
+    in_process: bool = False,
+    log: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict:
     """Runs `loomax ARGS`; with `watch`, also the time its first `train/loss` appeared there;
-    with `log`, its stderr goes there and the figures get its `timeline`."""
+    with `log`, its stderr goes there and the figures get its `timeline`; `env` is added to
+    its environment."""
     import os
 
-    env = os.environ | {"RAY_AUTH_MODE": "disabled"}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"} | {
+        "RAY_AUTH_MODE": "disabled",
+        **(env or {}),
+    }
     start, wall_start = time.perf_counter(), time.time()
     command = [str(PYTHON), "-c", IN_PROCESS] if in_process else [str(LOOMAX)]
     stderr = log.open("w") if log is not None else None
@@ -186,6 +199,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--in-process", action="store_true", help="no Ray: builds in-process")
     parser.add_argument("--cpu", default="", help="the CPU as the README names it (in the JSON)")
+    parser.add_argument(
+        "--compile-cache",
+        action="store_true",
+        help="also a fresh run whose programs come from a JAX compilation cache filled by a run before",
+    )
     options = parser.parse_args()
     LOAD_BEFORE[:] = Path("/proc/loadavg").read_text().split()[:3]
     work = Path(tempfile.mkdtemp(prefix="loomax-stream-bench-"))
@@ -205,13 +223,14 @@ def main() -> None:
         def cache_dir(name: str) -> list[str]:
             return ["--data.cache_dir", str(work / name)]
 
-        def train(name: str, cache: str) -> dict:
+        def train(name: str, cache: str, env: dict[str, str] | None = None) -> dict:
             run_dir = work / name
             figures = run(
                 ["train", *common, *cache_dir(cache), "--trainer.run_dir", str(run_dir)],
                 watch=run_dir / "metrics.jsonl",
                 in_process=options.in_process,
                 log=work / f"{name}.log",
+                env=env,
             )
             return {**figures, "losses": losses(run_dir)}
 
@@ -236,6 +255,19 @@ def main() -> None:
             "losses_fresh_last": fresh["losses"][-1],
             "losses_finished_last": finished["losses"][-1],
         }
+        if options.compile_cache:  # every program of 0.1 s or more kept; a run fills it first
+            warm = {
+                "JAX_COMPILATION_CACHE_DIR": str(work / "jax_cache"),
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1",
+            }
+            train("fills_compile_cache", "finished", env=warm)
+            fresh_warm = train("fresh_warm", "fresh_warm", env=warm)
+            result["warm_compile_cache"] = {
+                "fresh_first_step_seconds": fresh_warm["first_step_seconds"],
+                "first_step_over_build": fresh_warm["first_step_seconds"] / build["seconds"],
+                "same_losses": fresh_warm["losses"] == finished["losses"],
+                "fresh_timeline_s": fresh_warm["timeline"],
+            }
         print(
             f"{options.shards} shards, {gz_mb:.1f} MB gzipped: `loomax cache` {build['seconds']:.1f} s; "
             f"fresh streaming run's first step at {fresh['first_step_seconds']:.1f} s "
@@ -243,6 +275,13 @@ def main() -> None:
             f"{finished['first_step_seconds']:.1f} s; same {options.steps} losses: "
             f"{result['same_losses']}"
         )
+        if options.compile_cache:
+            warm = result["warm_compile_cache"]
+            print(
+                f"with a warm JAX compilation cache: fresh run's first step at "
+                f"{warm['fresh_first_step_seconds']:.1f} s ({warm['first_step_over_build']:.0%} "
+                f"of the build); same losses: {warm['same_losses']}"
+            )
         print(json.dumps(result))
     finally:
         if head is not None:

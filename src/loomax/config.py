@@ -21,6 +21,7 @@ import draccus
 import yaml
 from draccus.utils import DecodingError, ParsingError
 
+from loomax import config_help
 from loomax.errors import UserError
 
 T = TypeVar("T")
@@ -89,6 +90,7 @@ def _decode_duration(raw_value: object, path: Sequence[str]) -> timedelta:
 
 draccus.decode.register(timedelta, _decode_duration)
 draccus.encode.register(timedelta, format_duration)
+config_help.install()  # every flag's help text in one pass per class, not one per field
 
 
 # --------------------------------------------------------------------------- parsing

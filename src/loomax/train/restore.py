@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from loomax._jax_compat import installed_version
 from loomax.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -38,6 +39,39 @@ from loomax.train.state import TrainerState, state_shardings
 from loomax.train.step import StateExtra, trainable_params
 
 logger = logging.getLogger(__name__)
+
+
+def _cpu_init_compiler_options() -> dict[str, Any]:
+    options: dict[str, Any] = {"xla_backend_optimization_level": 1}
+    if installed_version("jaxlib") < (0, 11):
+        options["xla_cpu_use_fusion_emitters"] = False  # jaxlib 0.11's XLA dropped the option
+    return options
+
+
+CPU_INIT_COMPILER_OPTIONS: dict[str, Any] = _cpu_init_compiler_options()
+"""XLA options for compiling a fresh state's init on XLA:CPU. The init runs once and is
+mostly threefry (one per parameter), which XLA:CPU's default code generation compiles
+slowly for no use: LLVM's level 1 pipeline and XLA's elemental fusion emitters compiled the
+0.37M-parameter GPT-2's init in 0.60-0.66 s instead of 1.98 s (2-core Intel SPR), with values
+bitwise equal to the default's (tested for every model family). Not for the train step:
+the elemental emitters made its steps 15% slower (bench/cpu_flags.py); and not level 0,
+which changes the values' last bits."""
+
+
+def init_program(init: Callable, shardings: Any, runtime: MeshRuntime) -> Callable:
+    """``init`` jitted to ``shardings``, compiled when first called: on XLA:CPU with
+    `CPU_INIT_COMPILER_OPTIONS`, elsewhere as ``jax.jit`` compiles it."""
+    jitted = jax.jit(init, out_shardings=shardings)
+    if runtime.mesh.devices.flat[0].platform != "cpu":
+        return jitted
+    compiled = []
+
+    def call(key: jax.Array) -> Any:
+        if not compiled:
+            compiled.append(jitted.lower(key).compile(compiler_options=CPU_INIT_COMPILER_OPTIONS))
+        return compiled[0](key)
+
+    return call
 
 
 @dataclass
@@ -132,7 +166,7 @@ class StateBuilder:
         with self.runtime.mesh_context():
             shapes = jax.eval_shape(init, key)
             shardings = self._shardings(shapes)
-            fresh = functools.partial(jax.jit(init, out_shardings=shardings), key)
+            fresh = functools.partial(init_program(init, shardings, self.runtime), key)
 
             def start() -> TrainerState:  # the state of a run that resumes nothing
                 if self.config.initialize_from is not None:
