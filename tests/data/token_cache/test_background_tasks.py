@@ -13,7 +13,7 @@ import pytest
 
 from loomax.data.sources import SourceConfig, source_shards
 from loomax.data.token_cache import build_token_cache
-from loomax.data.token_cache.build import BACKGROUND_NICE
+from loomax.data.token_cache.build import BACKGROUND_NICE, BuildStopped
 from loomax.data.token_cache.priority import autogroup_id, autogroup_nice
 from loomax.data.tokenizer import train_bpe_tokenizer
 
@@ -89,3 +89,41 @@ def test_held_background_shards_run_one_at_a_time(ray_cluster, corpus, tmp_path)
     background = sorted(spans[k] for k in range(2, NUM_SHARDS))  # by start
     assert background[0][0] >= first_chunk_end
     assert all(b[0] >= a[1] for a, b in zip(background, background[1:], strict=False))
+
+
+def test_a_stopped_build_cancels_no_task_those_running_record_their_shards(
+    ray_cluster, corpus, tmp_path
+):
+    """Stopping a build starts no new task and cancels none (a `ray.cancel` racing a task's
+    reply can abort the driver on Ray 2.60): the shards running at the stop are recorded."""
+    started = tmp_path / "started"
+    started.mkdir()
+
+    def slow(shard) -> None:  # a closure: pickled by value to the tasks
+        (started / Path(shard.name).name).write_text("")
+        time.sleep(1.5)
+
+    ledger = tmp_path / "cache" / "ledger"
+    at_stop: dict[str, set[str]] = {}
+
+    def should_stop() -> bool:
+        names = {p.stem for p in started.iterdir()}
+        if names and not at_stop:
+            recorded = {p.stem for p in ledger.glob("*.json")} if ledger.exists() else set()
+            at_stop.update(started=names, recorded=recorded)
+        return bool(names)
+
+    with pytest.raises(BuildStopped):
+        build(corpus, tmp_path / "cache", before_piece=slow, should_stop=should_stop)
+    running = at_stop["started"] - {f"shard_{p}" for p in at_stop["recorded"]}
+    assert running  # shards were mid-task when the build stopped
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        names = {p.stem for p in started.iterdir()}
+        done = {json.loads(p.read_text())["name"] for p in ledger.glob("*.json")}
+        if names <= {Path(d).stem for d in done}:
+            break
+        time.sleep(0.2)
+    done = {Path(json.loads(p.read_text())["name"]).stem for p in ledger.glob("*.json")}
+    assert running <= done  # they finished and recorded their shards
+    assert len(done) < NUM_SHARDS  # and the build did not go on past the tasks in flight

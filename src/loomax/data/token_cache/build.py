@@ -80,8 +80,8 @@ def build_token_cache(
     It is not part of the cache's settings.
 
     `should_stop`, polled about once a second while shards are tokenized, ends the build
-    early when it returns True (the tasks running are cancelled, finished shards are kept
-    in the ledger) by raising `BuildStopped`.
+    early when it returns True (no new task starts; those running finish and record their
+    shards, as do finished ones) by raising `BuildStopped`.
 
     `fast_encoder` lets the tasks encode with tiktoken where `fast_encoder.fast_encoder`
     shows it gives the tokenizer's ids (the cache is the same, byte for byte, either way).
@@ -266,7 +266,12 @@ def _run_on_ray(
     """Runs `jobs` as Ray tasks, a few per CPU at a time, in order; yields them as they end.
 
     After the first failure no new task starts, but running ones finish (their work is
-    kept in the ledger). Closing the iterator cancels the tasks still running.
+    kept in the ledger). Closing the iterator (a stop, a failure) starts no new task and
+    cancels none: the tasks still in flight finish their shards and record them, or die
+    with this driver. Ray 2.60 aborts the driver (``Check failed: it !=
+    submissible_tasks_.end() Tried to complete task that was not pending``) when a
+    ``ray.cancel`` races the reply of a task just finishing (ray-project/ray#54798 fixed
+    one such race): twice in two streaming runs that ended with 4 of 768 shards in flight.
     """
     import ray  # only here: reading a cache, or building one in memory, needs no Ray
 
@@ -278,39 +283,35 @@ def _run_on_ray(
     in_flight = 2 * cpus
     pending, queue, running, failed = iter(jobs), deque(), {}, False  # queue: jobs to rerun
     lost: dict[int, int] = {}  # position: times its task was lost to a system failure
-    try:
-        while True:
-            while not failed and len(running) < in_flight:
-                job = queue.popleft() if queue else next(pending, None)  # read as needed
-                if job is None:
-                    break
-                if job.nice and held is not None and len(running) >= max(1, cpus - 1) and held():
-                    queue.appendleft(job)  # background shards wait: see `build_token_cache`
-                    break
-                running[task.remote(job, tokenizer_ref)] = job
-            if not running:
-                return
-            ready: list = []
-            while not ready:
-                ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
-                if should_stop is not None and should_stop():
-                    raise BuildStopped("token cache: build stopped (finished shards are kept)")
-            [ref] = ready
-            job = running.pop(ref)
-            try:
-                outcome: dict[str, Any] | BaseException = ray.get(ref)
-            except ray.exceptions.RayTaskError as error:  # the task itself raised
-                outcome, failed = getattr(error, "cause", None) or error, True
-            except ray.exceptions.RayError as error:  # its worker or node died
-                lost[job.position] = lost.get(job.position, 0) + 1
-                if lost[job.position] <= NODE_FAILURE_RETRIES:
-                    queue.appendleft(job)
-                    continue
-                outcome, failed = error, True
-            yield job, outcome
-    finally:
-        for ref in running:
-            ray.cancel(ref)
+    while True:
+        while not failed and len(running) < in_flight:
+            job = queue.popleft() if queue else next(pending, None)  # read as needed
+            if job is None:
+                break
+            if job.nice and held is not None and len(running) >= max(1, cpus - 1) and held():
+                queue.appendleft(job)  # background shards wait: see `build_token_cache`
+                break
+            running[task.remote(job, tokenizer_ref)] = job
+        if not running:
+            return
+        ready: list = []
+        while not ready:
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+            if should_stop is not None and should_stop():
+                raise BuildStopped("token cache: build stopped (finished shards are kept)")
+        [ref] = ready
+        job = running.pop(ref)
+        try:
+            outcome: dict[str, Any] | BaseException = ray.get(ref)
+        except ray.exceptions.RayTaskError as error:  # the task itself raised
+            outcome, failed = getattr(error, "cause", None) or error, True
+        except ray.exceptions.RayError as error:  # its worker or node died
+            lost[job.position] = lost.get(job.position, 0) + 1
+            if lost[job.position] <= NODE_FAILURE_RETRIES:
+                queue.appendleft(job)
+                continue
+            outcome, failed = error, True
+        yield job, outcome
 
 
 def _run_here(
