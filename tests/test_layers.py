@@ -19,6 +19,7 @@ ROOT = Path(loomax.__file__).parent
 
 LAYERS: list[set[str]] = [
     {"errors"},
+    {"config_help"},
     {
         "config",
         "storage",
