@@ -30,6 +30,7 @@ from loomax.data import BatchLoader, TokenWindows  # noqa: E402
 from loomax.lm import lm_loss  # noqa: E402
 from loomax.mesh import MeshConfig, make_axis_mappings  # noqa: E402
 from loomax.models import MixtralConfig, MoeConfig, expert_parallel  # noqa: E402
+from loomax.models.expert_parallel import FORMS  # noqa: E402
 from loomax.models.moe import MoeMlp  # noqa: E402
 from loomax.models.moe_routing import RouterAux  # noqa: E402
 from loomax.optim import AdamConfig  # noqa: E402
@@ -131,6 +132,27 @@ def layer_diffs() -> dict:
     return out
 
 
+def forms_agree() -> dict:
+    """The ragged form (its collective emulated) against the padded one on the same inputs
+    and mesh: the layer's output and every gradient, as the largest difference."""
+    grad = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
+    runtime = MeshRuntime.create(MESHES["expert4_data2"], make_axis_mappings())
+    got = {}
+    for form in FORMS:
+        expert_parallel.default_form = lambda mesh, form=form: form
+        mlp = layer(num_experts_per_tok=3)
+        placed = jax.device_put(mlp, runtime.state_shardings(mlp))
+        x = jax.device_put(X, runtime.state_shardings(X, runtime.mappings.compute))
+        fn = runtime.jit(lambda m, x: grad(m, x))
+        (_, (out, _)), grads = fn(placed, x)
+        got[form] = [np.asarray(out), *(np.asarray(g) for g in jax.tree.leaves(grads))]
+    pairs = zip(got["ragged"], got["padded"], strict=True)
+    return {
+        "max_diff": max(float(np.max(np.abs(a - b))) for a, b in pairs),
+        "arrays": len(got["ragged"]),
+    }
+
+
 def recomputed_fraction() -> float:
     """The layer's ``moe/recomputed_fraction`` on expert 4 x data 2, the projections kept for
     each device's mean routed rows: the devices holding more recompute."""
@@ -182,6 +204,7 @@ def main() -> None:
     kept = train_losses(MESHES["expert4_data2"], jax.devices(), kept_model)
     result = {"ragged_ops": lowered, "layer": layers, "one": one, "expert4_data2": split}
     result["recomputed_fraction"] = recomputed_fraction()
+    result["forms"] = forms_agree()
     print(json.dumps({**result, "expert4_data2_kept": kept}))
 
 

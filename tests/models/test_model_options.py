@@ -75,8 +75,13 @@ def test_unrolled_layers_equal_the_scan_with_the_same_checkpoint_tree(case):
     key = jax.random.PRNGKey(7)  # per-layer dropout keys are the same either way
     np.testing.assert_allclose(logits(unrolled, key), logits(scanned, key), rtol=1e-5, atol=1e-5)
     want, got = loss_grads(scanned, key), loss_grads(unrolled, key)
+    # the scan and the unrolled stack sum the same float32 terms in a different order: an
+    # element that is a near-cancellation of large terms differs by a few ulps of those terms,
+    # not of itself (an AMD EPYC's matmul library missed rtol 1e-4 on one such element): the
+    # absolute tolerance follows the leaf's own scale
     for (name, a), (_, b) in zip(named_leaves(want), named_leaves(got), strict=True):
-        np.testing.assert_allclose(b.array, a.array, rtol=1e-4, atol=1e-6, err_msg=name)
+        scale = float(np.max(np.abs(a.array)))
+        np.testing.assert_allclose(b.array, a.array, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
 
 
 def test_unrolled_layers_refuse_scan_options():

@@ -11,9 +11,12 @@ them: ``zero_rest``). Every implementation does only the routed work:
   ``tests/plan/test_gpus.py``): G times the routed work and a ``[G, m, k]`` temporary, so
   ``auto`` does not pick it;
 - ``megablox`` (TPU): the Pallas ``gmm`` kernel, rows padded to its row tile;
-- ``blocked`` (CPU, any backend): each group's rows padded to a multiple of ``block``
-  rows, the expert weights of every block gathered, one batched matmul over the blocks:
-  work = routed rows + at most ``block - 1`` padding rows per group. (XLA:CPU lowers
+- ``blocked`` (CPU, GPU, any backend): each group's rows in tiles of ``block`` rows, and a
+  loop over the *occupied* tiles only (its trip count is computed from ``group_sizes`` at
+  run time), a few tiles a step in one batched matmul: work = the routed rows + at most
+  ``block - 1`` padding rows per group, whatever the buffer's size; memory = one step's
+  tiles and gathered weights (``WEIGHT_BYTES_PER_STEP``); the backward (a custom VJP) runs
+  the same loop, the weight gradient summed per group in one accumulator. (XLA:CPU lowers
   ``ragged_dot`` by masking ``x`` into ``[G, m, k]`` and contracting over all groups: G
   times the work; it remains the reference the tests compare with.)
 
@@ -21,7 +24,8 @@ A caller whose rows are a fixed-size buffer only partly filled (expert paralleli
 buffer) passes ``rows``, the routed rows it holds (the mean over devices): the grouped
 matmul runs under a ``routed_rows_scope`` naming them and the buffer's size, so the plan's
 count (``plan/flops.py``) charges the kernels whose work follows the groups (megablox's
-grid) for the routed rows, not the buffer.
+grid) for the routed rows, not the buffer; the ``blocked`` loop runs under a
+``loop_trips=N`` scope, N its expected steps for those rows (the count's loop length).
 
 ``auto`` picks by the platform compiled for (the mesh in context, else the default backend,
 so ``loomax compile`` for a TPU slice on a CPU host builds what the TPU runs): TPU
@@ -33,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -90,7 +96,7 @@ def grouped_matmul(
             return out.astype(x.dtype)
         if impl == "megablox":
             return _megablox(x, w, group_sizes, zero_rest)
-        return blocked_grouped_matmul(x, w, group_sizes, block)
+        return blocked_grouped_matmul(x, w, group_sizes, block, rows)
 
 
 def _routed(impl: str, rows: int | None, m: int, groups: int):
@@ -102,48 +108,179 @@ def _routed(impl: str, rows: int | None, m: int, groups: int):
     return routed_rows_scope(rows, m)
 
 
-def block_layout(group_sizes: jax.Array, m: int, block: int):
-    """Where each row goes when every group is padded to a multiple of ``block`` rows.
+WEIGHT_BYTES_PER_STEP = 32 * 2**20
+"""Expert weights one step of the ``blocked`` form's loop gathers (its tiles' matrices)."""
+LOOP_TRIPS = "loop_trips"
+"""Name-scope prefix ``loop_trips=N``: the loop below it runs about N times (for the count)."""
 
-    Returns ``(num_blocks, source, valid, block_group, dest, in_groups)``: ``source [num_blocks *
-    block]`` the row of ``x`` each padded slot holds (``valid`` false for padding),
-    ``block_group [num_blocks]`` each block's group, ``dest [m]`` each row's padded slot
-    (``in_groups`` false for rows past ``sum(group_sizes)``, which come out as zeros).
-    ``num_blocks = ceil(m / block) + G`` bounds the padded row count statically.
+
+class TileLayout(NamedTuple):
+    """Where the rows go when every group is padded to whole tiles of ``block`` rows, the
+    tiles taken ``chunk`` at a time by a loop that runs only over the occupied ones.
+
+    ``source [tiles, block]``: the row of ``x`` each slot holds (``valid`` false for
+    padding); ``group [tiles]``: each tile's group; ``trips``: the loop steps that hold
+    occupied tiles (traced: ``ceil(sum(ceil(group_sizes / block)) / chunk)``), at most
+    ``steps``, the static bound ``ceil((ceil(m / block) + G) / chunk)``.
     """
+
+    source: jax.Array
+    valid: jax.Array
+    group: jax.Array
+    trips: jax.Array
+    chunk: int
+    steps: int
+
+    def step(self, i):
+        """``(source, valid, group)`` of loop step ``i``'s ``chunk`` tiles."""
+        at = i * self.chunk
+        return tuple(
+            jax.lax.dynamic_slice_in_dim(a, at, self.chunk)
+            for a in (self.source, self.valid, self.group)
+        )
+
+
+ROUTED_STEPS = 8
+"""Loop steps the ``blocked`` form aims at for a buffer only partly filled (``rows``): the
+last step's unoccupied tiles, at most ``1 / ROUTED_STEPS`` of the routed work, are wasted."""
+
+
+def tiles_per_step(
+    m: int, k: int, n: int, groups: int, block: int, itemsize: int, rows: int | None = None
+) -> int:
+    """Tiles one loop step takes: as many as keep their gathered ``[k, n]`` weight matrices
+    within ``WEIGHT_BYTES_PER_STEP`` (at least one, at most every tile); for a buffer whose
+    routed ``rows`` are fewer than its ``m``, also at most ``1 / ROUTED_STEPS`` of the tiles
+    those rows are expected to fill, so that the work follows them, not the buffer."""
+    tiles = -(-m // block) + groups
+    chunk = max(1, min(tiles, WEIGHT_BYTES_PER_STEP // max(1, k * n * itemsize)))
+    if rows is not None and rows < m:
+        routed = -(-(rows + groups * block // 2) // block)
+        chunk = min(chunk, max(1, -(-routed // ROUTED_STEPS)))
+    return chunk
+
+
+def tile_layout(group_sizes: jax.Array, m: int, block: int, chunk: int) -> TileLayout:
+    """The ``TileLayout`` of ``m`` rows grouped by ``group_sizes``."""
     G = group_sizes.shape[0]
-    num_blocks = -(-m // block) + G
-    padded = -(-group_sizes // block) * block
-    ends, padded_ends = jnp.cumsum(group_sizes), jnp.cumsum(padded)
-    starts, padded_starts = ends - group_sizes, padded_ends - padded
-    slot = jnp.arange(num_blocks * block, dtype=jnp.int32)
+    steps = -(-(-(-m // block) + G) // chunk)
+    tiles = steps * chunk
+    per_group = -(-group_sizes // block)
+    padded_ends = jnp.cumsum(per_group * block)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    slot = jnp.arange(tiles * block, dtype=jnp.int32)
     slot_group = jnp.searchsorted(padded_ends, slot, side="right")
     g = jnp.minimum(slot_group, G - 1)
-    offset = slot - padded_starts[g]
+    offset = slot - (padded_ends - per_group * block)[g]
     valid = (slot_group < G) & (offset < group_sizes[g])
-    source = jnp.where(valid, starts[g] + offset, 0)
-    block_group = g.reshape(num_blocks, block)[:, 0]
-    row = jnp.arange(m, dtype=jnp.int32)
-    row_group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), G - 1)
-    dest = padded_starts[row_group] + row - starts[row_group]
-    in_groups = row < ends[-1]
-    return num_blocks, source, valid, block_group, jnp.where(in_groups, dest, 0), in_groups
+    source = jnp.where(valid, starts[g] + offset, 0).astype(jnp.int32)
+    trips = -(-jnp.sum(per_group) // chunk)
+    return TileLayout(
+        source.reshape(tiles, block),
+        valid.reshape(tiles, block),
+        g.reshape(tiles, block)[:, 0].astype(jnp.int32),
+        trips.astype(jnp.int32),
+        chunk,
+        steps,
+    )
 
 
-def blocked_grouped_matmul(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int = DEFAULT_BLOCK
-) -> jax.Array:
-    """The ``blocked`` form: one batched matmul over ``block``-row blocks, each block
-    times its group's weights (gathered). Differentiable by ordinary autodiff: the
-    gathers transpose to scatter-adds, so the weight gradient is summed per group."""
-    m, k = x.shape
+def expected_trips(rows: int, m: int, groups: int, block: int, chunk: int) -> int:
+    """Loop steps for ``rows`` routed rows of ``m`` spread over ``groups`` groups: their
+    tiles plus half a tile of padding per group (the expectation the plan counts)."""
+    tiles = -(-(min(rows, m) + groups * block // 2) // block)
+    steps = -(-(-(-m // block) + groups) // chunk)
+    return max(1, min(steps, -(-tiles // chunk)))
+
+
+def _layout(x, w, group_sizes, block: int, rows: int | None) -> tuple[TileLayout, int]:
+    m = x.shape[0]
     block = max(1, min(block, m))
-    num_blocks, source, valid, block_group, dest, in_groups = block_layout(group_sizes, m, block)
-    xb = jnp.where(valid[:, None], x[source], 0).reshape(num_blocks, block, k)
+    chunk = tiles_per_step(m, w.shape[1], w.shape[2], w.shape[0], block, w.dtype.itemsize, rows)
+    return tile_layout(group_sizes.astype(jnp.int32), m, block, chunk), block
+
+
+def _loop(layout: TileLayout, body, init, rows: int | None, m: int, groups: int, block: int):
+    """``body`` over the occupied loop steps, under a ``loop_trips`` scope for the count."""
+    trips = expected_trips(m if rows is None else rows, m, groups, block, layout.chunk)
+    with jax.named_scope(f"{LOOP_TRIPS}={trips}"):
+        return jax.lax.fori_loop(0, layout.trips, body, init)
+
+
+def _tile_products(lhs, w, layout: TileLayout, spec: str, rows, block: int) -> jax.Array:
+    """``lhs``'s rows times their group's matrix (``spec``: ``w`` as ``[k, n]`` or
+    transposed), tile by tile over the occupied steps; rows outside every group are zero."""
+    m = lhs.shape[0]
+    n = w.shape[2] if spec.endswith("->cbn") else w.shape[1]
+    acc = jnp.promote_types(lhs.dtype, jnp.float32)
+    spare = m + jnp.arange(layout.chunk * block, dtype=jnp.int32)  # distinct, out of range
+
+    def body(i, out):
+        source, valid, group = layout.step(i)
+        tiles = jnp.where(valid[..., None], lhs[source], 0)
+        products = jnp.einsum(spec, tiles, w[group], preferred_element_type=acc)
+        where = jnp.where(valid.reshape(-1), source.reshape(-1), spare)
+        return out.at[where].set(
+            products.reshape(-1, n).astype(lhs.dtype), mode="drop", unique_indices=True
+        )
+
+    return _loop(layout, body, jnp.zeros((m, n), lhs.dtype), rows, m, w.shape[0], block)
+
+
+def _tile_weight_grad(x, dy, layout: TileLayout, groups: int, rows, block: int) -> jax.Array:
+    """``[G, k, n]`` float32: each group's ``x[rows]^T dy[rows]``, summed per group as the
+    loop goes (one ``[G, k, n]`` accumulator, whatever the number of tiles)."""
+    m, k = x.shape
     acc = jnp.promote_types(x.dtype, jnp.float32)
-    yb = jnp.einsum("bik,bkn->bin", xb, w[block_group], preferred_element_type=acc)
-    y = yb.reshape(num_blocks * block, -1)[dest]
-    return jnp.where(in_groups[:, None], y, 0).astype(x.dtype)
+
+    def body(i, dw):
+        source, valid, group = layout.step(i)
+        tiles = jnp.where(valid[..., None], x[source], 0)
+        per_tile = jnp.einsum("cbk,cbn->ckn", tiles, dy[source], preferred_element_type=acc)
+        return dw.at[group].add(per_tile)
+
+    init = jnp.zeros((groups, k, dy.shape[1]), acc)
+    return _loop(layout, body, init, rows, m, groups, block)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def blocked_grouped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    block: int = DEFAULT_BLOCK,
+    rows: int | None = None,
+) -> jax.Array:
+    """The ``blocked`` form: each group's rows in tiles of ``block`` rows, a loop over the
+    occupied tiles only, a few at a time (``tiles_per_step``: one batched matmul of those
+    tiles times their groups' matrices). Work follows the routed rows: their tiles plus at
+    most ``block - 1`` padding rows per group, whatever the buffer's size ``m``; memory follows
+    one loop step (a step's gathered weights are at most ``WEIGHT_BYTES_PER_STEP``), not the
+    tile count. Its backward runs the same loop: ``dx`` against the untransposed weights, the
+    weight gradient summed per group in one accumulator. ``rows``: the routed rows expected
+    (for the plan's count of the loop; the loop itself runs on ``group_sizes``)."""
+    layout, block = _layout(x, w, group_sizes, block, rows)
+    return _tile_products(x, w, layout, "cbk,ckn->cbn", rows, block)
+
+
+def _blocked_fwd(x, w, group_sizes, block, rows):
+    return blocked_grouped_matmul(x, w, group_sizes, block, rows), (x, w, group_sizes)
+
+
+def _blocked_bwd(block, rows, residuals, dy):
+    x, w, group_sizes = residuals
+    dx, dw = _blocked_grads(x, w, group_sizes, dy, block, rows)
+    return dx, dw, None
+
+
+def _blocked_grads(x, w, group_sizes, dy, block, rows):
+    layout, block = _layout(x, w, group_sizes, block, rows)
+    dx = _tile_products(dy.astype(x.dtype), w, layout, "cbn,ckn->cbk", rows, block)
+    dw = _tile_weight_grad(x, dy.astype(x.dtype), layout, w.shape[0], rows, block)
+    return dx, dw.astype(w.dtype)
+
+
+blocked_grouped_matmul.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def _megablox(x: jax.Array, w: jax.Array, group_sizes: jax.Array, zero_rest: bool) -> jax.Array:
@@ -185,22 +322,9 @@ def grouped_matmul_grads(
         if impl == "megablox":
             return _megablox_grads(x, w, group_sizes, dy)
         if impl == "blocked":
-            dx = blocked_grouped_matmul(dy, w.swapaxes(1, 2), group_sizes, block)
-            return dx, _blocked_weight_grad(x, dy, group_sizes, w.shape[0], block).astype(w.dtype)
+            return _blocked_grads(x, w, group_sizes, dy, block, rows)
         _, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, group_sizes, impl=impl), x, w)
         return vjp(dy)
-
-
-def _blocked_weight_grad(x, dy, group_sizes, groups: int, block: int) -> jax.Array:
-    """``[G, k, n]``: each group's ``x[rows]^T dy[rows]``, one batched matmul over blocks."""
-    m, k = x.shape
-    block = max(1, min(block, m))
-    num_blocks, source, valid, block_group, _, _ = block_layout(group_sizes, m, block)
-    xb = jnp.where(valid[:, None], x[source], 0).reshape(num_blocks, block, k)
-    dyb = jnp.where(valid[:, None], dy[source], 0).reshape(num_blocks, block, -1)
-    acc = jnp.promote_types(x.dtype, jnp.float32)
-    per_block = jnp.einsum("bik,bin->bkn", xb, dyb, preferred_element_type=acc)
-    return jax.ops.segment_sum(per_block, block_group, num_segments=groups)
 
 
 def _megablox_grads(x, w, group_sizes, dy):

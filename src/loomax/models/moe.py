@@ -1,11 +1,12 @@
 """The mixture-of-experts MLP: a router, E gated expert MLPs, optional shared experts.
 
 Each token goes to its k experts (``moe_routing.route``). Dropless by default: every
-assignment is computed. The T*k assignments are sorted by expert (a stable ``argsort``),
-the token rows gathered in that order, the three expert matmuls done as grouped matmuls
-(``grouped_matmul``: only the routed rows, on every platform), and the results put back in
-token order by the inverse permutation (a gather by ``argsort``'s inverse, exact both ways),
-then summed with the routing weights. With ``capacity_factor`` each expert takes at most
+assignment is computed. Per device (``expert_parallel.routed_experts``: each device's own
+tokens, whatever the mesh), the T*k assignments are sorted by expert (a stable
+``argsort``), the token rows gathered in that order, the three expert matmuls done as
+grouped matmuls (``grouped_matmul``: only the routed rows, on every platform), and the
+results put back in token order by the inverse permutation (a gather by ``argsort``'s
+inverse, exact both ways), then summed with the routing weights. With ``capacity_factor`` each expert takes at most
 ``ceil(capacity_factor * T * k / E)`` assignments (first come, first served in token
 order); the rest are dropped (their weight 0, counted in ``moe/dropped_fraction``).
 Shared experts (DeepSeek-MoE) are one dense gated MLP every token also goes through.
@@ -13,7 +14,7 @@ With ``bias_update_rate`` > 0 the router holds a per-expert ``bias`` (a ``Buffer
 gradient, no optimizer) added to the scores for the choice of experts only; the model
 moves it after each step from that step's load (``MixtralLmModel.update_state``).
 With ``trainer.mesh.expert`` > 1 the experts are split over devices and the tokens sent to
-them (``expert_parallel``).
+them (``expert_parallel``); without, the same code runs with one way and no exchange.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from haliax import Axis, NamedArray
 from loomax.config import ConfigError
 from loomax.models.axes import Embed, Experts, Mlp
 from loomax.models.buffers import Buffer
-from loomax.models.expert_parallel import expert_ways, parallel_experts
-from loomax.models.grouped_matmul import IMPLEMENTATIONS, grouped_matmul
+from loomax.models.expert_parallel import routed_experts
+from loomax.models.grouped_matmul import IMPLEMENTATIONS
 from loomax.models.mlp_activations import activation
 from loomax.models.moe_routing import SCORE_FUNCTIONS, RouterAux, route
 
@@ -179,9 +180,11 @@ class MoeMlp(eqx.Module):
         """``x (..., embed)`` through the experts; ``aux`` (if given) gets row ``layer``."""
         Embed_ = x.resolve_axis(Embed)
         lead = tuple(a for a in x.axes if a.name != Embed)
-        t = x.rearrange((*lead, Embed_)).array.reshape(-1, Embed_.size)
+        t = x.rearrange((*lead, Embed_)).array
         r = self.router.weight.rearrange((Experts, Embed)).array
-        logits = jnp.dot(t, r.T.astype(t.dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum(
+            "...d,ed->...e", t, r.astype(t.dtype), preferred_element_type=jnp.float32
+        )
         weights, experts, probs = route(
             logits,
             self.moe.num_experts_per_tok,
@@ -189,45 +192,14 @@ class MoeMlp(eqx.Module):
             norm_topk_prob=self.moe.norm_topk_prob,
             bias=None if self.bias is None else self.bias.value.rearrange((Experts,)).array,
         )
-        recomputed = 0.0
-        if expert_ways() > 1:  # experts split over the mesh: tokens travel to them
-            y, sizes, dropped, recomputed = parallel_experts(self, t, weights, experts)
-        else:
-            y, sizes, dropped = self._experts(t, weights, experts)
-        out = hax.named(y.reshape(*(a.size for a in lead), Embed_.size), (*lead, Embed_))
+        # per device: each device's own tokens, sorted, multiplied and combined where they are
+        y, sizes, dropped, recomputed = routed_experts(self, t, weights, experts, lead)
+        out = hax.named(y, (*lead, Embed_))
         if self.shared_gate is not None:
             gate, up = self.shared_gate(x), self.shared_up(x)
             out = out + self.shared_down(activation(self.act)(gate) * up).rearrange(out.axes)
         if aux is not None:
-            aux = aux.record(layer, logits, probs, sizes, dropped, recomputed)
+            E = self.moe.num_experts
+            flat_logits, flat_probs = logits.reshape(-1, E), probs.reshape(-1, E)
+            aux = aux.record(layer, flat_logits, flat_probs, sizes, dropped, recomputed)
         return out, aux
-
-    def _experts(self, t: jax.Array, weights: jax.Array, experts: jax.Array):
-        """Sort, grouped matmuls, unsort, combine: ``(y [T, D], sizes [E], dropped)``."""
-        T, k = experts.shape
-        E = self.moe.num_experts
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        sizes = jnp.bincount(flat, length=E)
-        kept, dropped = sizes, jnp.zeros((), jnp.int32)
-        capacity = self.moe.capacity(T)
-        if capacity is not None:
-            start = jnp.cumsum(sizes) - sizes
-            rank = jnp.arange(T * k) - start[flat[order]]
-            keep = jnp.zeros((T * k,), bool).at[order].set(rank < capacity)
-            order = jnp.argsort(jnp.where(keep, flat, E), stable=True)  # dropped ones last
-            kept = jnp.minimum(sizes, capacity)
-            dropped = T * k - jnp.sum(kept)
-            weights = jnp.where(keep.reshape(T, k), weights, 0.0)
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=order.dtype))
-        xs = t[order // k]
-        mm = lambda a, w: grouped_matmul(  # noqa: E731
-            a, w.astype(a.dtype), kept, impl=self.moe.matmul, block=self.moe.matmul_block
-        )
-        gate = mm(xs, self.gate.rearrange((Experts, Embed, Mlp)).array)
-        up = mm(xs, self.up.rearrange((Experts, Embed, Mlp)).array)
-        act = activation(self.act)(hax.named(gate, ("tokens", Mlp))).array
-        ys = mm(act * up, self.down.rearrange((Experts, Mlp, Embed)).array)
-        y = ys[inverse].reshape(T, k, -1)
-        combined = jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
-        return combined.astype(t.dtype), sizes, dropped

@@ -13,7 +13,9 @@ megablox: ``2 x lhs size x n``, n the result's columns; another kernel: its body
 the bytes of its operands and results. A grouped matmul on a buffer only partly filled
 (expert parallelism's receive buffer) runs under a ``routed_rows=R/M`` name scope
 (``models/grouped_matmul.py``): a kernel whose grid follows the groups is charged for the
-R routed rows of its M, FLOPs and row bytes alike. ``ragged_dot_general`` counts as
+R routed rows of its M, FLOPs and row bytes alike; the blocked form's loop over its occupied
+tiles (a ``while``, sized at run time) counts its body times the trips its ``loop_trips=N``
+scope expects for the routed rows. ``ragged_dot_general`` counts as
 what XLA executes for it on CPU and GPU (JAX 0.10; the compiled H100 HLO shows it): the
 dense product over every group, G times the routed work. Of a ``cond``, the costlier branch
 counts, except a rare fallback (the MoE backward's recompute when a device holds more routed
@@ -32,11 +34,12 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from loomax.models.expert_ffn import KEPT_ROWS_FALLBACK
-from loomax.models.grouped_matmul import ROUTED_ROWS
+from loomax.models.grouped_matmul import LOOP_TRIPS, ROUTED_ROWS
 from loomax.models.splash import splash_kernel_flops
 from loomax.models.splash_pair import FULL_SCOPE
 
 _ROUTED = re.compile(ROUTED_ROWS + r"=(\d+)/(\d+)")
+_TRIPS = re.compile(LOOP_TRIPS + r"=(\d+)")
 
 
 @dataclass
@@ -104,6 +107,8 @@ def count_step(jaxpr: Any, scope: str = "", *, with_fallbacks: bool = False) -> 
             times = 1.0
             if name == "scan":
                 times = eqn.params["length"]
+            elif name == "while":  # a loop sized at run time: its expected trips, if named
+                times = loop_trips(where)
             elif name == "shard_map":  # the body's shapes are one device's
                 times = eqn.params["mesh"].size
             for sub in _subjaxprs(eqn.params):
@@ -116,6 +121,14 @@ def _fallback(branch: Any) -> bool:
     (the MoE backward's recompute on a device holding more rows than it kept)."""
     jaxpr = getattr(branch, "jaxpr", branch)
     return any(KEPT_ROWS_FALLBACK in str(e.source_info.name_stack) for e in jaxpr.eqns)
+
+
+def loop_trips(scope: str) -> float:
+    """The expected trips of a loop whose count is known only at run time, from the innermost
+    ``loop_trips`` scope in ``scope`` (the blocked grouped matmul's occupied tiles); 1 without
+    one."""
+    found = _TRIPS.findall(scope)
+    return float(found[-1]) if found else 1.0
 
 
 def routed_fraction(scope: str) -> float:
