@@ -58,17 +58,42 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype
     return _fwd(lhs, rhs, dimension_numbers, out_dtype)[0]
 
 
-def _dot(a, b, dimension_numbers, out_dtype):
-    return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32).astype(
-        out_dtype
-    )
+def scaled_dot(qa, sa, qb, sb, dimension_numbers, out_dtype) -> jax.Array:
+    """``dot_general`` of the FP8 arrays themselves (float32 accumulation), then times the
+    product of their float32 scales: the FP8 GEMM with its scales."""
+    out = jax.lax.dot_general(qa, qb, dimension_numbers, preferred_element_type=jnp.float32)
+    return (out * (sa * sb)).astype(out_dtype)
+
+
+def _remaining(ndim: int, *removed) -> list[int]:
+    gone = {i for dims in removed for i in dims}
+    return [i for i in range(ndim) if i not in gone]
+
+
+def _argsort(values) -> list[int]:
+    return sorted(range(len(values)), key=list(values).__getitem__)
+
+
+def _cotangent(qg, sg, qy, sy, x_ndim, dimension_numbers, out_dtype, swap_ans=False):
+    """The cotangent of ``x`` in ``dot_general(x, y)``: one ``dot_general(g, y)`` of the
+    quantised cotangent and the saved quantised ``y``, transposed into ``x``'s axes (JAX's
+    transpose rule for ``dot_general``, on FP8 operands). ``swap_ans``: ``x`` was the right
+    operand, so ``y``'s kept axes come first in the cotangent."""
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = _remaining(x_ndim, x_contract, x_batch)
+    y_kept = _remaining(qy.ndim, y_contract, y_batch)
+    first = len(x_batch) + (0 if swap_ans else len(x_kept))
+    g_y = list(range(first, first + len(y_kept)))  # the cotangent's axes from y
+    dims = ((g_y, y_kept), (list(range(len(x_batch))), list(y_batch)))
+    x_contract_by_y = [x_contract[i] for i in _argsort(y_contract)]
+    out_axes = tuple(_argsort([*x_batch, *x_kept, *x_contract_by_y]))
+    return jnp.transpose(scaled_dot(qg, sg, qy, sy, dims, out_dtype), out_axes)
 
 
 def _fwd(lhs, rhs, dimension_numbers, out_dtype):
     ql, sl = quantize(lhs, E4M3)
     qr, sr = quantize(rhs, E4M3)
-    cd = out_dtype
-    out = _dot(dequantize(ql, sl, cd), dequantize(qr, sr, cd), dimension_numbers, out_dtype)
+    out = scaled_dot(ql, sl, qr, sr, dimension_numbers, out_dtype)
     return out, (ql, sl, qr, sr, lhs.dtype, rhs.dtype)
 
 
@@ -81,11 +106,11 @@ def _fwd_rule(lhs, rhs, dimension_numbers, out_dtype):
 def _bwd_rule(dimension_numbers, out_dtype, res, g):
     ql, sl, qr, sr, lzero, rzero = res
     qg, sg = quantize(g, E5M2)
-    cd = out_dtype
-    lhs, rhs = dequantize(ql, sl, cd), dequantize(qr, sr, cd)
-    _, vjp = jax.vjp(lambda a, b: _dot(a, b, dimension_numbers, out_dtype), lhs, rhs)
-    dl, dr = vjp(dequantize(qg, sg, cd))
-    return dl.astype(lzero.dtype), dr.astype(rzero.dtype)
+    (lc, rc), (lb, rb) = dimension_numbers
+    dl = _cotangent(qg, sg, qr, sr, ql.ndim, dimension_numbers, lzero.dtype)  # dgrad
+    swapped = ((rc, lc), (rb, lb))
+    dr = _cotangent(qg, sg, ql, sl, qr.ndim, swapped, rzero.dtype, swap_ans=True)  # wgrad
+    return dl, dr
 
 
 fp8_dot_general.defvjp(_fwd_rule, _bwd_rule)
