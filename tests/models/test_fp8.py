@@ -1,6 +1,7 @@
 """FP8 matmuls: the current-scaling arithmetic (e4m3 operands, e5m2 gradients), the
-compiled form (FP8 converts around the dot), which layers convert, the refusal on devices
-without FP8, and training with it: the loss follows float32, a resume is exact."""
+compiled form (every dot of the gradient takes FP8 operands; three FP8 GEMMs per linear in a
+program compiled for an H100), which layers convert, the refusal on devices without FP8, and
+training with it: the loss follows float32, a resume is exact."""
 
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ def test_fp8_training_follows_float32(fp8_run, tmp_path):
     losses, _ = fp8_run
     reference, _ = _train(TINY, tmp_path, 8)
     assert losses[8] < losses[1] - 1.5  # it learns, within 10% of float32 at every step
-    # (measured: 4.727 -> 2.886 vs 4.743 -> 2.683; hidden 32 is coarse for per-tensor scales)
+    # (measured: 4.727 -> 2.878 vs 4.743 -> 2.683; hidden 32 is coarse for per-tensor scales)
     for step in range(1, 9):
         assert abs(losses[step] - reference[step]) < 0.1 * reference[step], step
 
@@ -345,5 +346,6 @@ def test_the_compiled_h100_step_runs_three_fp8_gemms_per_linear(fp8_step, triton
 def test_xlas_default_h100_program_merges_fp8_gemms_and_keeps_them_fp8(fp8_step):
     """With XLA's defaults, q, k and v (one input) and gate and up (one input) merge into one
     forward and one weight-gradient GEMM each: 42 - 2·6 = 30 FP8 GEMMs, still all FP8, and the
-    same 15 others. (Before, the quantisation round trip folded away: no FP8 at all, 57.)"""
+    same 15 others. (The dequantise-then-dot form before compiled to 45 GEMMs and no FP8 at all:
+    XLA folded the quantisation round trip away.)"""
     assert _fp8_gemms(_gpu_program(*fp8_step)) == (0, 3 * SMALL_LINEARS - 2 * 6, 15)

@@ -12,11 +12,20 @@ quantised to **e5m2** (max 57,344, more range) the same way, and both gradient m
 it against the saved e4m3 operands. Only the FP8 operands and their scales are saved for the
 backward pass, not the compute-dtype inputs.
 
-The dequantise-then-dot form (``convert(f8) * scale`` on each operand of a ``dot_general``)
-is the pattern XLA's GPU GEMM rewriter turns into one cuBLASLt FP8 GEMM with its scales on
-Hopper/Ada (compute capability 8.9+); elsewhere it computes the same numbers in the compute
-dtype. ``model.fp8: on`` is refused on devices without FP8 matmuls; ``emulate`` runs the
-same arithmetic anywhere (numerics, tests).
+All three matmuls of a linear layer (forward ``x·w``, dgrad ``dy·wᵀ``, wgrad ``xᵀ·dy``)
+are a ``dot_general`` of the FP8 arrays themselves with float32 accumulation
+(``scaled_dot``), then times the product of the two float32 scales; the backward applies
+JAX's transpose rule for ``dot_general`` to the FP8 cotangent and the saved FP8 operand. No
+operand is converted back to a wider type before its dot. Compiled for an H100 (compile-only,
+tests/models/test_fp8.py), each is one FP8 GEMM: a Triton GEMM fusion of the FP8 operands by
+XLA's default, a cuBLASLt FP8 call (``__cublas$lt$matmul$f8``) with Triton GEMMs off; XLA's
+dot merger may join the matmuls that share an FP8 operand (q, k, v; gate, up) into one. The
+dequantise-then-dot form this replaced (``convert(f8) * scale`` into the dot) compiled, by
+XLA's default, to bf16/f32 Triton GEMMs with the quantisation folded away (only with Triton
+GEMMs off did the GEMM rewriter make cuBLASLt FP8 calls of it). Elsewhere (CPU)
+XLA widens the FP8 operands itself: the same numbers, without the speed. ``model.fp8: on``
+is refused on devices without FP8 matmuls; ``emulate`` runs the same arithmetic anywhere
+(numerics, tests).
 """
 
 from __future__ import annotations
