@@ -12,11 +12,20 @@ quantised to **e5m2** (max 57,344, more range) the same way, and both gradient m
 it against the saved e4m3 operands. Only the FP8 operands and their scales are saved for the
 backward pass, not the compute-dtype inputs.
 
-The dequantise-then-dot form (``convert(f8) * scale`` on each operand of a ``dot_general``)
-is the pattern XLA's GPU GEMM rewriter turns into one cuBLASLt FP8 GEMM with its scales on
-Hopper/Ada (compute capability 8.9+); elsewhere it computes the same numbers in the compute
-dtype. ``model.fp8: on`` is refused on devices without FP8 matmuls; ``emulate`` runs the
-same arithmetic anywhere (numerics, tests).
+All three matmuls of a linear layer (forward ``x·w``, dgrad ``dy·wᵀ``, wgrad ``xᵀ·dy``)
+are a ``dot_general`` of the FP8 arrays themselves with float32 accumulation
+(``scaled_dot``), then times the product of the two float32 scales; the backward applies
+JAX's transpose rule for ``dot_general`` to the FP8 cotangent and the saved FP8 operand. No
+operand is converted back to a wider type before its dot. Compiled for an H100 (compile-only,
+tests/models/test_fp8.py), each is one FP8 GEMM: a Triton GEMM fusion of the FP8 operands by
+XLA's default, a cuBLASLt FP8 call (``__cublas$lt$matmul$f8``) with Triton GEMMs off; XLA's
+dot merger may join the matmuls that share an FP8 operand (q, k, v; gate, up) into one. The
+dequantise-then-dot form this replaced (``convert(f8) * scale`` into the dot) compiled, by
+XLA's default, to bf16/f32 Triton GEMMs with the quantisation folded away (only with Triton
+GEMMs off did the GEMM rewriter make cuBLASLt FP8 calls of it). Elsewhere (CPU)
+XLA widens the FP8 operands itself: the same numbers, without the speed. ``model.fp8: on``
+is refused on devices without FP8 matmuls; ``emulate`` runs the same arithmetic anywhere
+(numerics, tests).
 """
 
 from __future__ import annotations
@@ -58,17 +67,42 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, out_dtype
     return _fwd(lhs, rhs, dimension_numbers, out_dtype)[0]
 
 
-def _dot(a, b, dimension_numbers, out_dtype):
-    return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32).astype(
-        out_dtype
-    )
+def scaled_dot(qa, sa, qb, sb, dimension_numbers, out_dtype) -> jax.Array:
+    """``dot_general`` of the FP8 arrays themselves (float32 accumulation), then times the
+    product of their float32 scales: the FP8 GEMM with its scales."""
+    out = jax.lax.dot_general(qa, qb, dimension_numbers, preferred_element_type=jnp.float32)
+    return (out * (sa * sb)).astype(out_dtype)
+
+
+def _remaining(ndim: int, *removed) -> list[int]:
+    gone = {i for dims in removed for i in dims}
+    return [i for i in range(ndim) if i not in gone]
+
+
+def _argsort(values) -> list[int]:
+    return sorted(range(len(values)), key=list(values).__getitem__)
+
+
+def _cotangent(qg, sg, qy, sy, x_ndim, dimension_numbers, out_dtype, swap_ans=False):
+    """The cotangent of ``x`` in ``dot_general(x, y)``: one ``dot_general(g, y)`` of the
+    quantised cotangent and the saved quantised ``y``, transposed into ``x``'s axes (JAX's
+    transpose rule for ``dot_general``, on FP8 operands). ``swap_ans``: ``x`` was the right
+    operand, so ``y``'s kept axes come first in the cotangent."""
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = _remaining(x_ndim, x_contract, x_batch)
+    y_kept = _remaining(qy.ndim, y_contract, y_batch)
+    first = len(x_batch) + (0 if swap_ans else len(x_kept))
+    g_y = list(range(first, first + len(y_kept)))  # the cotangent's axes from y
+    dims = ((g_y, y_kept), (list(range(len(x_batch))), list(y_batch)))
+    x_contract_by_y = [x_contract[i] for i in _argsort(y_contract)]
+    out_axes = tuple(_argsort([*x_batch, *x_kept, *x_contract_by_y]))
+    return jnp.transpose(scaled_dot(qg, sg, qy, sy, dims, out_dtype), out_axes)
 
 
 def _fwd(lhs, rhs, dimension_numbers, out_dtype):
     ql, sl = quantize(lhs, E4M3)
     qr, sr = quantize(rhs, E4M3)
-    cd = out_dtype
-    out = _dot(dequantize(ql, sl, cd), dequantize(qr, sr, cd), dimension_numbers, out_dtype)
+    out = scaled_dot(ql, sl, qr, sr, dimension_numbers, out_dtype)
     return out, (ql, sl, qr, sr, lhs.dtype, rhs.dtype)
 
 
@@ -81,11 +115,11 @@ def _fwd_rule(lhs, rhs, dimension_numbers, out_dtype):
 def _bwd_rule(dimension_numbers, out_dtype, res, g):
     ql, sl, qr, sr, lzero, rzero = res
     qg, sg = quantize(g, E5M2)
-    cd = out_dtype
-    lhs, rhs = dequantize(ql, sl, cd), dequantize(qr, sr, cd)
-    _, vjp = jax.vjp(lambda a, b: _dot(a, b, dimension_numbers, out_dtype), lhs, rhs)
-    dl, dr = vjp(dequantize(qg, sg, cd))
-    return dl.astype(lzero.dtype), dr.astype(rzero.dtype)
+    (lc, rc), (lb, rb) = dimension_numbers
+    dl = _cotangent(qg, sg, qr, sr, ql.ndim, dimension_numbers, lzero.dtype)  # dgrad
+    swapped = ((rc, lc), (rb, lb))
+    dr = _cotangent(qg, sg, ql, sl, qr.ndim, swapped, rzero.dtype, swap_ans=True)  # wgrad
+    return dl, dr
 
 
 fp8_dot_general.defvjp(_fwd_rule, _bwd_rule)
