@@ -14,13 +14,14 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import PartitionSpec as P
 
+from loomax.mesh import current_mesh
 from loomax.models import taps
 from loomax.models.axes import Embed, Position, Vocab
 from loomax.models.buffers import STATE_PREFIX
 from loomax.models.config import LmModel, soft_cap
 from loomax.models.logits_stats import logits_stats, row_blocks
 from loomax.models.sequence_layout import context_axes, context_ways, to_layout
-from loomax.models.splash import concrete_mesh, mapped_axes
+from loomax.models.splash import mapped_axes
 
 
 def next_token_targets(tokens: NamedArray) -> tuple[NamedArray, NamedArray]:
@@ -131,7 +132,7 @@ def _rows_split(batch_rows: int) -> bool:
     global view, would walk every device's blocks on every device, fetching each block with an
     all-reduce of the whole batch's hidden states (the compiled v5p program of
     ``config/mixtral_8x7b.yaml`` did: a ``[1024, 2048, 4096]`` all-reduce per block)."""
-    mesh = concrete_mesh()
+    mesh = current_mesh()
     if mesh is None or mesh.size == 1:
         return False
     names = _names(mapped_axes(mesh, "batch", batch_rows))
@@ -146,7 +147,7 @@ def per_device_sum(fn, w: jax.Array, *rows: jax.Array) -> jax.Array:
     sequence split over the context axis is never gathered (the fused loss's scan over
     token blocks would otherwise gather the hidden states); ``w`` is whole on every device.
     """
-    mesh, ctx = concrete_mesh(), context_axes()
+    mesh, ctx = current_mesh(), context_axes()
     batch = mapped_axes(mesh, "batch", rows[0].shape[0], keep_trivial=True)
     ctx_entry = ctx[0] if len(ctx) == 1 else ctx
     split = tuple(a for part in (batch, ctx_entry) for a in _names(part))
