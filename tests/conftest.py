@@ -83,6 +83,8 @@ def _support(name: str):
 
 
 def pytest_configure(config) -> None:
+    # a skip not on tests/support/allowed_skips.py's ALLOWED_SKIPS fails the run
+    config.pluginmanager.register(_support("allowed_skips"), "loomax_allowed_skips")
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
         import tempfile
 

@@ -155,3 +155,70 @@ def test_batch_must_divide_over_data_parallel_size():
         ValueError, match=r"data-parallel size 3 \(trainer.mesh replica x data x expert\)"
     ):
         TrainerConfig(train_batch_size=8).microbatches(3)
+
+
+def test_current_mesh_is_the_mesh_in_context_also_inside_jit():
+    """``current_mesh`` (public JAX API only): the device mesh set with ``jax.set_mesh``
+    outside ``jit``, its abstract mesh inside (JAX gives no devices while tracing), usable as
+    ``shard_map``'s mesh either way; None without one. ``mesh_platform`` names the devices'."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AbstractMesh, Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from loomax.mesh import current_mesh, mesh_platform
+
+    seen = {}
+
+    def f(x):
+        seen["inside"], seen["platform inside"] = current_mesh(), mesh_platform()
+        mesh = seen["inside"]
+        if mesh is None:
+            return x
+        return jax.shard_map(lambda y: y * 2, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(x)
+
+    platform = jax.devices()[0].platform
+    assert current_mesh() is None and mesh_platform() == platform
+    np.testing.assert_array_equal(jax.jit(f)(jnp.arange(4.0)), jnp.arange(4.0))
+    assert seen["inside"] is None and seen["platform inside"] == platform
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    with jax.set_mesh(mesh):
+        assert current_mesh() is mesh and mesh_platform() == platform
+        np.testing.assert_array_equal(jax.jit(f)(jnp.arange(4.0)), 2 * jnp.arange(4.0))
+    inside = seen["inside"]
+    assert isinstance(inside, AbstractMesh) and inside == mesh.abstract_mesh
+    assert dict(inside.shape) == {"data": 1} and inside.size == 1
+    assert seen["platform inside"] == platform
+    assert current_mesh() is None
+
+
+PRIVATE_JAX = {
+    "_jax_compat.py": "puts back jax.core names JAX 0.11 removed, from jax._src.core",
+    "jax_setup.py": "the process id before the backend starts, and whether it has: no public API",
+    "distributed/jax_processes.py": "the coordination-service client: no public API",
+    "plan/compile.py": "a thread's own cache setting: jax.config.update is process-wide",
+    "models/cudnn_packed.py": "cuDNN's packed documents: jax.nn.dot_product_attention has no offsets",
+    "models/expert_parallel.py": "its own copy of the concrete mesh: to use loomax.mesh.current_mesh",
+}
+"""The modules of src/loomax allowed a private ``jax._src`` import, each with why (no public API)."""
+
+
+def test_private_jax_only_where_no_public_api_exists():
+    """``jax._src`` (private: renamed or removed by any JAX release) is imported only by the
+    modules of ``PRIVATE_JAX``; the mesh in context comes from ``loomax.mesh.current_mesh``."""
+    import re
+    from pathlib import Path
+
+    import loomax
+
+    root = Path(loomax.__file__).parent
+    found = {
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if re.search(r"^\s*(from|import) jax\._src\b", path.read_text(), re.MULTILINE)
+    }
+    assert found <= set(PRIVATE_JAX), (
+        f"private jax._src imports in {sorted(found - set(PRIVATE_JAX))}"
+    )

@@ -112,6 +112,7 @@ def process_index_before_backend() -> int:
     (JAX warns so). A multi-host run without ``jax.distributed`` (libtpu's own) reads 0 on
     every host until its backend starts: use it only where any process may act.
     """
+    # private: no public API gives the process id before the backend starts, or whether it has
     from jax._src import distributed, xla_bridge
 
     if distributed.global_state.client is not None:

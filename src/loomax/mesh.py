@@ -9,6 +9,9 @@ are kept whole: ZeRO-2); the compute mapping says how activations are laid out
 (``batch -> (replica, data, expert)``: outside the experts the expert axis is one more
 data-parallel axis; ``position -> context``; tensor-parallel axes ``-> model``). Layers
 never name mesh axes: this module is the one place where logical names meet the mesh.
+
+``current_mesh`` is the mesh in context (``jax.set_mesh``), also inside ``jit``, and
+``mesh_platform`` its devices' platform, both through JAX's public API only.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import haliax as hax
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from loomax.config import ConfigError
 from loomax.row_blocks import row_blocks
@@ -104,6 +107,34 @@ class MeshConfig:
         if jax.process_count() > 1:  # (devices of a topology, compiled on one host: any layout)
             row_blocks(grid)  # a ConfigError if the processes cannot split the rows
         return Mesh(grid, MESH_AXES)
+
+
+def current_mesh() -> Mesh | AbstractMesh | None:
+    """The mesh in context (``jax.set_mesh``, haliax's ``set_mesh``), None without one.
+
+    Outside ``jit`` the device ``Mesh`` (``jax.sharding.get_mesh``); inside, its
+    ``AbstractMesh`` (``jax.sharding.get_abstract_mesh``): JAX's public API gives no devices
+    while tracing. Both have the axes' ``shape``, ``axis_names`` and ``size``, and either is
+    ``jax.shard_map``'s ``mesh``; ``mesh_platform`` is the devices' platform.
+    """
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.empty:
+        return None
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:  # inside jit ("can only be used outside of `jax.jit`")
+        return abstract
+    return abstract if mesh.empty else mesh
+
+
+def mesh_platform() -> str:
+    """The platform of the devices being compiled for (``tpu``, ``gpu``, ``cpu``): those of
+    the mesh in context (``current_mesh``), else JAX's default devices."""
+    mesh = current_mesh()
+    if isinstance(mesh, Mesh):
+        return mesh.devices.flat[0].platform
+    device = getattr(mesh, "abstract_device", None)
+    return device.platform if device is not None else jax.devices()[0].platform
 
 
 def context_spans_processes(grid: np.ndarray) -> bool:

@@ -18,10 +18,15 @@ import pytest
 from loomax.data.growing_windows import GrowingWindows
 from loomax.data.loader import BatchLoader
 from loomax.data.sources import SourceConfig, source_shards
-from loomax.data.token_cache import TokenCache, TokenCacheError, build_token_cache
+from loomax.data.token_cache import (
+    TokenCache,
+    TokenCacheDamaged,
+    TokenCacheError,
+    build_token_cache,
+)
 from loomax.data.token_cache.partial import GrowingCache
 from loomax.data.tokenizer import train_bpe_tokenizer
-from loomax.storage import Directory
+from loomax.storage import Directory, to_url
 
 NUM_SHARDS = 7
 SEQ_LEN = 16
@@ -228,3 +233,27 @@ def test_a_source_cut_as_it_is_read_trains_while_its_cache_builds(corpus, caplog
     for step in range(ready_steps, 2 * (len(full) // 4) + 1):  # through a second epoch
         np.testing.assert_array_equal(part_loader.batch(step), full_loader.batch(step))
     assert part.complete and part.cache.num_shards == shards and len(part) == len(full)
+
+
+def test_a_damaged_piece_is_refused_in_one_line_naming_it(corpus, tmp_path):
+    """A piece of a cache still building whose byte was overwritten (its size kept, so only
+    the chunk's checksum can tell) fails the read with `TokenCacheDamaged` naming the piece
+    and the fix, as `TokenCache` does for a finished cache: not tensorstore's raw error."""
+    url = to_url(tmp_path / "cache")
+    with pytest.raises(TokenCacheError, match="on purpose"):
+        build(corpus, url, before_piece=fail_from(3))
+    key = Directory(url).read_json("build.json")["fingerprint"]
+    part = windows(corpus, url, key)
+    assert part.refresh() > 0 and not part.cache.complete
+    attempt = part.cache.entries[1]["piece"]
+    piece = tmp_path / "cache" / "pieces" / "1" / attempt / "train" / "tokens"
+    [file] = [f for f in piece.rglob("*") if f.is_file() and f.name != "zarr.json"]
+    data = bytearray(file.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    file.write_bytes(bytes(data))
+    with pytest.raises(TokenCacheDamaged, match=rf"{piece} is damaged \(") as error:
+        part.get_batch(np.arange(len(part)))
+    message = str(error.value)
+    assert "\n" not in message and "tensorstore_spec" not in message
+    assert f"delete {tmp_path / 'cache'} and rerun `loomax cache`" in message
+    assert error.value.root == url

@@ -77,7 +77,32 @@ def test_export_matches_hf_reference_logits(tmp_path, case):
 
 
 HF_TYPES = sorted(hf_families())
-"""Every registered family with a Hugging Face side."""
+"""Every registered family with a Hugging Face side (all but tests/support/families.py's
+``NO_HF``: `test_every_family_is_an_hf_family_or_says_why_not`)."""
+
+
+def test_every_family_is_an_hf_family_or_says_why_not(families):
+    """A family missing an ``HfFamily`` member would drop out of ``hf_families()``, and so
+    out of every HF suite, silently: each registered type is an HF family under its own
+    name, or on the explicit ``NO_HF`` list with its reason."""
+    types = families.model_types()
+    problems = [p for p in map(families.hf_problem, types) if p is not None]
+    assert not problems, "; ".join(problems)
+    assert HF_TYPES == sorted(set(types) - set(families.NO_HF))
+    for model_type, reason in families.NO_HF.items():
+        assert model_type in types, f"NO_HF names {model_type}, which is not registered"
+        assert reason.strip(), f"NO_HF gives no reason for {model_type}"
+        assert model_type not in hf_families(), f"{model_type} is an HF family: not NO_HF"
+
+
+@pytest.mark.parametrize("member", ["hf_model_type", "hf_run_keys", "hf_params"])
+def test_a_family_missing_an_hf_member_is_named_not_dropped(families, monkeypatch, member):
+    """The guard above at work: GPT-2 without one of its HF members leaves
+    ``hf_families()``; the check names the member instead of letting it go."""
+    monkeypatch.delattr(Gpt2Config, member)
+    assert "gpt2" not in hf_families()
+    problem = families.hf_problem("gpt2")
+    assert problem is not None and "model.type gpt2" in problem and member in problem
 
 
 @pytest.mark.parametrize("model_type", HF_TYPES)

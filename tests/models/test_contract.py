@@ -110,9 +110,10 @@ def test_greedy_with_cache_equals_without(model):
     assert len(cached) == 13
 
 
-def test_hugging_face_round_trip(model_type, config, model, tmp_path):
-    if type(config) not in hf_families().values():
-        pytest.skip(f"{model_type} has no Hugging Face mapping")
+def test_hugging_face_round_trip(model_type, config, model, tmp_path, families):
+    if model_type in families.NO_HF:  # every other type is an HF family (tests/hf)
+        pytest.skip(f"{model_type} is on the no-HF list: {families.NO_HF[model_type]}")
+    assert type(config) in hf_families().values(), families.hf_problem(model_type)
     export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
     loaded = load_hf(tmp_path)
     assert type(loaded) is type(model) and loaded.Vocab == model.Vocab

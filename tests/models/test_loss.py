@@ -117,3 +117,47 @@ def test_logits_statistics_block_by_block_equal_those_of_the_whole_logits(block)
                     + logits_stats(h, w, block)["rms"])(h)  # fmt: skip
     ref = jax.grad(lambda h: fused_cross_entropy_sum(h, w, problem()[2], problem()[3], block))(h)
     np.testing.assert_array_equal(grad, ref)  # outside the gradient
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(vocab_block_size=32), dict(softcap=30.0)],
+    ids=["fused", "vocab-blocks", "softcap"],
+)
+def test_the_per_device_loss_is_vma_checked_and_equals_plain(settings):
+    """``per_device_sum`` (the fused loss on each device's own rows) runs in a ``shard_map``
+    whose varying values JAX checks (``check_vma``, its default): the scans' first carries
+    vary as the rows do, and ``w``'s gradient is the devices' sum (``pcast``'s transpose).
+    Value and gradients equal the plain loss's."""
+    import haliax as hax
+    from jax.sharding import Mesh
+
+    from loomax.mesh import MESH_AXES, make_axis_mappings
+    from loomax.models.loss import capped_cross_entropy_sum, per_device_sum
+
+    h, w, t, m = problem(n=32)
+    rows = [x.reshape(4, 8, *x.shape[1:]) for x in (h, t, m)]
+    softcap = settings.pop("softcap", None)
+
+    def fused(h, w, t, m):
+        if softcap is not None:
+            return capped_cross_entropy_sum(h, w, t, m, 8, 1e-4, softcap)
+        return fused_cross_entropy_sum(h, w, t, m, 8, 1e-4, settings.get("vocab_block_size"))
+
+    def loss(w, h, t, m):
+        return per_device_sum(fused, w, h, t, m)
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1), MESH_AXES)
+    with jax.set_mesh(mesh), hax.axis_mapping(make_axis_mappings().compute):
+        jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(w, *rows)
+        val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, *rows)
+    [params] = [e.params for e in jaxpr.eqns if e.primitive.name == "shard_map"][:1]
+    assert params["check_vma"] is True
+
+    def plain(w, h):
+        return plain_cross_entropy_sum(h, w, t, m, 1e-4, softcap)
+
+    ref, ref_grads = jax.value_and_grad(plain, argnums=(0, 1))(w, h)
+    np.testing.assert_allclose(val, ref, rtol=1e-5)
+    np.testing.assert_allclose(grads[0], ref_grads[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grads[1].reshape(h.shape), ref_grads[1], rtol=1e-5, atol=1e-6)

@@ -3,6 +3,9 @@
 Nothing here lists families: ``model_types()`` is ``LmConfig``'s registry, and
 ``tiny_config`` fills a family's own fields from one tiny shape (a family's other fields
 keep their defaults), so a new family is in every such suite once it is registered.
+Every family is a Hugging Face family (``loomax.hf.family.HfFamily``, in the HF suites)
+unless ``NO_HF`` says why not: ``hf_problem`` names what a family lacks, so one missing a
+member fails tests/hf/test_convert.py instead of dropping out of the HF suites.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from loomax.config_reference import registry_members
+from loomax.hf.family import _MEMBERS as HF_MEMBERS
+from loomax.hf.family import families as hf_families
 from loomax.models import LmConfig
 
 SHAPE = dict(
@@ -25,6 +30,32 @@ EXPERTS = dict(num_experts=4, num_experts_per_tok=2)
 def model_types() -> list[str]:
     """Every built-in ``model.type``."""
     return [name for name, _ in registry_members(LmConfig)]
+
+
+NO_HF: dict[str, str] = {}
+"""Built-in model types with no Hugging Face side, each with the reason (none today): every
+other registered type must be an HF family, under its own name (``hf_problem``)."""
+
+
+def hf_problem(model_type: str) -> str | None:
+    """What keeps ``model_type`` out of the HF suites although it is not on ``NO_HF``
+    (None if nothing does): no ``hf_model_type`` of its own, another one than its
+    ``model.type`` (the HF suites build it by that name), or the ``HfFamily`` members it lacks."""
+    if model_type in NO_HF:
+        return None
+    cls = LmConfig.get_choice_class(model_type)
+    where = f"model.type {model_type} ({cls.__module__}.{cls.__qualname__})"
+    kind = cls.__dict__.get("hf_model_type")
+    if kind is None:
+        return f"{where} defines no hf_model_type of its own; define HfFamily or add it to NO_HF"
+    missing = [name for name in HF_MEMBERS if not hasattr(cls, name)]
+    if missing:
+        return f"{where} lacks HfFamily's {', '.join(missing)}"
+    if kind != model_type:
+        return f"{where} has hf_model_type {kind!r}; the HF suites need {model_type!r}"
+    if hf_families().get(kind) is not cls:
+        return f"{where} is not loomax.hf.family.families()[{kind!r}]"
+    return None
 
 
 def tiny_config(model_type: str, **overrides) -> LmConfig:

@@ -120,7 +120,7 @@ def coordination_client():
     ``jax.distributed`` this asks nothing of JAX's backend, so a one-process run starts
     no JAX threads here (Ray, started later for the data, forks its daemons safely).
     """
-    from jax._src.distributed import global_state
+    from jax._src.distributed import global_state  # no public API gives the client
 
     if global_state.client is None or jax.process_count() == 1:
         return None
@@ -147,12 +147,7 @@ def barrier(name: str, timeout: float = 600.0) -> None:
 
 
 def _already_initialized() -> bool:
-    try:
-        from jax._src import distributed as _dist
-
-        return _dist.global_state.client is not None
-    except (ImportError, AttributeError):
-        return False
+    return jax.distributed.is_initialized()
 
 
 def _platform_is_cpu() -> bool:

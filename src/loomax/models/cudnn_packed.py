@@ -46,6 +46,7 @@ def cudnn_document_attention(
     """Causal attention within documents, ``q [B, T, N, D]``, ``k, v [B, T, K, D]`` (bf16 or
     fp16, K dividing N): cuDNN's packed kernel when every row has at most ``max_docs``
     documents, else cuDNN with the dense mask."""
+    # private: jax.nn.dot_product_attention takes no q_offsets/kv_offsets (packed documents)
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
     from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_sdpa
 

@@ -14,13 +14,14 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import PartitionSpec as P
 
+from loomax.mesh import current_mesh
 from loomax.models import taps
 from loomax.models.axes import Embed, Position, Vocab
 from loomax.models.buffers import STATE_PREFIX
 from loomax.models.config import LmModel, soft_cap
 from loomax.models.logits_stats import logits_stats, row_blocks
 from loomax.models.sequence_layout import context_axes, context_ways, to_layout
-from loomax.models.splash import concrete_mesh, mapped_axes
+from loomax.models.splash import mapped_axes
 
 
 def next_token_targets(tokens: NamedArray) -> tuple[NamedArray, NamedArray]:
@@ -131,7 +132,7 @@ def _rows_split(batch_rows: int) -> bool:
     global view, would walk every device's blocks on every device, fetching each block with an
     all-reduce of the whole batch's hidden states (the compiled v5p program of
     ``config/mixtral_8x7b.yaml`` did: a ``[1024, 2048, 4096]`` all-reduce per block)."""
-    mesh = concrete_mesh()
+    mesh = current_mesh()
     if mesh is None or mesh.size == 1:
         return False
     names = _names(mapped_axes(mesh, "batch", batch_rows))
@@ -146,19 +147,19 @@ def per_device_sum(fn, w: jax.Array, *rows: jax.Array) -> jax.Array:
     sequence split over the context axis is never gathered (the fused loss's scan over
     token blocks would otherwise gather the hidden states); ``w`` is whole on every device.
     """
-    mesh, ctx = concrete_mesh(), context_axes()
+    mesh, ctx = current_mesh(), context_axes()
     batch = mapped_axes(mesh, "batch", rows[0].shape[0], keep_trivial=True)
     ctx_entry = ctx[0] if len(ctx) == 1 else ctx
     split = tuple(a for part in (batch, ctx_entry) for a in _names(part))
 
     def local(w, *rows):
+        # each device's own copy of w (its gradient, a sum over the devices': pcast's transpose)
+        w = jax.lax.pcast(w, split, to="varying") if split else w
         flat = [x.reshape(-1, *x.shape[2:]) for x in rows]
         return jax.lax.psum(fn(flat[0], w, *flat[1:]), split)
 
     specs = [P(batch, ctx_entry)] * len(rows)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), *specs), out_specs=P(), check_vma=False)(
-        w, *rows
-    )
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), *specs), out_specs=P())(w, *rows)
 
 
 def _names(entry) -> tuple[str, ...]:
@@ -212,8 +213,15 @@ def capped_cross_entropy_sum(
         row_blocks(targets, block),
         row_blocks(weights, block),
     )  # padding: weight 0
-    total, _ = jax.lax.scan(one, jnp.zeros((), _acc(h.dtype)), xs)
+    total, _ = jax.lax.scan(one, _zeros_like(h, (), _acc(h.dtype)), xs)
     return total
+
+
+def _zeros_like(rows: jax.Array, shape, dtype) -> jax.Array:
+    """Zeros of ``shape`` and ``dtype`` for a scan's first carry: varying, inside
+    ``shard_map``, over the mesh axes ``rows`` (the tokens' rows) vary over, as the carries
+    the scan's body returns from them (``jnp.zeros`` would be invariant: a type error)."""
+    return jnp.zeros_like(rows, dtype=dtype, shape=shape)
 
 
 def _padded_rows(w: jax.Array, multiple: int) -> jax.Array:
@@ -285,7 +293,8 @@ def _chunked_lse_and_picked(h_b, chunks, ids, vocab, t_b):
         return (new, norm, picked), None
 
     n = h_b.shape[0]
-    init = (jnp.full((n,), low, acc), jnp.zeros((n,), acc), jnp.zeros((n,), acc))
+    zero = _zeros_like(h_b, (n,), acc)
+    init = (zero + low, zero, zero)
     (peak, norm, picked), _ = jax.lax.scan(body, init, (chunks, ids))
     return peak + jnp.log(norm), picked
 
@@ -304,7 +313,7 @@ def _chunked_grads(h_b, chunks, ids, vocab, t_b, m_b, lse, z_loss_weight):
         dh = dh + jnp.dot(dlogits, w_c, preferred_element_type=acc)
         return dh, jnp.dot(dlogits.T, h_b, preferred_element_type=acc)
 
-    dh, dw = jax.lax.scan(body, jnp.zeros(h_b.shape, acc), (chunks, ids))
+    dh, dw = jax.lax.scan(body, _zeros_like(h_b, h_b.shape, acc), (chunks, ids))
     return dh.astype(h_b.dtype), dw.reshape(-1, h_b.shape[1])[:vocab]
 
 
@@ -325,7 +334,7 @@ def _fused_forward(
         return total + jnp.sum((lse - picked + z_loss_weight * lse**2) * m_b), None
 
     xs = (row_blocks(h, block), row_blocks(targets, block), row_blocks(weights, block))
-    total, _ = jax.lax.scan(body, jnp.zeros((), _acc(h.dtype)), xs)
+    total, _ = jax.lax.scan(body, _zeros_like(h, (), _acc(h.dtype)), xs)
     return total
 
 
@@ -357,7 +366,7 @@ def _fused_fwd(h, w, targets, weights, block_size, z_loss_weight, vocab_block_si
         return dw, (dh_b, token_loss)
 
     xs = (row_blocks(h, block), row_blocks(targets, block), row_blocks(weights, block))
-    dw, (dh, token_loss) = jax.lax.scan(body, jnp.zeros(head.shape, acc), xs)
+    dw, (dh, token_loss) = jax.lax.scan(body, _zeros_like(h, head.shape, acc), xs)
     dw = dw[:vocab]
     dh = dh.reshape(-1, h.shape[1])[: h.shape[0]]
     token_loss = token_loss.reshape(-1)[: h.shape[0]]

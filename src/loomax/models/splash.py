@@ -21,6 +21,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from loomax.mesh import current_mesh, mesh_platform
 from loomax.models.axes import Heads
 
 SPLASH_RESIDUALS = "splash_residuals"
@@ -40,19 +41,8 @@ def splash_unsupported_reason(seq_len: int, block_q: int, block_kv: int) -> str 
     return None
 
 
-def concrete_mesh():
-    """The device mesh in context (``jax.set_mesh``), also inside ``jit``; None without one.
-    (``jax.sharding.get_mesh`` refuses inside ``jit``; the abstract mesh has no devices.)"""
-    from jax._src.mesh import get_concrete_mesh
-
-    mesh = get_concrete_mesh()
-    return None if mesh is None or mesh.empty else mesh
-
-
-def mesh_platform() -> str:
-    """The platform of the devices being compiled for: the mesh in context, else the default."""
-    mesh = concrete_mesh()
-    return next(iter(mesh.devices.flat if mesh is not None else jax.devices())).platform
+concrete_mesh = current_mesh
+"""The former name of ``loomax.mesh.current_mesh`` (``ring_attention`` still imports it here)."""
 
 
 def splash_attention(
@@ -74,7 +64,7 @@ def splash_attention(
         interpret=mesh_platform() != "tpu",
         window=window,
     )
-    mesh = concrete_mesh()
+    mesh = current_mesh()
     if mesh is None or mesh.size == 1:
         out = local(qh, k, v, seg)
     else:
@@ -85,7 +75,7 @@ def splash_attention(
             mesh=mesh,
             in_specs=(spec, spec, spec, None if seg is None else P(batch)),
             out_specs=spec,
-            check_vma=False,
+            check_vma=False,  # JAX's Pallas splash kernel declares no varying axes on its outputs
         )(qh, k, v, seg)
     return out.reshape(B, K, G, T, D)
 

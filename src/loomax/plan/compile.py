@@ -181,6 +181,7 @@ def _no_cache_writes(topology: Topology):
     if topology.chip is None:
         return contextlib.nullcontext()
     try:
+        # private: the public jax.config.update is process-wide, this context is this thread's
         from jax._src import config as jax_config
 
         return jax_config.persistent_cache_min_compile_time_secs(float("inf"))

@@ -6,7 +6,9 @@ split arrays once `meta.json` exists (the build then deletes the pieces). A read
 piece counts only if `meta.json` was still absent after it: the pieces are deleted only
 after `meta.json` is written, so such a read saw a whole piece; otherwise it is read
 again from the flat array, where the shard starts after the train tokens of the shards
-before it. So is a piece that cannot be opened any more, once `meta.json` is there.
+before it. So is a piece that cannot be opened any more, once `meta.json` is there. A
+damaged piece or flat array (a failed checksum, a missing or short file) raises
+`TokenCacheDamaged` naming it and the fix, as `reader` does.
 Needs only tensorstore, like `reader`.
 """
 
@@ -20,7 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import tensorstore as ts
 
-from loomax.data.token_cache.layout import META_FILE, open_array, piece_dir
+from loomax.data.token_cache.damage import reading
+from loomax.data.token_cache.layout import META_FILE, TokenCacheDamaged, open_array, piece_dir
 from loomax.storage import CONTEXT, Directory, join, to_url
 
 
@@ -92,18 +95,33 @@ class GrowingCache:
         """The tokens `[start, stop)` of `split` of each `(position, start, stop)` (shards done)."""
         if not self.complete:
             try:
-                out = [self._piece(p, split)[a:b].read() for p, a, b in ranges]
-                got = [future.result() for future in out]
-            except ValueError:  # a piece gone: deleted once meta.json was written?
+                got = self._read_pieces(ranges, split)
+            except (TokenCacheDamaged, ValueError):  # a piece gone: meta.json written since?
                 if not self._check_complete():
                     raise
             else:
                 if not self._check_complete():  # the pieces were whole during the reads
                     return got
         base = self._flat_offsets(split)
-        flat = self._array(("flat", split), self.root.child(split, "tokens"))
-        futures = [flat[base[p] + a : base[p] + b].read() for p, a, b in ranges]
-        return [future.result() for future in futures]
+        directory = self.root.child(split, "tokens")
+        with reading(self.root, str(directory)):
+            flat = self._array(("flat", split), directory)
+            futures = [flat[base[p] + a : base[p] + b].read() for p, a, b in ranges]
+            return [future.result() for future in futures]
+
+    def _read_pieces(self, ranges: Sequence[tuple[int, int, int]], split: str) -> list[np.ndarray]:
+        """The ranges read from the shards' pieces, all at once; `TokenCacheDamaged` naming
+        the first piece that fails (a failed checksum, a missing or short file)."""
+        reads = []
+        for position, start, stop in ranges:
+            directory = self._piece_dir(position, split)
+            with reading(self.root, str(directory)):
+                reads.append((directory, self._piece(position, split)[start:stop].read()))
+        got = []
+        for directory, future in reads:
+            with reading(self.root, str(directory)):
+                got.append(future.result())
+        return got
 
     def _flat_offsets(self, split: str) -> list[int]:
         """Where each shard's tokens start in the flat `split` (every shard is done by now)."""
@@ -117,10 +135,14 @@ class GrowingCache:
             self._offsets[split] = offsets
         return self._offsets[split]
 
+    def _piece_dir(self, position: int, split: str) -> Directory:
+        """The directory of the tokens of `split` in the piece of the shard at `position`."""
+        attempt = self.entries[position]["piece"]
+        return piece_dir(self.root, position, attempt, split).child("tokens")
+
     def _piece(self, position: int, split: str) -> ts.TensorStore:
-        entry = self.entries[position]
-        directory = piece_dir(self.root, position, entry["piece"], split).child("tokens")
-        return self._array(("piece", position, entry["piece"], split), directory)
+        key = ("piece", position, self.entries[position]["piece"], split)
+        return self._array(key, self._piece_dir(position, split))
 
     def _array(self, key: tuple, directory: Directory) -> ts.TensorStore:
         with self._lock:
