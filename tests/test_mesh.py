@@ -200,7 +200,6 @@ PRIVATE_JAX = {
     "distributed/jax_processes.py": "the coordination-service client: no public API",
     "plan/compile.py": "a thread's own cache setting: jax.config.update is process-wide",
     "models/cudnn_packed.py": "cuDNN's packed documents: jax.nn.dot_product_attention has no offsets",
-    "models/expert_parallel.py": "its own copy of the concrete mesh: to use loomax.mesh.current_mesh",
 }
 """The modules of src/loomax allowed a private ``jax._src`` import, each with why (no public API)."""
 

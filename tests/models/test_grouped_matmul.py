@@ -145,3 +145,22 @@ def test_blocked_memory_follows_a_loop_step_not_the_tiles(monkeypatch):
     temp = jax.jit(step).lower(x, w).compile().memory_analysis().temp_size_in_bytes
     per_tile_copies = (-(-m // block) + groups) * k * n * 4  # 9.4 MB: what the old form held
     assert temp < 2 * groups * k * n * 4 < per_tile_copies, temp  # 0.12 MB (old form: 13 MB)
+
+
+def test_megablox_gradients_with_unequal_widths_equal_ragged_dot():
+    """dx = dy @ w^T contracts over n and yields k columns: its tiles are (rows, n, k), not
+    the forward's (rows, k, n) (a [.., 128, 96] expert failed to lower for a TPU)."""
+    x, w, sizes = operands([60, 0, 40, 28], m=128, k=128, n=96)
+    dy = jax.random.normal(jax.random.PRNGKey(3), (128, 96))
+    dx, dw = grouped_matmul_grads(x, w, sizes, dy, impl="megablox")
+    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)
+    rx, rw = vjp(dy)
+    np.testing.assert_allclose(dx, rx, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(dw, rw, rtol=1e-5, atol=1e-4)
+
+
+def test_auto_takes_megablox_only_where_its_tiles_fit():
+    assert gm.megablox_fits((16, 128, 96)) and gm.megablox_fits((8, 256, 384))
+    assert not gm.megablox_fits((16, 192, 128))  # above one tile, not a multiple of it
+    assert gm._fitting("megablox", "auto", jnp.zeros((2, 192, 128))) == "blocked"
+    assert gm._fitting("megablox", "megablox", jnp.zeros((2, 192, 128))) == "megablox"

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-TOLERANCE = 1e-5
-"""Split attention sums the same terms in another order (relative to the largest entry)."""
+TOLERANCE = 5e-5
+"""Split attention sums the same terms in another order (relative to the largest entry):
+float32 through the layers and the vocabulary projection; an AMD EPYC's matmul library
+gave 1.74e-5 on the logits where an Intel one stays under 1e-5 (a real error, a wrong
+mask or position, is of the order of the entries themselves)."""
 VARIANTS = ("ring", "all_gather")
 
 

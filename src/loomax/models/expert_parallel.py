@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from loomax.config import ConfigError
-from loomax.mesh import EXPERT_AXIS
+from loomax.mesh import EXPERT_AXIS, current_mesh, mesh_platform
 from loomax.models.axes import Embed, Experts, Mlp
 from loomax.models.expert_ffn import expert_ffn
 from loomax.models.grouped_matmul import grouped_matmul, grouped_matmul_grads
@@ -56,17 +56,9 @@ FORMS = ("ragged", "padded")
 """How rows travel between devices: ``ragged_all_to_all`` or a fixed-size ``all_to_all``."""
 
 
-def _concrete_mesh():
-    """The device mesh in context (also inside ``jit``); None without one."""
-    from jax._src.mesh import get_concrete_mesh
-
-    mesh = get_concrete_mesh()
-    return None if mesh is None or mesh.empty else mesh
-
-
 def expert_ways() -> int:
     """Devices the experts are split over in the mesh in context (1: no expert parallelism)."""
-    mesh = _concrete_mesh()
+    mesh = current_mesh()
     return 1 if mesh is None else dict(mesh.shape).get(EXPERT_AXIS, 1)
 
 
@@ -80,7 +72,7 @@ def check_expert_split(num_experts: int, ways: int) -> None:
 
 def default_form(mesh) -> str:
     """``ragged`` on GPU and TPU, ``padded`` elsewhere (XLA:CPU has no ragged-all-to-all)."""
-    return "ragged" if mesh.devices.flat[0].platform in ("gpu", "tpu") else "padded"
+    return "ragged" if mesh_platform() in ("gpu", "tpu") else "padded"
 
 
 def _mapped(mesh, logical: str, size: int):
@@ -114,7 +106,7 @@ def routed_experts(
     mapping decides how the tokens are split; ``form`` is one of ``FORMS`` (default:
     ``default_form``).
     """
-    mesh = _concrete_mesh()
+    mesh = current_mesh()
     ways, E = expert_ways(), mlp.moe.num_experts
     check_expert_split(E, ways)
     T, k = math.prod(experts.shape[:-1]), experts.shape[-1]

@@ -29,8 +29,9 @@ grid) for the routed rows, not the buffer; the ``blocked`` loop runs under a
 
 ``auto`` picks by the platform compiled for (the mesh in context, else the default backend,
 so ``loomax compile`` for a TPU slice on a CPU host builds what the TPU runs): TPU
-``megablox`` inside ``shard_map`` (expert parallelism), ``blocked`` outside it (a Mosaic
-kernel cannot be partitioned automatically: XLA refuses it); GPU and CPU ``blocked``.
+``megablox`` inside ``shard_map`` (where the MoE layer runs: each device's own rows, with or
+without expert parallelism), ``blocked`` outside it (a Mosaic kernel cannot be partitioned
+automatically: XLA refuses it); GPU and CPU ``blocked``.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def grouped_matmul(
     rows the groups hold on average, when fewer (see the module docstring). ``zero_rest``
     false lets ``megablox`` leave the rows past the groups as the kernel left them (any
     values: for a caller that never reads them, sparing a pass over the whole buffer)."""
-    impl = resolve(impl)
+    impl = _fitting(resolve(impl), impl, w)
     group_sizes = group_sizes.astype(jnp.int32)
     with _routed(impl, rows, x.shape[0], w.shape[0]):
         if impl == "ragged_dot":
@@ -97,6 +98,20 @@ def grouped_matmul(
         if impl == "megablox":
             return _megablox(x, w, group_sizes, zero_rest)
         return blocked_grouped_matmul(x, w, group_sizes, block, rows)
+
+
+def megablox_fits(w_shape) -> bool:
+    """Whether megablox's tiles fit weights ``[G, k, n]``: each of k and n at most one tile
+    (the tile is then the whole dimension) or a multiple of it."""
+    return all(d <= MEGABLOX_TILE or d % MEGABLOX_TILE == 0 for d in w_shape[1:])
+
+
+def _fitting(impl: str, asked: str, w) -> str:
+    """``auto``'s megablox where its tiles fit ``w``, else ``blocked`` (asked for by name,
+    megablox stays: the kernel's own error then says what does not fit)."""
+    if impl == "megablox" and asked == "auto" and not megablox_fits(w.shape):
+        return "blocked"
+    return impl
 
 
 def _routed(impl: str, rows: int | None, m: int, groups: int):
@@ -316,7 +331,7 @@ def grouped_matmul_grads(
     """``(dx, dw)`` of ``grouped_matmul(x, w, group_sizes)`` for the cotangent ``dy``, with
     no forward product (a backward written by hand calls this: ``jax.vjp`` would also run the
     forward kernel). Rows of ``dx`` past the groups may hold any values (``zero_rest=False``)."""
-    impl = resolve(impl)
+    impl = _fitting(resolve(impl), impl, w)
     group_sizes = group_sizes.astype(jnp.int32)
     with _routed(impl, rows, x.shape[0], w.shape[0]):
         if impl == "megablox":
@@ -334,9 +349,14 @@ def _megablox_grads(x, w, group_sizes, dy):
     m = x.shape[0]
     pad = (-m) % MEGABLOX_TILE
     xp, dyp = (jnp.pad(a, ((0, pad), (0, 0))) if pad else a for a in (x, dy))
-    tiling = tuple(min(MEGABLOX_TILE, d) for d in (xp.shape[0], x.shape[1], w.shape[2]))
+    tile = lambda *dims: tuple(min(MEGABLOX_TILE, d) for d in dims)  # noqa: E731
+    tiling = tile(xp.shape[0], x.shape[1], w.shape[2])  # (rows, k, n) of x @ w and of tgmm
     interpret = mesh_platform() != "tpu"
-    dx = kernels.gmm(dyp, w, group_sizes, x.dtype, tiling, transpose_rhs=True, interpret=interpret)
+    # dy [m, n] @ w[g]^T: the contraction is n, the result's columns k
+    dx_tiling = tile(xp.shape[0], w.shape[2], w.shape[1])
+    dx = kernels.gmm(
+        dyp, w, group_sizes, x.dtype, dx_tiling, transpose_rhs=True, interpret=interpret
+    )
     dw = kernels.tgmm(
         xp.swapaxes(0, 1), dyp, group_sizes, w.dtype, tiling, num_actual_groups=w.shape[0],
         interpret=interpret,
