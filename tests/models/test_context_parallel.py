@@ -25,11 +25,15 @@ def attention_runs(json_worker):
     return json_worker(WORKER, "attention")
 
 
-@pytest.mark.parametrize("variant", ["ring", "all_gather", "ring_tensor_parallel", "ring_padded"])
+@pytest.mark.parametrize(
+    "variant", ["ring", "all_gather", "ring_tensor_parallel", "ring_padded", "ring_overlapped"]
+)
 def test_split_attention_equals_one_device(attention_runs, variant):
     """Causal + document masks (documents crossing the shards) + grouped-query heads, data 2 x
     context 4 (or context 4 x model 2, the heads split too; or blocks of 3, each chunk's last
-    block padded): output, dQ, dK and dV equal the unsplit attention's."""
+    block padded; or the ring as a TPU or GPU program runs it, overlapped: hops packed into
+    one buffer, dK/dV partial sums a hop behind their block): output, dQ, dK and dV equal
+    the unsplit attention's."""
     errors = attention_runs[variant]["errors"]
     assert set(errors) == {"out", "dq", "dk", "dv"}
     for name, error in errors.items():
