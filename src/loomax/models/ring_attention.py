@@ -133,7 +133,13 @@ def context_parallel_attention(
         mesh=mesh,
         in_specs=(q_spec, kv_spec, kv_spec, P(ctx), P(batch, ctx)),
         out_specs=q_spec,
-        check_vma=False,  # the blockwise kernel's scans start from unvarying zeros
+        # Unchecked: the blockwise kernel (models/flash.py) starts its loops and its
+        # skipped blocks' cond branches from zeros typed as varying over no mesh axis,
+        # against values varying over all of them. jax.lax.pcast(..., to="varying") on
+        # the ring's own zero states and accumulators passes the check for the ring's
+        # unmasked pairs, but a diagonal with an odd number of blocks (and the all-gather
+        # path) runs flash.py's causal backward_blocks, whose skip branch's zeros fail it.
+        check_vma=False,
     )(q, k, v, positions, seg)
 
 
