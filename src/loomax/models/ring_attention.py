@@ -8,8 +8,17 @@ mapping says.
   n - 1 hops; each device attends its queries to the block it holds, the online softmax
   (running max, sum and output per query block) carried on from hop to hop. The custom backward
   sends the blocks around again with their dK/dV accumulators, which arrive back at their
-  owners after the last hop: no device ever holds more than one block of keys, values or
-  their gradients, forward or backward. Memory per device O(seq / n).
+  owners after the last hop. Memory per device O(seq / n).
+
+  The transfers overlap the attention: each block is sent on before the device attends to
+  it (the first, its own, over its own diagonals), so every hop's collective-permute has
+  the block in hand's work between its start and its done; in the backward a block's dK/dV
+  partial sum travels one hop behind the block, each device's share started from zeros
+  and added once the previous device's sum has arrived, and the last sums go home over the
+  device's late diagonal. A hop is one transfer (its leaves packed into one buffer; in a
+  CPU program leaf by leaf). So a device holds the block in hand and the one arriving (and in the backward three sets of
+  dK/dV: in hand, arriving, leaving). A CPU program (XLA:CPU overlaps nothing) keeps the
+  serial backward, one block and one set of dK/dV fewer, and ``_after``.
 
   Only the chunk pairs the causal mask lets through are computed, and which those are is
   known from the layout (device i holds chunks i and 2n-1-i): with its own keys, chunk i
