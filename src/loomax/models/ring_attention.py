@@ -67,6 +67,7 @@ from loomax.models.flash import (
     merge_blocks,
     query_blocks,
 )
+from loomax.models.ring_hops import add_partials, ring_hop
 from loomax.models.ring_splash import splash_ring_attention
 from loomax.models.sequence_layout import context_axes, context_ways, zigzag_order
 from loomax.models.splash import (
@@ -202,64 +203,6 @@ def ring_attention(
     return _ring(q, k, v, pos, seg, scale, block, axis, ways, cpu_program)
 
 
-def _hop(tree, axis, ways: int, pack: bool = True):
-    """Every device's ``tree`` to the next device of the ring, in one transfer: the leaves
-    packed into one flat buffer (``_pack``), so that a hop is one collective-permute for
-    XLA's scheduler to place around the work it hides behind. (Sent leaf by leaf, eight to
-    twelve collective-permutes a hop, the v5p program overlapped one of a hop's and left the
-    rest back to back.)"""
-    leaves, treedef = jax.tree.flatten(tree)
-    pairs = [(i, (i + 1) % ways) for i in range(ways)]
-    if not pack:
-        return jax.lax.ppermute(tree, axis, pairs)
-    moved = jax.lax.ppermute(_pack(leaves), axis, pairs)
-    return jax.tree.unflatten(treedef, _unpack(moved, leaves))
-
-
-def _as(x, dtype) -> jax.Array:
-    """``x`` flat, bit for bit in elements of ``dtype`` (zero-padded to whole elements)."""
-    x = x.reshape(-1)
-    if x.dtype == dtype:
-        return x
-    wide, narrow = x.dtype.itemsize, jnp.dtype(dtype).itemsize
-    if wide < narrow:  # several of x's elements to one
-        x = jnp.pad(x, (0, -x.size % (narrow // wide))).reshape(-1, narrow // wide)
-    return jax.lax.bitcast_convert_type(x, dtype).reshape(-1)
-
-
-def _pack(leaves) -> jax.Array:
-    """The arrays ``leaves`` in one flat buffer of the first one's dtype (the others bit for
-    bit): the keys and values travel as they are, only the small or late-needed leaves
-    (positions, documents, dK/dV partial sums) are reinterpreted. (As 32-bit words, the
-    keys' and values' unpacking was real work on a TPU, which XLA fused across hops into
-    one fusion: a hop's attention then waited for the next hop's transfer.)"""
-    carrier = leaves[0].dtype
-    return jnp.concatenate([_as(x, carrier) for x in leaves])
-
-
-def _unpack(packed, like) -> list[jax.Array]:
-    """``_pack``'s buffer back into arrays of the shapes and dtypes of ``like``."""
-    carrier = packed.dtype
-    out, start = [], 0
-    for x in like:
-        ratio = x.dtype.itemsize / carrier.itemsize
-        size = x.size * int(ratio) if ratio >= 1 else -(-x.size // int(1 / ratio))
-        part = jax.lax.slice_in_dim(packed, start, start + size)
-        start += size
-        if x.dtype != carrier:
-            part = _from(part, x.dtype, x.size)
-        out.append(part.reshape(x.shape))
-    return out
-
-
-def _from(part, dtype, size: int) -> jax.Array:
-    """``_as`` undone: ``size`` elements of ``dtype`` from ``part``."""
-    wide, narrow = jnp.dtype(dtype).itemsize, part.dtype.itemsize
-    if wide > narrow:
-        part = part.reshape(-1, wide // narrow)
-    return jax.lax.bitcast_convert_type(part, dtype).reshape(-1)[:size]
-
-
 def _chunks(q, k, v, pos, seg, block):
     """The blocked queries and keys of this device's early and late zig-zag chunks: a pair
     ``(early, late)`` of each (a block never straddles the two)."""
@@ -299,16 +242,6 @@ def _after(x, anchor, cpu: bool):
     return x + jnp.isnan(first).astype(x.dtype) * 0
 
 
-def _add(a, b):
-    """Two partial sums ``(early, late)`` of the same chunks' dK/dV added, chunk by chunk;
-    ``None`` (no share of that chunk yet) adds nothing."""
-
-    def add(x, y):
-        return y if x is None else x if y is None else jax.tree.map(jnp.add, x, y)
-
-    return tuple(add(x, y) for x, y in zip(a, b, strict=True))
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
 def _ring(q, k, v, pos, seg, scale, block, axis, ways, cpu):
     return _ring_forward(q, k, v, pos, seg, scale, block, axis, ways, cpu)[0]
@@ -337,7 +270,7 @@ def _ring_forward(q, k, v, pos, seg, scale, block, axis, ways, cpu):
         pick = partial(jax.tree.map, lambda a, b: jnp.where(earlier, a, b))
         return pick(x, se), pick(sl, x)
 
-    hop = partial(_hop, axis=axis, ways=ways, pack=not cpu)
+    hop = partial(ring_hop, axis=axis, ways=ways, pack=not cpu)
     held = hop(own) if ways > 1 else None  # in flight over the diagonals
     state_e = diagonal_forward(qe, forward_state(qe), ke, scale)
     state_l = diagonal_forward(ql, attend(ql, forward_state(ql), ke), kl, scale)
@@ -380,7 +313,7 @@ def _ring_bwd(scale, block, axis, ways, cpu, residuals, g):
     (ke, kl) = own
     ge, gl = (grad_blocks(g[..., h, :], lse[..., h], delta[..., h], block)
               for h in (slice(0, c), slice(c, 2 * c)))  # fmt: skip
-    hop = partial(_hop, axis=axis, ways=ways, pack=not cpu)
+    hop = partial(ring_hop, axis=axis, ways=ways, pack=not cpu)
 
     def attend(queries, grads, dq, keys, dkv):
         dq, dk, dv = backward_blocks(queries, *grads, dq, keys, scale, causal=False, dkv=dkv)
@@ -414,7 +347,7 @@ def _ring_bwd(scale, block, axis, ways, cpu, residuals, g):
         passed, arrived = hop((held if pass_on else None, sending))
         blank = tuple((zeros(h[0], wait),) * 2 for h in held)
         dqs, mine = visit(dqs, held, blank)
-        return dqs, passed, _add(mine, arrived)
+        return dqs, passed, add_partials(mine, arrived)
 
     def serial(carry, _):  # a CPU program's hop: receive, then add to the block's dK/dV
         dqs, held, grads = carry
@@ -444,7 +377,7 @@ def _ring_bwd(scale, block, axis, ways, cpu, residuals, g):
         dqs, _, partial_sum = ring_step(dqs, held, partial_sum, False)
         home = hop(partial_sum)  # the last partial sums, home to their blocks' owners
         dq_l, *dkv_l = diagonal_backward(ql, gl, dqs[1], kl, scale, (zeros(kl[0]),) * 2)
-        dq_e, ((dk_e, dv_e), (dk_l, dv_l)) = dqs[0], _add(home, (None, tuple(dkv_l)))
+        dq_e, ((dk_e, dv_e), (dk_l, dv_l)) = dqs[0], add_partials(home, (None, tuple(dkv_l)))
     dq = _join((dq_e, dq_l), 3, c)
     dk, dv = _join((dk_e, dk_l), 2, c), _join((dv_e, dv_l), 2, c)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
