@@ -319,9 +319,8 @@ def _ring_bwd(scale, block, axis, ways, cpu, residuals, g):
         dq, dk, dv = backward_blocks(queries, *grads, dq, keys, scale, causal=False, dkv=dkv)
         return dq, (dk, dv)
 
-    def zeros(like, wait: bool = True):  # accumulators (in a CPU program: once the forward is done)
-        z = jnp.zeros(like.shape, acc)
-        return _after(z, lse, cpu) if wait else z
+    def zeros(like):  # accumulators (in a CPU program: built once the forward is done)
+        return _after(jnp.zeros(like.shape, acc), lse, cpu)
 
     def visit(dqs, held, start):
         """The ``held`` block's dK/dV partial sums ``start`` plus this device's share, and dQ."""
@@ -339,13 +338,13 @@ def _ring_bwd(scale, block, axis, ways, cpu, residuals, g):
 
         return jax.lax.cond(_from_earlier(held, qe), early_keys, late_queries)
 
-    def ring_step(dqs, held, sending, pass_on: bool, wait: bool = True):
+    def ring_step(dqs, held, sending, pass_on: bool):
         """One overlapped hop: ``held`` passed on (unless ``pass_on`` is False: the last
         hop) with ``sending``, this device's partial sum for the block it held before, while
         the block in hand is attended to from zeros; the partial sum that arrives is the
         held block's, added after."""
         passed, arrived = hop((held if pass_on else None, sending))
-        blank = tuple((zeros(h[0], wait),) * 2 for h in held)
+        blank = tuple((zeros(h[0]),) * 2 for h in held)
         dqs, mine = visit(dqs, held, blank)
         return dqs, passed, add_partials(mine, arrived)
 
@@ -356,7 +355,7 @@ def _ring_bwd(scale, block, axis, ways, cpu, residuals, g):
         return (dqs, held, grads), None
 
     def overlapped(carry, _):
-        return ring_step(*carry, True, wait=False), None
+        return ring_step(*carry, True), None
 
     overlap = not cpu and ways > 1
     # our own block: in flight over our early diagonal and late queries (overlapped)
