@@ -4,6 +4,7 @@ JAX starts): ring and all-gather attention against one device, values and gradie
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,11 +25,15 @@ def attention_runs(json_worker):
     return json_worker(WORKER, "attention")
 
 
-@pytest.mark.parametrize("variant", ["ring", "all_gather", "ring_tensor_parallel", "ring_padded"])
+@pytest.mark.parametrize(
+    "variant", ["ring", "all_gather", "ring_tensor_parallel", "ring_padded", "ring_overlapped"]
+)
 def test_split_attention_equals_one_device(attention_runs, variant):
     """Causal + document masks (documents crossing the shards) + grouped-query heads, data 2 x
     context 4 (or context 4 x model 2, the heads split too; or blocks of 3, each chunk's last
-    block padded): output, dQ, dK and dV equal the unsplit attention's."""
+    block padded; or the ring as a TPU or GPU program runs it, overlapped: hops packed into
+    one buffer, dK/dV partial sums a hop behind their block): output, dQ, dK and dV equal
+    the unsplit attention's."""
     errors = attention_runs[variant]["errors"]
     assert set(errors) == {"out", "dq", "dk", "dv"}
     for name, error in errors.items():
@@ -161,3 +166,115 @@ def test_sliding_window_with_a_split_sequence_is_refused_up_front():
     TrainLmConfig(model=model, trainer=TrainerConfig(mesh=MeshConfig(context=1)))
     with pytest.raises(ConfigError, match=r"model.sliding_window \(6\) .*trainer.mesh.context"):
         TrainLmConfig(model=model, trainer=TrainerConfig(mesh=MeshConfig(context=2)))
+
+
+RING_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*? ([a-z][a-z0-9\-]*)\((.*)$")
+RING_HLO_CALLS = re.compile(
+    r"(?:calls|to_apply|body|condition)=%([\w.\-]+)|branch_computations=\{([^}]*)\}"
+)
+
+
+def _scheduled_computations(hlo: str) -> dict[str, list[tuple[str, str, str]]]:
+    """A compiled (scheduled) HLO module's computations: ``(name, opcode, rest)`` of each
+    instruction, in the order the schedule runs them."""
+    computations: dict[str, list] = {}
+    current = None
+    for line in hlo.splitlines():
+        if not line.startswith((" ", "}")) and line.endswith("{"):
+            current = computations.setdefault(line.removeprefix("ENTRY ").split()[0][1:], [])
+        elif line == "}":  # (a kernel's backend config spans lines that start with "}")
+            current = None
+        elif current is not None and (found := RING_HLO_INSTRUCTION.match(line)):
+            current.append(found.groups())
+    return computations
+
+
+def _work(op: str, rest: str) -> bool:
+    """Whether an instruction is a matmul (convolution, dot) or a Mosaic kernel (splash)."""
+    return op in ("convolution", "dot") or 'custom_call_target="tpu_custom_call"' in rest
+
+
+def _matmuls(computations, name: str, rest: str, seen: dict) -> int:
+    """Matmuls and kernels an instruction runs, in the computations it calls."""
+    called = [
+        c.strip().lstrip("%") for m in RING_HLO_CALLS.findall(rest) for c in ",".join(m).split(",")
+    ]
+    total = 0
+    for comp in called:
+        if comp not in seen:
+            seen[comp] = 0
+            seen[comp] = sum(
+                _work(op, r) + _matmuls(computations, n, r, seen)
+                for n, op, r in computations.get(comp, [])
+            )
+        total += seen[comp]
+    return total
+
+
+def ring_hops_overlap(hlo: str) -> list[tuple[str, int]]:
+    """Each collective-permute of a scheduled program, with the matmuls the schedule runs
+    between its start and its done (an instruction's own, or in what it calls: the
+    attention's loops and conds)."""
+    computations, seen, hops = _scheduled_computations(hlo), {}, []
+    for instructions in computations.values():
+        for i, (name, op, _) in enumerate(instructions):
+            if op != "collective-permute-start":
+                continue
+            done = next(
+                j for j in range(i + 1, len(instructions))
+                if instructions[j][1] == "collective-permute-done"
+                and re.match(rf"%{re.escape(name)}\)", instructions[j][2])
+            )  # fmt: skip
+            between = instructions[i + 1 : done]
+            work = sum(_work(op2, r) + _matmuls(computations, n, r, seen) for n, op2, r in between)
+            hops.append((name, work))
+    return hops
+
+
+@pytest.mark.usefixtures("libtpu")
+@pytest.mark.parametrize("backend,hops", [("blockwise", 5), ("splash", 6)])
+def test_ring_hops_overlap_attention_in_the_v5p_program(backend, hops):
+    """The ring's forward + backward compiled for v5p (compile only; context 4, 16,384
+    positions, bf16, 4 query / 2 KV heads of 128), blockwise or splash per chunk pair: every
+    collective-permute of the scheduled program has attention (matmuls, or splash's
+    kernels) between its start and its done. The hops: the forward's own chunks and its
+    in-loop hop; the backward's own chunks (blockwise: merged by XLA with the forward's),
+    its in-loop hop, its last hop and the partial sums' trip home. Receiving a block and
+    then computing on it, the v5p programs had 24 (blockwise) and 22 (splash)
+    collective-permutes, all but 2 or 3 with nothing between start and done."""
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from loomax.mesh import MeshConfig, make_axis_mappings
+    from loomax.models.attention import causal_attention
+    from loomax.models.axes import Batch, Heads, HeadSize, KeyPosition, KvHeads, Position
+    from loomax.plan.topology import get_topology
+    from loomax.runtime import MeshRuntime
+
+    devices = get_topology("v5p:2x2x1").devices
+    mesh = MeshConfig(data=1, context=4).build(devices[:4])
+    split = NamedSharding(mesh, P(None, "context"))
+    seq = 16384
+    q = jax.ShapeDtypeStruct((1, seq, 4, 128), jnp.bfloat16, sharding=split)
+    kv = jax.ShapeDtypeStruct((1, seq, 2, 128), jnp.bfloat16, sharding=split)
+    seg = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=split)
+
+    def loss(q, k, v, w, seg):
+        out = causal_attention(
+            hax.named(q, (Batch, Position, Heads, HeadSize)),
+            hax.named(k, (Batch, KeyPosition, KvHeads, HeadSize)),
+            hax.named(v, (Batch, KeyPosition, KvHeads, HeadSize)),
+            backend=backend, segment_ids=hax.named(seg, (Batch, Position)),
+            context_parallel="ring", flash_block=128,
+        )  # fmt: skip
+        return (out.array.astype(jnp.float32) * w).sum()
+
+    with MeshRuntime(mesh, make_axis_mappings()).mesh_context():
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        hlo = step.lower(q, kv, kv, q, seg).compile().as_text()
+    overlaps = ring_hops_overlap(hlo)
+    assert all(work > 0 for _, work in overlaps), overlaps
+    assert len(overlaps) == hops, overlaps

@@ -6,9 +6,16 @@ n - 1 hops two all-visible pairs (both query chunks over the visiting early chun
 comes from an earlier device, else the late query chunk over both visiting chunks: one
 ``lax.cond``). Each pair is one splash call with its log-sum-exp (``models/splash_pair.py``:
 two kernels, causal and all-visible, built once); the partial outputs are combined by their
-log-sum-exps in float32. The custom backward sends the blocks round again with their dK/dV
-and runs splash's dq/dkv kernels per pair, fed the whole ring's log-sum-exp and
-``D = rowsum(dO * O)``, as flash attention's ring backward does.
+log-sum-exps in float32. The custom backward sends the blocks round again, their dK/dV
+partial sums one hop behind, and runs splash's dq/dkv kernels per pair, fed the whole
+ring's log-sum-exp and ``D = rowsum(dO * O)``, as flash attention's ring backward does.
+
+Each hop overlaps the kernels, as the blockwise ring's (``models/ring_attention.py``): the
+chunks in hand are sent on before they are attended to, a device's share of a chunk
+pair's dK/dV is computed while the previous device's partial sum for it is in flight
+(then added), the last sums go home over the late diagonal, and a hop is one
+collective-permute (``models/ring_hops.py``). On every platform (no CPU variant: the
+interpret-mode CPU runs check this schedule's values).
 
 Chunks must suit splash's blocks (``splash_unsupported_reason`` of the chunk length).
 """
@@ -23,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from loomax.models.ring_hops import add_partials, ring_hop
 from loomax.models.splash_pair import SplashPair
 
 
@@ -55,11 +63,6 @@ def splash_ring_attention(
     config = _Config(K * G, c, bq, bkv, interpret, axis, ways, residual_name)
     out = _ring(qh, k, v, pos, seg, config)
     return out.reshape(b, K, G, T, D)
-
-
-def _hop(tree, axis, ways: int):
-    """Every device's ``tree`` to the next device of the ring."""
-    return jax.lax.ppermute(tree, axis, [(i, (i + 1) % ways) for i in range(ways)])
 
 
 def _pairs(config: _Config) -> tuple[SplashPair, SplashPair]:
@@ -120,19 +123,29 @@ def _forward(q, k, v, pos, seg, config):
         out, lse = kernel.forward(qc, kk, vv, qs, ks)
         return out.astype(jnp.float32), lse
 
+    hop = partial(ring_hop, axis=axis, ways=ways)
+    held = hop(own) if ways > 1 else None  # in flight over the diagonals
     state_e = run(causal, qe, own[0])
     state_l = _merge(run(causal, ql, own[1]), run(full, ql, own[0]))
 
-    def step(carry, _):
-        (se, sl), held = carry
-        held = _hop(held, axis, ways)
+    def visit(states, held):
+        se, sl = states
         sl = _merge(sl, run(full, ql, held[0]))
         earlier = _earlier(held, own)
         x = jax.lax.cond(earlier, lambda: run(full, qe, held[0]), lambda: run(full, ql, held[1]))
-        se, sl = _where(earlier, _merge(se, x), se), _where(earlier, sl, _merge(sl, x))
-        return ((se, sl), held), None
+        return _where(earlier, _merge(se, x), se), _where(earlier, sl, _merge(sl, x))
 
-    ((se, sl), _), _ = jax.lax.scan(step, ((state_e, state_l), own), None, length=ways - 1)
+    def step(carry, _):
+        states, held = carry
+        sent = hop(held)  # the next hop's chunks, in flight while these are attended to
+        return (visit(states, held), sent), None
+
+    states = (state_e, state_l)
+    if ways > 2:
+        (states, held), _ = jax.lax.scan(step, (states, held), None, length=ways - 2)
+    if ways > 1:
+        states = visit(states, held)  # the last chunks: nothing left to send
+    se, sl = states
     out = jnp.concatenate([se[0], sl[0]], axis=2).astype(q.dtype)
     return out, jnp.concatenate([se[1], sl[1]], axis=2)
 
@@ -163,33 +176,49 @@ def _bwd(config, residuals, g):
     def add(a, b):
         return jax.tree.map(jnp.add, a, b)
 
+    hop = partial(ring_hop, axis=axis, ways=ways)
+    held = hop(own) if ways > 1 else None  # in flight over the early diagonal
     dq_e, dkv_ee = run(causal, qe, ge, own[0])
     dq_l, dkv_le = run(full, ql, gl, own[0])
-    dq_ll, dkv_ll = run(causal, ql, gl, own[1])
-    dq_l = dq_l + dq_ll
-    grads = (add(dkv_ee, dkv_le), dkv_ll)
+    no_late = jax.tree.map(jnp.zeros_like, dkv_le)  # our late chunk's share comes last
+    partial_sum = (add(dkv_ee, dkv_le), no_late)
 
-    def step(carry, _):
-        (dq_e, dq_l), held, grads = carry
-        held, grads = _hop((held, grads), axis, ways)  # a chunk travels with its dK/dV
+    def visit(dqs, held):
+        """This device's share of the ``held`` chunks' dK/dV, and its dQ."""
+        dq_e, dq_l = dqs
         dq_x, dkv_x = run(full, ql, gl, held[0])
         dq_l = dq_l + dq_x
-        grads = (add(grads[0], dkv_x), grads[1])
 
         def early_keys():
             dq, dkv = run(full, qe, ge, held[0])
-            return (dq_e + dq, dq_l), (add(grads[0], dkv), grads[1])
+            return (dq_e + dq, dq_l), (add(dkv_x, dkv), jax.tree.map(jnp.zeros_like, dkv))
 
         def late_queries():
             dq, dkv = run(full, ql, gl, held[1])
-            return (dq_e, dq_l + dq), (grads[0], add(grads[1], dkv))
+            return (dq_e, dq_l + dq), (dkv_x, dkv)
 
-        dqs, grads = jax.lax.cond(_earlier(held, own), early_keys, late_queries)
-        return (dqs, held, grads), None
+        return jax.lax.cond(_earlier(held, own), early_keys, late_queries)
 
-    carry = ((dq_e, dq_l), own, grads)
-    ((dq_e, dq_l), _, grads), _ = jax.lax.scan(step, carry, None, length=ways - 1)
-    (dk_e, dv_e), (dk_l, dv_l) = _hop(grads, axis, ways)  # the last hop brings them home
+    def ring_step(dqs, held, sending, pass_on: bool):
+        """One hop, overlapped: ``held`` passed on (unless the last) with ``sending``, the
+        partial sum of the chunks held before; the held chunks' sum arrives meanwhile."""
+        passed, arrived = hop((held if pass_on else None, sending))
+        dqs, mine = visit(dqs, held)
+        return dqs, passed, add_partials(mine, arrived)
+
+    def step(carry, _):
+        return ring_step(*carry, True), None
+
+    dqs = (dq_e, dq_l)
+    if ways > 2:  # a loop also for one hop (see models/ring_attention.py's backward)
+        carry = (dqs, held, partial_sum)
+        (dqs, held, partial_sum), _ = jax.lax.scan(step, carry, None, length=ways - 2)
+    if ways > 1:
+        dqs, _, partial_sum = ring_step(dqs, held, partial_sum, False)
+        partial_sum = hop(partial_sum)  # the last partial sums, home over our late diagonal
+    dq_ll, dkv_ll = run(causal, ql, gl, own[1])
+    dq_e, dq_l = dqs[0], dqs[1] + dq_ll
+    (dk_e, dv_e), (dk_l, dv_l) = add_partials(partial_sum, (None, dkv_ll))
     dq = jnp.concatenate([dq_e, dq_l], axis=2)  # of the scaled queries: the caller's chain rule
     dk, dv = jnp.concatenate([dk_e, dk_l], axis=2), jnp.concatenate([dv_e, dv_l], axis=2)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
