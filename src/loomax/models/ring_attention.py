@@ -54,6 +54,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from loomax.config import ConfigError
+from loomax.mesh import current_mesh
 from loomax.models.axes import Heads
 from loomax.models.causal_diagonal import diagonal_backward, diagonal_forward
 from loomax.models.flash import (
@@ -71,7 +72,6 @@ from loomax.models.ring_hops import add_partials, ring_hop
 from loomax.models.ring_splash import splash_ring_attention
 from loomax.models.sequence_layout import context_axes, context_ways, zigzag_order
 from loomax.models.splash import (
-    concrete_mesh,
     mapped_axes,
     mesh_platform,
     splash_unsupported_reason,
@@ -108,7 +108,7 @@ def context_parallel_attention(
     """
     if variant not in VARIANTS:
         raise ValueError(f"model.context_parallel must be one of {VARIANTS}, got {variant!r}")
-    mesh, axes, ways = concrete_mesh(), context_axes(), context_ways()
+    mesh, axes, ways = current_mesh(), context_axes(), context_ways()
     B, K, G, T, _ = q.shape
     positions = jnp.asarray(zigzag_order(T, ways), jnp.int32)
     if seg is None:
@@ -157,7 +157,9 @@ def cpu_program(mesh) -> bool:
     """Whether the program is compiled for ``mesh``'s devices as CPUs: XLA:CPU overlaps no
     transfer with work, and needs ``_after`` to keep the backward's buffers from being
     built at the start of the program; the ring runs its serial backward there."""
-    return next(iter(mesh.devices.flat)).platform == "cpu"
+    if isinstance(mesh, jax.sharding.Mesh):
+        return next(iter(mesh.devices.flat)).platform == "cpu"
+    return mesh_platform() == "cpu"  # inside jit the mesh is abstract: its device kind
 
 
 def ring_kernel(

@@ -19,14 +19,14 @@ import numpy as np
 from haliax import Axis, NamedArray
 
 from loomax.config import ConfigError
+from loomax.mesh import current_mesh
 from loomax.models.axes import Position
-from loomax.models.splash import concrete_mesh
 
 
 def context_axes() -> tuple[str, ...]:
     """The mesh axes the compute mapping in context splits ``position`` over (of size > 1
     in the mesh in context); () when the sequence is whole on every device."""
-    mesh = concrete_mesh()
+    mesh = current_mesh()
     target = (hax.partitioning.current_thread_local_mapping() or {}).get(Position)
     if mesh is None or target is None:
         return ()
@@ -36,7 +36,7 @@ def context_axes() -> tuple[str, ...]:
 
 def context_ways() -> int:
     """Devices each sequence is split over (1: not split)."""
-    mesh = concrete_mesh()
+    mesh = current_mesh()
     return math.prod(mesh.shape[n] for n in context_axes()) if mesh is not None else 1
 
 

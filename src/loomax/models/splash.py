@@ -41,10 +41,6 @@ def splash_unsupported_reason(seq_len: int, block_q: int, block_kv: int) -> str 
     return None
 
 
-concrete_mesh = current_mesh
-"""The former name of ``loomax.mesh.current_mesh`` (``ring_attention`` still imports it here)."""
-
-
 def splash_attention(
     q, k, v, seg, scale: float, block_q: int, block_kv: int, *, window: int | None = None
 ) -> jax.Array:

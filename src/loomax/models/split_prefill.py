@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loomax.config import ConfigError
-from loomax.mesh import make_axis_mappings
+from loomax.mesh import current_mesh, make_axis_mappings
 from loomax.models.attention import AttentionSettings, model_attention
 from loomax.models.axes import KeyPosition, Position
 from loomax.models.config import KvCache, LmModel
@@ -40,7 +40,6 @@ from loomax.models.sequence_layout import (
     layout_positions,
     to_layout,
 )
-from loomax.models.splash import concrete_mesh
 from loomax.runtime import MeshRuntime
 
 
@@ -121,7 +120,7 @@ def contiguous_from_layout(x: jax.Array, dim: int) -> jax.Array:
 
     Device i holds chunks i and 2n - 1 - i: one even and one odd. Every even chunk 2j goes to
     device j, every odd one 2j + 1 too: two collective permutes of one chunk each."""
-    mesh, axes, ways = concrete_mesh(), context_axes(), context_ways()
+    mesh, axes, ways = current_mesh(), context_axes(), context_ways()
     ctx = axes[0] if len(axes) == 1 else axes
     last = 2 * ways - 1
     even_chunk = [i if i % 2 == 0 else last - i for i in range(ways)]
