@@ -134,23 +134,36 @@ def layer_diffs() -> dict:
 
 def forms_agree() -> dict:
     """The ragged form (its collective emulated) against the padded one on the same inputs
-    and mesh: the layer's output and every gradient, as the largest difference."""
+    and mesh: the layer's output and every gradient, as the largest difference; dropless and
+    with a receive buffer of half the mean routed rows (rows dropped), and a buffer above the
+    dropless bound against the dropless layer."""
     grad = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))
     runtime = MeshRuntime.create(MESHES["expert4_data2"], make_axis_mappings())
-    got = {}
-    for form in FORMS:
-        expert_parallel.default_form = lambda mesh, form=form: form
-        mlp = layer(num_experts_per_tok=3)
-        placed = jax.device_put(mlp, runtime.state_shardings(mlp))
-        x = jax.device_put(X, runtime.state_shardings(X, runtime.mappings.compute))
-        fn = runtime.jit(lambda m, x: grad(m, x))
-        (_, (out, _)), grads = fn(placed, x)
-        got[form] = [np.asarray(out), *(np.asarray(g) for g in jax.tree.leaves(grads))]
-    pairs = zip(got["ragged"], got["padded"], strict=True)
-    return {
-        "max_diff": max(float(np.max(np.abs(a - b))) for a, b in pairs),
-        "arrays": len(got["ragged"]),
-    }
+    result = {}
+    for buffer in (None, 0.5, 8.0):
+        got = {}
+        for form in FORMS:
+            expert_parallel.default_form = lambda mesh, form=form: form
+            mlp = layer(num_experts_per_tok=3, receive_buffer=buffer)
+            placed = jax.device_put(mlp, runtime.state_shardings(mlp))
+            x = jax.device_put(X, runtime.state_shardings(X, runtime.mappings.compute))
+            fn = runtime.jit(lambda m, x: grad(m, x))
+            (_, (out, dropped)), grads = fn(placed, x)
+            arrays = [np.asarray(out), *(np.asarray(g) for g in jax.tree.leaves(grads))]
+            got[form] = (arrays, float(dropped))
+        pairs = zip(got["ragged"][0], got["padded"][0], strict=True)
+        result[str(buffer)] = {
+            "max_diff": max(float(np.max(np.abs(a - b))) for a, b in pairs),
+            "arrays": len(got["ragged"][0]),
+            "dropped": [got["ragged"][1], got["padded"][1]],
+            "outputs": got["padded"][0],
+        }
+    dropless, roomy = result["None"].pop("outputs"), result["8.0"].pop("outputs")
+    result["8.0"]["diff_from_dropless"] = max(
+        float(np.max(np.abs(a - b))) for a, b in zip(dropless, roomy, strict=True)
+    )
+    result["0.5"].pop("outputs")
+    return result
 
 
 def recomputed_fraction() -> float:

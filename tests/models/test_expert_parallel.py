@@ -51,8 +51,30 @@ def test_ragged_form_equals_the_padded_form_on_the_same_inputs(runs):
     # the ragged exchange's offsets and sizes (its collective emulated from all_gather, NaN
     # where the sizes a receiver expects disagree with what arrives) against the padded
     # all_to_all path XLA:CPU runs: output and every gradient bitwise equal
-    assert runs["forms"]["arrays"] > 4
-    assert runs["forms"]["max_diff"] == 0.0
+    for buffer, forms in runs["forms"].items():
+        assert forms["arrays"] > 4, buffer
+        assert forms["max_diff"] == 0.0, buffer
+        assert forms["dropped"][0] == forms["dropped"][1], buffer
+
+
+@pytest.mark.slow
+def test_a_bounded_receive_buffer_drops_what_does_not_fit(runs):
+    # half the mean routed rows: a receiver takes at most its share of each sender's rows,
+    # the rest dropped and counted; a buffer above the dropless bound changes nothing
+    forms = runs["forms"]
+    assert forms["None"]["dropped"] == [0.0, 0.0]
+    assert forms["0.5"]["dropped"][0] > 0
+    assert forms["8.0"]["dropped"] == [0.0, 0.0]
+    assert forms["8.0"]["diff_from_dropless"] == 0.0
+
+
+def test_receive_buffer_rows_per_sender():
+    moe = MoeConfig(num_experts=8, num_experts_per_tok=2)
+    assert moe.sender_rows(tokens=64, ways=4) == 64 * 2  # dropless: T x min(k, E / ways)
+    bounded = MoeConfig(num_experts=8, num_experts_per_tok=2, receive_buffer=1.25)
+    assert bounded.sender_rows(tokens=64, ways=4) == 40  # 1.25 x 128 routed rows / 4
+    with pytest.raises(ConfigError, match="model.moe.receive_buffer"):
+        MoeConfig(receive_buffer=0)
 
 
 @pytest.mark.slow

@@ -16,8 +16,9 @@ own tokens. Every device:
 3. sends each row to the device holding its expert, one exchange each way
    (``_Exchange``), into a receive buffer of ``ways`` x ``T * min(k, E / ways)`` rows (the
    dropless bound: a token's k experts are distinct, so at most ``min(k, E / ways)`` of them
-   live on one device), and regroups what arrived by local expert (a gather by a
-   permutation computed from the counts);
+   live on one device; ``model.moe.receive_buffer`` makes it smaller, a receiver then taking
+   at most its share of a sender's rows, the rest dropped), and regroups what arrived by
+   local expert (a gather by a permutation computed from the counts);
 4. runs the grouped matmuls on its experts (their work follows the groups: ``T * k`` rows
    a device on average, which the grouped matmul is told for the plan's count, not the
    buffer's size; ``models/expert_ffn.py``, whose backward may keep only those rows), and
@@ -123,7 +124,7 @@ def routed_experts(
     down = mlp.down.rearrange((Experts, Mlp, Embed)).array
     if mesh is None:  # no mesh: one device, no collective
         local = _Local(mlp, 1, "padded", None, ())
-        y, sizes, over = local(x, weights, experts, chosen, gate, up, down)
+        y, sizes, _, over = local(x, weights, experts, chosen, gate, up, down)
         return y, sizes, dropped, over[0]
     specs = tuple(_mapped(mesh, a.name, a.size) for a in lead)
     token_axes = tuple(name for spec in specs if spec for name in spec)
@@ -132,14 +133,14 @@ def routed_experts(
     on_experts = EXPERT_AXIS if EXPERT_AXIS in mesh.axis_names else None
     w_in, w_out = P(on_experts, None, tp), P(on_experts, tp, None)
     tokens = P(*specs, None)
-    y, sizes, over = jax.shard_map(
+    y, sizes, unreceived, over = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(tokens, tokens, tokens, tokens, w_in, w_in, w_out),
-        out_specs=(tokens, P(), P(mesh.axis_names)),
+        out_specs=(tokens, P(), P(), P(mesh.axis_names)),
         check_vma=False,  # the TPU's megablox kernel (Pallas) declares no varying axes
     )(x, weights, experts, chosen, gate, up, down)
-    return y, sizes, dropped, jnp.mean(over)
+    return y, sizes, dropped + unreceived, jnp.mean(over)
 
 
 class _Local:
@@ -161,6 +162,7 @@ class _Local:
         order = jnp.argsort(flat, stable=True)  # the sentinel (dropped) last
         sizes = jnp.bincount(flat, length=E)
         xs = t[order // k]
+        dropped = jnp.zeros((), jnp.int32)
         if ways == 1:  # every expert here: the sorted rows are the buffer
             out = self._matmuls(xs, sizes, gate, up, down, n)
             kept = jnp.sum(sizes)
@@ -170,8 +172,9 @@ class _Local:
             every = jax.lax.all_gather(sizes, EXPERT_AXIS)  # [ways, E]: each sender's counts
             per_shard = every.reshape(ways, ways, E // ways)  # [sender, receiver, local expert]
             me = jax.lax.axis_index(EXPERT_AXIS)
-            cap = T * min(k, E // ways)  # rows one sender can route to one device (distinct top-k)
+            cap = self.moe.sender_rows(T, ways)
             exchange = _Exchange(per_shard, me, cap, self.form)
+            dropped = exchange.dropped
             recv = exchange.there(xs)  # [ways * cap, D], grouped by local expert
             out = self._matmuls(recv, exchange.group_sizes, gate, up, down, n)
             ys = exchange.back(out, n)  # [n, D], in ``order``
@@ -183,9 +186,9 @@ class _Local:
             combined = jax.lax.psum(combined, self.tp)
         chosen = jnp.bincount(chosen.reshape(-1), length=E)  # before any capacity drop
         if self.token_axes:  # the counts of every device's tokens
-            chosen = jax.lax.psum(chosen, self.token_axes)
+            chosen, dropped = jax.lax.psum((chosen, dropped), self.token_axes)
         y = combined.astype(t.dtype).reshape(*lead, D)
-        return y, chosen, over.astype(jnp.float32)[None]
+        return y, chosen, dropped, over.astype(jnp.float32)[None]
 
     def _matmuls(self, xs, group_sizes, gate, up, down, routed: int):
         """The experts' matmuls over the receive buffer, of which ``routed`` rows (``T * k``,
@@ -239,13 +242,20 @@ class _Exchange:
     def __init__(self, per_shard, me, cap: int, form: str):
         ways, _, local_e = per_shard.shape
         self.form, self.cap, self.ways = form, cap, ways
-        totals = jnp.sum(per_shard, axis=-1)  # [sender, receiver] rows
+        routed = jnp.sum(per_shard, axis=-1)  # [sender, receiver] rows routed
+        # where my rows for each receiver start in my sorted rows; where each sender's rows
+        # for me sit in its own sorted rows (the rows routed, accepted or not)
+        self.send_start = (jnp.cumsum(routed, axis=1) - routed)[me]
+        self.home_at = (jnp.cumsum(routed, axis=1) - routed)[:, me]
+        self.routed_sent = routed[me]
+        # a receiver takes at most ``cap`` rows from each sender, the first in expert order
+        # (``model.moe.receive_buffer``; the dropless bound takes them all)
+        before = jnp.cumsum(per_shard, axis=-1) - per_shard
+        per_shard = jnp.clip(cap - before, 0, per_shard)
+        totals = jnp.sum(per_shard, axis=-1)  # [sender, receiver] rows accepted
+        self.dropped = jnp.sum(routed[me] - totals[me])  # my rows no receiver took
         self.sent, self.got = totals[me], totals[:, me]
-        # where my rows for each receiver start in my sorted rows; where they land there
-        self.send_start = jnp.cumsum(self.sent) - self.sent
-        self.land_at = (jnp.cumsum(totals, axis=0) - totals)[me]
-        # where each sender's rows for me sit in its own sorted rows
-        self.home_at = (jnp.cumsum(totals, axis=1) - totals)[:, me]
+        self.land_at = (jnp.cumsum(totals, axis=0) - totals)[me]  # where they land there
         if form == "ragged":
             self.recv_start = jnp.cumsum(self.got) - self.got
         else:
@@ -313,6 +323,6 @@ class _Exchange:
         """The padded form: each of my ``n`` sorted rows' (receiver, slot in that receiver's
         chunk); out of range when dropped."""
         r = jnp.arange(n)
-        shard = jnp.searchsorted(jnp.cumsum(self.sent), r, side="right")
+        shard = jnp.searchsorted(jnp.cumsum(self.routed_sent), r, side="right")
         slot = r - self.send_start[jnp.minimum(shard, self.ways - 1)]
         return shard, slot

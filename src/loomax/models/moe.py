@@ -71,6 +71,9 @@ class MoeConfig:
     saved_rows: float | None = None
     """Expert parallelism with remat_save [moe_up]: keep this many times a device's mean routed rows (T x k) of the experts' gate/up projections, not the whole dropless buffer; a device holding more recomputes them (null = the whole buffer)."""
 
+    receive_buffer: float | None = None
+    """Expert parallelism: each device's receive buffer holds this many times its mean routed rows (T x k), each sender's share at most 1/ways of it, rows past a share dropped (moe/dropped_fraction); null = dropless (ways x T x min(k, E/ways) rows)."""
+
     def __post_init__(self):
         for key in ("num_experts", "num_experts_per_tok", "matmul_block"):
             if getattr(self, key) < 1:
@@ -104,6 +107,10 @@ class MoeConfig:
             raise ConfigError(
                 f"model.moe.first_dense_layers must be >= 0, got {self.first_dense_layers}"
             )
+        if self.receive_buffer is not None and self.receive_buffer <= 0:
+            raise ConfigError(
+                f"model.moe.receive_buffer must be positive or null, got {self.receive_buffer}"
+            )
         if self.saved_rows is not None and self.saved_rows <= 0:
             raise ConfigError(
                 f"model.moe.saved_rows must be positive or null, got {self.saved_rows}"
@@ -122,6 +129,16 @@ class MoeConfig:
         if rows >= 128:
             rows = 128 * math.ceil(rows / 128)
         return min(buffer, rows)
+
+    def sender_rows(self, tokens: int, ways: int) -> int:
+        """Rows of a device's receive buffer for each of the ``ways`` senders of ``tokens``
+        tokens each: the dropless bound ``tokens x min(k, E / ways)`` (a token's k experts are
+        distinct), or ``receive_buffer`` x the mean routed rows shared out, if smaller."""
+        k = self.num_experts_per_tok
+        dropless = tokens * min(k, self.num_experts // ways)
+        if self.receive_buffer is None:
+            return dropless
+        return max(1, min(dropless, math.ceil(self.receive_buffer * tokens * k / ways)))
 
     def capacity(self, tokens: int) -> int | None:
         """Assignments each expert may take for ``tokens`` tokens; None = dropless."""
