@@ -408,19 +408,22 @@ def _communication(moved: Traffic, topology: Topology) -> tuple[float, float, st
             overlapped += seconds
         else:
             serial += seconds
+    gpu = topology.platform == "gpu"
     kinds = ", ".join(f"{k} {_size(b)}" for k, b in sorted(moved.by_kind().items()))
     share = moved.overlapped_bytes / moved.bytes if moved.bytes else 0.0
     text = (
         f"communication: {_size(moved.bytes)} a device a step ({kinds}) at "
-        f"{link / 1e9:,.0f} GB/s a device (half the published bidirectional interconnect "
-        f"bandwidth: all links, one direction) = {_span(serial + overlapped)}; {share:.0%} of "
+        f"{link / 1e9:,.0f} GB/s a device ({'NVLink' if gpu else 'ICI'}: half the published "
+        "bidirectional bandwidth, all links, one direction; a collective over one mesh axis "
+        f"uses fewer) = {_span(serial + overlapped)}; {share:.0%} of "
         "the bytes asynchronous with compute scheduled before their done; best: all hidden "
         "behind compute, expected: that part hidden and the rest added, worst: all added"
     )
     if crossing:
         text += (
             f"; {_size(crossing)} in groups larger than one "
-            f"{'host' if topology.devices_per_host else 'slice'} at {cross / 1e9:,.1f} GB/s"
+            f"{'host' if gpu else 'slice'} at {cross / 1e9:,.1f} GB/s "
+            f"({'InfiniBand' if gpu else 'DCN'})"
         )
     if moved.unknown_loops:
         text += f"; {moved.unknown_loops} loop(s) of unknown trip count counted once"
