@@ -92,6 +92,8 @@ HLO = """HloModule jit_step, is_scheduled=true
 %body (p: (s32[], f32[1024])) -> (s32[], f32[1024]) {
   %p = (s32[], f32[1024]) parameter(0)
   %v = f32[1024] get-tuple-element(%p), index=1
+  %k = f32[1024] custom-call(%v), custom_call_target="tpu_custom_call", backend_config={"body":"a kernel's
+}}, metadata={op_name="its config holds a newline"}
   %ag = bf16[8,256]{1,0} all-gather(%w), channel_id=1, replica_groups=mesh['data'=4,'model'=2] {'data'}, dimensions={0}
   %ars = f32[1024] all-reduce-start(%v), channel_id=2, replica_groups=[2,4]<=[8], to_apply=%add
   %f = f32[1024] fusion(%v), kind=kLoop, calls=%add
@@ -113,7 +115,8 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
 def test_collectives_are_read_from_the_compiled_program_with_their_loops():
     """Bytes a device sends, per collective kind, a loop's body once per iteration (the
     condition's ``i < 6``), an asynchronous start overlapped only where compute is scheduled
-    before its done."""
+    before its done. A kernel's config spanning lines (``}}, ...`` at a line's start) does not
+    end the computation."""
     found = traffic(HLO, devices=8)
     kinds = {c.kind: c for c in found.collectives}
     assert kinds["all-gather"].group == 4 and kinds["all-gather"].times == 6

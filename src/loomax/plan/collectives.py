@@ -162,7 +162,7 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None, list[str
                 if m.group(1):
                     entry = current
             continue
-        if line.startswith("}"):
+        if line.rstrip() == "}":  # a kernel's config may hold newlines, and lines of "}}, ..."
             current = None
             continue
         comps[current].append(line)
