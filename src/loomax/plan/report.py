@@ -19,12 +19,13 @@ ESTIMATE_NOTE = (
     "`est. MFU` are the expected end, ranked by it"
 )
 ROOFLINE_NOTE = (
-    "step time and MFU are estimates, not measurements or a cost model: the best end is a "
-    "roofline lower bound (the executed matmul FLOPs at the GPU's dense bf16 peak or the "
-    "bytes of the step's arguments, results and temporaries at its HBM bandwidth, whichever "
-    "is longer), the expected and worst ends that at {eff} of it (fitted to H200 "
-    "measurements, docs/planning.md), plus the collectives' bytes over NVLink or the network; "
-    "`est. step` and `est. MFU` are the expected end, ranked by it"
+    "step time and MFU are estimates, not measurements or a cost model: a range (best / "
+    "expected / worst) of a roofline (the executed matmul FLOPs at the GPU's dense bf16 peak "
+    "or the bytes of the step's arguments, results and temporaries at its HBM bandwidth, "
+    "whichever is longer) at {eff} of it (the best end a lower bound on the step; the others "
+    "fitted to H200 measurements, docs/planning.md), plus the collectives' bytes over NVLink "
+    "or the network and the MoE load; `est. step` and `est. MFU` are the expected end, "
+    "ranked by it"
 )
 
 
