@@ -163,3 +163,21 @@ def test_the_h200_calibration_is_recorded_with_its_ratio(repo_root):
     assert "### Calibration against the H200" in docs
     for ratio in ratios.values():
         assert f"{ratio:.3f}" in docs
+
+
+def test_the_plan_shows_each_candidates_range():
+    """`loomax plan`'s table has a `range` column (worst-best estimated MFU) next to the
+    expected end, and the overlay's header states the range with the expected MFU."""
+    from loomax.plan.candidates import Candidate
+    from loomax.plan.compile import CompileResult
+    from loomax.plan.report import overlay_yaml, plan_table
+    from loomax.plan.search import Ranked
+
+    result = CompileResult("v5p:2x2x1", 4, {"data": 4}, "TPU v5p", 95 * 2**30, fits=True)
+    result.est_best_s, result.est_step_s, result.est_worst_s = 1.0, 1.2, 1.6
+    result.est_best_mfu, result.est_mfu, result.est_worst_mfu = 0.6, 0.5, 0.375
+    ranked = [Ranked(Candidate("fsdp 4x1 (the run's)", {"trainer.fsdp_axis": "embed"}), result)]
+    table = plan_table(ranked)
+    assert "range" in table.splitlines()[0] and "38%-60%" in table
+    header = overlay_yaml(ranked[0], "run.yaml", "v5p:2x2x1", 1)
+    assert "estimated MFU 50.0% (range 38%-60%" in header
