@@ -106,6 +106,8 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
   %rs = f32[128]{0} reduce-scatter(%a), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
   %cps = (f32[1024], f32[1024], u32[], u32[]) collective-permute-start(%a), channel_id=4, source_target_pairs={{0,1},{1,0}}
   %cpd = f32[1024] collective-permute-done(%cps)
+  %rows = bf16[64,128]{1,0} parameter(1)
+  %ra2a = bf16[256,128]{1,0} ragged-all-to-all(%rows, %buf, %o, %s, %oo, %rs), channel_id=5, replica_groups=[1,4]<=[4]
   %w = (s32[], f32[1024]) while(%t0), condition=%cond, body=%body
   ROOT %r = f32[1024] get-tuple-element(%w), index=1
 }
@@ -126,11 +128,14 @@ def test_collectives_are_read_from_the_compiled_program_with_their_loops():
     assert kinds["reduce-scatter"].bytes == 512 * 7 and kinds["reduce-scatter"].times == 1
     assert not kinds["collective-permute"].overlapped  # nothing between its start and done
     assert kinds["collective-permute"].bytes == 4096
-    assert found.bytes == pytest.approx(6 * (3072 + 6144) + 512 * 7 + 4096)
+    # a ragged all-to-all sends its input's rows (64 of them), not its receive buffer (256);
+    # the way back, the buffer's rows into 64 (the smaller of the two)
+    assert kinds["ragged-all-to-all"].bytes == 64 * 128 * 2 * 3 / 4
+    assert found.bytes == pytest.approx(6 * (3072 + 6144) + 512 * 7 + 4096 + 12288)
     assert found.overlapped_bytes == 6 * 6144
     assert found.unknown_loops == 0
     known = HLO.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"3"}}')
-    assert traffic(known, devices=8).bytes == pytest.approx(3 * (3072 + 6144) + 3584 + 4096)
+    assert traffic(known, devices=8).bytes == pytest.approx(3 * (3072 + 6144) + 3584 + 4096 + 12288)
 
 
 def test_a_ring_schedule_sends_these_bytes():

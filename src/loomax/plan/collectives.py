@@ -8,9 +8,10 @@ iteration (the trip count from XLA's ``known_trip_count``, else the loop conditi
 ``i < N`` constant; a loop whose count is not found counts once and is reported), every
 branch of a conditional counts (an upper bound).
 
-Bytes a device sends, from the result's size ``S`` (all arrays of a tuple result) and the
-group's size ``n``, as a ring schedule moves them: all-gather and all-to-all
-``S (n-1)/n``, reduce-scatter ``S (n-1)``, all-reduce ``2 S (n-1)/n``, collective-permute
+Bytes a device sends, from the result's size ``S`` (all arrays of a tuple result; for a
+ragged all-to-all the smaller of its input and its output buffer: the mean routed rows a
+device sends, in either direction, where one call carries all of them; a form that makes
+one call per local expert is charged that many times over) and the group's size ``n``, as a ring schedule moves them: all-gather and all-to-all ``S (n-1)/n``, reduce-scatter ``S (n-1)``, all-reduce ``2 S (n-1)/n``, collective-permute
 and -broadcast ``S``. An asynchronous collective counts as *overlapped* where the schedule
 (the compiled module is scheduled) puts compute (a fusion, dot, convolution, custom call,
 loop or call) between its start and its done; the rest are *serial*: nothing hides them.
@@ -148,6 +149,20 @@ def _start_size(kind: str, result: str) -> float:
     return arrays[len(arrays) // 2] if len(arrays) > 1 else arrays[0]
 
 
+def _operand_bytes(lines: list[str], args: str) -> float:
+    """Bytes of the first operand in ``args`` (the text after an op's ``(``), from the line
+    in ``lines`` that defines it."""
+    first = re.match(r"\s*(%[\w.\-]+)", args)
+    if not first:
+        return 0.0
+    for line in lines:
+        name = _NAME.match(line)
+        if name and name.group(1) == first.group(1):
+            found = re.match(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s[a-z][\w\-]*\(", line)
+            return array_bytes(found.group(1)) if found else 0.0
+    return 0.0
+
+
 def _computations(text: str) -> tuple[dict[str, list[str]], str | None, list[str]]:
     """Each computation's lines by name, the entry's name, and the names in text order."""
     comps: dict[str, list[str]] = {}
@@ -218,6 +233,8 @@ def traffic(text: str, devices: int) -> Traffic:
             kind, start = op.group(1), op.group(2)
             result = _result_type(line, op)
             size = _start_size(kind, result) if start else array_bytes(result)
+            if kind == "ragged-all-to-all":  # at most its input's rows, into its buffer
+                size = min(size, _operand_bytes(lines, line[op.end() :]) or size)
             if start:
                 overlapped = _work_before_done(lines, i, line)
             else:
