@@ -278,7 +278,12 @@ def _estimate(
     if worst is not None:
         alt = _ideal(result, compiled, topology, worst, note=False)
         fallback_s = max(0.0, alt[0] - compute) if alt else None
-    moved = traffic(compiled.as_text(), devices) if devices > 1 else Traffic()
+    moved = Traffic()
+    if devices > 1:
+        try:
+            moved = traffic(compiled.as_text(), devices)
+        except Exception:  # noqa: BLE001 - no program text: the estimate says no collectives
+            result.notes.append("the compiled program's text was not readable: no collectives")
     serial_s, overlapped_s, comm_note = _communication(moved, topology)
     result.comm_bytes, result.comm_overlapped_bytes = moved.bytes, moved.overlapped_bytes
     result.comm_s = serial_s + overlapped_s
