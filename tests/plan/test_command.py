@@ -90,3 +90,41 @@ def test_llama_8b_on_one_v5e_chip_does_not_fit(tmp_path, repo_root):
     assert "8,030.3M parameters" in done.stdout
     assert "TPU_WORKER_HOSTNAMES" not in done.stderr  # libtpu's probe is answered, not printed
     assert (tmp_path / "report.json").is_file()
+
+
+TINY_LLAMA = (
+    "--model.type", "llama", "--model.hidden_dim", "64", "--model.intermediate_dim", "128",
+    "--model.seq_len", "64", "--model.num_layers", "2", "--model.vocab_size", "512",
+    "--trainer.train_batch_size", "8",
+)  # fmt: skip
+
+
+@requires_libtpu
+def test_compile_prints_its_range_and_assumptions(tmp_path):
+    """`loomax compile` prints the estimate as a range with its assumptions; the JSON report
+    keeps the keys scripts read (``est_step_s``: the expected end) and adds the range."""
+    import json
+
+    report = tmp_path / "report.json"
+    done = run_cli(
+        "compile", "--topology", "v5p:2x2x1", *TINY_LLAMA, "--load_max", "1.25",
+        "--out", str(report), cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "estimated step time (best / expected / worst): " in out
+    assert "estimated MFU: " in out and "(causal attention as half)" in out
+    assert "assumptions:\n  - compute: every op alike (XLA's and Pallas kernels)" in out
+    assert "\n  - communication: " in out and "\n  - not modelled: " in out
+    data = json.loads(report.read_text())
+    for key in ("est_step_s", "est_mfu", "est_kernel_s", "estimate", "model_flops"):
+        assert key in data
+    assert data["est_best_s"] <= data["est_step_s"] <= data["est_worst_s"]
+    assert data["load_max"] == 1.25 and data["assumptions"]
+
+
+def test_a_load_below_the_mean_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compile", "--topology", "v5e:2x2", *TINY_LLAMA, "--load_max", "0.5"])
+    assert exit_info.value.code == 2
+    assert "--load_max is the busiest load over the mean" in capsys.readouterr().err

@@ -91,6 +91,12 @@ def test_a_mixture_of_experts_for_a_tpu_slice_runs_the_megablox_kernel(expert, k
     assert result.fits and result.error is None
     fallback = [n for n in result.notes if "model.moe.saved_rows" in n]
     assert len(fallback) == kept
+    load = [a for a in result.assumptions if a.startswith("MoE load")]
+    if expert > 1:  # megablox on the mean routed rows: the busiest device sets the layer's time
+        assert ("saved_rows 1.5" in load[0]) if kept else ("whole dropless buffer" in load[0])
+        assert result.est_worst_s > result.est_step_s
+    else:
+        assert not load
     if kept:  # 2 layers x 4 chips; every layer recomputing costs more
         assert "(8 such conditionals a step, all devices). If every one did: est." in fallback[0]
         worst = float(re.search(r"MFU (\d+\.\d)%", fallback[0]).group(1))

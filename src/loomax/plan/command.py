@@ -35,6 +35,15 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --topology local: also time N real steps (of the top candidates, for plan)",
     )
+    parser.add_argument(
+        "--load_max",
+        type=float,
+        default=None,
+        metavar="X",
+        help="a mixture of experts' measured load, the busiest expert over the mean "
+        "(moe/layer_<i>/load_max of a run), for the estimate's load-imbalance term "
+        "(default: model.moe.saved_rows)",
+    )
     return parser
 
 
@@ -48,6 +57,10 @@ def _prepare(args: argparse.Namespace, rest: list[str], load: Callable):
         raise UserError(str(e)) from e
     if args.measure and args.topology != "local":
         raise UserError("--measure times real steps: it needs --topology local")
+    if args.load_max is not None and args.load_max < 1:
+        raise UserError(
+            f"--load_max is the busiest load over the mean: at least 1, got {args.load_max}"
+        )
     from loomax.plan.worker import setup_compile_only
 
     setup_compile_only(args.topology)
@@ -71,17 +84,17 @@ def _prepare(args: argparse.Namespace, rest: list[str], load: Callable):
 COMPILE_DESCRIPTION = (
     "Compile the run's real train step for a TPU or GPU topology (or the local devices) "
     "with abstract arrays, and report memory per chip or GPU, FITS / DOES NOT FIT, FLOPs "
-    "per step and an estimated step time and MFU (TPU: XLA's cost model, plus each Pallas "
-    "kernel XLA does not cost at an assumed share of peak; GPU: a roofline lower bound; never a "
+    "per step and an estimated step time and MFU as a range, best / expected / worst, with "
+    "its assumptions named (compute, XLA's ops and Pallas kernels alike, at one efficiency "
+    "per end; MoE load imbalance; the collectives' bytes over the links; never a "
     "measurement). Exits 1 when the step does not fit."
 )
 PLAN_DESCRIPTION = (
     "Compile the strategies a researcher would try (mesh data x model x replica, FSDP or "
     "data parallel, tensor parallel, microbatches, gradient checkpointing incl. offload and "
-    "kept attention activations) for a TPU or GPU topology, rank those that fit by "
-    "estimated step time (TPU: XLA's cost model plus Pallas kernels at an assumed share of peak; GPU: a "
-    "roofline lower bound; not a measurement) and write the best as a YAML overlay for "
-    "loomax train."
+    "kept attention activations) for a TPU or GPU topology, rank those that fit by the "
+    "expected end of their estimated step time (a range with its assumptions named; not a "
+    "measurement) and write the best as a YAML overlay for loomax train."
 )
 
 
@@ -103,9 +116,13 @@ def compile_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: 
 
     try:
         if args.topology == "local":
-            result = compile_run(config, topology, measure_steps=args.measure)
+            result = compile_run(
+                config, topology, measure_steps=args.measure, load_max=args.load_max
+            )
         else:  # in a child process: XLA's TPU or GPU compiler may abort on a program
-            result = compile_isolated(_config_args(args, rest), args.topology)
+            result = compile_isolated(
+                _config_args(args, rest), args.topology, load_max=args.load_max
+            )
     except CompileCrash as e:
         raise UserError(str(e)) from e
     print(compile_text(result))
@@ -141,10 +158,16 @@ def plan_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: Cal
         max_candidates=args.max_candidates,
         progress=sys.stderr.isatty(),
         config_args=_config_args(args, rest),
+        load_max=args.load_max,
     )
     if args.measure:
         for r in [r for r in ranked if r.result and r.result.fits is not False][:3]:
-            r.result = compile_run(r.candidate.apply(config), topology, measure_steps=args.measure)
+            r.result = compile_run(
+                r.candidate.apply(config),
+                topology,
+                measure_steps=args.measure,
+                load_max=args.load_max,
+            )
     print(
         f"{len(ranked)} candidates for {args.topology} ({topology.num_devices} devices), best first:"
     )
@@ -153,6 +176,10 @@ def plan_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: Cal
     out = Path(args.out or f"plan-{_slug(args.topology)}.yaml")
     out.with_suffix(".json").write_text(json.dumps(plan_json(ranked), indent=2) + "\n")
     choice = best(ranked)
+    if choice is not None and choice.result.assumptions:
+        print(f"assumptions of the estimate ({choice.candidate.label}):")
+        for line in choice.result.assumptions:
+            print(f"  - {line}")
     if choice is None:
         print("no candidate fits: a smaller model, a larger topology or a smaller batch is needed")
         raise SystemExit(1)

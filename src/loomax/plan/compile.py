@@ -1,14 +1,16 @@
 """Compile a run's step for a topology and report memory per chip, FLOPs and an estimated speed.
 
 Memory is XLA's own account of the compiled program (``memory_analysis``) plus the state's
-shard sizes; the step time is an *estimate*: XLA's cost model (``optimal_seconds``, scaled
-by the loop trip counts XLA's cost analysis leaves out, see ``loomax.plan.flops``) for what
-XLA compiles, plus a time for each Pallas kernel (a custom call XLA counts as almost free):
-its FLOPs at ``KERNEL_PEAK_FRACTION`` of the chip's peak or its bytes at HBM bandwidth,
-whichever is longer.
+shard sizes. The step time is an *estimate*, a range (best / expected / worst) whose
+assumptions the report names (``loomax.plan.estimate``): all compute at its ideal time,
+XLA's ops by XLA's cost model (``optimal_seconds``, scaled by the loop trip counts XLA's
+cost analysis leaves out, see ``loomax.plan.flops``) and each Pallas kernel (a custom call
+XLA counts as almost free) by its FLOPs at peak or its bytes at HBM bandwidth, then one
+efficiency for all of it; a load-imbalance term for mixtures of experts; and the compiled
+program's collectives over the topology's links (``loomax.plan.collectives``).
 Where XLA has no cost model (GPUs compiled without a GPU: ``cost_analysis()`` is None) the
-step time is a roofline, a lower bound: the executed matmul FLOPs at the device's peak or
-the bytes of the program's arguments, results and temporaries at its HBM bandwidth.
+ideal is a roofline: the executed matmul FLOPs at the device's peak or the bytes of the
+program's arguments, results and temporaries at its HBM bandwidth.
 Never a measurement; the MFU it implies is only as good as that model.
 """
 
@@ -18,21 +20,17 @@ import contextlib
 import math
 import re
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import jax
 
 from loomax.lm.config import TrainLmConfig
 from loomax.lm.weights import initial_model
 from loomax.plan.build import built_step
+from loomax.plan.collectives import Traffic, traffic
+from loomax.plan.estimate import Inputs, efficiency, estimate
 from loomax.plan.flops import KernelCall, StepCount, count_step
 from loomax.plan.topology import Topology
-
-KERNEL_PEAK_FRACTION = 0.65
-"""Share of the chip's peak FLOP/s a Pallas kernel (splash attention) is charged at in the TPU
-estimate: attention kernels run well below the matmul peak. MaxText's published v5p runs of
-Llama-3.1-8B at 1M-4M tokens, where splash attention does nearly all the FLOPs (counted
-causally), measure 65-70% MFU (tpu-recipes, Llama3.1-8B-LongContext); 0.65 is the low end."""
 
 
 @dataclass
@@ -66,12 +64,34 @@ class CompileResult:
     kernel_flops: float = 0.0
     """FLOPs of the Pallas kernels (e.g. splash attention) in ``step_flops``, from their math."""
     est_step_s: float | None = None
-    """Estimated step time: XLA's cost model plus the kernels' time (not a measurement)."""
+    """Estimated step time, the range's expected end (``loomax.plan.estimate``; not a
+    measurement)."""
     est_kernel_s: float = 0.0
-    """Part of ``est_step_s`` that is the Pallas kernels' (FLOPs at ``KERNEL_PEAK_FRACTION`` of peak, or bytes at HBM bandwidth)."""
+    """Part of ``est_step_s`` that is the Pallas kernels' (at the same efficiency as the rest)."""
     est_mfu: float | None = None
+    """MFU at ``est_step_s``."""
+    est_best_s: float | None = None
+    """The range's best end: compute at its ideal speed, communication hidden, MoE load even."""
+    est_worst_s: float | None = None
+    """The range's worst end: compute at the worst efficiency, communication all exposed,
+    MoE load at its bound and every recompute branch taken."""
+    est_best_mfu: float | None = None
+    est_worst_mfu: float | None = None
+    assumptions: list[str] = field(default_factory=list)
+    """What the range assumes, one line each (compute, MoE load, communication, left out)."""
+    comm_bytes: float = 0.0
+    """Bytes one device sends a step for the program's collectives (``plan/collectives.py``)."""
+    comm_overlapped_bytes: float = 0.0
+    """The part of ``comm_bytes`` the schedule overlaps with compute."""
+    comm_s: float = 0.0
+    """``comm_bytes`` over the topology's links, seconds (0 where the links are unknown)."""
+    load_max: float | None = None
+    """A measured MoE load (busiest expert over the mean) the estimate used, if given."""
     compile_s: float = 0.0
     measured_step_s: float | None = None
+    """The median of real steps on the local devices (``--measure``): a measurement, kept
+    apart from the estimate."""
+    measured_mfu: float | None = None
     error: str | None = None
     notes: list[str] = field(default_factory=list)
     platform: str = "tpu"
@@ -93,9 +113,16 @@ class CompileResult:
 
 
 def compile_run(
-    config: TrainLmConfig, topology: Topology, *, measure_steps: int = 0
+    config: TrainLmConfig,
+    topology: Topology,
+    *,
+    measure_steps: int = 0,
+    load_max: float | None = None,
 ) -> CompileResult:
     """Build ``config``'s train step over ``topology``'s devices, compile it, and report.
+
+    ``load_max``: a mixture of experts' measured load (``moe/layer_<i>/load_max``, the busiest
+    expert over the mean) for the estimate's imbalance term; else ``model.moe.saved_rows``.
 
     A program XLA rejects for lack of memory comes back with ``fits=False`` (and its
     sizes, where XLA's message states them); other build errors raise ``ValueError``.
@@ -112,6 +139,7 @@ def compile_run(
             notes=list(built.notes),
             platform=topology.platform,
             memory_fraction=topology.memory_fraction,
+            load_max=load_max,
         )
         if topology.platform == "gpu" and config.model.attn_backend == "auto":
             result.notes.append(
@@ -145,15 +173,14 @@ def compile_run(
             return result
         result.compile_s = time.perf_counter() - start
         _memory(result, compiled)
-        _estimate(result, compiled, topology, count)
-        if worst is not None:
-            _fallback_note(result, compiled, topology, count, worst)
+        moe = getattr(config.model, "moe", None)
+        _estimate(result, compiled, topology, count, worst, getattr(moe, "saved_rows", None))
         if measure_steps:
             result.measured_step_s = _measure(trainer, config, built, compiled, measure_steps)
             peak = topology.peak_per_device
             if peak:
-                result.notes.append(
-                    f"measured MFU {result.model_flops / (result.measured_step_s * peak * topology.num_devices):.1%}"
+                result.measured_mfu = result.model_flops / (
+                    result.measured_step_s * peak * topology.num_devices
                 )
     return result
 
@@ -228,41 +255,123 @@ def _memory(result: CompileResult, compiled) -> None:
             )
 
 
-def _estimate(result: CompileResult, compiled, topology: Topology, count: StepCount) -> None:
-    """Step time: XLA's part from its cost model, plus the Pallas kernels' (``_times``)."""
-    cost = compiled.cost_analysis() or {}
-    if isinstance(cost, list):  # older JAX: one dict per program
-        cost = cost[0] if cost else {}
-    if not cost:
-        _roofline(result, compiled, topology, count.dot_flops / topology.num_devices)
+def _estimate(
+    result: CompileResult,
+    compiled,
+    topology: Topology,
+    count: StepCount,
+    worst: StepCount | None,
+    saved_rows: float | None,
+) -> None:
+    """The step-time range (``loomax.plan.estimate``) of ``compiled``, and its assumptions."""
+    ideal = _ideal(result, compiled, topology, count)
+    if ideal is None:
         return
-    xla_s, result.est_kernel_s = _times(compiled, topology, count)
-    if xla_s is not None:
-        result.est_step_s = xla_s + result.est_kernel_s
+    compute, base = ideal
+    devices = topology.num_devices
     peak = topology.peak_per_device
-    if result.est_step_s and peak:
-        result.est_mfu = result.model_flops / (result.est_step_s * peak * topology.num_devices)
+    bandwidth = topology.chip.hbm_bandwidth if topology.chip else None
+    kernels = [
+        (k.calls / devices * kernel_seconds(k, peak, bandwidth), k.routed)
+        for k in count.kernels.values()
+    ]
+    fallback_s = None
+    if worst is not None:
+        alt = _ideal(result, compiled, topology, worst, note=False)
+        fallback_s = max(0.0, alt[0] - compute) if alt else None
+    moved = Traffic()
+    if devices > 1:
+        try:
+            moved = traffic(compiled.as_text(), devices)
+        except Exception:  # noqa: BLE001 - no program text: the estimate says no collectives
+            result.notes.append("the compiled program's text was not readable: no collectives")
+    serial_s, overlapped_s, comm_note = _communication(moved, topology)
+    result.comm_bytes, result.comm_overlapped_bytes = moved.bytes, moved.overlapped_bytes
+    result.comm_s = serial_s + overlapped_s
+    found = estimate(
+        Inputs(
+            compute_s=compute,
+            kernel_s=sum(s for s, _ in kernels),
+            routed_s=[(s, r) for s, r in kernels if r < 1],
+            fallback_s=fallback_s,
+            saved_rows=saved_rows,
+            load_max=result.load_max,
+            comm_serial_s=serial_s,
+            comm_overlapped_s=overlapped_s,
+            comm_note=comm_note,
+            base=base,
+            platform=topology.platform,
+        )
+    )
+    result.estimate = base
+    result.est_best_s, result.est_step_s, result.est_worst_s = (
+        found.step_s["best"],
+        found.step_s["expected"],
+        found.step_s["worst"],
+    )
+    result.est_kernel_s = found.kernel_s
+    result.assumptions = found.assumptions
+    if peak:
+        per_step = peak * devices
+
+        def mfu(step: float) -> float:
+            return result.model_flops / (step * per_step)
+
+        result.est_best_mfu = mfu(result.est_best_s)
+        result.est_mfu = mfu(result.est_step_s)
+        result.est_worst_mfu = mfu(result.est_worst_s)
     if count.kernels and result.est_step_s:
         names = sorted({k.name.split("_segmented")[0] for k in count.kernels.values()})
         result.notes.append(
-            f"{result.est_kernel_s / result.est_step_s:.0%} of the estimated step time is Pallas "
-            f"kernels XLA does not cost ({', '.join(names)}): their FLOPs at "
-            f"{KERNEL_PEAK_FRACTION:.0%} of peak (an assumed kernel efficiency) or bytes at HBM "
-            "bandwidth"
+            f"{result.est_kernel_s / result.est_step_s:.0%} of the expected step time is Pallas "
+            f"kernels XLA does not cost ({', '.join(names)}): their FLOPs at peak or bytes at "
+            "HBM bandwidth, at the same efficiency as XLA's ops"
+        )
+    if worst is not None and fallback_s is not None:
+        eff = efficiency(topology.platform).expected
+        step = result.est_step_s + fallback_s / eff
+        what = f"est. {step:.3g} s a step"
+        if peak:
+            what += f", MFU {result.model_flops / (step * peak * devices):.1%}"
+        result.notes.append(
+            "FLOPs, kernels and the expected estimate assume every device's routed rows fit "
+            "the rows its MoE layers keep (model.moe.saved_rows); a device holding more "
+            "recomputes its experts' forward in the backward ("
+            f"{count.fallbacks:,.0f} such conditionals a step, all devices). If every one "
+            f"did: {what} (the worst end counts them)"
         )
 
 
-def _times(compiled, topology: Topology, count: StepCount) -> tuple[float | None, float]:
-    """``(XLA's part, the kernels' part)`` of a step's time, seconds a device.
+def _ideal(
+    result: CompileResult, compiled, topology: Topology, count: StepCount, *, note: bool = True
+) -> tuple[float, str] | None:
+    """``(seconds, base)``: one device's compute at its ideal speed, XLA's part by its cost
+    model (``base`` ``cost model``) or, without one, the roofline (``roofline``), plus the
+    kernels' (``kernel_seconds``); None where neither gives a time."""
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older JAX: one dict per program
+        cost = cost[0] if cost else {}
+    devices = topology.num_devices
+    peak = topology.peak_per_device
+    bandwidth = topology.chip.hbm_bandwidth if topology.chip else None
+    kernels = sum(
+        k.calls / devices * kernel_seconds(k, peak, bandwidth) for k in count.kernels.values()
+    )
+    if not cost:
+        found = _roofline(result, compiled, topology, count.dot_flops / devices, note=note)
+        return (found + kernels, "roofline") if found is not None else None
+    xla_s = _xla_seconds(cost, topology, count)
+    return (xla_s + kernels, "cost model") if xla_s is not None else None
+
+
+def _xla_seconds(cost: dict, topology: Topology, count: StepCount) -> float | None:
+    """XLA's part of a step at its ideal speed, seconds a device.
 
     XLA's cost analysis counts each loop body once; its ``optimal_seconds`` and bytes are
     scaled by (matmul FLOPs XLA executes) / (FLOPs XLA counted), and XLA's part is at least
     the roofline of those FLOPs at the chip's peak and those bytes at its HBM bandwidth (None
-    without any of them). The kernels: each call per ``kernel_seconds``.
+    without any of them).
     """
-    cost = compiled.cost_analysis() or {}
-    if isinstance(cost, list):
-        cost = cost[0] if cost else {}
     devices = topology.num_devices
     per_device = count.dot_flops / devices
     counted = float(cost.get("flops", 0.0) or 0.0)
@@ -275,41 +384,82 @@ def _times(compiled, topology: Topology, count: StepCount) -> tuple[float | None
     bandwidth = topology.chip.hbm_bandwidth if topology.chip else None
     if bandwidth and cost.get("bytes accessed"):
         estimates.append(float(cost["bytes accessed"]) * scale / bandwidth)
-    kernels = sum(
-        k.calls / devices * kernel_seconds(k, peak, bandwidth) for k in count.kernels.values()
-    )
-    return (max(estimates) if estimates else None), kernels
+    return max(estimates) if estimates else None
 
 
-def _fallback_note(result: CompileResult, compiled, topology: Topology, count, worst) -> None:
-    """The estimate's assumption about the MoE layers' kept rows, and the step if every
-    conditional took its fallback (``plan/flops.py``, ``models/expert_ffn.py``): the same
-    estimate (cost model or roofline) of the count with the fallbacks in."""
-    alt = replace(result, notes=[], est_step_s=None, est_mfu=None)
-    _estimate(alt, compiled, topology, worst)
-    worst_case = "no estimate"
-    if alt.est_step_s is not None and alt.est_mfu is not None:
-        kind = "a lower bound of" if alt.estimate == "roofline" else "est."
-        worst_case = f"{kind} {alt.est_step_s:.3g} s a step, MFU {alt.est_mfu:.1%}"
-    result.notes.append(
-        "FLOPs, kernels and the estimate assume every device's routed rows fit the rows its MoE "
-        "layers keep (model.moe.saved_rows); a device holding more recomputes its experts' "
-        f"forward in the backward ({count.fallbacks:,.0f} such conditionals a step, all "
-        f"devices). If every one did: {worst_case}"
+def _communication(moved: Traffic, topology: Topology) -> tuple[float, float, str | None]:
+    """``(serial seconds, overlapped seconds, what they are)`` of ``moved`` on ``topology``:
+    each collective's bytes at the link bandwidth, or between slices or hosts where its
+    group is larger than one slice or host (an approximation: a smaller group may span them
+    too)."""
+    link, cross = topology.link_per_device, topology.cross_per_device
+    if not moved.collectives:
+        return 0.0, 0.0, None
+    if not link:
+        return (
+            0.0,
+            0.0,
+            (
+                f"communication: {moved.bytes / 1e9:.3g} GB a device a step in collectives, not "
+                "timed (no link bandwidth known for these devices)"
+            ),
+        )
+    domain = topology.devices_per_domain
+    serial = overlapped = crossing = 0.0
+    for c in moved.collectives:
+        rate = cross if cross and c.group > domain else link
+        crossing += c.bytes * c.times if rate is not link else 0.0
+        seconds = c.bytes * c.times / rate
+        if c.overlapped:
+            overlapped += seconds
+        else:
+            serial += seconds
+    gpu = topology.platform == "gpu"
+    kinds = ", ".join(f"{k} {_size(b)}" for k, b in sorted(moved.by_kind().items()))
+    share = moved.overlapped_bytes / moved.bytes if moved.bytes else 0.0
+    text = (
+        f"communication: {_size(moved.bytes)} a device a step ({kinds}) at "
+        f"{link / 1e9:,.0f} GB/s a device ({'NVLink' if gpu else 'ICI'}: half the published "
+        "bidirectional bandwidth, all links, one direction; a collective over one mesh axis "
+        f"uses fewer) = {_span(serial + overlapped)}; {share:.0%} of "
+        "the bytes asynchronous with compute scheduled before their done; best: all hidden "
+        "behind compute, expected: that part hidden and the rest added, worst: all added"
     )
+    if crossing:
+        text += (
+            f"; {_size(crossing)} in groups larger than one "
+            f"{'host' if gpu else 'slice'} at {cross / 1e9:,.1f} GB/s "
+            f"({'InfiniBand' if gpu else 'DCN'})"
+        )
+    if moved.unknown_loops:
+        text += f"; {moved.unknown_loops} loop(s) of unknown trip count counted once"
+    return serial, overlapped, text
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _span(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
 
 
 def kernel_seconds(kernel: KernelCall, peak: float | None, bandwidth: float | None) -> float:
-    """One call's time in the estimate: its FLOPs at ``KERNEL_PEAK_FRACTION`` of ``peak`` or
-    its bytes at HBM ``bandwidth``, whichever is longer."""
-    compute = kernel.flops / (peak * KERNEL_PEAK_FRACTION) if peak else 0.0
+    """One call's ideal time: its FLOPs at ``peak`` or its bytes at HBM ``bandwidth``,
+    whichever is longer (the estimate's efficiency applies to it as to XLA's ops)."""
+    compute = kernel.flops / peak if peak else 0.0
     return max(compute, kernel.bytes / bandwidth if bandwidth else 0.0)
 
 
-def _roofline(result: CompileResult, compiled, topology: Topology, flops: float) -> None:
-    """Step time without a cost model: a lower bound, the longer of ``flops`` (this device's
-    executed matmul FLOPs) at its peak and, at its HBM bandwidth, the bytes it must move at
-    least: every argument read and every result and temporary buffer written once."""
+def _roofline(
+    result: CompileResult, compiled, topology: Topology, flops: float, *, note: bool = True
+) -> float | None:
+    """Ideal seconds without a cost model, the longer of ``flops`` (this device's executed
+    matmul FLOPs) at its peak and, at its HBM bandwidth, the bytes it must move at least:
+    every argument read and every result and temporary buffer written once."""
     peak = topology.peak_per_device
     bandwidth = topology.chip.hbm_bandwidth if topology.chip else None
     stats = compiled.memory_analysis()
@@ -322,13 +472,13 @@ def _roofline(result: CompileResult, compiled, topology: Topology, flops: float)
     }
     bound = max(times, key=times.get)
     if times[bound] <= 0:
-        return
-    result.estimate, result.est_step_s = "roofline", times[bound]
-    if peak:
-        result.est_mfu = result.model_flops / (result.est_step_s * peak * topology.num_devices)
-    result.notes.append(
-        f"XLA has no cost model for compile-only {result.chip} devices: roofline bound by {bound}"
-    )
+        return None
+    if note:
+        result.notes.append(
+            f"XLA has no cost model for compile-only {result.chip} devices: the ideal compute "
+            f"time is a roofline, bound by {bound}"
+        )
+    return times[bound]
 
 
 _UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

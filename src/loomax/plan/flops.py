@@ -50,6 +50,9 @@ class KernelCall:
     flops: float
     bytes: float
     calls: float = 1.0
+    routed: float = 1.0
+    """The share of its rows that are routed (``routed_rows=R/M`` scope); 1.0 outside one.
+    The estimate's load-imbalance term scales such a kernel's time (``plan/estimate.py``)."""
 
 
 @dataclass
@@ -73,7 +76,7 @@ class StepCount:
         self.dot_flops += other.dot_flops * times
         self.fallbacks += other.fallbacks * times
         for key, k in other.kernels.items():
-            mine = self.kernels.setdefault(key, KernelCall(k.name, k.flops, k.bytes, 0.0))
+            mine = self.kernels.setdefault(key, KernelCall(k.name, k.flops, k.bytes, 0.0, k.routed))
             mine.calls += k.calls * times
 
 
@@ -163,7 +166,7 @@ def _kernel(eqn, scope: str = "") -> KernelCall:
     name = str(eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"), "name", ""))
     arrays = [v.aval for v in (*eqn.invars, *eqn.outvars) if hasattr(v.aval, "shape")]
     nbytes = float(sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays))
-    flops = None
+    flops, share = None, 1.0
     float_ins = [
         a
         for a in arrays[: len(eqn.invars)]
@@ -188,7 +191,7 @@ def _kernel(eqn, scope: str = "") -> KernelCall:
         body = eqn.params.get("jaxpr")
         steps = math.prod(g for g in grid if isinstance(g, int))
         flops = count_step(body).total_flops * steps if body is not None else 0.0
-    return KernelCall(name or "pallas_call", flops, nbytes)
+    return KernelCall(name or "pallas_call", flops, nbytes, routed=share)
 
 
 def _kernel_key(eqn, kernel: KernelCall) -> str:

@@ -45,6 +45,11 @@ class GpuSpec:
     compute_capability: tuple[int, int]
     peak_bf16: float
     """Dense bf16 tensor-core peak, FLOP/s."""
+    nvlink: float = 900e9
+    """NVLink bandwidth per GPU, bytes/s, both directions together (as NVIDIA states it)."""
+    network: float = 400e9 / 8
+    """What one GPU sends to another host, bytes/s: one 400 Gb/s InfiniBand NDR NIC a GPU
+    (ConnectX-7, as in DGX H100/H200/B200 and HGX systems)."""
     fp32_lanes_per_sm: int = 128
     shared_memory_per_sm: int = 228 * 1024
     shared_memory_per_block_optin: int = 227 * 1024
@@ -83,15 +88,20 @@ device_description_str: "{self.description}"
 #   H200:     132 SMs, 141 GB HBM3e (140.4 GiB visible), 4.8 TB/s, 50 MB L2, 1.98 GHz, sm_90, 989 TFLOP/s
 #   A100-80G: 108 SMs, 80 GB HBM2e, 2.039 TB/s, 40 MB L2, 1.41 GHz, sm_80, 312 TFLOP/s
 #   B200:     148 SMs, 180 GB HBM3e, 7.7 TB/s, 126 MB L2, 1.965 GHz, sm_100, 2,250 TFLOP/s
+# NVLink per GPU (bidirectional, the same data sheets): H100 and H200 900 GB/s (NVLink 4),
+# A100 600 GB/s (NVLink 3), B200 1.8 TB/s (NVLink 5); between hosts one 400 Gb/s NIC a GPU
+# (NDR; A100 systems: 200 Gb/s HDR).
 GPUS = {
     "h100": GpuSpec("NVIDIA H100 80GB HBM3", 132, 81559 * MiB, 3.35e12, 50 * MiB, 1.98, (9, 0), 989.4e12),
     "h200": GpuSpec("NVIDIA H200", 132, 143771 * MiB, 4.8e12, 50 * MiB, 1.98, (9, 0), 989.4e12),
     "a100-80g": GpuSpec(
         "NVIDIA A100-SXM4-80GB", 108, 80 * GiB, 2.039e12, 40 * MiB, 1.41, (8, 0), 312e12,
         fp32_lanes_per_sm=64, shared_memory_per_sm=164 * 1024,
-        shared_memory_per_block_optin=163 * 1024,
+        shared_memory_per_block_optin=163 * 1024, nvlink=600e9, network=200e9 / 8,
     ),
-    "b200": GpuSpec("NVIDIA B200", 148, 180 * 10**9, 7.7e12, 126 * MiB, 1.965, (10, 0), 2.25e15),
+    "b200": GpuSpec(
+        "NVIDIA B200", 148, 180 * 10**9, 7.7e12, 126 * MiB, 1.965, (10, 0), 2.25e15, nvlink=1.8e12
+    ),
 }  # fmt: skip
 
 _NAME = re.compile(r"^([a-z0-9-]+):(?:(\d+)x)?(\d+)$")

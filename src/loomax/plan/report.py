@@ -7,27 +7,36 @@ import re
 import yaml
 
 from loomax.plan.candidates import Candidate, as_flags, nested
-from loomax.plan.compile import KERNEL_PEAK_FRACTION, CompileResult
+from loomax.plan.compile import CompileResult
+from loomax.plan.estimate import efficiency
 from loomax.plan.search import Ranked
 
 ESTIMATE_NOTE = (
-    "step time and MFU are estimates from XLA's cost model for the compiled program "
-    "(scaled by loop trip counts; Pallas kernels' FLOPs at an assumed "
-    f"{KERNEL_PEAK_FRACTION:.0%} of peak or their bytes at HBM bandwidth), not measurements"
+    "step time and MFU are estimates, not measurements: a range (best / expected / worst) "
+    "of XLA's cost model for the compiled program (scaled by loop trip counts) and the Pallas "
+    "kernels' FLOPs at peak or bytes at HBM bandwidth, all at one efficiency per end "
+    "({eff}), plus the collectives' bytes over the links and the MoE load; `est. step` and "
+    "`est. MFU` are the expected end, ranked by it"
 )
 ROOFLINE_NOTE = (
-    "step time is a roofline lower bound, not a measurement or a cost model: the executed "
-    "matmul FLOPs at the GPU's dense bf16 peak or the bytes of the step's arguments, results "
-    "and temporaries at its HBM bandwidth, whichever is longer (no communication, no kernel "
-    "below peak); MFU is an upper bound"
+    "step time and MFU are estimates, not measurements or a cost model: a range (best / "
+    "expected / worst) of a roofline (the executed matmul FLOPs at the GPU's dense bf16 peak "
+    "or the bytes of the step's arguments, results and temporaries at its HBM bandwidth, "
+    "whichever is longer) at {eff} of it (the best end a lower bound on the step; the others "
+    "fitted to H200 measurements, docs/planning.md), plus the collectives' bytes over NVLink "
+    "or the network and the MoE load; `est. step` and `est. MFU` are the expected end, "
+    "ranked by it"
 )
 
 
 def estimate_note(results: list[CompileResult | None]) -> str:
-    """What the estimates of ``results`` are: XLA's cost model, or a roofline lower bound."""
-    if any(r is not None and r.estimate == "roofline" for r in results):
-        return ROOFLINE_NOTE
-    return ESTIMATE_NOTE
+    """What the estimates of ``results`` are: XLA's cost model, or a roofline, and the
+    efficiencies at each end of the range."""
+    roofline = any(r is not None and r.estimate == "roofline" for r in results)
+    platform = next((r.platform for r in results if r is not None), "tpu")
+    eff = efficiency(platform)
+    ends = f"{eff.best:.0%} / {eff.expected:.0%} / {eff.worst:.0%}"
+    return (ROOFLINE_NOTE if roofline else ESTIMATE_NOTE).format(eff=ends)
 
 
 def gib(n: int | None) -> str:
@@ -75,27 +84,62 @@ def compile_text(result: CompileResult) -> str:
         f"FLOPs/step: {result.model_flops:.3e} model (3 x forward, causal attention as half), "
         f"{result.step_flops:.3e} executed matmuls (with remat)"
     )
-    if result.est_step_s is not None:
-        tps = result.tokens_per_step / result.est_step_s
-        if result.estimate == "roofline":
-            mfu = f", MFU <= {result.est_mfu:.1%}" if result.est_mfu is not None else ""
-            lines.append(
-                f"step time >= {fmt_seconds(result.est_step_s)} (<= {tps:,.0f} tokens/s){mfu}"
-                "  [roofline lower bound]"
-            )
-        else:
-            mfu = f", MFU {result.est_mfu:.1%}" if result.est_mfu is not None else ""
-            lines.append(
-                f"estimated step time {fmt_seconds(result.est_step_s)} ({tps:,.0f} tokens/s){mfu}  [estimate]"
-            )
+    lines += estimate_lines(result)
     if result.measured_step_s is not None:
-        lines.append(f"measured step time {fmt_seconds(result.measured_step_s)} (median)")
+        mfu = f", MFU {result.measured_mfu:.1%}" if result.measured_mfu is not None else ""
+        lines.append(
+            f"measured: step time {fmt_seconds(result.measured_step_s)} (median of real steps "
+            f"on these devices){mfu}  [measurement, not an estimate]"
+        )
     lines.append(f"compile time {result.compile_s:.1f} s")
     if result.error:
         lines.append(result.error)
     lines += [f"note: {n}" for n in result.notes]
     lines.append(f"note: {estimate_note([result])}")
     return "\n".join(lines)
+
+
+def estimate_lines(result: CompileResult) -> list[str]:
+    """The estimated range (best / expected / worst) and its assumptions, for ``compile``."""
+    if result.est_step_s is None:
+        return []
+    ends = (result.est_best_s, result.est_step_s, result.est_worst_s)
+    if any(e is None for e in ends):  # a report from before the range: one figure
+        ends = (result.est_step_s,) * 3
+    tag = (
+        "  [estimate; best = roofline lower bound]"
+        if result.estimate == "roofline"
+        else "  [estimate]"
+    )
+    lines = [
+        "estimated step time (best / expected / worst): "
+        + " / ".join(_precise(e) for e in ends)
+        + tag,
+        "estimated tokens/s: " + " / ".join(f"{result.tokens_per_step / e:,.0f}" for e in ends),
+    ]
+    mfus = (result.est_best_mfu, result.est_mfu, result.est_worst_mfu)
+    if all(m is not None for m in mfus):
+        lines.append(
+            "estimated MFU: " + " / ".join(f"{m:.1%}" for m in mfus) + " (causal attention as half)"
+        )
+    if result.assumptions:
+        lines.append("assumptions:")
+        lines += [f"  - {a}" for a in result.assumptions]
+    return lines
+
+
+def _precise(s: float) -> str:
+    """Seconds to three figures (a tiny test model's step is microseconds)."""
+    if s >= 10:
+        return f"{s:.1f} s"
+    return f"{s * 1e3:.4g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
+
+
+def mfu_range(result: CompileResult) -> str:
+    """``worst-best%`` of a result's estimated MFU, ``-`` without one."""
+    if result.est_worst_mfu is None or result.est_best_mfu is None:
+        return "-"
+    return f"{result.est_worst_mfu:.0%}-{result.est_best_mfu:.0%}"
 
 
 def fmt_seconds(s: float | None) -> str:
@@ -110,7 +154,7 @@ def plan_table(ranked: list[Ranked]) -> str:
     w = max([34, *(len(r.candidate.label) for r in ranked)])
     header = (
         f"{'#':>2}  {'strategy':<{w}} {'state':>10} {'temp':>10} {'total':>10}  "
-        f"{'fits':<20} {'est. step':>10} {'est. MFU':>8} {'kernels':>7} {'compile':>8}"
+        f"{'fits':<20} {'est. step':>10} {'est. MFU':>8} {'range':>9} {'kernels':>7} {'compile':>8}"
     )
     rows = [header, "-" * len(header)]
     for i, r in enumerate(ranked, 1):
@@ -129,6 +173,7 @@ def plan_table(ranked: list[Ranked]) -> str:
             else f"no, {'' if res.compiled else 'state '}+{res.over_bytes / 2**30:.1f} GiB"
         )
         mfu = f"{res.est_mfu:.1%}" if res.est_mfu is not None and res.fits is not False else "-"
+        spread = mfu_range(res) if res.fits is not False else "-"
         step = fmt_seconds(res.est_step_s) if res.fits is not False else "-"
         kernels = (
             f"{res.est_kernel_s / res.est_step_s:.0%}"
@@ -138,7 +183,7 @@ def plan_table(ranked: list[Ranked]) -> str:
         rows.append(
             f"{i:>2}  {r.candidate.label:<{w}} {_g(res.state_bytes):>10} "
             f"{_g(res.temp_bytes) if res.compiled else '-':>10} {_g(res.total_bytes):>10}  "
-            f"{fits:<20} {step:>10} {mfu:>8} {kernels:>7} "
+            f"{fits:<20} {step:>10} {mfu:>8} {spread:>9} {kernels:>7} "
             + (f"{res.compile_s:>7.1f}s" if res.compiled else f"{'-':>8}")
         )
     return "\n".join(rows)
@@ -168,8 +213,7 @@ def overlay_yaml(choice: Ranked, run: str, topology: str, count: int) -> str:
         f"# strategy: {choice.candidate.label}; per {'GPU' if res.platform == 'gpu' else 'chip'} "
         f"{gib(res.total_bytes)} of {gib(res.hbm_bytes)}"
         + (
-            f"; estimated MFU {'at most ' if res.estimate == 'roofline' else ''}"
-            f"{res.est_mfu:.1%} ({estimate_note([res])})"
+            f"; estimated MFU {res.est_mfu:.1%} (range {mfu_range(res)}; {estimate_note([res])})"
             if res.est_mfu
             else ""
         ),

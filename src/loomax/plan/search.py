@@ -99,19 +99,22 @@ def compile_all(
     progress: bool = True,
     desc: str = "compiling",
     config_args: list[str] | None = None,
+    load_max: float | None = None,
 ) -> list[Ranked]:
     """Compile each candidate on ``topology``; the results in candidate order.
 
     With ``config_args`` (the run's ``--config_path``/override flags) each compile runs in a
     child process (``loomax.plan.worker``), so a compiler crash costs only that candidate.
+    ``load_max``: a measured MoE load for the estimates (``compile_run``).
     """
+    extra = {"load_max": load_max} if load_max is not None else {}
 
     def one(candidate: Candidate) -> Ranked:
         try:
             if config_args is not None:
                 flags = config_args + as_flags(candidate.overrides)
-                return Ranked(candidate, compile_isolated(flags, topology.name))
-            return Ranked(candidate, compile_run(candidate.apply(config), topology))
+                return Ranked(candidate, compile_isolated(flags, topology.name, **extra))
+            return Ranked(candidate, compile_run(candidate.apply(config), topology, **extra))
         except Exception as e:  # noqa: BLE001 - a candidate that cannot be built is reported, not fatal
             logger.debug("candidate %s failed", candidate.label, exc_info=True)
             return Ranked(candidate, None, f"{type(e).__name__}: {e}".splitlines()[0][:200])
@@ -143,8 +146,10 @@ def search(
     max_candidates: int = 24,
     progress: bool = True,
     config_args: list[str] | None = None,
+    load_max: float | None = None,
 ) -> list[Ranked]:
-    """Every candidate compiled and ranked: fitting ones by estimated step time, then the
+    """Every candidate compiled and ranked: fitting ones by estimated step time (the
+    expected end of the range), then the
     ones that do not fit by how much they exceed, then those that failed to build."""
     first = [run_default(config, topology.num_devices)]
     seen = {_key(first[0])}
@@ -161,7 +166,9 @@ def search(
             seen.add(_key(c))
             first.append(c)
     first = first[:max_candidates]
-    common = {"jobs": jobs, "progress": progress, "config_args": config_args}
+    common = {
+        "jobs": jobs, "progress": progress, "config_args": config_args, "load_max": load_max
+    }  # fmt: skip
     # a batch the data-parallel devices cannot split: reported, not compiled
     unsplit = [Ranked(c, None, batch_split_error(c, config), skipped=True) for c in first]
     unsplit = [r for r in unsplit if r.error]

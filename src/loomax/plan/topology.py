@@ -41,6 +41,11 @@ class ChipSpec:
     """Dense bf16 matmul peak, FLOP/s per chip."""
     hbm_bandwidth: float
     """HBM bandwidth, bytes/s per chip."""
+    link_bandwidth: float | None = None
+    """Interconnect bandwidth one chip sends at, bytes/s, all links, one direction (TPU:
+    ICI; GPU: NVLink), half the published bidirectional figure."""
+    cross_bandwidth: float | None = None
+    """What one chip sends at to another slice (TPU: DCN) or host (GPU: InfiniBand), bytes/s."""
 
 
 # Public per-chip figures from Google Cloud's TPU system-architecture pages
@@ -49,11 +54,17 @@ class ChipSpec:
 #   v5e: 16 GiB HBM2, 197 bf16 TFLOP/s,  819 GB/s
 #   v5p: 95 GiB HBM2e, 459 bf16 TFLOP/s, 2765 GB/s
 #   v6e: 32 GiB HBM, 918 bf16 TFLOP/s,  1640 GB/s (Trillium)
+# Interchip interconnect (ICI) per chip, the same pages' "Interchip Interconnect BW" in Gbps,
+# which is one direction (v5p's 4,800 Gbps is the 1,200 GB/s bidirectional its newer table
+# states; v5e's 1,600 Gbps its 400 GB/s): v4 2,400 Gbps, v5e 1,600, v5p 4,800, v6e 3,584.
+# Data-centre network (DCN) between slices: v5p's page states 50 Gbps a chip; v5e's 2 x 100
+# Gbps NICs a host of 8 chips is 25 Gbps a chip; 50 Gbps is taken for every generation.
+_DCN = 50e9 / 8
 CHIPS = {
-    "v4": ChipSpec("TPU v4", 32 * GiB, 275e12, 1228e9),
-    "v5e": ChipSpec("TPU v5e", 16 * GiB, 197e12, 819e9),
-    "v5p": ChipSpec("TPU v5p", 95 * GiB, 459e12, 2765e9),
-    "v6e": ChipSpec("TPU v6e", 32 * GiB, 918e12, 1640e9),
+    "v4": ChipSpec("TPU v4", 32 * GiB, 275e12, 1228e9, 2400e9 / 8, _DCN),
+    "v5e": ChipSpec("TPU v5e", 16 * GiB, 197e12, 819e9, 1600e9 / 8, _DCN),
+    "v5p": ChipSpec("TPU v5p", 95 * GiB, 459e12, 2765e9, 4800e9 / 8, _DCN),
+    "v6e": ChipSpec("TPU v6e", 32 * GiB, 918e12, 1640e9, 3584e9 / 8, _DCN),
 }
 _DIMS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
 _ACCELERATOR = {"v4": "v4-8", "v5p": "v5p-8", "v5e": "v5litepod-4", "v6e": "v6e-4"}
@@ -81,6 +92,8 @@ class Topology:
     num_slices: int = 1
     memory_fraction: float | None = None
     """The part of each device's memory a run may use (GPUs: JAX preallocates 75%)."""
+    devices_per_host: int | None = None
+    """GPUs a host (one NVLink domain) holds; None for TPU slices and ``local``."""
 
     @property
     def platform(self) -> str:
@@ -98,6 +111,31 @@ class Topology:
         if not self.chip:
             return _local_memory()
         return int(self.chip.hbm_bytes * (self.memory_fraction or 1.0)) // self.devices_per_chip
+
+    @property
+    def link_per_device(self) -> float | None:
+        """Bytes/s one device sends over the interconnect (a chip's links shared by its
+        devices), None where unknown (``local``)."""
+        if not self.chip or not self.chip.link_bandwidth:
+            return None
+        return self.chip.link_bandwidth / self.devices_per_chip
+
+    @property
+    def cross_per_device(self) -> float | None:
+        """Bytes/s one device sends to another slice or host, None where there is none."""
+        spans = self.num_slices > 1 or (
+            self.devices_per_host is not None and self.num_devices > self.devices_per_host
+        )
+        if not spans or not self.chip or not self.chip.cross_bandwidth:
+            return None
+        return self.chip.cross_bandwidth / self.devices_per_chip
+
+    @property
+    def devices_per_domain(self) -> int:
+        """Devices one fast interconnect joins: a slice's, or a GPU host's."""
+        if self.devices_per_host is not None:
+            return self.devices_per_host
+        return self.num_devices // max(1, self.num_slices)
 
     @property
     def peak_per_device(self) -> float | None:
@@ -213,11 +251,19 @@ def _gpu_topology(name: str) -> Topology:
     (of which a run may use ``memory_fraction()``), peak and bandwidth."""
     fraction = memory_fraction()
     try:
-        devices, spec, _hosts = gpu_devices(name)
+        devices, spec, hosts = gpu_devices(name)
     except UserError as e:
         raise TopologyError(str(e)) from e
-    chip = ChipSpec(spec.description, spec.memory_bytes, spec.peak_bf16, spec.bandwidth)
-    return Topology(name, devices, chip, memory_fraction=fraction)
+    chip = ChipSpec(
+        spec.description,
+        spec.memory_bytes,
+        spec.peak_bf16,
+        spec.bandwidth,
+        spec.nvlink / 2,
+        spec.network,
+    )
+    per_host = len(devices) // max(1, hosts)
+    return Topology(name, devices, chip, memory_fraction=fraction, devices_per_host=per_host)
 
 
 def _local_memory() -> int | None:

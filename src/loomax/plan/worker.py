@@ -37,11 +37,19 @@ def setup_compile_only(topology: str) -> None:
 
 
 def compile_isolated(
-    config_args: Sequence[str], topology: str, *, measure: int = 0, timeout: float | None = None
+    config_args: Sequence[str],
+    topology: str,
+    *,
+    measure: int = 0,
+    timeout: float | None = None,
+    load_max: float | None = None,
 ) -> CompileResult:
     """``compile_run`` of the config ``config_args`` (``--config_path F --key value ...``) in a
     child process; raises ``CompileCrash`` with the child's last error line if it fails."""
-    command = [sys.executable, "-m", "loomax.plan.worker", topology, str(measure), *config_args]
+    load = "" if load_max is None else repr(float(load_max))
+    command = [
+        sys.executable, "-m", "loomax.plan.worker", topology, str(measure), load, *config_args
+    ]  # fmt: skip
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
@@ -64,7 +72,7 @@ def _reason(code: int, stderr: str) -> str:
 
 
 def main(argv: Sequence[str]) -> None:
-    topology, measure, *config_args = argv
+    topology, measure, load_max, *config_args = argv
     setup_compile_only(topology)
     from loomax.config import parse_config
     from loomax.lm.config import TrainLmConfig
@@ -75,7 +83,12 @@ def main(argv: Sequence[str]) -> None:
     if config_args[:1] == ["--config_path"]:
         path, config_args = config_args[1], config_args[2:]
     config = parse_config(TrainLmConfig, path, config_args)
-    result = compile_run(config, get_topology(topology), measure_steps=int(measure))
+    result = compile_run(
+        config,
+        get_topology(topology),
+        measure_steps=int(measure),
+        load_max=float(load_max) if load_max else None,
+    )
     print(_MARK + json.dumps(result.to_json()), flush=True)
 
 
