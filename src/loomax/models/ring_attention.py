@@ -170,7 +170,7 @@ def ring_kernel(
 ) -> str:
     """The per-block kernel of context-parallel attention (``models/ring_attention.py``):
     ``splash`` for the ring where ``backend`` is ``splash`` (asked for: it has been compiled
-    for TPUs, never run on one, and its estimate is below the blockwise ring's, see
+    for TPUs, never run on one: no default rests on an estimate alone, see
     docs/sharding.md), else ``blockwise`` (``auto`` on every platform; ``all_gather`` always).
     ``splash`` asked for with a chunk it cannot serve raises ``ConfigError``."""
     if variant != "ring" or backend != "splash":
