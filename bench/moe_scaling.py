@@ -4,7 +4,8 @@
 
 Compiles the config's train step three times with the same rows per device: on one device
 (``rows`` sequences), on data 8 (8 x ``rows``, no expert axis) and on expert 8 (8 x ``rows``,
-one expert group a device), and prints per device: XLA's FLOPs (its cost analysis; a loop
+one expert group a device; dropless, and with ``model.moe.receive_buffer: 1.25``), and
+prints per device: XLA's FLOPs (its cost analysis; a loop
 body counted once, the same in every program here), the plan's matmul count (every loop at
 its expected trips, ``plan/flops.py``) and XLA's temporaries, each as a ratio to the
 one-device program. Weak scaling holds when the ratios stay near 1. Compile-only: no figure
@@ -32,10 +33,12 @@ from loomax.lm.config import TrainLmConfig  # noqa: E402
 from loomax.plan.build import built_step  # noqa: E402
 from loomax.plan.flops import count_step  # noqa: E402
 
-MESHES = {  # name: (devices, mesh overrides)
-    "one_device": (1, {}),
-    "data8": (8, {"data": 8}),
-    "expert8": (8, {"data": 1, "expert": 8}),
+MESHES = {  # name: (devices, mesh overrides, other flags)
+    "one_device": (1, {}, []),
+    "data8": (8, {"data": 8}, []),
+    "expert8": (8, {"data": 1, "expert": 8}, []),
+    # the receive buffer bounded at 1.25 x the mean routed rows (rows past it dropped)
+    "expert8_buffer1.25": (8, {"data": 1, "expert": 8}, ["--model.moe.receive_buffer=1.25"]),
 }
 
 
@@ -74,8 +77,10 @@ def main(argv: list[str] | None = None) -> dict:
     args.overrides += unknown
     results = {}
     for name in args.meshes.split(","):
-        devices, mesh = MESHES[name]
-        results[name] = compile_mesh(args.config, args.rows, devices, mesh, args.overrides)
+        devices, mesh, flags = MESHES[name]
+        results[name] = compile_mesh(
+            args.config, args.rows, devices, mesh, [*flags, *args.overrides]
+        )
         print(json.dumps({name: results[name]}), flush=True)
     base = results.get("one_device")
     if base:
