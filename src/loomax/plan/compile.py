@@ -283,7 +283,7 @@ def _times(compiled, topology: Topology, count: StepCount) -> tuple[float | None
 
 def _fallback_note(result: CompileResult, compiled, topology: Topology, count, worst) -> None:
     """The estimate's assumption about the MoE layers' kept rows, and the step if every
-    conditional took its fallback (``plan/flops.py``, ``models/expert_ffn.py``): the same
+    conditional took its fallback (``plan/flops.py``, ``models/moe/expert_ffn.py``): the same
     estimate (cost model or roofline) of the count with the fallbacks in."""
     alt = replace(result, notes=[], est_step_s=None, est_mfu=None)
     _estimate(alt, compiled, topology, worst)
