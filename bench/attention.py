@@ -16,7 +16,7 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 
-from loomax.models.attention import causal_attention
+from loomax.models.attention.attention import causal_attention
 
 Q_AXES = ("batch", "position", "heads", "head_size")
 KV_AXES = ("batch", "key_position", "heads", "head_size")

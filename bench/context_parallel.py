@@ -49,7 +49,8 @@ def attention_memory(seq: int, context: int, variant: str) -> tuple[float, float
     the default blocks), compiled only: ``(temporary MiB, total MiB)`` per device, the total
     with the arguments and outputs (the tests' ``attention_bytes``)."""
     spec = importlib.util.spec_from_file_location(
-        "context_parallel_run", Path(__file__).parents[1] / "tests/models/context_parallel_run.py"
+        "context_parallel_run",
+        Path(__file__).parents[1] / "tests/models/attention/context_parallel_run.py",
     )
     run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run)

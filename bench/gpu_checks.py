@@ -79,7 +79,7 @@ def section_attention(args) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from loomax.models.attention import (
+    from loomax.models.attention.attention import (
         causal_attention,
         cudnn_unsupported_reason,
         gpu_compute_capability,

@@ -10,7 +10,7 @@ body counted once, the same in every program here), the plan's matmul count (eve
 its expected trips, ``plan/flops.py``) and XLA's temporaries, each as a ratio to the
 one-device program. Weak scaling holds when the ratios stay near 1. Compile-only: no figure
 here is a time. Prints one JSON line per mesh, the ratios, and last all of it as one JSON
-line (what tests/models/test_moe_scaling.py reads); ``--out FILE`` saves them.
+line (what tests/models/moe/test_moe_scaling.py reads); ``--out FILE`` saves them.
 """
 
 from __future__ import annotations

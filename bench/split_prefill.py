@@ -6,7 +6,7 @@ and the total with its arguments and outputs, the KV cache among them) and of on
 decode step on that cache, the cache's and weights' bytes on one device, then the
 prefill's and a decode step's (median) wall time, for no split
 (one device) and the split prefill with each ``model.context_parallel`` variant
-(``models/split_prefill.py``). The fake devices share this machine's cores: times compare
+(``models/decoding/split_prefill.py``). The fake devices share this machine's cores: times compare
 work and collectives on one host, not real devices. The unsplit prefill is
 ``model.decode``'s, whose attention forms the whole score matrix (cached_attention):
 ``--no-split-estimate`` only compiles it (and times decode steps on an empty cache); one
@@ -39,8 +39,8 @@ import numpy as np  # noqa: E402
 from loomax.mesh import MeshConfig, make_axis_mappings  # noqa: E402
 from loomax.models import LlamaConfig  # noqa: E402
 from loomax.models.axes import Position  # noqa: E402
-from loomax.models.generate import _cached_steps  # noqa: E402
-from loomax.models.split_prefill import hidden_at, on_mesh, split_prefill  # noqa: E402
+from loomax.models.decoding.generate import _cached_steps  # noqa: E402
+from loomax.models.decoding.split_prefill import hidden_at, on_mesh, split_prefill  # noqa: E402
 from loomax.runtime import MeshRuntime  # noqa: E402
 
 MIB, VOCAB = 2**20, 512

@@ -23,7 +23,7 @@ def test_backends_agree(backend):
     if backend == "cudnn":
         pytest.skip("cudnn attention needs an NVIDIA GPU (jax.default_backend() is not 'gpu')")
 """
-"""tests/models/test_attention.py's shape: its cudnn case may skip."""
+"""tests/models/attention/test_attention.py's shape: its cudnn case may skip."""
 
 OTHER = """
 import pytest
@@ -61,7 +61,7 @@ def write(root: Path, files: dict[str, str]) -> None:
 
 
 def test_only_allowed_skips_pass(tmp_path):
-    write(tmp_path, {"tests/models/test_attention.py": CUDNN})
+    write(tmp_path, {"tests/models/attention/test_attention.py": CUDNN})
     done = run_pytest(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed, 1 skipped" in done.stdout and "unexpected skips" not in done.stdout
@@ -71,7 +71,9 @@ def test_only_allowed_skips_pass(tmp_path):
     "workers", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["alone", "xdist"]
 )
 def test_a_skip_not_on_the_allow_list_fails_the_run_naming_it(tmp_path, workers):
-    write(tmp_path, {"tests/models/test_attention.py": CUDNN, "tests/test_other.py": OTHER})
+    write(
+        tmp_path, {"tests/models/attention/test_attention.py": CUDNN, "tests/test_other.py": OTHER}
+    )
     done = run_pytest(tmp_path, *(["-p", "xdist", "-n", str(workers)] if workers else []))
     out = done.stdout
     assert done.returncode == pytest.ExitCode.TESTS_FAILED, out + done.stderr
@@ -103,9 +105,11 @@ def test_every_entry_says_why_and_todays_skips_are_allowed(repo_root):
         assert entry.reason in (repo_root / module).read_text(), entry
     gpu = "cudnn attention needs an NVIDIA GPU (jax.default_backend() is not 'gpu')"
     for ids in ["mha-causal-cudnn", "gqa-documents-cudnn"]:
-        assert skips.allowed(f"tests/models/test_attention.py::test_backends_agree[{ids}]", gpu)
+        assert skips.allowed(
+            f"tests/models/attention/test_attention.py::test_backends_agree[{ids}]", gpu
+        )
     assert not skips.allowed(
-        "tests/models/test_attention.py::test_backends_agree[mha-causal-xla]", gpu
+        "tests/models/attention/test_attention.py::test_backends_agree[mha-causal-xla]", gpu
     )
     root = "a SLURM cluster needs root (infra/slurm/single_node.sh installs and starts it)"
     slurm = "tests/launch/test_slurm_cluster.py::test_a_launched_job_trains_two_tasks_and_slurm_reports_it_done"

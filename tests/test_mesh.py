@@ -199,7 +199,7 @@ PRIVATE_JAX = {
     "jax_setup.py": "the process id before the backend starts, and whether it has: no public API",
     "distributed/jax_processes.py": "the coordination-service client: no public API",
     "plan/compile.py": "a thread's own cache setting: jax.config.update is process-wide",
-    "models/cudnn_packed.py": "cuDNN's packed documents: jax.nn.dot_product_attention has no offsets",
+    "models/attention/cudnn_packed.py": "cuDNN's packed documents: jax.nn.dot_product_attention has no offsets",
 }
 """The modules of src/loomax allowed a private ``jax._src`` import, each with why (no public API)."""
 

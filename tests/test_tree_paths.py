@@ -15,7 +15,7 @@ import optax
 from loomax.checkpoint.serialize import named_leaves as checkpoint_leaves
 from loomax.hooks.norms import _named_leaves
 from loomax.models import Gpt2Config
-from loomax.models.files import weight_leaves
+from loomax.models.io.files import weight_leaves
 from loomax.optim.mask import parameter_names, regex_mask
 from loomax.tree_paths import named_leaves, path_name
 

@@ -11,7 +11,7 @@ choose_platforms()
 
 def __getattr__(name: str):
     if name == "load_model":  # loomax.load_model(dir), imported on first use (it pulls in JAX)
-        from loomax.models.saving import load_model
+        from loomax.models.io.saving import load_model
 
         return load_model
     raise AttributeError(f"module 'loomax' has no attribute {name!r}")

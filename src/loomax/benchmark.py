@@ -16,7 +16,7 @@ from loomax._xla_flags import hlo_fingerprint, library_calls
 from loomax.config import ConfigError
 from loomax.lm import TrainLmConfig
 from loomax.lm.loss import lm_loss_for
-from loomax.models.fp8 import check_fp8
+from loomax.models.blocks.fp8 import check_fp8
 from loomax.peak_flops import measure_matmul_flops, total_peak_flops
 from loomax.train import Trainer, setup_process
 

@@ -52,7 +52,7 @@ def load_for_inference(
     if config_path is not None or overrides:
         run_config = parse_config(TrainLmConfig, config_path, list(overrides))
     if (path / "model.yaml").is_file():  # a model.save directory (its tokenizer if saved with it)
-        from loomax.models.saving import load_model
+        from loomax.models.io.saving import load_model
 
         tokenizer = _beside_or_run_tokenizer(path, run_config)
         return LoadedModel(load_model(path), run_config, tokenizer, f"saved model {path}")

@@ -77,7 +77,7 @@ def generate_command(args: list[str], parser: argparse.ArgumentParser, guard: Gu
     """Sample a continuation of ``--prompt`` with the KV cache."""
     import jax
 
-    from loomax.models.generate import sample_tokens
+    from loomax.models.decoding.generate import sample_tokens
 
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max_new_tokens", type=int, default=64)

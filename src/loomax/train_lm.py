@@ -26,7 +26,7 @@ from loomax.lm.eval_sets import eval_sets
 from loomax.lm.loss import model_lm_loss
 from loomax.lm.sample import sample_text
 from loomax.lm.weights import check_initial_weights, initial_model, initial_weights
-from loomax.models.fp8 import check_fp8
+from loomax.models.blocks.fp8 import check_fp8
 from loomax.peak_flops import total_peak_flops
 from loomax.storage import to_url
 from loomax.tracking import check_trackers

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from loomax.downstream import evaluate_tasks, lm_eval_model, write_results
-from loomax.models.generate import sample_tokens
+from loomax.models.decoding.generate import sample_tokens
 
 from .test_scoring import direct
 

@@ -17,7 +17,7 @@ from loomax.hf import export_hf, load_hf, read_hf, special_token_ids
 from loomax.hf.family import HfFamily
 from loomax.hf.family import families as hf_families
 from loomax.models import Gpt2Config, LlamaConfig, MixtralConfig, MoeConfig
-from loomax.models.rotary import Llama3Rotary
+from loomax.models.attention.rotary import Llama3Rotary
 
 from .hf_reference import gpt2_logits, llama_logits
 

@@ -16,9 +16,9 @@ import pytest
 
 from loomax.hf import export_hf, load_hf
 from loomax.models import Gpt2Config, LlamaConfig
-from loomax.models.generate import sample_tokens
-from loomax.models.mlp_activations import ACTIVATION_FUNCTIONS
-from loomax.models.rotary import LinearRotary, YarnRotary
+from loomax.models.attention.rotary import LinearRotary, YarnRotary
+from loomax.models.blocks.mlp_activations import ACTIVATION_FUNCTIONS
+from loomax.models.decoding.generate import sample_tokens
 
 from .test_convert import CASES, HF_TYPES, VOCAB, randomized
 

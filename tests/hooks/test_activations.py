@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from loomax.hooks import ActivationStatsHook, LogMetricsHook
-from loomax.models import LlamaConfig, taps
+from loomax.models import LlamaConfig
 from loomax.models.axes import Position
+from loomax.models.blocks import taps
 
 
 def test_stats_are_logged_on_their_steps_and_training_is_unchanged(tiny, tmp_path):

@@ -21,7 +21,7 @@ from loomax.config_reference import registry_members
 from loomax.hf import export_hf, load_hf
 from loomax.hf.family import families as hf_families
 from loomax.models import LmConfig, LmModel, next_token_loss
-from loomax.models.generate import sample_tokens
+from loomax.models.decoding.generate import sample_tokens
 
 VOCAB = 37
 SEQ = 16

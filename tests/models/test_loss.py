@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loomax.models import taps
-from loomax.models.logits_stats import logits_stats
+from loomax.models.blocks import taps
+from loomax.models.blocks.logits_stats import logits_stats
 from loomax.models.loss import fused_cross_entropy_sum, plain_cross_entropy_sum
 
 

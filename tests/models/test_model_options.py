@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from loomax.config import ConfigError
-from loomax.models import Gpt2Config, LlamaConfig, attention, next_token_loss
+from loomax.models import Gpt2Config, LlamaConfig, next_token_loss
+from loomax.models.attention import attention
 from loomax.tree_paths import named_leaves
 
 VOCAB = 41

@@ -137,7 +137,7 @@ def test_a_partly_filled_buffer_charges_its_routed_rows_only():
     import jax
     import jax.numpy as jnp
 
-    from loomax.models.grouped_matmul import grouped_matmul, routed_rows_scope
+    from loomax.models.moe.grouped_matmul import grouped_matmul, routed_rows_scope
 
     x, w = jnp.ones((512, 128), jnp.float32), jnp.ones((4, 128, 256), jnp.float32)
     sizes = jnp.array([64, 0, 100, 92], jnp.int32)

@@ -30,7 +30,7 @@ class AllowedSkip(NamedTuple):
 
 ALLOWED_SKIPS = (
     AllowedSkip(
-        "tests/models/test_attention.py::test_backends_agree[*cudnn*]",
+        "tests/models/attention/test_attention.py::test_backends_agree[*cudnn*]",
         "cudnn attention needs an NVIDIA GPU",
         "cuDNN runs only on an NVIDIA GPU; CPU hosts (CI) cannot run the 4 cudnn cases",
     ),

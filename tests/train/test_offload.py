@@ -202,7 +202,7 @@ def test_consumers_of_an_offloaded_model_see_the_same_model(tiny, tmp_path):
     as without ``offload_params``."""
     from loomax.hf.convert import hf_state
     from loomax.hooks import ActivationStatsHook, EmaHook
-    from loomax.models.generate import sample_tokens
+    from loomax.models.decoding.generate import sample_tokens
 
     def consumers(path, **settings):
         trainer = tiny.trainer(path, steps=2, **settings)

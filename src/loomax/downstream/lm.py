@@ -38,7 +38,7 @@ from tokenizers import Tokenizer
 from loomax.data.tokenizer import eos_id, load_tokenizer
 from loomax.downstream.scoring import Scorer
 from loomax.models.config import LmModel
-from loomax.models.generate import sample_batch
+from loomax.models.decoding.generate import sample_batch
 
 DEFAULT_MAX_GEN_TOKS = 256
 

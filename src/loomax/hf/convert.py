@@ -21,7 +21,7 @@ from loomax.data.tokenizer import bos_id, eos_id
 from loomax.errors import BadFileError, MissingFileError
 from loomax.hf.family import family_for, family_of
 from loomax.models.config import LmConfig, LmModel
-from loomax.models.hf_layout import export_tensors, load_tensors
+from loomax.models.io.hf_layout import export_tensors, load_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 1024**3

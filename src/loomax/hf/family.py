@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from loomax.config import ConfigError
 from loomax.errors import BadFileError
 from loomax.models.config import LmConfig
-from loomax.models.hf_layout import Param
+from loomax.models.io.hf_layout import Param
 
 
 @runtime_checkable

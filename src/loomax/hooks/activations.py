@@ -3,7 +3,7 @@
 On the steps this hook is due, the trainer runs a second compiled variant of the step
 whose forward pass also records, per layer, the attention block's output, the MLP's input
 and output and the residual stream after the block, the final normed hidden states and
-the logits (block by block: the fused loss never holds them whole; ``loomax.models.taps``): mean, std, abs-max, RMS and the fraction of near-zero values
+the logits (block by block: the fused loss never holds them whole; ``loomax.models.blocks.taps``): mean, std, abs-max, RMS and the fraction of near-zero values
 (magnitude below 1e-3 of the tensor's RMS). No second forward pass; the other steps run
 the ordinary program and pay nothing. Keys: ``activations/layer_03/mlp_out/rms``,
 ``activations/final/std``, ``activations/logits/absmax``. With microbatches, each value is the average over them.
@@ -21,7 +21,7 @@ PREFIX = "activations/"
 
 @hook_type("activations")
 class ActivationStatsHook(Hook):
-    """Logs activation statistics (``loomax.models.taps``) every ``every`` steps."""
+    """Logs activation statistics (``loomax.models.blocks.taps``) every ``every`` steps."""
 
     @dataclass(frozen=True)
     class Config(HookConfig):

@@ -19,7 +19,7 @@ import jmp
 import numpy as np
 
 from loomax.errors import DataSourceError
-from loomax.models.buffers import split_state
+from loomax.models.blocks.buffers import split_state
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 from loomax.train.loss_metrics import add_sums, metric_values, split_loss, zero_sums

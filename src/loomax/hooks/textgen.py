@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from loomax.errors import BadFileError, MissingFileError
-from loomax.models.generate import sample_tokens
+from loomax.models.decoding.generate import sample_tokens
 from loomax.train.hook_config import HookConfig, HookContext, hook_type
 from loomax.train.hooks import Hook, StepInfo
 

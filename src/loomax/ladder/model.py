@@ -91,7 +91,7 @@ class LlamaConfigurator(ModelConfigurator):
     """Llama models (RoPE, RMSNorm, SwiGLU MLP of ~8/3 the width)."""
 
     def model_config(self, size: str | int) -> LmConfig:
-        from loomax.models.llama import LlamaConfig
+        from loomax.models.families.llama import LlamaConfig
 
         s = self.shape(size)
         intermediate = max(

@@ -8,8 +8,8 @@ import loomax.hooks  # noqa: F401 - registers the hook types `trainer.hooks` may
 from loomax.config import ConfigError
 from loomax.data import DataConfig
 from loomax.models import Gpt2Config, LmConfig
-from loomax.models.expert_parallel import check_expert_split
-from loomax.models.sequence_layout import check_split
+from loomax.models.attention.sequence_layout import check_split
+from loomax.models.moe.expert_parallel import check_expert_split
 from loomax.optim import AdamConfig, OptimizerConfig
 from loomax.train import TrainerConfig
 

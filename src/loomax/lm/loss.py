@@ -5,7 +5,7 @@ from __future__ import annotations
 import haliax as hax
 
 from loomax.lm.config import TrainLmConfig
-from loomax.models.attention import segment_ids_from_eos
+from loomax.models.attention.attention import segment_ids_from_eos
 from loomax.models.axes import Batch, Position
 from loomax.models.config import LmConfig
 from loomax.models.loss import next_token_loss_and_metrics

@@ -8,7 +8,7 @@ import jax
 from tokenizers import Tokenizer
 
 from loomax.lm.config import TrainLmConfig
-from loomax.models.generate import sample_tokens
+from loomax.models.decoding.generate import sample_tokens
 
 
 def sample_text(model: Any, tokenizer: Tokenizer, eos_id: int, config: TrainLmConfig) -> str:

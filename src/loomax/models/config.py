@@ -3,7 +3,7 @@
 ``LmConfig`` is the choice registry of language-model configs (``model.type``: each model
 module registers its own subclass), ``LmModel`` the interface the loss, the trainer and
 generation use, ``SavedModel`` what ``model.save`` writes to ``model.yaml``. This module
-imports no model, no saving code above it: ``loomax.models.saving`` loads what it saves.
+imports no model, no saving code above it: ``loomax.models.io.saving`` loads what it saves.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from loomax.config import ConfigError
-from loomax.models.attention import BACKENDS, FLASH_BLOCK, SPLASH_BLOCKS
-from loomax.models.dropout import check_rates
-from loomax.models.files import write_files
-from loomax.models.fp8 import MODES as FP8_MODES
-from loomax.models.fp8 import to_fp8
-from loomax.models.remat import check_remat, scan_policy
-from loomax.models.ring_attention import VARIANTS
-from loomax.models.sequence_layout import from_layout, to_layout
-from loomax.models.splash import LANES, splash_unsupported_reason
+from loomax.models.attention.attention import BACKENDS, FLASH_BLOCK, SPLASH_BLOCKS
+from loomax.models.attention.ring_attention import VARIANTS
+from loomax.models.attention.sequence_layout import from_layout, to_layout
+from loomax.models.attention.splash import LANES, splash_unsupported_reason
+from loomax.models.blocks.dropout import check_rates
+from loomax.models.blocks.fp8 import MODES as FP8_MODES
+from loomax.models.blocks.fp8 import to_fp8
+from loomax.models.blocks.remat import check_remat, scan_policy
+from loomax.models.io.files import write_files
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ class LmModel(eqx.Module):
 
         ``segment_ids`` (axes of ``tokens``) keep attention within each packed document.
         With the sequence split over the context axis, ``tokens``, ``segment_ids`` and the
-        result are in its zig-zag layout (``models/sequence_layout.py`` ``to_layout``).
+        result are in its zig-zag layout (``models/attention/sequence_layout.py`` ``to_layout``).
         """
 
     def hidden_states_and_aux(
@@ -313,7 +313,7 @@ class AuxOutputs(eqx.Module):
     times its coefficient, a per-token mean the objective adds; e.g. MoE balance losses) and
     ``metrics`` (scalars reported under their own names, e.g. ``moe/...``) and ``state``
     (per-token means of any shape from which the step updates the model's buffers after
-    the optimizer, ``models/buffers.py``; e.g. MoE expert load). Empty for a dense model,
+    the optimizer, ``models/blocks/buffers.py``; e.g. MoE expert load). Empty for a dense model,
     so the loss and the step treat every model alike."""
 
     losses: dict[str, jax.Array] = eqx.field(default_factory=dict)

@@ -24,8 +24,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import PRNGKeyArray
 
 from loomax.config import ConfigError
-from loomax.models import offload, taps
 from loomax.models.axes import Layers
+from loomax.models.blocks import offload, taps
 
 CARRY = f"scan({Layers})__carry"
 """The checkpoint name of a layer's input (as Haliax's layer scan names it)."""

@@ -15,13 +15,13 @@ from haliax import NamedArray
 from jax.sharding import PartitionSpec as P
 
 from loomax.mesh import current_mesh
-from loomax.models import taps
+from loomax.models.attention.sequence_layout import context_axes, context_ways, to_layout
+from loomax.models.attention.splash import mapped_axes
 from loomax.models.axes import Embed, Position, Vocab
-from loomax.models.buffers import STATE_PREFIX
+from loomax.models.blocks import taps
+from loomax.models.blocks.buffers import STATE_PREFIX
+from loomax.models.blocks.logits_stats import logits_stats, row_blocks
 from loomax.models.config import LmModel, soft_cap
-from loomax.models.logits_stats import logits_stats, row_blocks
-from loomax.models.sequence_layout import context_axes, context_ways, to_layout
-from loomax.models.splash import mapped_axes
 
 
 def next_token_targets(tokens: NamedArray) -> tuple[NamedArray, NamedArray]:
@@ -56,7 +56,7 @@ def next_token_loss(
     ``segment_ids`` keep attention within packed documents (see ``segment_ids_from_eos``).
     ``key`` (the train step's) drives the model's dropout; None (evaluation) drops nothing.
     With the sequence split over the context axis, tokens, documents, targets and weights
-    are put into its zig-zag layout (``models/sequence_layout.py``) before the model runs.
+    are put into its zig-zag layout (``models/attention/sequence_layout.py``) before the model runs.
     ``aux_losses`` adds the model's own loss terms (``AuxOutputs.losses``, e.g. MoE balance
     losses), each a per-token mean, so the sum gains ``number of tokens * term``.
     """

@@ -8,18 +8,18 @@ Pallas/Mosaic kernel (a custom call) as almost free. Walking the step's jaxpr in
 rematerialized forward passes are in the jaxpr, so they are counted too. Each Pallas call
 is counted apart (``KernelCall``): its FLOPs from its math (splash attention: the visible
 causal pairs, ``splash_kernel_flops``, every pair under the splash ring's all-visible scope,
-``models/splash_pair.py``; a grouped matmul whose grid is sized at run time,
+``models/attention/splash_pair.py``; a grouped matmul whose grid is sized at run time,
 megablox: ``2 x lhs size x n``, n the result's columns; another kernel: its body's matmuls once per grid step) and
 the bytes of its operands and results. A grouped matmul on a buffer only partly filled
 (expert parallelism's receive buffer) runs under a ``routed_rows=R/M`` name scope
-(``models/grouped_matmul.py``): a kernel whose grid follows the groups is charged for the
+(``models/moe/grouped_matmul.py``): a kernel whose grid follows the groups is charged for the
 R routed rows of its M, FLOPs and row bytes alike; the blocked form's loop over its occupied
 tiles (a ``while``, sized at run time) counts its body times the trips its ``loop_trips=N``
 scope expects for the routed rows. ``ragged_dot_general`` counts as
 what XLA executes for it on CPU and GPU (JAX 0.10; the compiled H100 HLO shows it): the
 dense product over every group, G times the routed work. Of a ``cond``, the costlier branch
 counts, except a rare fallback (the MoE backward's recompute when a device holds more routed
-rows than it kept, ``models/expert_ffn.py``): the count assumes the routed rows fit, and says
+rows than it kept, ``models/moe/expert_ffn.py``): the count assumes the routed rows fit, and says
 how many such fallbacks it left out (``StepCount.fallbacks``).
 """
 
@@ -33,10 +33,10 @@ from typing import Any
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from loomax.models.expert_ffn import KEPT_ROWS_FALLBACK
-from loomax.models.grouped_matmul import LOOP_TRIPS, ROUTED_ROWS
-from loomax.models.splash import splash_kernel_flops
-from loomax.models.splash_pair import FULL_SCOPE
+from loomax.models.attention.splash import splash_kernel_flops
+from loomax.models.attention.splash_pair import FULL_SCOPE
+from loomax.models.moe.expert_ffn import KEPT_ROWS_FALLBACK
+from loomax.models.moe.grouped_matmul import LOOP_TRIPS, ROUTED_ROWS
 
 _ROUTED = re.compile(ROUTED_ROWS + r"=(\d+)/(\d+)")
 _TRIPS = re.compile(LOOP_TRIPS + r"=(\d+)")

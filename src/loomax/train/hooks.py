@@ -198,7 +198,7 @@ class Hook:
         return {}
 
     def activation_stats_at(self, step: int) -> bool:
-        """Whether step ``step`` should take activation statistics (``loomax.models.taps``):
+        """Whether step ``step`` should take activation statistics (``loomax.models.blocks.taps``):
         that step runs a second compiled variant of the step that also returns them."""
         return False
 

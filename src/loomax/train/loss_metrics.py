@@ -6,7 +6,7 @@ or an explicit ``(sum, weight)`` pair (its value is the summed sum over the summ
 a weight of ``None`` makes it a plain sum). Whoever runs the loss (the train step, the
 evaluator) keeps every metric as a ``(sum, weight)`` pair, adds the pairs of microbatches
 and batches, and divides once at the end, so a split batch reports what the whole would.
-Metrics named ``state/...`` are a model's state statistics (``loomax.models.buffers``):
+Metrics named ``state/...`` are a model's state statistics (``loomax.models.blocks.buffers``):
 arrays of any shape, reduced the same way, never reported.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from loomax.models.buffers import STATE_PREFIX
+from loomax.models.blocks.buffers import STATE_PREFIX
 
 MetricSums = dict[str, tuple[jax.Array, jax.Array | None]]
 """Each metric as ``(sum, weight)``; ``weight`` None = a plain sum."""

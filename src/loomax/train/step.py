@@ -15,8 +15,8 @@ import jmp
 import optax
 from jax.experimental.compute_on import compute_on
 
-from loomax.models import offload, taps
-from loomax.models.buffers import (
+from loomax.models.blocks import offload, taps
+from loomax.models.blocks.buffers import (
     buffer_mask,
     has_buffers,
     split_state,
@@ -89,7 +89,7 @@ def trainable_mask(model: Any, freeze: Sequence[str] = ()) -> Any:
     """Which leaves of ``model`` are trained: its inexact arrays, less those whose dotted
     name (``blocks.stacked.attn.qkv.weight``) matches (``re.search``) one of ``freeze``.
 
-    The arrays inside a ``Buffer`` (``loomax.models.buffers``) are never trained. Returns an
+    The arrays inside a ``Buffer`` (``loomax.models.blocks.buffers``) are never trained. Returns an
     ``eqx.partition`` filter: ``eqx.is_inexact_array`` when nothing is frozen and the model
     has no buffers, else a pytree of bools like ``model``.
     """
@@ -156,12 +156,12 @@ def make_train_step(
     devices for the update (the jit's output shardings put it back); with ``update_on_host``
     too, the update itself runs on the host and only the gradients and updates cross. With
     ``offload_params`` the model's stacked layers come in from host memory: the forward and
-    backward passes fetch them one layer at a time (``loomax.models.offload.scan``, which
+    backward passes fetch them one layer at a time (``loomax.models.blocks.offload.scan``, which
     also casts them for compute), their gradients go back to host memory, and the update
     runs on the host (``update_on_host``: there the parameters are updated where they rest)
     or, streamed, on the devices (the jit's output shardings put them back); microbatches'
     gradients are accumulated on the devices. With
-    ``activation_stats`` the forward pass's activation statistics (``loomax.models.taps``)
+    ``activation_stats`` the forward pass's activation statistics (``loomax.models.blocks.taps``)
     join the metrics as ``activations/<where>/<stat>`` (averaged over microbatches).
     """
 

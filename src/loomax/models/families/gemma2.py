@@ -16,11 +16,11 @@ from typing import Any, ClassVar
 
 from loomax.config import ConfigError
 from loomax.errors import BadFileError
-from loomax.models.attention import CAPPING_BACKENDS
+from loomax.models.attention.attention import CAPPING_BACKENDS
+from loomax.models.blocks.norms import OffsetRmsNorm
 from loomax.models.config import LmConfig
-from loomax.models.hf_layout import Param
-from loomax.models.llama import LlamaConfig
-from loomax.models.norms import OffsetRmsNorm
+from loomax.models.families.llama import LlamaConfig
+from loomax.models.io.hf_layout import Param
 
 _NORMS = {  # HF name -> the block's norm
     "input_layernorm": "input_norm",

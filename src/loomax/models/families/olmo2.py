@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from loomax.errors import BadFileError
 from loomax.models.config import LmConfig
-from loomax.models.llama import LlamaConfig
+from loomax.models.families.llama import LlamaConfig
 
 
 @LmConfig.register_subclass("olmo2")

@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 from loomax.config import ConfigError
 from loomax.errors import BadFileError
 from loomax.models.config import LmConfig
-from loomax.models.hf_layout import Param
-from loomax.models.llama import LlamaConfig
+from loomax.models.families.llama import LlamaConfig
+from loomax.models.io.hf_layout import Param
 
 
 @LmConfig.register_subclass("phi3")

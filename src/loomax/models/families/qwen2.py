@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from loomax.models.config import LmConfig
-from loomax.models.llama import LlamaConfig
+from loomax.models.families.llama import LlamaConfig
 
 
 @LmConfig.register_subclass("qwen2")

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from loomax.errors import BadFileError
 from loomax.models.config import LmConfig
-from loomax.models.llama import LlamaConfig
+from loomax.models.families.llama import LlamaConfig
 
 
 @LmConfig.register_subclass("qwen3")

@@ -1,0 +1,128 @@
+"""Activation statistics taken inside the jitted step, on the steps that ask for them.
+
+While a ``collect()`` block is open (at trace time: the train step opens one on the steps
+an ``activations`` hook asks for), ``tap(name, x)`` records the mean, standard deviation,
+largest magnitude, RMS and the fraction of near-zero values of ``x``; outside one it does
+nothing, so the ordinary step traces exactly as before and costs nothing more. The layer
+stack is scanned, so ``scan_layers`` runs each block under its own ``collect()`` and
+returns the statistics as the scan's outputs (one value per layer), recorded as
+``layer_<i>/<name>/<stat>``. The loss records the logits' (``logits``) block by block, as
+the fused cross-entropy never holds them whole. Statistics of a sharded activation are
+global (XLA reduces across devices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+
+from loomax.models.blocks import offload
+
+STATS = ("mean", "std", "absmax", "rms", "near_zero")
+"""What ``tap`` records of an activation."""
+
+NEAR_ZERO = 1e-3
+"""A value is near zero when its magnitude is below this fraction of the tensor's RMS."""
+
+_local = threading.local()
+
+
+def _stack() -> list[dict[str, Any]]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def active() -> bool:
+    """Whether a ``collect()`` block is open (statistics are being taken)."""
+    return bool(_stack())
+
+
+@contextlib.contextmanager
+def collect() -> Iterator[dict[str, Any]]:
+    """Open a collection: ``tap`` calls inside it record into the dict yielded
+    (``{name: {stat: value}}``; ``scan_layers`` adds ``layer_<i>/<name>``)."""
+    recorded: dict[str, Any] = {}
+    _stack().append(recorded)
+    try:
+        yield recorded
+    finally:
+        _stack().pop()
+
+
+def stats_of(x) -> dict[str, jax.Array]:
+    """``STATS`` of array (or ``NamedArray``) ``x`` as float32 scalars."""
+    a = (x.array if isinstance(x, hax.NamedArray) else x).astype(jnp.float32)
+    rms = jnp.sqrt(jnp.mean(a * a))
+    return {
+        "mean": jnp.mean(a),
+        "std": jnp.std(a),
+        "absmax": jnp.max(jnp.abs(a)),
+        "rms": rms,
+        "near_zero": jnp.mean((jnp.abs(a) < NEAR_ZERO * rms).astype(jnp.float32)),
+    }
+
+
+def tap(name: str, x):
+    """``x``, its statistics recorded under ``name`` if a collection is open."""
+    stack = _stack()
+    if stack:
+        stack[-1][name] = stats_of(x)
+    return x
+
+
+def record(name: str, stats: dict[str, jax.Array]) -> None:
+    """Record ``STATS`` computed elsewhere (e.g. of logits that never exist whole) under
+    ``name``, if a collection is open."""
+    stack = _stack()
+    if stack:
+        stack[-1][name] = stats
+
+
+def scan_layers(
+    blocks: hax.nn.Stacked,
+    x,
+    *args,
+    unroll: int | bool | None = None,
+    first_layer: int = 0,
+    **kwargs,
+):
+    """``blocks.fold(x, *args)`` that also records, per layer, what the blocks tap and the
+    residual stream after each block (``layer_<i>/<name>/<stat>``, ``i`` counted from
+    ``first_layer``: a model with two stacks names them in model order). Same remat policy; a
+    stack in host memory is fetched a layer at a time (``offload.scan``)."""
+
+    def layer(carry, block, *extra, **kw):
+        with collect() as recorded:
+            out = block(carry, *extra, **kw)
+            tap("residual", out[0] if isinstance(out, tuple) else out)  # (x, aux): MoE
+        return out, recorded
+
+    size = blocks.Block.size
+    steps = size if unroll is True else 1 if unroll in (None, False) else int(unroll)
+    out, per_layer = offload.scan(
+        layer, blocks.Block, remat=blocks.gradient_checkpointing, unroll=steps
+    )(x, blocks.stacked, *args, **kwargs)
+    stack = _stack()
+    if stack:
+        width = len(str(first_layer + size - 1))
+        for name, stats in per_layer.items():
+            for i in range(size):
+                where = f"layer_{first_layer + i:0{width}d}/{name}"
+                stack[-1][where] = {k: v[i] for k, v in stats.items()}
+    return out
+
+
+def flatten(recorded: dict[str, Any], prefix: str = "activations") -> dict[str, jax.Array]:
+    """``{prefix/<where>/<stat>: value}`` of what a ``collect()`` recorded."""
+    return {
+        f"{prefix}/{where}/{stat}": value
+        for where, stats in recorded.items()
+        for stat, value in stats.items()
+    }
