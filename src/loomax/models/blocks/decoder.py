@@ -29,13 +29,14 @@ from loomax.models.attention.attention import cached_attention, model_attention
 from loomax.models.attention.rotary import apply_rotary
 from loomax.models.attention.sequence_layout import context_ways, layout_positions
 from loomax.models.axes import KeyPosition, Position
-from loomax.models.blocks import offload, taps
+from loomax.models.blocks import taps
 from loomax.models.blocks.dropout import dropout, split
 from loomax.models.blocks.mlp_activations import activation
 from loomax.models.blocks.remat import name_activation
 from loomax.models.config import KvCache, LmModel
 from loomax.models.decoding.rolling_cache import rolling_attention, shared_window, uses_rolling
 from loomax.models.decoding.split_prefill import split_prefill_attention
+from loomax.models.decoding.stack import decode_layers
 from loomax.models.layers import layer_inputs, run_layers
 
 
@@ -325,14 +326,15 @@ class LlamaLmModel(LmModel):
         return KvCache(hax.zeros(axes, dtype), hax.zeros(axes, dtype))
 
     def decode(self, tokens: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
-        def layer(x, block, layer_cache, *index):  # the index where the layers' windows differ
-            return block.decode(x, layer_cache, start, *index)
-
         c = self.config
         x = _maybe(self.embed_norm, self._embed(tokens))
-        index = [jnp.arange(c.num_layers, dtype=jnp.int32)] if len(set(c.layer_windows)) > 1 else []
-        x, cache = offload.scan(layer, c.Layers)(x, self.blocks.stacked, cache, *index)
+        by_layer = len(set(c.layer_windows)) > 1  # the layers' windows differ
+        x, cache = decode_layers(x, self.decode_stacks(), cache, start, layer_index=by_layer)
         return self.norm(x), cache
+
+    def decode_stacks(self) -> list[hnn.Stacked]:
+        """The stacks of blocks a decode step runs through, in order."""
+        return [self.blocks]
 
     def _embed(self, tokens: NamedArray) -> NamedArray:
         """Token embeddings, times sqrt(hidden) in their dtype with ``scale_embeddings``."""

@@ -20,13 +20,14 @@ from jaxtyping import PRNGKeyArray
 from loomax.models.attention.attention import cached_attention, model_attention
 from loomax.models.attention.sequence_layout import context_ways, layout_positions
 from loomax.models.axes import KeyPosition, Position
-from loomax.models.blocks import offload, taps
+from loomax.models.blocks import taps
 from loomax.models.blocks.dropout import dropout, split
 from loomax.models.blocks.mlp_activations import activation
 from loomax.models.blocks.norms import layer_norm
 from loomax.models.blocks.remat import name_activation
 from loomax.models.config import KvCache, LmModel
 from loomax.models.decoding.split_prefill import split_prefill_attention
+from loomax.models.decoding.stack import decode_layers
 from loomax.models.layers import layer_inputs, run_layers
 
 
@@ -268,12 +269,8 @@ class Gpt2LmModel(LmModel):
         else:
             x = x + self.position_embeddings.weight[Position, hax.dslice(start, Pos.size)]
 
-        def layer(x, block, layer_cache, per_layer):
-            return block.decode(x, layer_cache, start, per_layer.get("layer"))
-
-        c = self.config
-        per_layer = layer_inputs(c.num_layers, layer_index=c.scale_attn_by_inverse_layer_idx)
-        x, cache = offload.scan(layer, c.Layers)(x, self.blocks.stacked, cache, per_layer)
+        by_layer = self.config.scale_attn_by_inverse_layer_idx
+        x, cache = decode_layers(x, [self.blocks], cache, start, layer_index=by_layer)
         return self.ln_final(x), cache
 
     def lm_head_weight(self) -> NamedArray:

@@ -32,7 +32,7 @@ from jaxtyping import PRNGKeyArray
 
 from loomax.config import ConfigError
 from loomax.models.axes import Experts, Vocab
-from loomax.models.blocks import offload, taps
+from loomax.models.blocks import taps
 from loomax.models.blocks.decoder import LlamaAttention, LlamaBlock, LlamaLmModel, _maybe
 from loomax.models.blocks.dropout import dropout, split
 from loomax.models.blocks.remat import name_activation
@@ -214,8 +214,10 @@ class MixtralBlock(eqx.Module):
         x = x + dropout(taps.tap("mlp_out", mlp), rate, k_mlp)
         return hax.auto_sharded(x), aux
 
-    def decode(self, x: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
-        attn, k, v = self.attn.decode(self.input_norm(x), cache.k, cache.v, start)
+    def decode(
+        self, x: NamedArray, cache: KvCache, start, layer=None
+    ) -> tuple[NamedArray, KvCache]:
+        attn, k, v = self.attn.decode(self.input_norm(x), cache.k, cache.v, start, layer)
         x = x + attn
         return x + self.mlp(self.post_attn_norm(x))[0], KvCache(k, v)
 
@@ -288,19 +290,9 @@ class MixtralLmModel(LlamaLmModel):
             metrics.update(bias_metrics(bias.value.rearrange((c.Layers.name, Experts)).array))
         return taps.tap("final", self.norm(x)), AuxOutputs(losses, metrics, state)
 
-    def decode(self, tokens: NamedArray, cache: KvCache, start) -> tuple[NamedArray, KvCache]:
-        if self.dense_blocks is None:
-            return super().decode(tokens, cache, start)
-        n, name = self.config.moe.first_dense_layers, self.config.Layers.name
-        x = _maybe(self.embed_norm, self._embed(tokens))
-        parts = []
-        for blocks, where in ((self.dense_blocks, slice(0, n)), (self.blocks, slice(n, None))):
-            part = KvCache(cache.k[name, where], cache.v[name, where])
-            step = lambda x, block, c: block.decode(x, c, start)  # noqa: E731
-            x, part = offload.scan(step, blocks.Block)(x, blocks.stacked, part)
-            parts.append(part)
-        k, v = (hax.concatenate(name, [getattr(p, a) for p in parts]) for a in ("k", "v"))
-        return self.norm(x), KvCache(k, v)
+    def decode_stacks(self) -> list[hnn.Stacked]:
+        """The dense first layers' blocks (``moe.first_dense_layers``), then the MoE blocks."""
+        return [self.blocks] if self.dense_blocks is None else [self.dense_blocks, self.blocks]
 
     def update_state(self, stats: dict[str, jax.Array]) -> MixtralLmModel:
         """The routing bias after a step whose mean expert load was ``stats["moe_load"]``
