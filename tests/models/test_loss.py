@@ -124,11 +124,10 @@ def test_logits_statistics_block_by_block_equal_those_of_the_whole_logits(block)
     [dict(), dict(vocab_block_size=32), dict(softcap=30.0)],
     ids=["fused", "vocab-blocks", "softcap"],
 )
-def test_the_per_device_loss_is_vma_checked_and_equals_plain(settings):
-    """``per_device_sum`` (the fused loss on each device's own rows) runs in a ``shard_map``
-    whose varying values JAX checks (``check_vma``, its default): the scans' first carries
-    vary as the rows do, and ``w``'s gradient is the devices' sum (``pcast``'s transpose).
-    Value and gradients equal the plain loss's."""
+def test_the_per_device_loss_equals_plain(settings):
+    """``per_device_sum`` (the fused loss on each device's own rows, in a ``shard_map``):
+    value and gradients equal the plain loss's. (Its ``check_vma`` is off: DiLoCo's vmap over
+    ``replica`` makes the rows vary over an axis the shard_map does not name.)"""
     import haliax as hax
     from jax.sharding import Mesh
 
@@ -151,8 +150,7 @@ def test_the_per_device_loss_is_vma_checked_and_equals_plain(settings):
     with jax.set_mesh(mesh), hax.axis_mapping(make_axis_mappings().compute):
         jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(w, *rows)
         val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, *rows)
-    [params] = [e.params for e in jaxpr.eqns if e.primitive.name == "shard_map"][:1]
-    assert params["check_vma"] is True
+    assert [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
 
     def plain(w, h):
         return plain_cross_entropy_sum(h, w, t, m, 1e-4, softcap)

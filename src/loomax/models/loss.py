@@ -153,13 +153,16 @@ def per_device_sum(fn, w: jax.Array, *rows: jax.Array) -> jax.Array:
     split = tuple(a for part in (batch, ctx_entry) for a in _names(part))
 
     def local(w, *rows):
-        # each device's own copy of w (its gradient, a sum over the devices': pcast's transpose)
-        w = jax.lax.pcast(w, split, to="varying") if split else w
         flat = [x.reshape(-1, *x.shape[2:]) for x in rows]
         return jax.lax.psum(fn(flat[0], w, *flat[1:]), split)
 
     specs = [P(batch, ctx_entry)] * len(rows)
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), *specs), out_specs=P())(w, *rows)
+    # check_vma off: DiLoCo runs the step under ``jax.vmap(spmd_axis_name="replica")``, which
+    # makes the rows vary over ``replica`` too, an axis this shard_map does not name (JAX's
+    # check then refuses the scans' carries); w's gradient is summed by the psum's transpose
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), *specs), out_specs=P(), check_vma=False)(
+        w, *rows
+    )
 
 
 def _names(entry) -> tuple[str, ...]:
