@@ -6,7 +6,8 @@ instead of before (OLMo 2: no ``input_layernorm``), fused q/k/v and gate/up tens
 and sliding-window attention (config.json ``sliding_window``, per layer by ``layer_types``);
 and Gemma 2 (``model_type`` gemma2): ``1 + w`` norms, four per layer, embeddings times
 sqrt(hidden), scores times ``query_pre_attn_scalar ** -0.5``, soft-capped scores and logits,
-a GELU-tanh gate.
+a GELU-tanh gate; and Granite's multipliers (``embedding_multiplier``, ``residual_multiplier``,
+``attention_multiplier``, ``logits_scaling``; transformers' defaults of 1 where absent).
 
 They read only what transformers reads (config.json fields and safetensors tensor names),
 in float64, following the transformers modelling code's math. `test_transformers` checks
@@ -150,12 +151,14 @@ def llama_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
     eps = config["rms_norm_eps"]
     gemma = config["model_type"] == "gemma2"
     rms = (lambda x, w, eps: _rms_norm(x, 1 + w, eps)) if gemma else _rms_norm
-    scale = config["query_pre_attn_scalar"] ** -0.5 if gemma else None
+    scale = config["query_pre_attn_scalar"] ** -0.5 if gemma else config.get("attention_multiplier")
+    res = config.get("residual_multiplier", 1.0)
     softcap = config.get("attn_logit_softcapping")
     T = len(ids)
     inv = _llama_inv_freq(config, d)
     pos = np.arange(T, dtype=np.float64)
     x = t["model.embed_tokens.weight"][ids] * (math.sqrt(config["hidden_size"]) if gemma else 1)
+    x = x * config.get("embedding_multiplier", 1.0)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         kinds = config.get("layer_types")
@@ -177,7 +180,7 @@ def llama_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
             x = x + rms(mlp, t[p + "post_feedforward_layernorm.weight"], eps)
             continue
         if pre:
-            x = x + attn
+            x = x + attn * res
             h = _rms_norm(x, t[p + "post_attention_layernorm.weight"], eps)
         else:
             x = x + _rms_norm(attn, t[p + "post_attention_layernorm.weight"], eps)
@@ -185,13 +188,14 @@ def llama_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
         mlp = _moe(config, t, p, h) if _moe_prefix(t, p) else _swiglu(t, p + "mlp.", h)
         if not pre:
             mlp = _rms_norm(mlp, t[p + "post_feedforward_layernorm.weight"], eps)
-        x = x + mlp
+        x = x + mlp * res
     x = rms(x, t["model.norm.weight"], eps)
     head = (
         t["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else t["lm_head.weight"]
     )
     cap = config.get("final_logit_softcapping")
-    return cap * np.tanh(x @ head.T / cap) if cap else x @ head.T
+    logits = x @ head.T / config.get("logits_scaling", 1.0)  # Granite
+    return cap * np.tanh(logits / cap) if cap else logits
 
 
 def _swiglu(t: dict, p: str, h, names=("gate_proj", "up_proj", "down_proj"), act=None):

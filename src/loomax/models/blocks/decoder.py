@@ -7,8 +7,10 @@ read). The switches a family overrides: ``qkv_bias`` (biases on q/k/v alone, as 
 ``sliding_window`` (Mistral) with its per-layer pattern (``layer_windows``: Gemma 2's
 alternate layers, run as a ``lax.switch`` on the scanned layer index so that each kind of
 layer skips what its window excludes), the attention's ``attn_scale`` and
-``attn_logit_softcap``, ``scale_embeddings`` (by sqrt(hidden), Gemma). Weight layout and
-rotary convention match Hugging Face ``LlamaForCausalLM``.
+``attn_logit_softcap``, ``scale_embeddings`` (by sqrt(hidden), Gemma) or ``embed_scale``,
+``residual_scale`` (each block's attention and MLP outputs before the residual add) and
+``logit_scale`` (the final hidden states, so the logits: Granite's multipliers). Weight
+layout and rotary convention match Hugging Face ``LlamaForCausalLM``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class DecoderConfig(Protocol):
     attn_logit_softcap: float | None
     final_logit_softcap: float | None
     scale_embeddings: bool
+    embed_scale: float | None
+    residual_scale: float | None
+    logit_scale: float | None
     dropout_active: bool
     embed_pdrop: float
     resid_pdrop: float
@@ -245,23 +250,33 @@ class LlamaBlock(eqx.Module):
         rate = self.config.resid_pdrop
         attn_in = _maybe(self.input_norm, x)
         attn = taps.tap("attn_out", self.attn(attn_in, segment_ids, key=k_probs, layer=layer))
-        x = x + dropout(_maybe(self.attn_out_norm, attn), rate, k_attn)
+        x = x + dropout(self._branch(self.attn_out_norm, attn), rate, k_attn)
         mlp_in = taps.tap("mlp_in", name_activation(_maybe(self.post_attn_norm, x), "mlp_in"))
         mlp = taps.tap("mlp_out", self.mlp(mlp_in))
-        x = x + dropout(_maybe(self.mlp_out_norm, mlp), rate, k_mlp)
+        x = x + dropout(self._branch(self.mlp_out_norm, mlp), rate, k_mlp)
         return hax.auto_sharded(x)
 
     def decode(
         self, x: NamedArray, cache: KvCache, start, layer=None
     ) -> tuple[NamedArray, KvCache]:
         attn, k, v = self.attn.decode(_maybe(self.input_norm, x), cache.k, cache.v, start, layer)
-        x = x + _maybe(self.attn_out_norm, attn)
+        x = x + self._branch(self.attn_out_norm, attn)
         mlp = self.mlp(_maybe(self.post_attn_norm, x))
-        return x + _maybe(self.mlp_out_norm, mlp), KvCache(k, v)
+        return x + self._branch(self.mlp_out_norm, mlp), KvCache(k, v)
+
+    def _branch(self, norm: hnn.RmsNorm | None, out: NamedArray) -> NamedArray:
+        """What the attention or MLP adds to the residual: its output, normed with
+        ``hybrid_norm``, times ``residual_scale`` (Granite's ``residual_multiplier``)."""
+        return _scaled(_maybe(norm, out), self.config.residual_scale)
 
 
 def _maybe(norm: hnn.RmsNorm | None, x: NamedArray) -> NamedArray:
     return x if norm is None else norm(x)
+
+
+def _scaled(x: NamedArray, scale: float | None) -> NamedArray:
+    """``x`` times ``scale`` in its dtype (None: ``x`` itself)."""
+    return x if scale is None else x * jnp.asarray(scale, x.dtype)
 
 
 class LlamaLmModel(LmModel):
@@ -315,7 +330,7 @@ class LlamaLmModel(LmModel):
             unroll=c.scan_unroll,
             per_layer=per_layer,
         )
-        return taps.tap("final", self.norm(x))
+        return taps.tap("final", self._final(x))
 
     def cache_window(self) -> int | None:
         return shared_window(tuple(self.config.layer_windows))
@@ -330,18 +345,23 @@ class LlamaLmModel(LmModel):
         x = _maybe(self.embed_norm, self._embed(tokens))
         by_layer = len(set(c.layer_windows)) > 1  # the layers' windows differ
         x, cache = decode_layers(x, self.decode_stacks(), cache, start, layer_index=by_layer)
-        return self.norm(x), cache
+        return self._final(x), cache
 
     def decode_stacks(self) -> list[hnn.Stacked]:
         """The stacks of blocks a decode step runs through, in order."""
         return [self.blocks]
 
     def _embed(self, tokens: NamedArray) -> NamedArray:
-        """Token embeddings, times sqrt(hidden) in their dtype with ``scale_embeddings``."""
-        x = self.embed_tokens.embed(tokens)
-        if self.config.scale_embeddings:
-            x = x * jnp.asarray(math.sqrt(self.config.hidden_dim), x.dtype)
-        return x
+        """Token embeddings, times ``embed_scale`` (or sqrt(hidden) with ``scale_embeddings``)
+        in their dtype."""
+        c = self.config
+        scale = math.sqrt(c.hidden_dim) if c.scale_embeddings else c.embed_scale
+        return _scaled(self.embed_tokens.embed(tokens), scale)
+
+    def _final(self, x: NamedArray) -> NamedArray:
+        """The final norm, times ``logit_scale`` (Granite: 1 / ``logits_scaling``): scaling the
+        hidden states scales the logits wherever they are computed (loss, decoding)."""
+        return _scaled(self.norm(x), self.config.logit_scale)
 
     @property
     def final_logit_softcap(self) -> float | None:

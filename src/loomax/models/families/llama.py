@@ -149,6 +149,12 @@ class LlamaConfig(LmConfig):
 
     scale_embeddings: ClassVar[bool] = False
     """Token embeddings times sqrt(hidden_dim), in their dtype (Gemma)."""
+    embed_scale: ClassVar[float | None] = None
+    """Token embeddings times this instead, in their dtype (Granite's embedding_multiplier); None = 1."""
+    residual_scale: ClassVar[float | None] = None
+    """Each block's attention and MLP outputs times this before the residual add (Granite); None = 1."""
+    logit_scale: ClassVar[float | None] = None
+    """The final hidden states, so the logits, times this (Granite: 1 / logits_scaling); None = 1."""
 
     @property
     def qkv_bias(self) -> bool:
