@@ -149,3 +149,19 @@ def test_no_import_cycles(type_checking):
         if module not in index:
             visit(module)
     assert not cycles, f"modules that import each other: {cycles}"
+
+
+def test_no_module_is_over_400_lines():
+    """The layout's limit (docs/architecture.md): a module that grows past 400 lines is split
+    by job, not left to grow."""
+    from pathlib import Path
+
+    import loomax
+
+    root = Path(loomax.__file__).parent
+    long = {
+        str(p.relative_to(root)): n
+        for p in root.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert not long, long

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from loomax.plan.collectives import sent_bytes, traffic
-from loomax.plan.compile import kernel_seconds
 from loomax.plan.estimate import EFFICIENCY, Inputs, estimate
 from loomax.plan.flops import KernelCall
+from loomax.plan.ideal import kernel_seconds
 
 
 def test_kernels_and_xla_ops_take_one_efficiency():

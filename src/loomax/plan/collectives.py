@@ -23,6 +23,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from loomax.plan.topology import Topology
+
 KINDS = (
     "all-gather",
     "all-reduce",
@@ -269,3 +271,63 @@ def _work_before_done(lines: list[str], start: int, line: str) -> bool:
 def _has_collectives(line: str, comps: dict[str, list[str]]) -> bool:
     body = re.search(r"body=(%[\w.\-]+)", line)
     return bool(body) and any(_OP.search(c) for c in comps.get(body.group(1), []))
+
+
+def communication(moved: Traffic, topology: Topology) -> tuple[float, float, str | None]:
+    """``(serial seconds, overlapped seconds, what they are)`` of ``moved`` on ``topology``:
+    each collective's bytes at the link bandwidth, or between slices or hosts where its
+    group is larger than one slice or host (an approximation: a smaller group may span them
+    too)."""
+    link, cross = topology.link_per_device, topology.cross_per_device
+    if not moved.collectives:
+        return 0.0, 0.0, None
+    if not link:
+        return (
+            0.0,
+            0.0,
+            (
+                f"communication: {moved.bytes / 1e9:.3g} GB a device a step in collectives, not "
+                "timed (no link bandwidth known for these devices)"
+            ),
+        )
+    domain = topology.devices_per_domain
+    serial = overlapped = crossing = 0.0
+    for c in moved.collectives:
+        rate = cross if cross and c.group > domain else link
+        crossing += c.bytes * c.times if rate is not link else 0.0
+        seconds = c.bytes * c.times / rate
+        if c.overlapped:
+            overlapped += seconds
+        else:
+            serial += seconds
+    gpu = topology.platform == "gpu"
+    kinds = ", ".join(f"{k} {_size(b)}" for k, b in sorted(moved.by_kind().items()))
+    share = moved.overlapped_bytes / moved.bytes if moved.bytes else 0.0
+    text = (
+        f"communication: {_size(moved.bytes)} a device a step ({kinds}) at "
+        f"{link / 1e9:,.0f} GB/s a device ({'NVLink' if gpu else 'ICI'}: half the published "
+        "bidirectional bandwidth, all links, one direction; a collective over one mesh axis "
+        f"uses fewer) = {_span(serial + overlapped)}; {share:.0%} of "
+        "the bytes asynchronous with compute scheduled before their done; best: all hidden "
+        "behind compute, expected: that part hidden and the rest added, worst: all added"
+    )
+    if crossing:
+        text += (
+            f"; {_size(crossing)} in groups larger than one "
+            f"{'host' if gpu else 'slice'} at {cross / 1e9:,.1f} GB/s "
+            f"({'InfiniBand' if gpu else 'DCN'})"
+        )
+    if moved.unknown_loops:
+        text += f"; {moved.unknown_loops} loop(s) of unknown trip count counted once"
+    return serial, overlapped, text
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def _span(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"

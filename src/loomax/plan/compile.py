@@ -27,9 +27,10 @@ import jax
 from loomax.lm.config import TrainLmConfig
 from loomax.lm.weights import initial_model
 from loomax.plan.build import built_step
-from loomax.plan.collectives import Traffic, traffic
+from loomax.plan.collectives import Traffic, communication, traffic
 from loomax.plan.estimate import Inputs, efficiency, estimate
-from loomax.plan.flops import KernelCall, StepCount, count_step
+from loomax.plan.flops import StepCount, count_step
+from loomax.plan.ideal import ideal_seconds, kernel_seconds
 from loomax.plan.topology import Topology
 
 
@@ -264,7 +265,7 @@ def _estimate(
     saved_rows: float | None,
 ) -> None:
     """The step-time range (``loomax.plan.estimate``) of ``compiled``, and its assumptions."""
-    ideal = _ideal(result, compiled, topology, count)
+    ideal = ideal_seconds(compiled, topology, count, result.notes)
     if ideal is None:
         return
     compute, base = ideal
@@ -277,7 +278,7 @@ def _estimate(
     ]
     fallback_s = None
     if worst is not None:
-        alt = _ideal(result, compiled, topology, worst, note=False)
+        alt = ideal_seconds(compiled, topology, worst)
         fallback_s = max(0.0, alt[0] - compute) if alt else None
     moved = Traffic()
     if devices > 1:
@@ -285,7 +286,7 @@ def _estimate(
             moved = traffic(compiled.as_text(), devices)
         except Exception:  # noqa: BLE001 - no program text: the estimate says no collectives
             result.notes.append("the compiled program's text was not readable: no collectives")
-    serial_s, overlapped_s, comm_note = _communication(moved, topology)
+    serial_s, overlapped_s, comm_note = communication(moved, topology)
     result.comm_bytes, result.comm_overlapped_bytes = moved.bytes, moved.overlapped_bytes
     result.comm_s = serial_s + overlapped_s
     found = estimate(
@@ -340,145 +341,6 @@ def _estimate(
             f"{count.fallbacks:,.0f} such conditionals a step, all devices). If every one "
             f"did: {what} (the worst end counts them)"
         )
-
-
-def _ideal(
-    result: CompileResult, compiled, topology: Topology, count: StepCount, *, note: bool = True
-) -> tuple[float, str] | None:
-    """``(seconds, base)``: one device's compute at its ideal speed, XLA's part by its cost
-    model (``base`` ``cost model``) or, without one, the roofline (``roofline``), plus the
-    kernels' (``kernel_seconds``); None where neither gives a time."""
-    cost = compiled.cost_analysis() or {}
-    if isinstance(cost, list):  # older JAX: one dict per program
-        cost = cost[0] if cost else {}
-    devices = topology.num_devices
-    peak = topology.peak_per_device
-    bandwidth = topology.chip.hbm_bandwidth if topology.chip else None
-    kernels = sum(
-        k.calls / devices * kernel_seconds(k, peak, bandwidth) for k in count.kernels.values()
-    )
-    if not cost:
-        found = _roofline(result, compiled, topology, count.dot_flops / devices, note=note)
-        return (found + kernels, "roofline") if found is not None else None
-    xla_s = _xla_seconds(cost, topology, count)
-    return (xla_s + kernels, "cost model") if xla_s is not None else None
-
-
-def _xla_seconds(cost: dict, topology: Topology, count: StepCount) -> float | None:
-    """XLA's part of a step at its ideal speed, seconds a device.
-
-    XLA's cost analysis counts each loop body once; its ``optimal_seconds`` and bytes are
-    scaled by (matmul FLOPs XLA executes) / (FLOPs XLA counted), and XLA's part is at least
-    the roofline of those FLOPs at the chip's peak and those bytes at its HBM bandwidth (None
-    without any of them).
-    """
-    devices = topology.num_devices
-    per_device = count.dot_flops / devices
-    counted = float(cost.get("flops", 0.0) or 0.0)
-    scale = max(1.0, per_device / counted) if counted > 0 else 1.0
-    optimal = float(cost.get("optimal_seconds", -1.0) or -1.0)
-    peak = topology.peak_per_device
-    estimates = [optimal * scale] if optimal > 0 else []
-    if peak:
-        estimates.append(per_device / peak)
-    bandwidth = topology.chip.hbm_bandwidth if topology.chip else None
-    if bandwidth and cost.get("bytes accessed"):
-        estimates.append(float(cost["bytes accessed"]) * scale / bandwidth)
-    return max(estimates) if estimates else None
-
-
-def _communication(moved: Traffic, topology: Topology) -> tuple[float, float, str | None]:
-    """``(serial seconds, overlapped seconds, what they are)`` of ``moved`` on ``topology``:
-    each collective's bytes at the link bandwidth, or between slices or hosts where its
-    group is larger than one slice or host (an approximation: a smaller group may span them
-    too)."""
-    link, cross = topology.link_per_device, topology.cross_per_device
-    if not moved.collectives:
-        return 0.0, 0.0, None
-    if not link:
-        return (
-            0.0,
-            0.0,
-            (
-                f"communication: {moved.bytes / 1e9:.3g} GB a device a step in collectives, not "
-                "timed (no link bandwidth known for these devices)"
-            ),
-        )
-    domain = topology.devices_per_domain
-    serial = overlapped = crossing = 0.0
-    for c in moved.collectives:
-        rate = cross if cross and c.group > domain else link
-        crossing += c.bytes * c.times if rate is not link else 0.0
-        seconds = c.bytes * c.times / rate
-        if c.overlapped:
-            overlapped += seconds
-        else:
-            serial += seconds
-    gpu = topology.platform == "gpu"
-    kinds = ", ".join(f"{k} {_size(b)}" for k, b in sorted(moved.by_kind().items()))
-    share = moved.overlapped_bytes / moved.bytes if moved.bytes else 0.0
-    text = (
-        f"communication: {_size(moved.bytes)} a device a step ({kinds}) at "
-        f"{link / 1e9:,.0f} GB/s a device ({'NVLink' if gpu else 'ICI'}: half the published "
-        "bidirectional bandwidth, all links, one direction; a collective over one mesh axis "
-        f"uses fewer) = {_span(serial + overlapped)}; {share:.0%} of "
-        "the bytes asynchronous with compute scheduled before their done; best: all hidden "
-        "behind compute, expected: that part hidden and the rest added, worst: all added"
-    )
-    if crossing:
-        text += (
-            f"; {_size(crossing)} in groups larger than one "
-            f"{'host' if gpu else 'slice'} at {cross / 1e9:,.1f} GB/s "
-            f"({'InfiniBand' if gpu else 'DCN'})"
-        )
-    if moved.unknown_loops:
-        text += f"; {moved.unknown_loops} loop(s) of unknown trip count counted once"
-    return serial, overlapped, text
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def _span(s: float) -> str:
-    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
-
-
-def kernel_seconds(kernel: KernelCall, peak: float | None, bandwidth: float | None) -> float:
-    """One call's ideal time: its FLOPs at ``peak`` or its bytes at HBM ``bandwidth``,
-    whichever is longer (the estimate's efficiency applies to it as to XLA's ops)."""
-    compute = kernel.flops / peak if peak else 0.0
-    return max(compute, kernel.bytes / bandwidth if bandwidth else 0.0)
-
-
-def _roofline(
-    result: CompileResult, compiled, topology: Topology, flops: float, *, note: bool = True
-) -> float | None:
-    """Ideal seconds without a cost model, the longer of ``flops`` (this device's executed
-    matmul FLOPs) at its peak and, at its HBM bandwidth, the bytes it must move at least:
-    every argument read and every result and temporary buffer written once."""
-    peak = topology.peak_per_device
-    bandwidth = topology.chip.hbm_bandwidth if topology.chip else None
-    stats = compiled.memory_analysis()
-    moved = 0
-    if stats is not None:
-        moved = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-    times = {
-        "matmul FLOPs at peak": flops / peak if peak else 0.0,
-        "bytes at HBM bandwidth": moved / bandwidth if bandwidth else 0.0,
-    }
-    bound = max(times, key=times.get)
-    if times[bound] <= 0:
-        return None
-    if note:
-        result.notes.append(
-            f"XLA has no cost model for compile-only {result.chip} devices: the ideal compute "
-            f"time is a roofline, bound by {bound}"
-        )
-    return times[bound]
 
 
 _UNIT = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

@@ -7,8 +7,8 @@ Backends (``attn_backend``):
   sequence lengths.
 - ``blockwise``: flash-style, pure JAX (``loomax.models.attention.flash``): O(seq) memory.
 - ``splash``: the Pallas TPU splash-attention kernel, run per device under ``shard_map``
-  (``loomax.models.attention.splash``); blocks of ``splash_block_q`` x ``splash_block_kv``. Off TPU
-  it runs in Pallas's interpret mode (correct, slow: for tests).
+  (``splash.py``); blocks of ``splash_block_q`` x ``splash_block_kv``. Off TPU it runs in
+  Pallas's interpret mode (correct, slow: for tests).
 - ``xla`` / ``cudnn``: ``jax.nn.dot_product_attention`` with that implementation (``xla``
   runs everywhere; ``cudnn`` needs an NVIDIA GPU and float16/bfloat16 inputs).
 - ``auto``: on TPU (the devices being compiled for) ``splash`` where the sequence splits
@@ -20,9 +20,9 @@ Backends (``attn_backend``):
   serve a case.
 
 When the compute mapping splits ``position`` over the ``context`` mesh axis, context-parallel
-attention (``models/attention/ring_attention.py``, ``model.context_parallel``) takes over on the zig-zag
-layout; its per-block kernel is blockwise, or splash for the ring where the backend is
-``splash`` (``auto`` stays blockwise there): ``ring_kernel``.
+attention (``ring_attention.py``, ``model.context_parallel``) takes over on the zig-zag layout;
+its per-block kernel is blockwise, or splash for the ring where the backend is ``splash``
+(``auto`` stays blockwise there): ``ring_kernel``.
 
 Every backend takes optional ``segment_ids`` (axes ``(..., position)``): a query only sees
 keys of its own segment, which keeps packed documents apart (see ``segment_ids_from_eos``),
@@ -43,15 +43,12 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from loomax.config import ConfigError
+from loomax.mesh import mesh_platform
 from loomax.models.attention.cudnn_packed import cudnn_document_attention
 from loomax.models.attention.flash import acc_dtype, flash_attention, visible_mask
 from loomax.models.attention.ring_attention import context_parallel_attention
 from loomax.models.attention.sequence_layout import context_ways
-from loomax.models.attention.splash import (
-    mesh_platform,
-    splash_attention,
-    splash_unsupported_reason,
-)
+from loomax.models.attention.splash import splash_attention, splash_unsupported_reason
 from loomax.models.axes import Heads, HeadSize, KeyPosition, KvHeads, Position
 from loomax.models.blocks.dropout import dropout
 
@@ -59,9 +56,8 @@ BACKENDS = ("auto", "vanilla", "blockwise", "splash", "xla", "cudnn")
 QUERY_BLOCK = 128
 """Query block of the ``vanilla`` backend."""
 FLASH_BLOCK = 256
-"""Default query and key block of the ``blockwise`` backend (``model.flash_attention_block_size``):
-on the CPU a Llama step at 4,096-8,192 positions ran 1.3-1.4x faster than with 128, and
-512 slower than 128 (bench/README.md, "Attention backends")."""
+"""Default query and key block of ``blockwise`` (``model.flash_attention_block_size``): on
+CPU a Llama step at 4,096-8,192 positions ran 1.3-1.4x faster than with 128, 512 slower."""
 SPLASH_BLOCKS = (512, 512)
 """Default query and key blocks of the ``splash`` backend (``model.splash_block_q/kv``)."""
 CAPPING_BACKENDS = ("vanilla", "blockwise")

@@ -44,7 +44,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from loomax.models.attention.splash import mesh_platform
+from loomax.mesh import mesh_platform
 
 IMPLEMENTATIONS = ("auto", "blocked", "ragged_dot", "megablox")
 """The values of ``model.moe.matmul``."""
