@@ -162,5 +162,4 @@ def test_megablox_gradients_with_unequal_widths_equal_ragged_dot():
 def test_auto_takes_megablox_only_where_its_tiles_fit():
     assert gm.megablox_fits((16, 128, 96)) and gm.megablox_fits((8, 256, 384))
     assert not gm.megablox_fits((16, 192, 128))  # above one tile, not a multiple of it
-    assert gm._fitting("megablox", "auto", jnp.zeros((2, 192, 128))) == "blocked"
-    assert gm._fitting("megablox", "megablox", jnp.zeros((2, 192, 128))) == "megablox"
+    assert gm.resolve("megablox", (2, 192, 128)) == "megablox"  # asked for by name: its error

@@ -57,12 +57,6 @@ FORMS = ("ragged", "padded")
 """How rows travel between devices: ``ragged_all_to_all`` or a fixed-size ``all_to_all``."""
 
 
-def expert_ways() -> int:
-    """Devices the experts are split over in the mesh in context (1: no expert parallelism)."""
-    mesh = current_mesh()
-    return 1 if mesh is None else dict(mesh.shape).get(EXPERT_AXIS, 1)
-
-
 def check_expert_split(num_experts: int, ways: int) -> None:
     """Raise ``ConfigError`` unless the experts split evenly over the expert axis."""
     if num_experts % ways:
@@ -108,7 +102,8 @@ def routed_experts(
     ``default_form``).
     """
     mesh = current_mesh()
-    ways, E = expert_ways(), mlp.moe.num_experts
+    ways = 1 if mesh is None else dict(mesh.shape).get(EXPERT_AXIS, 1)
+    E = mlp.moe.num_experts
     check_expert_split(E, ways)
     T, k = math.prod(experts.shape[:-1]), experts.shape[-1]
     dropped = jnp.zeros((), jnp.int32)

@@ -61,16 +61,16 @@ def routed_rows_scope(rows: int, of: int):
     return jax.named_scope(f"{ROUTED_ROWS}={min(rows, of)}/{of}")
 
 
-def resolve(impl: str) -> str:
-    """The implementation ``impl`` names, ``auto`` resolved for the platform compiled for."""
+def resolve(impl: str, w_shape: tuple[int, ...] | None = None) -> str:
+    """The implementation ``impl`` names, ``auto`` resolved for the platform compiled for
+    and, given the weights' shape ``[G, k, n]``, for megablox's tiles (``megablox_fits``)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"grouped matmul must be one of {IMPLEMENTATIONS}, got {impl!r}")
     if impl != "auto":
         return impl
-    platform = mesh_platform()
-    if platform == "tpu" and not jax.sharding.get_abstract_mesh().manual_axes:
-        return "blocked"  # megablox must run per device (shard_map); XLA refuses it outside
-    return "megablox" if platform == "tpu" else "blocked"
+    if mesh_platform() != "tpu" or not jax.sharding.get_abstract_mesh().manual_axes:
+        return "blocked"  # megablox runs per device (shard_map): XLA refuses it outside
+    return "megablox" if w_shape is None or megablox_fits(w_shape) else "blocked"
 
 
 def grouped_matmul(
@@ -88,7 +88,7 @@ def grouped_matmul(
     rows the groups hold on average, when fewer (see the module docstring). ``zero_rest``
     false lets ``megablox`` leave the rows past the groups as the kernel left them (any
     values: for a caller that never reads them, sparing a pass over the whole buffer)."""
-    impl = _fitting(resolve(impl), impl, w)
+    impl = resolve(impl, w.shape)
     group_sizes = group_sizes.astype(jnp.int32)
     with _routed(impl, rows, x.shape[0], w.shape[0]):
         if impl == "ragged_dot":
@@ -104,14 +104,6 @@ def megablox_fits(w_shape) -> bool:
     """Whether megablox's tiles fit weights ``[G, k, n]``: each of k and n at most one tile
     (the tile is then the whole dimension) or a multiple of it."""
     return all(d <= MEGABLOX_TILE or d % MEGABLOX_TILE == 0 for d in w_shape[1:])
-
-
-def _fitting(impl: str, asked: str, w) -> str:
-    """``auto``'s megablox where its tiles fit ``w``, else ``blocked`` (asked for by name,
-    megablox stays: the kernel's own error then says what does not fit)."""
-    if impl == "megablox" and asked == "auto" and not megablox_fits(w.shape):
-        return "blocked"
-    return impl
 
 
 def _routed(impl: str, rows: int | None, m: int, groups: int):
@@ -331,7 +323,7 @@ def grouped_matmul_grads(
     """``(dx, dw)`` of ``grouped_matmul(x, w, group_sizes)`` for the cotangent ``dy``, with
     no forward product (a backward written by hand calls this: ``jax.vjp`` would also run the
     forward kernel). Rows of ``dx`` past the groups may hold any values (``zero_rest=False``)."""
-    impl = _fitting(resolve(impl), impl, w)
+    impl = resolve(impl, w.shape)
     group_sizes = group_sizes.astype(jnp.int32)
     with _routed(impl, rows, x.shape[0], w.shape[0]):
         if impl == "megablox":
