@@ -17,6 +17,7 @@ never name mesh axes: this module is the one place where logical names meet the 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +136,25 @@ def mesh_platform() -> str:
         return mesh.devices.flat[0].platform
     device = getattr(mesh, "abstract_device", None)
     return device.platform if device is not None else jax.devices()[0].platform
+
+
+def mapped_axes(
+    mesh, logical: str, *sizes: int, keep_trivial: bool = False
+) -> str | tuple[str, ...] | None:
+    """The mesh axes the compute mapping in context sends ``logical`` to, as a
+    ``PartitionSpec`` entry, where every one of ``sizes`` divides over them; else None
+    (that dimension whole on every device). Axes of one device in all count as None too,
+    unless ``keep_trivial`` (a ``shard_map`` that names every mesh axis it can needs no
+    reduction over the others in its backward pass)."""
+    mapping = hax.partitioning.current_thread_local_mapping() or {}
+    target = mapping.get(logical)
+    if target is None:
+        return None
+    names = (target,) if isinstance(target, str) else tuple(target)
+    ways = math.prod(mesh.shape[n] for n in names)
+    if (ways == 1 and not keep_trivial) or any(size % ways for size in sizes):
+        return None
+    return names[0] if len(names) == 1 else names
 
 
 def context_spans_processes(grid: np.ndarray) -> bool:

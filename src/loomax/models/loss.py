@@ -14,9 +14,8 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from jax.sharding import PartitionSpec as P
 
-from loomax.mesh import current_mesh
+from loomax.mesh import current_mesh, mapped_axes
 from loomax.models.attention.sequence_layout import context_axes, context_ways, to_layout
-from loomax.models.attention.splash import mapped_axes
 from loomax.models.axes import Embed, Position, Vocab
 from loomax.models.blocks import taps
 from loomax.models.blocks.buffers import STATE_PREFIX

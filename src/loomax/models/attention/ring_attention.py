@@ -54,7 +54,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from loomax.config import ConfigError
-from loomax.mesh import current_mesh
+from loomax.mesh import current_mesh, mapped_axes, mesh_platform
 from loomax.models.attention.causal_diagonal import diagonal_backward, diagonal_forward
 from loomax.models.attention.flash import (
     backward_blocks,
@@ -70,11 +70,7 @@ from loomax.models.attention.flash import (
 from loomax.models.attention.ring_hops import add_partials, ring_hop
 from loomax.models.attention.ring_splash import splash_ring_attention
 from loomax.models.attention.sequence_layout import context_axes, context_ways, zigzag_order
-from loomax.models.attention.splash import (
-    mapped_axes,
-    mesh_platform,
-    splash_unsupported_reason,
-)
+from loomax.models.attention.splash import splash_unsupported_reason
 from loomax.models.axes import Heads
 
 VARIANTS = ("ring", "all_gather")

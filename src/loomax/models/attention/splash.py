@@ -15,13 +15,12 @@ from __future__ import annotations
 import functools
 import math
 
-import haliax as hax
 import jax
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from loomax.mesh import current_mesh, mesh_platform
+from loomax.mesh import current_mesh, mapped_axes, mesh_platform
 from loomax.models.axes import Heads
 
 SPLASH_RESIDUALS = "splash_residuals"
@@ -161,25 +160,6 @@ def _mesh_axes(mesh, batch: int, kv_heads: int, heads: int):
     """Mesh axes for the batch and head dimensions: those of the compute mapping where the
     sizes divide, else None (that dimension whole on every device)."""
     return mapped_axes(mesh, "batch", batch), mapped_axes(mesh, Heads, heads, kv_heads)
-
-
-def mapped_axes(
-    mesh, logical: str, *sizes: int, keep_trivial: bool = False
-) -> str | tuple[str, ...] | None:
-    """The mesh axes the compute mapping in context sends ``logical`` to, as a
-    ``PartitionSpec`` entry, where every one of ``sizes`` divides over them; else None
-    (that dimension whole on every device). Axes of one device in all count as None too,
-    unless ``keep_trivial`` (a ``shard_map`` that names every mesh axis it can needs no
-    reduction over the others in its backward pass)."""
-    mapping = hax.partitioning.current_thread_local_mapping() or {}
-    target = mapping.get(logical)
-    if target is None:
-        return None
-    names = (target,) if isinstance(target, str) else tuple(target)
-    ways = math.prod(mesh.shape[n] for n in names)
-    if (ways == 1 and not keep_trivial) or any(size % ways for size in sizes):
-        return None
-    return names[0] if len(names) == 1 else names
 
 
 _PASSES = {"fwd": 4, "dq": 6, "dkv": 8, "bwd": 10}

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from loomax.config import ConfigError
-from loomax.mesh import EXPERT_AXIS, current_mesh, mesh_platform
+from loomax.mesh import EXPERT_AXIS, current_mesh, mapped_axes, mesh_platform
 from loomax.models.axes import Embed, Experts, Mlp
 from loomax.models.blocks.mlp_activations import activation
 from loomax.models.blocks.remat import name_activation
@@ -68,16 +68,6 @@ def check_expert_split(num_experts: int, ways: int) -> None:
 def default_form(mesh) -> str:
     """``ragged`` on GPU and TPU, ``padded`` elsewhere (XLA:CPU has no ragged-all-to-all)."""
     return "ragged" if mesh_platform() in ("gpu", "tpu") else "padded"
-
-
-def _mapped(mesh, logical: str, size: int):
-    """The compute mapping's mesh axes for ``logical`` as a spec entry, if ``size`` divides."""
-    target = (hax.partitioning.current_thread_local_mapping() or {}).get(logical)
-    names = () if target is None else (target,) if isinstance(target, str) else tuple(target)
-    names = tuple(n for n in names if mesh.shape[n] > 1)
-    if not names or size % math.prod(mesh.shape[n] for n in names):
-        return None
-    return names
 
 
 def capacity_keep(flat: jax.Array, num_experts: int, capacity: int) -> jax.Array:
@@ -121,9 +111,11 @@ def routed_experts(
         local = _Local(mlp, 1, "padded", None, ())
         y, sizes, _, over = local(x, weights, experts, chosen, gate, up, down)
         return y, sizes, dropped, over[0]
-    specs = tuple(_mapped(mesh, a.name, a.size) for a in lead)
-    token_axes = tuple(name for spec in specs if spec for name in spec)
-    tp = _mapped(mesh, Mlp, mlp.gate.resolve_axis(Mlp).size)
+    specs = tuple(mapped_axes(mesh, a.name, a.size) for a in lead)
+    token_axes = tuple(
+        n for spec in specs if spec for n in ((spec,) if isinstance(spec, str) else spec)
+    )
+    tp = mapped_axes(mesh, Mlp, mlp.gate.resolve_axis(Mlp).size)
     local = _Local(mlp, ways, form or default_form(mesh), tp, token_axes)
     on_experts = EXPERT_AXIS if EXPERT_AXIS in mesh.axis_names else None
     w_in, w_out = P(on_experts, None, tp), P(on_experts, tp, None)
