@@ -160,38 +160,68 @@ def test_batch_must_divide_over_data_parallel_size():
 def test_current_mesh_is_the_mesh_in_context_also_inside_jit():
     """``current_mesh`` (public JAX API only): the device mesh set with ``jax.set_mesh``
     outside ``jit``, its abstract mesh inside (JAX gives no devices while tracing), usable as
-    ``shard_map``'s mesh either way; None without one. ``mesh_platform`` names the devices'."""
+    ``shard_map``'s mesh either way; None without one."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import AbstractMesh, Mesh
     from jax.sharding import PartitionSpec as P
 
-    from loomax.mesh import current_mesh, mesh_platform
+    from loomax.mesh import current_mesh
 
     seen = {}
 
     def f(x):
-        seen["inside"], seen["platform inside"] = current_mesh(), mesh_platform()
+        seen["inside"] = current_mesh()
         mesh = seen["inside"]
         if mesh is None:
             return x
         return jax.shard_map(lambda y: y * 2, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(x)
 
-    platform = jax.devices()[0].platform
-    assert current_mesh() is None and mesh_platform() == platform
+    assert current_mesh() is None
     np.testing.assert_array_equal(jax.jit(f)(jnp.arange(4.0)), jnp.arange(4.0))
-    assert seen["inside"] is None and seen["platform inside"] == platform
+    assert seen["inside"] is None
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     with jax.set_mesh(mesh):
-        assert current_mesh() is mesh and mesh_platform() == platform
+        assert current_mesh() is mesh
         np.testing.assert_array_equal(jax.jit(f)(jnp.arange(4.0)), 2 * jnp.arange(4.0))
     inside = seen["inside"]
     assert isinstance(inside, AbstractMesh) and inside == mesh.abstract_mesh
     assert dict(inside.shape) == {"data": 1} and inside.size == 1
-    assert seen["platform inside"] == platform
     assert current_mesh() is None
+
+
+def test_the_platform_is_decided_where_the_step_is_built_and_read_while_tracing(libtpu):
+    """``MeshRuntime`` decides the platform once, from its mesh's devices, and its
+    ``mesh_context`` hands it to the model code (``target_platform``) also inside ``jit``:
+    a mesh of v5p devices (compiled for from this CPU host) makes ``auto`` attention splash
+    and the kernels' interpret mode off. Outside any runtime, JAX's default backend."""
+    import jax
+    import jax.numpy as jnp
+
+    from loomax.mesh import compiling_for, target_platform
+    from loomax.models.attention.attention import resolve_backend
+    from loomax.plan.topology import get_topology
+    from loomax.runtime import MeshRuntime
+
+    assert target_platform() == jax.default_backend() == "cpu"
+    runtime = MeshRuntime(
+        MeshConfig(data=4).build(get_topology("v5p:2x2x1").devices), make_axis_mappings()
+    )
+    assert runtime.platform == "tpu"
+    seen = []
+    with runtime.mesh_context():
+        assert resolve_backend("auto", jnp.bfloat16, 4096, 128) == "splash"
+        jax.jit(lambda x: seen.append(target_platform()) or x).trace(
+            jax.ShapeDtypeStruct((4,), jnp.float32)
+        )
+    assert seen == ["tpu"] and target_platform() == "cpu"
+    with compiling_for("gpu"):
+        assert target_platform() == "gpu"
+    with pytest.raises(ValueError, match="platform must be tpu, gpu or cpu, got 'cuda'"):
+        with compiling_for("cuda"):
+            pass
 
 
 PRIVATE_JAX = {

@@ -10,15 +10,19 @@ are kept whole: ZeRO-2); the compute mapping says how activations are laid out
 data-parallel axis; ``position -> context``; tensor-parallel axes ``-> model``). Layers
 never name mesh axes: this module is the one place where logical names meet the mesh.
 
-``current_mesh`` is the mesh in context (``jax.set_mesh``), also inside ``jit``, and
-``mesh_platform`` its devices' platform, both through JAX's public API only.
+``current_mesh`` is the mesh in context (``jax.set_mesh``), also inside ``jit``, through
+JAX's public API only. ``target_platform`` is the platform being compiled for: decided once,
+where a step is built (``MeshRuntime.mesh_context`` enters ``compiling_for`` with its mesh's
+platform), and read by the kernels that depend on it; model code never inspects devices.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,7 +120,7 @@ def current_mesh() -> Mesh | AbstractMesh | None:
     Outside ``jit`` the device ``Mesh`` (``jax.sharding.get_mesh``); inside, its
     ``AbstractMesh`` (``jax.sharding.get_abstract_mesh``): JAX's public API gives no devices
     while tracing. Both have the axes' ``shape``, ``axis_names`` and ``size``, and either is
-    ``jax.shard_map``'s ``mesh``; ``mesh_platform`` is the devices' platform.
+    ``jax.shard_map``'s ``mesh``.
     """
     abstract = jax.sharding.get_abstract_mesh()
     if abstract.empty:
@@ -128,14 +132,33 @@ def current_mesh() -> Mesh | AbstractMesh | None:
     return abstract if mesh.empty else mesh
 
 
-def mesh_platform() -> str:
-    """The platform of the devices being compiled for (``tpu``, ``gpu``, ``cpu``): those of
-    the mesh in context (``current_mesh``), else JAX's default devices."""
-    mesh = current_mesh()
-    if isinstance(mesh, Mesh):
-        return mesh.devices.flat[0].platform
-    device = getattr(mesh, "abstract_device", None)
-    return device.platform if device is not None else jax.devices()[0].platform
+_TARGET_PLATFORM = contextvars.ContextVar[str | None]("loomax_target_platform", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str) -> Iterator[None]:
+    """Within it, ``target_platform()`` is ``platform`` (``tpu``, ``gpu``, ``cpu``): entered
+    once where a step is built, with the platform of the devices it is compiled for."""
+    if platform not in ("tpu", "gpu", "cpu"):
+        raise ValueError(f"platform must be tpu, gpu or cpu, got {platform!r}")
+    token = _TARGET_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
+
+
+def target_platform() -> str:
+    """The platform being compiled for: the one ``compiling_for`` set (the step builder's),
+    else that of JAX's default devices (a model called outside any runtime)."""
+    platform = _TARGET_PLATFORM.get()
+    return platform if platform is not None else jax.default_backend()
+
+
+def device_platform(mesh: Mesh) -> str:
+    """The platform of ``mesh``'s devices (``cuda`` and ``rocm`` are ``gpu``)."""
+    platform = mesh.devices.flat[0].platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def mapped_axes(

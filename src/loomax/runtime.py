@@ -23,7 +23,9 @@ from loomax.mesh import (
     AxisMappings,
     MeshConfig,
     batch_sharding,
+    compiling_for,
     data_parallel_size,
+    device_platform,
     replicate_indivisible,
 )
 from loomax.row_blocks import RowBlock, local_rows, row_blocks
@@ -37,6 +39,9 @@ class MeshRuntime:
     def __init__(self, mesh: Mesh, mappings: AxisMappings):
         self.mesh = mesh
         self.mappings = mappings
+        self.platform = device_platform(mesh)
+        """The platform compiled for (``tpu``, ``gpu``, ``cpu``): decided here, once, and
+        handed to the model code through ``mesh_context`` (``loomax.mesh.target_platform``)."""
         self._notes: set[str] = set()
 
     @classmethod
@@ -55,9 +60,11 @@ class MeshRuntime:
         return data_parallel_size(self.mesh)
 
     def mesh_context(self) -> contextlib.ExitStack:
-        """Enter the mesh and the compute mapping (what tracing a sharded function needs)."""
+        """Enter the mesh, the compute mapping and the platform compiled for (what tracing a
+        sharded function needs)."""
         stack = contextlib.ExitStack()
         stack.enter_context(hax.partitioning.set_mesh(self.mesh))
+        stack.enter_context(compiling_for(self.platform))
         stack.enter_context(hax.axis_mapping(self.mappings.compute))
         return stack
 

@@ -96,7 +96,7 @@ def ragged_lowered() -> int:
     in the StableHLO of the layer's value and gradient (JAX checks their operands here)."""
     grad = jax.value_and_grad(lambda m, x: objective(m, x), argnums=(0, 1), has_aux=True)
     runtime = MeshRuntime.create(MESHES["expert4_data2"], make_axis_mappings())
-    expert_parallel.default_form = lambda mesh: "ragged"
+    expert_parallel.default_form = lambda: "ragged"
     with runtime.mesh_context():
         text = jax.jit(grad).lower(layer(), X).as_text()
     return text.count("ragged_all_to_all")
@@ -107,7 +107,7 @@ def layer_diffs() -> dict:
     jax.lax.ragged_all_to_all = emulated_ragged_all_to_all  # this process only (see above)
     out, single = {}, {}
     for name, capacity, form, k, matmul in LAYER_CASES:
-        expert_parallel.default_form = lambda mesh, form=form: form
+        expert_parallel.default_form = lambda form=form: form
         mlp = layer(capacity_factor=capacity, num_experts_per_tok=k, matmul=matmul)
         if (capacity, k) not in single:  # one device, the blocked grouped matmul
             reference = layer(capacity_factor=capacity, num_experts_per_tok=k)
@@ -143,7 +143,7 @@ def forms_agree() -> dict:
     for buffer in (None, 0.5):
         got = {}
         for form in FORMS:
-            expert_parallel.default_form = lambda mesh, form=form: form
+            expert_parallel.default_form = lambda form=form: form
             mlp = layer(num_experts_per_tok=3, receive_buffer=buffer)
             placed = jax.device_put(mlp, runtime.state_shardings(mlp))
             x = jax.device_put(X, runtime.state_shardings(X, runtime.mappings.compute))

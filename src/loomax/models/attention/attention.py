@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from loomax.config import ConfigError
-from loomax.mesh import mesh_platform
+from loomax.mesh import target_platform
 from loomax.models.attention.cudnn_packed import cudnn_document_attention
 from loomax.models.attention.flash import acc_dtype, flash_attention, visible_mask
 from loomax.models.attention.ring_attention import context_parallel_attention
@@ -134,7 +134,7 @@ def resolve_backend(
         return backend
     if backend == "auto":
         if platform == "detect":
-            platform = mesh_platform()
+            platform = target_platform()
         if platform == "tpu" and splash_unsupported_reason(seq_len, *splash_blocks) is None:
             return "splash"
     if compute_capability == "detect":

@@ -54,7 +54,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from loomax.config import ConfigError
-from loomax.mesh import current_mesh, mapped_axes, mesh_platform
+from loomax.mesh import current_mesh, mapped_axes, target_platform
 from loomax.models.attention.causal_diagonal import diagonal_backward, diagonal_forward
 from loomax.models.attention.flash import (
     backward_blocks,
@@ -123,13 +123,13 @@ def context_parallel_attention(
             blocks=splash_blocks,
             axis=ctx,
             ways=ways,
-            interpret=mesh_platform() != "tpu",
+            interpret=target_platform() != "tpu",
             residual_name=RING_RESIDUALS,
         )
     elif variant == "ring":
         local = partial(
             ring_attention, scale=scale, block=block, axis=ctx, ways=ways,
-            cpu_program=cpu_program(mesh),
+            cpu_program=cpu_program(),
         )  # fmt: skip
     else:
         local = partial(all_gather_attention, scale=scale, block=block, axis=ctx)
@@ -149,13 +149,11 @@ def context_parallel_attention(
     )(q, k, v, positions, seg)
 
 
-def cpu_program(mesh) -> bool:
-    """Whether the program is compiled for ``mesh``'s devices as CPUs: XLA:CPU overlaps no
+def cpu_program() -> bool:
+    """Whether the program is compiled for CPUs (``target_platform``): XLA:CPU overlaps no
     transfer with work, and needs ``_after`` to keep the backward's buffers from being
     built at the start of the program; the ring runs its serial backward there."""
-    if isinstance(mesh, jax.sharding.Mesh):
-        return next(iter(mesh.devices.flat)).platform == "cpu"
-    return mesh_platform() == "cpu"  # inside jit the mesh is abstract: its device kind
+    return target_platform() == "cpu"
 
 
 def ring_kernel(

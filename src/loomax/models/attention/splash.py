@@ -20,7 +20,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from loomax.mesh import current_mesh, mapped_axes, mesh_platform
+from loomax.mesh import current_mesh, mapped_axes, target_platform
 from loomax.models.axes import Heads
 
 SPLASH_RESIDUALS = "splash_residuals"
@@ -56,7 +56,7 @@ def splash_attention(
     local = functools.partial(
         _local,
         blocks=(min(block_q, T), min(block_kv, T)),
-        interpret=mesh_platform() != "tpu",
+        interpret=target_platform() != "tpu",
         window=window,
     )
     mesh = current_mesh()

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from loomax.config import ConfigError
-from loomax.mesh import EXPERT_AXIS, current_mesh, mapped_axes, mesh_platform
+from loomax.mesh import EXPERT_AXIS, current_mesh, mapped_axes, target_platform
 from loomax.models.axes import Embed, Experts, Mlp
 from loomax.models.blocks.mlp_activations import activation
 from loomax.models.blocks.remat import name_activation
@@ -65,9 +65,9 @@ def check_expert_split(num_experts: int, ways: int) -> None:
         )
 
 
-def default_form(mesh) -> str:
+def default_form() -> str:
     """``ragged`` on GPU and TPU, ``padded`` elsewhere (XLA:CPU has no ragged-all-to-all)."""
-    return "ragged" if mesh_platform() in ("gpu", "tpu") else "padded"
+    return "ragged" if target_platform() in ("gpu", "tpu") else "padded"
 
 
 def capacity_keep(flat: jax.Array, num_experts: int, capacity: int) -> jax.Array:
@@ -116,7 +116,7 @@ def routed_experts(
         n for spec in specs if spec for n in ((spec,) if isinstance(spec, str) else spec)
     )
     tp = mapped_axes(mesh, Mlp, mlp.gate.resolve_axis(Mlp).size)
-    local = _Local(mlp, ways, form or default_form(mesh), tp, token_axes)
+    local = _Local(mlp, ways, form or default_form(), tp, token_axes)
     on_experts = EXPERT_AXIS if EXPERT_AXIS in mesh.axis_names else None
     w_in, w_out = P(on_experts, None, tp), P(on_experts, tp, None)
     tokens = P(*specs, None)

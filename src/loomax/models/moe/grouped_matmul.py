@@ -44,7 +44,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from loomax.mesh import mesh_platform
+from loomax.mesh import target_platform
 
 IMPLEMENTATIONS = ("auto", "blocked", "ragged_dot", "megablox")
 """The values of ``model.moe.matmul``."""
@@ -68,7 +68,7 @@ def resolve(impl: str, w_shape: tuple[int, ...] | None = None) -> str:
         raise ValueError(f"grouped matmul must be one of {IMPLEMENTATIONS}, got {impl!r}")
     if impl != "auto":
         return impl
-    if mesh_platform() != "tpu" or not jax.sharding.get_abstract_mesh().manual_axes:
+    if target_platform() != "tpu" or not jax.sharding.get_abstract_mesh().manual_axes:
         return "blocked"  # megablox runs per device (shard_map): XLA refuses it outside
     return "megablox" if w_shape is None or megablox_fits(w_shape) else "blocked"
 
@@ -303,7 +303,7 @@ def _megablox(x: jax.Array, w: jax.Array, group_sizes: jax.Array, zero_rest: boo
     # output in x's dtype halves the bytes of the [buffer rows, mlp] results and their
     # cotangents (the compiled Mixtral v5p step: 8.08 -> 6.53 TB a chip by XLA's count)
     tiling = tuple(min(MEGABLOX_TILE, d) for d in (xp.shape[0], x.shape[1], w.shape[2]))
-    out = gmm(xp, w, group_sizes, x.dtype, tiling, interpret=mesh_platform() != "tpu")
+    out = gmm(xp, w, group_sizes, x.dtype, tiling, interpret=target_platform() != "tpu")
     if not zero_rest:
         return out[:m]
     in_groups = jnp.arange(m) < jnp.sum(group_sizes)
@@ -343,7 +343,7 @@ def _megablox_grads(x, w, group_sizes, dy):
     xp, dyp = (jnp.pad(a, ((0, pad), (0, 0))) if pad else a for a in (x, dy))
     tile = lambda *dims: tuple(min(MEGABLOX_TILE, d) for d in dims)  # noqa: E731
     tiling = tile(xp.shape[0], x.shape[1], w.shape[2])  # (rows, k, n) of x @ w and of tgmm
-    interpret = mesh_platform() != "tpu"
+    interpret = target_platform() != "tpu"
     # dy [m, n] @ w[g]^T: the contraction is n, the result's columns k
     dx_tiling = tile(xp.shape[0], w.shape[2], w.shape[1])
     dx = kernels.gmm(
