@@ -53,9 +53,9 @@ CPU_INIT_COMPILER_OPTIONS: dict[str, Any] = _cpu_init_compiler_options()
 mostly threefry (one per parameter), which XLA:CPU's default code generation compiles
 slowly for no use: LLVM's level 1 pipeline and XLA's elemental fusion emitters compiled the
 0.37M-parameter GPT-2's init in 0.60-0.66 s instead of 1.98 s (2-core Intel SPR), with values
-bitwise equal to the default's (tested for every model family). Not for the train step:
-the elemental emitters made its steps 15% slower (bench/cpu_flags.py); and not level 0,
-which changes the values' last bits."""
+bitwise equal to the default's (tested for one family of each set of layer types). Not for
+the train step: the elemental emitters made its steps 15% slower (bench/cpu_flags.py); and
+not level 0, which changes the values' last bits."""
 
 
 def init_program(init: Callable, shardings: Any, runtime: MeshRuntime) -> Callable:
