@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from loomax.cli_parser import command_parser, config_errors, load_config
+from loomax.cli_parser import command_parser, config_errors, given_values, load_config
 from loomax.errors import TrainingFailure, UserError
 
 COMMANDS = {
@@ -163,12 +163,18 @@ def _action(command: str, args: list[str]) -> list[str]:
 
 
 def _train(args: list[str]) -> None:
-    from loomax.lm import TrainLmConfig
+    from loomax.lm import TrainLmConfig, hf_source, hf_type_args, with_hf_model
     from loomax.train_lm import train_lm
 
     parser = command_parser("train", COMMANDS["train"], config=True)
     known, overrides = parser.parse_known_args(args)
-    config = load_config(TrainLmConfig, known.config_path, overrides)
+    with config_errors():
+        given = given_values(TrainLmConfig, known.config_path, overrides)
+    # trainer.initialize_from_hf: the model of its config.json, the run's own model keys winning
+    config = load_config(
+        TrainLmConfig, known.config_path, hf_type_args(hf_source(given), given) + overrides
+    )
+    config = with_hf_model(config, given)
     if config.trainer.mesh.auto or config.trainer.force_strategy is not None:
         from loomax.plan.auto import choose_strategy
 

@@ -28,6 +28,10 @@ class Phi3Config(LlamaConfig):
         "resid_pdrop",
         "embd_pdrop",
     )
+    hf_field_names: ClassVar[dict[str, str | None]] = {
+        **LlamaConfig.hf_field_names,
+        "resid_pdrop": "resid_pdrop", "embd_pdrop": "embed_pdrop", "pad_token_id": None,
+    }  # fmt: skip
     hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
         **LlamaConfig.hf_requires,
         "use_bias": (False, "has no biases"),
