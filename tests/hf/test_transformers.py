@@ -9,6 +9,8 @@ Nothing comes from the Hub: each model is built from a config here and saved to 
 
 from __future__ import annotations
 
+import json
+
 import haliax as hax
 import jax
 import numpy as np
@@ -245,3 +247,41 @@ def test_a_trained_family_generates_the_same_greedy_tokens_in_transformers(
         )[0].tolist()  # fmt: skip
     assert ours[5:7] == [9, 2]  # it learned the sequence (measured: qwen3, mistral all of it)
     assert ours == theirs
+
+
+SHAPES = {
+    "tiny": {},
+    "wide-mha": dict(hidden_dim=64, num_heads=8, num_kv_heads=8, intermediate_dim=96, seq_len=48),
+    "mqa": dict(hidden_dim=32, num_heads=4, num_kv_heads=1, intermediate_dim=40, seq_len=24),
+}
+"""Shapes of every family's export loaded by AutoConfig (each key where the family has it)."""
+
+
+def test_every_family_export_loads_through_autoconfig_and_comes_back_unchanged(
+    tmp_path, families, transformers
+):
+    """For every family and shape: config.json as export writes it loads in transformers'
+    config class (its declared types: Gemma 2's int query_pre_attn_scalar), and transformers'
+    own save of that config, imported and written back, is unchanged (nothing listed)."""
+    import dataclasses
+
+    from loomax.hf.config_json import model_from_hf, written_config
+
+    for model_type in HF_TYPES:
+        cls = families.tiny_config(model_type).__class__
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for name, shape in SHAPES.items():
+            config = families.tiny_config(model_type, **{k: v for k, v in shape.items() if k in fields})  # fmt: skip
+            out = tmp_path / model_type / name
+            out.mkdir(parents=True)
+            written, _ = written_config(config, VOCAB, {"torch_dtype": "float32"})
+            (out / "config.json").write_text(json.dumps(written))
+            theirs = transformers.AutoConfig.from_pretrained(out)
+            arch = config.hf_architecture.replace("ForCausalLM", "").replace("LMHeadModel", "")
+            assert type(theirs).__name__ == arch + "Config", (model_type, name)
+            theirs.save_pretrained(out / "saved")
+            saved = json.loads((out / "saved" / "config.json").read_text())
+            imported = model_from_hf(saved)
+            assert imported.hf_config(VOCAB) == config.hf_config(VOCAB), (model_type, name)
+            again, changed = written_config(imported, VOCAB, {"torch_dtype": "float32"})
+            assert (again, changed) == (saved, []), (model_type, name)
