@@ -24,3 +24,19 @@ def test_given_values_are_the_keys_the_file_overlays_and_flags_set(tmp_path):
         ("trainer", "initialize_from_hf"): "/ckpt",
     }
     assert given_values(TrainLmConfig, None, []) == {}
+
+
+def test_a_file_that_cannot_be_read_is_left_to_parse_config(tmp_path, capsys):
+    from loomax import cli
+
+    (tmp_path / "bad.yaml").write_text("trainer: [unclosed\n")
+    assert given_values(TrainLmConfig, str(tmp_path / "bad.yaml"), ["--model.seq_len", "8"]) == {
+        ("model", "seq_len"): "8"
+    }
+    for path in (tmp_path / "bad.yaml", tmp_path / "missing.yaml"):
+        try:
+            cli.main(["train", "--config_path", str(path)])
+        except SystemExit as e:
+            assert e.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("loomax train: error: ") and "\n" not in err, err

@@ -106,7 +106,8 @@ def given_values(
 ) -> dict[tuple[str, ...], Any]:
     """The key paths the YAML file (``!include``s followed) and the flags (``--overlay``
     files expanded; later flags win) set, e.g. ``("model", "hidden_dim")``, with their
-    values as written (a flag's as its text); a key set to a mapping gives its leaves."""
+    values as written (a flag's as its text); a key set to a mapping gives its leaves. A file
+    that cannot be read gives nothing here: ``parse_config`` reports it."""
     import yaml
     from draccus import cfgparsing
 
@@ -120,8 +121,11 @@ def given_values(
             out[prefix] = node
 
     if config_path is not None:
-        with open(config_path, encoding="utf-8") as f:
-            walk((), cfgparsing.load_config(f, file=config_path))
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                walk((), cfgparsing.load_config(f, file=config_path))
+        except Exception:  # noqa: BLE001 - any problem of the file: parse_config names it
+            pass
     args = expand_overlays(cls, overrides)
     for i, arg in enumerate(args):
         if not arg.startswith("--"):
