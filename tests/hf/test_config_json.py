@@ -56,7 +56,7 @@ def run_config(args: list[str]) -> TrainLmConfig:
 
 
 def test_every_config_json_field_has_its_model_key_and_a_docs_row(families):
-    docs = DOCS.read_text().split("### config.json fields", 1)[1].split("\n\n`--checkpoint", 1)[0]
+    docs = DOCS.read_text().split("### Hugging Face config fields", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"`(\w+)`", "\n".join(r.split("|")[1] for r in docs.splitlines() if r.startswith("| `"))))  # fmt: skip
     for kind, cls in hf_families().items():
         written = set(families.tiny_config(kind).hf_config(97)) - set(BOOKKEEPING)
