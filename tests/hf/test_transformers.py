@@ -15,10 +15,12 @@ import dataclasses
 import json
 import logging
 
+import draccus
 import haliax as hax
 import jax
 import numpy as np
 import pytest
+import yaml
 from safetensors.numpy import load_file
 
 from loomax import cli
@@ -27,7 +29,7 @@ from loomax.config import parse_config
 from loomax.hf import export_hf, load_hf
 from loomax.hf.config_json import model_from_hf, written_config
 from loomax.lm import TrainLmConfig, hf_source, hf_type_args, with_hf_model
-from loomax.models import Gpt2Config, LlamaConfig
+from loomax.models import Gpt2Config, LlamaConfig, LmConfig
 from loomax.models.attention.rotary import LinearRotary, YarnRotary
 from loomax.models.blocks.mlp_activations import ACTIVATION_FUNCTIONS
 from loomax.models.decoding.generate import sample_tokens
@@ -271,9 +273,10 @@ SHAPES = {
 def test_every_family_export_loads_through_autoconfig_and_comes_back_unchanged(
     tmp_path, families, transformers
 ):
-    """For every family and shape: config.json as export writes it loads in transformers'
-    config class (its declared types: Gemma 2's int query_pre_attn_scalar), and transformers'
-    own save of that config, imported and written back, is unchanged (nothing listed)."""
+    """For every family and shape, its config read back from a run's config.yaml: config.json
+    as export writes it loads in transformers' config class (its declared types: Gemma 2's
+    int query_pre_attn_scalar), and transformers' own save of that config, imported and
+    written back, is unchanged (nothing listed)."""
     for model_type in HF_TYPES:
         cls = families.tiny_config(model_type).__class__
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -281,6 +284,9 @@ def test_every_family_export_loads_through_autoconfig_and_comes_back_unchanged(
             config = families.tiny_config(model_type, **{k: v for k, v in shape.items() if k in fields})  # fmt: skip
             out = tmp_path / model_type / name
             out.mkdir(parents=True)
+            # as a run's config.yaml is read back (on main: Gemma 2's 256 became 256.0)
+            kind = {"type": LmConfig.get_choice_name(type(config))}
+            config = draccus.decode(LmConfig, {**kind, **yaml.safe_load(draccus.dump(config))})
             written, _ = written_config(config, VOCAB, {"torch_dtype": "float32"})
             (out / "config.json").write_text(json.dumps(written))
             theirs = transformers.AutoConfig.from_pretrained(out)
