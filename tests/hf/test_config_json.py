@@ -136,3 +136,11 @@ def test_fields_keep_the_types_transformers_declares():
     wider = dataclasses.replace(gemma, hf_config_json=base, rms_norm_eps=1e-5)
     out, changed = written_config(wider, 97)
     assert changed == ["rms_norm_eps"] and type(out["rms_norm_eps"]) is float
+
+
+def test_phi3_export_refuses_a_rope_scaling_transformers_refuses(families):
+    from loomax.models.attention.rotary import LinearRotary
+
+    phi3 = families.tiny_config("phi3", rope=LinearRotary(factor=2.0))
+    with pytest.raises(ValueError, match="Phi3ForCausalLM .* model.rope.type: default"):
+        written_config(phi3, 97)
