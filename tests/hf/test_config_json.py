@@ -144,3 +144,12 @@ def test_phi3_export_refuses_a_rope_scaling_transformers_refuses(families):
     phi3 = families.tiny_config("phi3", rope=LinearRotary(factor=2.0))
     with pytest.raises(ValueError, match="Phi3ForCausalLM .* model.rope.type: default"):
         written_config(phi3, 97)
+
+
+def test_a_tokenizer_larger_than_the_checkpoints_vocabulary_says_to_use_its_own(checkpoint):
+    from loomax.lm import resolve_vocab_size
+
+    model = run_config(["--trainer.initialize_from_hf", str(checkpoint)]).model
+    assert resolve_vocab_size(model, 280) == 300  # a smaller tokenizer fits
+    with pytest.raises(ValueError, match=r"\(300, the Hugging Face checkpoint's vocab_size\) .*data.tokenizer: its directory"):  # fmt: skip
+        resolve_vocab_size(model, 8192)
