@@ -122,6 +122,9 @@ def test_export_writes_back_the_imported_config_json(checkpoint):
     assert changed == ["rope_theta", "rope_parameters"]  # the same key, imported in a new form
     assert (out["rope_theta"], "rope_parameters" in out) == (500000.0, False)
     assert written_config(model_from_hf(QWEN3_MOE), 300)[0] == {**QWEN3_MOE}
+    wider = dataclasses.replace(model, intermediate_dim=48)  # what a run cannot either
+    out, changed = written_config(wider, 300)
+    assert changed == ["moe_intermediate_size"] and out["intermediate_size"] == 128  # unread
     fresh, changed = written_config(dataclasses.replace(model, hf_config_json=None), 300)
     assert changed == [] and fresh["max_position_embeddings"] == 16  # no import: its own
 

@@ -139,16 +139,19 @@ def written_config(
     ``hf_config``, nothing listed. Otherwise every imported field is kept, and a field is
     written only where the model's means something else than the imported one did (a run's
     own settings, ``hf_run_keys``, never: the context length, dropout, the balance loss
-    weight), in the imported value's type; fields the export sets differ from the imported."""
+    weight; nor the fields Loomax does not read), in the imported value's type; fields the
+    export sets are written where they differ from the imported."""
     family = family_of(config)
     fresh = family.hf_config(vocab_size)
     base = config.hf_config_json
     if not base or base.get("model_type") != family.hf_model_type:
         return {**fresh, **(written or {})}, []
     before = family_of(type(config).from_hf_config(base)).hf_config(base.get("vocab_size", 1))
+    names = getattr(config, "hf_field_names", {})
+    unread = {k for k, v in names.items() if v is None and k in base}  # kept as imported
     out, changed = dict(base), []
     for key, value in fresh.items():
-        if key not in config.hf_run_keys and value != before.get(key):
+        if key not in {*config.hf_run_keys, *unread} and value != before.get(key):
             out[key] = _typed(value, base.get(key))
             changed.append(key)
     for key, value in (written or {}).items():
@@ -157,7 +160,6 @@ def written_config(
         if value != base.get(key):
             out[key] = _typed(value, base.get(key))
             changed.append(key)
-    names = getattr(config, "hf_field_names", {})
     for key in list(changed):  # an imported field of the same key the fresh ones replace
         target = names.get(key)
         for other, meant in names.items():
