@@ -99,6 +99,7 @@ def test_the_model_comes_from_config_json_and_the_runs_own_keys_win(checkpoint, 
         (["--model.moe.norm_topk_prob", "false"], r"norm_topk_prob \(model.moe.norm_topk_prob\): True in config.json, False configured"),
         (["--model.type", "llama"], r"holds model.type qwen3_moe .*, the run sets model.type llama; leave model.type out"),
     ],
+    ids=["hidden_dim", "expert-width", "norm_topk_prob", "model.type"],
 )  # fmt: skip
 def test_a_key_that_disagrees_is_one_line_naming_both_names(checkpoint, capsys, flags, message):
     args = ["train", "--trainer.initialize_from_hf", str(checkpoint), *flags]
