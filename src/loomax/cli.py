@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from loomax.cli_parser import command_parser, config_errors, load_config
+from loomax.cli_parser import command_parser, config_errors, given_values, load_config
 from loomax.errors import TrainingFailure, UserError
 
 COMMANDS = {
@@ -163,12 +163,11 @@ def _action(command: str, args: list[str]) -> list[str]:
 
 
 def _train(args: list[str]) -> None:
-    from loomax.lm import TrainLmConfig
     from loomax.train_lm import train_lm
 
     parser = command_parser("train", COMMANDS["train"], config=True)
     known, overrides = parser.parse_known_args(args)
-    config = load_config(TrainLmConfig, known.config_path, overrides)
+    config = _run_config(known.config_path, overrides)
     if config.trainer.mesh.auto or config.trainer.force_strategy is not None:
         from loomax.plan.auto import choose_strategy
 
@@ -184,6 +183,17 @@ def _train(args: list[str]) -> None:
     if result.sample is not None:
         print("sample:\n" + "-" * 60 + "\n" + result.sample + "\n" + "-" * 60)
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}")
+
+
+def _run_config(config_path: str | None, overrides: list[str]):
+    """The run's ``TrainLmConfig``; with ``trainer.initialize_from_hf``, its ``model`` is
+    the checkpoint config.json's, the model keys the run sets itself winning."""
+    from loomax.lm import TrainLmConfig, hf_source, hf_type_args, with_hf_model
+
+    with config_errors():
+        given = given_values(TrainLmConfig, config_path, overrides)
+    type_args = hf_type_args(hf_source(given), given)  # parsed with config.json's family
+    return with_hf_model(load_config(TrainLmConfig, config_path, type_args + overrides), given)
 
 
 def _print_gzip_baseline(config, bpb: float | None) -> None:
@@ -264,7 +274,6 @@ def _tokenizer(args: list[str]) -> None:
 
 def _bench(args: list[str]) -> None:
     from loomax.benchmark import run_benchmark
-    from loomax.lm import TrainLmConfig
 
     parser = command_parser("bench", COMMANDS["bench"], config=True)
     parser.add_argument(
@@ -287,7 +296,7 @@ def _bench(args: list[str]) -> None:
         help="after timing, trace a few steps into DIR (xplane and Perfetto trace.json.gz)",
     )
     known, overrides = parser.parse_known_args(args)
-    config = load_config(TrainLmConfig, known.config_path, overrides)
+    config = _run_config(known.config_path, overrides)
     run_benchmark(
         config,
         steps=known.steps,

@@ -3,7 +3,8 @@
 ``command_parser`` makes a command's ``argparse`` parser whose errors are ``UserError``s
 and whose usage ends with ``[--section.field VALUE ...]``; ``load_config`` parses a run
 config from ``--config_path`` and the leftover flags, turning draccus' exits into
-``UserError``s too (config errors are ``ConfigError``s, ``UserError``s already).
+``UserError``s too (config errors are ``ConfigError``s, ``UserError``s already);
+``given_values`` says which keys the file and the flags set (the rest keep their defaults).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import contextlib
 import io
 import sys
 from collections.abc import Iterator
+from typing import Any
 
-from loomax.config import parse_config
+from loomax.config import expand_overlays, parse_config
 from loomax.errors import UserError
 
 CONFIG_EPILOG = (
@@ -97,3 +99,43 @@ def load_config(cls: type, config_path: str | None, overrides: list[str]):
     """``parse_config`` whose errors (draccus' unknown flags included) are one-line ``UserError``s."""
     with config_errors():
         return parse_config(cls, config_path, overrides)
+
+
+def given_values(
+    cls: type, config_path: str | None, overrides: list[str]
+) -> dict[tuple[str, ...], Any]:
+    """The key paths the YAML file (``!include``s followed) and the flags (``--overlay``
+    files expanded; later flags win) set, e.g. ``("model", "hidden_dim")``, with their
+    values as written (a flag's as its text); a key set to a mapping gives its leaves. A file
+    that cannot be read gives nothing here: ``parse_config`` reports it."""
+    import yaml
+    from draccus import cfgparsing
+
+    out: dict[tuple[str, ...], Any] = {}
+
+    def walk(prefix: tuple[str, ...], node: Any) -> None:
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk((*prefix, str(key)), value)
+        elif prefix:
+            out[prefix] = node
+
+    if config_path is not None:
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                walk((), cfgparsing.load_config(f, file=config_path))
+        except Exception:  # noqa: BLE001 - any problem of the file: parse_config names it
+            pass
+    args = expand_overlays(cls, overrides)
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        try:
+            parsed = yaml.safe_load(value) if value.lstrip().startswith("{") else value
+        except yaml.YAMLError:
+            parsed = value
+        walk(tuple(name.split(".")), parsed)
+    return out

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from loomax.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from loomax.cli_parser import given_values
 from loomax.config import ConfigError, parse_config
 from loomax.errors import MissingFileError
-from loomax.lm import TrainLmConfig, resolve_vocab_size
+from loomax.lm import TrainLmConfig, hf_type_args, resolve_vocab_size
 from loomax.models.config import LmModel
 from loomax.tree_paths import is_named_array
 
@@ -48,19 +49,26 @@ def load_for_inference(
 ) -> LoadedModel:
     """The model at ``checkpoint`` (see the module docstring), in float32 on one device."""
     path = Path(checkpoint)
-    run_config = None
+    run_config, given, hf_dir = None, {}, (path / "config.json").is_file()
     if config_path is not None or overrides:
-        run_config = parse_config(TrainLmConfig, config_path, list(overrides))
+        given = given_values(TrainLmConfig, config_path, list(overrides))
+        type_args = hf_type_args(str(path), given) if hf_dir else []  # config.json's family
+        run_config = parse_config(TrainLmConfig, config_path, type_args + list(overrides))
     if (path / "model.yaml").is_file():  # a model.save directory (its tokenizer if saved with it)
         from loomax.models.io.saving import load_model
 
         tokenizer = _beside_or_run_tokenizer(path, run_config)
         return LoadedModel(load_model(path), run_config, tokenizer, f"saved model {path}")
-    if (path / "config.json").is_file():
-        from loomax.hf import load_hf
+    if hf_dir:  # the model of config.json, the run's model keys winning
+        from loomax.hf import hf_model_config, load_hf
 
+        own = [k[1:] for k in given if k[0] == "model" and len(k) > 1]
+        model_config = hf_model_config(path, run_config and run_config.model, own)
+        if run_config is not None:
+            run_config = replace(run_config, model=model_config)
         tokenizer = _beside_or_run_tokenizer(path, run_config)
-        return LoadedModel(load_hf(path), run_config, tokenizer, f"Hugging Face checkpoint {path}")
+        model = load_hf(path, model_config)
+        return LoadedModel(model, run_config, tokenizer, f"Hugging Face checkpoint {path}")
     if not path.exists():
         raise MissingFileError(f"--checkpoint {path} does not exist")
     if run_config is None:

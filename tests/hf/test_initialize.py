@@ -92,7 +92,8 @@ def test_a_checkpoint_that_cannot_load_is_named_without_reading_weights(tmp_path
     check(tmp_path / "hf")  # loadable: no error
     wider = LlamaConfig(**{**MODEL.__dict__, "hidden_dim": 64})
     with pytest.raises(
-        ValueError, match="initialize_from_hf: .*does not match .*hidden_size: 32 there, 64"
+        ValueError,
+        match=r"initialize_from_hf: .*does not match .*hidden_size \(model.hidden_dim\): 32 in config.json, 64 configured",
     ):
         check(tmp_path / "hf", wider)
     (tmp_path / "hf" / "model.safetensors").unlink()

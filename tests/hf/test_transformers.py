@@ -3,22 +3,37 @@ same logits, for GPT-2 (also with another activation and scale_attn_by_inverse_l
 Llama with GQA/MQA, every rope variant (default, linear, llama3, YaRN) and biases, and models
 saved by transformers import with them; every activation_function is transformers' own; and
 every registered family with an HF side (``loomax.hf.family.families``) both ways at 1e-5;
-and issue 50's goal families, trained a few steps, give transformers' greedy tokens.
+and issue 50's goal families, trained a few steps, give transformers' greedy tokens; every
+family's config.json loads through AutoConfig and comes back unchanged; and issue 62's goal:
+a Qwen3, Qwen3-MoE and Llama saved by transformers continue training from config.json alone.
 Nothing comes from the Hub: each model is built from a config here and saved to a tmp dir
 (conftest sets HF_HUB_OFFLINE)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+
+import draccus
 import haliax as hax
 import jax
 import numpy as np
 import pytest
+import yaml
+from safetensors.numpy import load_file
 
+from loomax import cli
+from loomax.cli_parser import given_values
+from loomax.config import parse_config
 from loomax.hf import export_hf, load_hf
-from loomax.models import Gpt2Config, LlamaConfig
+from loomax.hf.config_json import model_from_hf, written_config
+from loomax.lm import TrainLmConfig, hf_source, hf_type_args, with_hf_model
+from loomax.models import Gpt2Config, LlamaConfig, LmConfig
 from loomax.models.attention.rotary import LinearRotary, YarnRotary
 from loomax.models.blocks.mlp_activations import ACTIVATION_FUNCTIONS
 from loomax.models.decoding.generate import sample_tokens
+from loomax.train_lm import train_lm
 
 from .test_convert import CASES, HF_TYPES, VOCAB, randomized
 
@@ -244,4 +259,145 @@ def test_a_trained_family_generates_the_same_greedy_tokens_in_transformers(
             pad_token_id=0, min_new_tokens=12,
         )[0].tolist()  # fmt: skip
     assert ours[5:7] == [9, 2]  # it learned the sequence (measured: qwen3, mistral all of it)
+    assert ours == theirs
+
+
+SHAPES = {
+    "tiny": {},
+    "wide-mha": dict(hidden_dim=64, num_heads=8, num_kv_heads=8, intermediate_dim=96, seq_len=48),
+    "mqa": dict(hidden_dim=32, num_heads=4, num_kv_heads=1, intermediate_dim=40, seq_len=24),
+}
+"""Shapes of every family's export loaded by AutoConfig (each key where the family has it)."""
+
+
+def test_every_family_export_loads_through_autoconfig_and_comes_back_unchanged(
+    tmp_path, families, transformers
+):
+    """For every family and shape, its config read back from a run's config.yaml: config.json
+    as export writes it loads in transformers' config class (its declared types: Gemma 2's
+    int query_pre_attn_scalar), and transformers' own save of that config, imported and
+    written back, is unchanged (nothing listed)."""
+    for model_type in HF_TYPES:
+        cls = families.tiny_config(model_type).__class__
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for name, shape in SHAPES.items():
+            config = families.tiny_config(model_type, **{k: v for k, v in shape.items() if k in fields})  # fmt: skip
+            out = tmp_path / model_type / name
+            out.mkdir(parents=True)
+            # as a run's config.yaml is read back (on main: Gemma 2's 256 became 256.0)
+            kind = {"type": LmConfig.get_choice_name(type(config))}
+            config = draccus.decode(LmConfig, {**kind, **yaml.safe_load(draccus.dump(config))})
+            written, _ = written_config(config, VOCAB, {"torch_dtype": "float32"})
+            (out / "config.json").write_text(json.dumps(written))
+            theirs = transformers.AutoConfig.from_pretrained(out)
+            arch = config.hf_architecture.replace("ForCausalLM", "").replace("LMHeadModel", "")
+            assert type(theirs).__name__ == arch + "Config", (model_type, name)
+            theirs.save_pretrained(out / "saved")
+            saved = json.loads((out / "saved" / "config.json").read_text())
+            imported = model_from_hf(saved)
+            assert imported.hf_config(VOCAB) == config.hf_config(VOCAB), (model_type, name)
+            again, changed = written_config(imported, VOCAB, {"torch_dtype": "float32"})
+            assert (again, changed) == (saved, []), (model_type, name)
+
+
+GOAL_VOCAB = 300
+GOAL_SHAPE = dict(
+    vocab_size=GOAL_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=32, bos_token_id=None,
+    eos_token_id=None,
+)  # fmt: skip
+GOAL_HF = {
+    "llama": dict(intermediate_size=64),
+    "qwen3": dict(intermediate_size=64),
+    "qwen3_moe": dict(
+        intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, router_aux_loss_coef=0.001,
+    ),
+}  # fmt: skip
+GOAL_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def data_args(tmp_path_factory, tiny_corpus):
+    cache = tmp_path_factory.mktemp("cache")
+    return [
+        "--data.train", json.dumps([{"urls": [str(tiny_corpus)]}]),
+        "--data.tokenizer_vocab_size", str(GOAL_VOCAB), "--data.validation_fraction", "0.1",
+        "--data.cache_dir", str(cache),
+        "--trainer.train_batch_size", "4", "--trainer.num_train_steps", str(GOAL_STEPS),
+        "--trainer.eval_at_start", "false", "--trainer.max_eval_batches", "1",
+        "--trainer.progress_bar", "false", "--trainer.mp", "f32",
+        "--trainer.hooks", json.dumps([{"type": "hf_export", "every": 1000, "validate": False}]),
+        "--optimizer.learning_rate", "0.01", "--optimizer.warmup", "0",
+        "--sample.enabled", "false",
+    ]  # fmt: skip
+
+
+def saved_by_transformers(torch, transformers, model_type, path):
+    """A tiny model of ``model_type`` saved by transformers, its weights spread out (std 0.1)
+    so that greedy decoding has clear winners."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, **GOAL_SHAPE, **GOAL_HF[model_type])
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return json.loads((path / "config.json").read_text())
+
+
+def same_greedy_tokens(torch, transformers, path, prompt, n=8):
+    """``(ours, theirs)``: transformers' greedy continuation of ``prompt`` from the export at
+    ``path``, and ours as the argmax after each of its prefixes (one forward pass: the same
+    tokens exactly when greedy decoding here would give them)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )[0].tolist()  # fmt: skip
+    logits = load_hf(path).logits(hax.named(np.asarray(theirs), "position")).array
+    ours = prompt + np.asarray(logits).argmax(-1)[len(prompt) - 1 : -1].tolist()
+    return ours, theirs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", GOAL_HF)
+def test_a_transformers_checkpoint_continues_exports_and_decodes_alike(
+    tmp_path, model_type, torch, transformers, data_args, caplog, capsys
+):
+    """Issue 62's goal: a tiny model saved by transformers (random weights, no Hub) trains
+    with `--trainer.initialize_from_hf DIR` and no model flag (Llama through `loomax train`
+    and `loomax export` in process, the others through what it calls), the hf_export hook's
+    config.json differs from the imported one exactly in the fields its log line lists, and
+    transformers' greedy continuation is ours (our argmax after each of its prefixes)."""
+    source = tmp_path / "hf"
+    imported = saved_by_transformers(torch, transformers, model_type, source)
+    run = tmp_path / "run"
+    args = ["--trainer.initialize_from_hf", str(source), "--trainer.run_dir", str(run), *data_args]
+    with caplog.at_level(logging.INFO, logger="loomax.hf.convert"):
+        if model_type == "llama":  # the commands themselves, once
+            cli.main(["train", *args])
+            assert "metrics:" in capsys.readouterr().out
+            # the run's checkpoint keeps config.json too (model.hf_config_json in config.yaml)
+            cli.main(["export", "--checkpoint", str(run / "checkpoints"), "--out", str(tmp_path / "x")])  # fmt: skip
+        else:
+            given = given_values(TrainLmConfig, None, args)
+            config = parse_config(TrainLmConfig, None, hf_type_args(hf_source(given), given) + args)
+            train_lm(with_hf_model(config, given))
+    read = [r.getMessage() for r in caplog.records if r.getMessage().startswith("model from")]
+    assert f"model.type {model_type} (vocab_size {GOAL_VOCAB}, hidden_dim 32" in read[0]
+    out = run / "hf" / f"step-{GOAL_STEPS}"
+    [listed, *_] = [r.getMessage() for r in caplog.records if "the imported fields, changed" in r.getMessage()]  # fmt: skip
+    changed = listed.rsplit("changed: ", 1)[1].split(", ")
+    exported = json.loads((out / "config.json").read_text())
+    differ = sorted(k for k in {*imported, *exported} if imported.get(k) != exported.get(k))
+    assert differ == sorted(changed)  # unchanged but for the fields listed
+    assert set(changed) <= {"bos_token_id", "eos_token_id"}  # the run's tokenizer's ids
+    if model_type == "llama":
+        assert json.loads((tmp_path / "x" / "config.json").read_text()) == exported
+    before, after = load_file(str(source / "model.safetensors")), load_file(str(out / "model.safetensors"))  # fmt: skip
+    assert before.keys() == after.keys()
+    assert any(not np.array_equal(before[k], after[k]) for k in before)  # it trained
+    ours, theirs = same_greedy_tokens(torch, transformers, out, [3, 1, 4, 1, 5])
     assert ours == theirs

@@ -7,7 +7,9 @@ the tokenizer files: what ``transformers``' ``from_pretrained`` reads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -19,23 +21,31 @@ from safetensors.numpy import load_file, save_file
 
 from loomax.data.tokenizer import bos_id, eos_id
 from loomax.errors import BadFileError, MissingFileError
-from loomax.hf.family import family_for, family_of
+from loomax.hf.config_json import check_same_architecture, describe, model_from_hf, written_config
+from loomax.hf.family import family_of
 from loomax.models.config import LmConfig, LmModel
 from loomax.models.io.hf_layout import export_tensors, load_tensors
+
+logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
 
-def hf_state(model: LmModel) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``(config.json dict, {HF tensor name: array})`` of ``model``."""
+def hf_state(
+    model: LmModel, special_tokens: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, np.ndarray], list[str]]:
+    """``(config.json dict, {HF tensor name: array}, the fields changed)`` of ``model``: the
+    config.json it was imported from, changed only where training changed it
+    (``loomax.hf.config_json.written_config``), else its family's own."""
     family = family_of(model.config)
-    config = family.hf_config(model.Vocab.size)
+    family.hf_config(model.Vocab.size)  # an option transformers lacks: refused before any work
     tensors = export_tensors(model, family.hf_params())
     dtype = next(iter(tensors.values())).dtype
-    config["torch_dtype"] = _DTYPE_NAMES.get(dtype, "bfloat16")
-    return config, tensors
+    written = {"torch_dtype": _DTYPE_NAMES.get(dtype, "bfloat16"), **(special_tokens or {})}
+    config, changed = written_config(model.config, model.Vocab.size, written)
+    return config, tensors, changed
 
 
 def special_token_ids(tokenizer: Any) -> dict[str, int]:
@@ -67,10 +77,13 @@ def export_hf(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config, tensors = hf_state(model)
-    config.update(special_tokens or {})
+    config, tensors, changed = hf_state(model, special_tokens)
     config.setdefault("eos_token_id", None)
     config.setdefault("bos_token_id", config["eos_token_id"])
+    if model.config.hf_config_json:
+        logger.info(
+            "%s/config.json: the imported fields, changed: %s", out, ", ".join(changed) or "none"
+        )
     _write_shards(out, tensors, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
@@ -148,12 +161,31 @@ def check_hf(path: str | os.PathLike, config: LmConfig) -> None:
     config.json, weight files missing, an unsupported model type or another architecture."""
     hf, _ = _hf_files(Path(path))
     arch, _ = config_from_hf(hf)
-    _check_same_architecture(config, arch, path)
+    check_same_architecture(config, arch, path)
 
 
 def config_from_hf(hf: dict[str, Any]) -> tuple[LmConfig, int]:
-    """``(model config, vocab size)`` for a config.json dict."""
-    return family_for(hf).from_hf_config(hf), hf["vocab_size"]
+    """``(model config, vocab size)`` for a config.json dict (which the config keeps, for
+    export to write back)."""
+    return model_from_hf(hf), hf["vocab_size"]
+
+
+def hf_model_config(
+    path: str | os.PathLike,
+    configured: LmConfig | None = None,
+    given: Any = (),
+) -> LmConfig:
+    """The ``model`` section of a run that starts from the checkpoint at ``path``, reading no
+    weights: config.json's family, architecture and vocabulary, with the keys the run gave itself
+    (``given``: key paths inside ``model``, e.g. ``("attn_backend",)``) taken from
+    ``configured`` (``loomax.hf.config_json.model_from_hf``); logs one line of what was read."""
+    hf, _ = _hf_files(Path(path))
+    given = [tuple(p) for p in given]
+    config = model_from_hf(hf, configured, given, path)
+    if config.vocab_size is None:  # the checkpoint's vocabulary (a smaller tokenizer fits it)
+        config = dataclasses.replace(config, vocab_size=hf.get("vocab_size"))
+    logger.info("model from %s: %s", Path(path) / "config.json", describe(config, given))
+    return config
 
 
 def load_hf(path: str | os.PathLike, config: LmConfig | None = None) -> LmModel:
@@ -165,24 +197,10 @@ def load_hf(path: str | os.PathLike, config: LmConfig | None = None) -> LmModel:
     hf, tensors = read_hf(path)
     arch, vocab = config_from_hf(hf)
     if config is not None:
-        _check_same_architecture(config, arch, path)
-        arch = config
+        check_same_architecture(config, arch, path)
+        arch = config if config.hf_config_json else dataclasses.replace(config, hf_config_json=hf)
     skeleton = jax.eval_shape(lambda: arch.build(vocab, key=jax.random.PRNGKey(0)))
     return load_tensors(skeleton, family_of(arch).hf_params(), tensors)
-
-
-def _check_same_architecture(config: LmConfig, arch: LmConfig, path) -> None:
-    if type(config) is not type(arch):
-        raise BadFileError(
-            f"{path} holds a {type(arch).__name__}, the configured model is a {type(config).__name__}"
-        )
-    want, have = family_of(config).hf_config(1), family_of(arch).hf_config(1)
-    for key in config.hf_run_keys:  # dropout rates, a rotary model's context: the run's own
-        want.pop(key), have.pop(key)
-    diff = {k: (have[k], want.get(k)) for k in have if have[k] != want.get(k)}
-    if diff:
-        shown = ", ".join(f"{k}: {h!r} there, {w!r} configured" for k, (h, w) in diff.items())
-        raise BadFileError(f"{path} does not match the configured model ({shown})")
 
 
 def _special_token_names(tokenizer_json: Path, config: dict[str, Any]) -> dict[str, str]:

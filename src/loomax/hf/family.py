@@ -26,6 +26,8 @@ class HfFamily(Protocol):
     """The transformers class, written to config.json's ``architectures``."""
     hf_run_keys: ClassVar[tuple[str, ...]]
     """config.json fields that a run may set its own way when importing (dropout rates)."""
+    hf_field_names: ClassVar[dict[str, str | None]]
+    """Each config.json field and the model key it is (None: not read), ``hf.config_json``."""
 
     def hf_params(self) -> list[Param]:
         """Where each HF tensor lives in the model built from this config."""
@@ -39,7 +41,14 @@ class HfFamily(Protocol):
         """The config of a config.json dict (``BadFileError`` naming a field it cannot take)."""
 
 
-_MEMBERS = ("hf_architecture", "hf_run_keys", "hf_params", "hf_config", "from_hf_config")
+_MEMBERS = (
+    "hf_architecture",
+    "hf_run_keys",
+    "hf_field_names",
+    "hf_params",
+    "hf_config",
+    "from_hf_config",
+)
 
 
 def families() -> dict[str, type[LmConfig]]:

@@ -67,6 +67,12 @@ def resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:
     """The model's vocabulary size: ``model.vocab_size``, or the tokenizer's when null."""
     if model_config.vocab_size is None:
         return tokenizer_vocab
+    if model_config.vocab_size < tokenizer_vocab and model_config.hf_config_json:
+        raise ConfigError(
+            f"model.vocab_size ({model_config.vocab_size}, the Hugging Face checkpoint's "
+            f"vocab_size) is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); train "
+            "with the checkpoint's tokenizer (data.tokenizer: its directory)"
+        )
     if model_config.vocab_size < tokenizer_vocab:
         raise ConfigError(
             f"model.vocab_size ({model_config.vocab_size}) is smaller than the tokenizer's vocabulary "

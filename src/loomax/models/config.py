@@ -9,8 +9,8 @@ imports no model, no saving code above it: ``loomax.models.io.saving`` loads wha
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import draccus
 import equinox as eqx
@@ -78,6 +78,8 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Attention across a sequence split over trainer.mesh.context > 1: ring (K/V blocks passed around, O(seq/n) memory) or all_gather (K/V gathered whole)."""
     fp8: str = "off"
     """FP8 matmuls in the blocks' linear layers (e4m3 forward, e5m2 gradients, current scaling): off (false), on (true; needs NVIDIA compute capability 8.9+), or emulate (same arithmetic on any device)."""
+    hf_config_json: dict[str, Any] | None = field(default=None, compare=False)
+    """Set on import: the Hugging Face checkpoint's config.json, whose fields export writes back (changed only where training changed them); null = none."""
 
     hf_model_type: ClassVar[str | None] = None
     """The transformers ``model_type`` this family reads and writes (``loomax.hf.family.HfFamily``

@@ -52,6 +52,26 @@ class RotaryConfig(draccus.ChoiceRegistry):
         return None
 
     @staticmethod
+    def from_hf_config(hf: dict[str, Any]) -> RotaryConfig:
+        """The rotary config of an HF ``config.json``: transformers >= 5 writes one
+        ``rope_parameters`` mapping (with ``rope_theta``), older versions ``rope_theta`` and
+        ``rope_scaling``."""
+        params = hf.get("rope_parameters")
+        if not params:
+            return RotaryConfig.from_hf(hf.get("rope_theta", 10000.0), hf.get("rope_scaling"))
+        if (
+            not isinstance(params, dict)
+            or "rope_theta" not in params
+            and any(isinstance(v, dict) for v in params.values())
+        ):
+            raise BadFileError(
+                "config.json: rope_parameters per layer type are not supported (one rope for all layers)"
+            )
+        params = dict(params)
+        theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        return RotaryConfig.from_hf(theta, params)
+
+    @staticmethod
     def from_hf(theta: float, rope_scaling: dict[str, Any] | None) -> RotaryConfig:
         """The config matching HF's ``rope_theta`` and ``rope_scaling``."""
         if not rope_scaling:

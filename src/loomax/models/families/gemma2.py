@@ -47,8 +47,8 @@ class Gemma2Config(LlamaConfig):
     """Sliding-window attention on the layers of sliding_window_pattern; null = all."""
     sliding_window_pattern: tuple[bool, ...] = (True, False)
     """Which layers use sliding_window, repeated over the layers (Gemma 2: every other, from the first)."""
-    query_pre_attn_scalar: float = 256
-    """Attention scores are scaled by query_pre_attn_scalar ** -0.5 (instead of head_dim's)."""
+    query_pre_attn_scalar: int = 256
+    """Attention scores are scaled by query_pre_attn_scalar ** -0.5 (instead of head_dim's); a whole number, as transformers' Gemma2Config declares it."""
     attn_logit_softcapping: float | None = 50.0
     """Attention scores become cap * tanh(score / cap); null = no cap."""
     final_logit_softcapping: float | None = 30.0
@@ -57,6 +57,13 @@ class Gemma2Config(LlamaConfig):
     scale_embeddings: ClassVar[bool] = True
     hf_model_type: ClassVar[str | None] = "gemma2"
     hf_architecture: ClassVar[str] = "Gemma2ForCausalLM"
+    hf_field_names: ClassVar[dict[str, str | None]] = {
+        **LlamaConfig.hf_field_names,
+        "hidden_activation": "activation_function", "query_pre_attn_scalar": "query_pre_attn_scalar",
+        "sliding_window": "sliding_window", "layer_types": "sliding_window_pattern",
+        "attn_logit_softcapping": "attn_logit_softcapping",
+        "final_logit_softcapping": "final_logit_softcapping",
+    }  # fmt: skip
     hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
         "qk_norm": (False, "has no QK-norm"),
         "hybrid_norm": (True, "has norms before and after the attention and the MLP"),
@@ -78,10 +85,12 @@ class Gemma2Config(LlamaConfig):
             raise ConfigError(
                 "model.final_logit_softcapping needs model.cross_entropy_vocab_block_size null"
             )
-        if self.query_pre_attn_scalar <= 0:
+        scalar = self.query_pre_attn_scalar
+        if scalar <= 0 or scalar != int(scalar):
             raise ConfigError(
-                f"model.query_pre_attn_scalar must be positive, got {self.query_pre_attn_scalar}"
+                f"model.query_pre_attn_scalar must be a positive whole number, got {scalar}"
             )
+        object.__setattr__(self, "query_pre_attn_scalar", int(scalar))  # 256.0 from Python: 256
 
     @property
     def attn_scale(self) -> float:

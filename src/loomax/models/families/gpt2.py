@@ -102,6 +102,17 @@ class Gpt2Config(LmConfig):
     hf_architecture: ClassVar[str] = "GPT2LMHeadModel"
     hf_run_keys: ClassVar[tuple[str, ...]] = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
     """config.json fields a run may change (the dropout rates)."""
+    hf_field_names: ClassVar[dict[str, str | None]] = {
+        "n_positions": "seq_len", "n_ctx": "seq_len", "n_embd": "hidden_dim",
+        "n_layer": "num_layers", "n_head": "num_heads", "n_inner": "mlp_ratio",
+        "activation_function": "activation_function", "layer_norm_epsilon": "layer_norm_epsilon",
+        "initializer_range": "initializer_range", "tie_word_embeddings": "tie_word_embeddings",
+        "scale_attn_weights": None,
+        "scale_attn_by_inverse_layer_idx": "scale_attn_by_inverse_layer_idx",
+        "resid_pdrop": "resid_pdrop", "embd_pdrop": "embed_pdrop", "attn_pdrop": "attn_pdrop",
+    }  # fmt: skip
+    """Each config.json field (beside model_type, architectures, vocab_size) and the model key
+    it is (None: one Loomax fixes, e.g. always true); ``loomax.hf.config_json`` reads it."""
 
     def hf_params(self) -> list[Param]:
         """Where each HF tensor lives in the model (``transformer.h.{i}.`` per layer)."""

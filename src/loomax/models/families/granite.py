@@ -41,6 +41,10 @@ class GraniteConfig(LlamaConfig):
 
     hf_model_type: ClassVar[str | None] = "granite"
     hf_architecture: ClassVar[str] = "GraniteForCausalLM"
+    hf_field_names: ClassVar[dict[str, str | None]] = {
+        **LlamaConfig.hf_field_names,
+        **{name: name for name in _MULTIPLIERS},
+    }
 
     def __post_init__(self):
         super().__post_init__()

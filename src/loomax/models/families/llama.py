@@ -215,6 +215,17 @@ class LlamaConfig(LmConfig):
     hf_architecture: ClassVar[str] = "LlamaForCausalLM"
     hf_run_keys: ClassVar[tuple[str, ...]] = ("attention_dropout", "max_position_embeddings")
     """config.json fields a run may change: dropout, the context length (rotary positions)."""
+    hf_field_names: ClassVar[dict[str, str | None]] = {
+        "hidden_size": "hidden_dim", "intermediate_size": "intermediate_dim",
+        "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+        "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+        "max_position_embeddings": "seq_len", "rms_norm_eps": "rms_norm_eps",
+        "rope_theta": "rope.theta", "rope_scaling": "rope", "rope_parameters": "rope",
+        "tie_word_embeddings": "tie_word_embeddings", "hidden_act": "activation_function",
+        "attention_bias": "use_bias", "mlp_bias": "use_bias", "attention_dropout": "attn_pdrop",
+        "initializer_range": "initializer_range",
+    }  # fmt: skip
+    """Each config.json field (beside model_type, architectures, vocab_size) and its model key."""
     hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
         "qk_norm": (False, "has no QK-norm"),
         "hybrid_norm": (False, "has no norms on the attention and MLP outputs"),
@@ -365,7 +376,7 @@ class LlamaConfig(LmConfig):
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rope=_rope_from_hf(hf),
+            rope=RotaryConfig.from_hf_config(hf),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             initializer_range=hf.get("initializer_range", 0.02),
@@ -378,23 +389,3 @@ def _yaml(value: Any) -> str:
     if isinstance(value, tuple):
         return "[" + ", ".join(_yaml(v) for v in value) + "]"
     return "null" if value is None else str(value).lower()
-
-
-def _rope_from_hf(hf: dict[str, Any]) -> RotaryConfig:
-    """The rotary config of an HF ``config.json``: transformers >= 5 writes one
-    ``rope_parameters`` mapping (with ``rope_theta``), older versions ``rope_theta`` and
-    ``rope_scaling``."""
-    params = hf.get("rope_parameters")
-    if not params:
-        return RotaryConfig.from_hf(hf.get("rope_theta", 10000.0), hf.get("rope_scaling"))
-    if (
-        not isinstance(params, dict)
-        or "rope_theta" not in params
-        and any(isinstance(v, dict) for v in params.values())
-    ):
-        raise BadFileError(
-            "config.json: rope_parameters per layer type are not supported (one rope for all layers)"
-        )
-    params = dict(params)
-    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    return RotaryConfig.from_hf(theta, params)

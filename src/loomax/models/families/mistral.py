@@ -21,6 +21,10 @@ class MistralConfig(LlamaConfig):
 
     hf_model_type: ClassVar[str | None] = "mistral"
     hf_architecture: ClassVar[str] = "MistralForCausalLM"
+    hf_field_names: ClassVar[dict[str, str | None]] = {
+        **LlamaConfig.hf_field_names,
+        "sliding_window": "sliding_window",
+    }
     hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
         **{k: v for k, v in LlamaConfig.hf_requires.items() if k != "sliding_window"},
         "use_bias": (False, "has no biases"),

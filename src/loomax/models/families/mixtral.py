@@ -99,6 +99,13 @@ class MixtralConfig(LlamaConfig):
         "router_aux_loss_coef",
     )
     """config.json fields a run may change: dropout, context length, the balance loss weight."""
+    hf_field_names: ClassVar[dict[str, str | None]] = {
+        **LlamaConfig.hf_field_names,
+        "intermediate_size": "intermediate_dim", "num_local_experts": "moe.num_experts",
+        "num_experts_per_tok": "moe.num_experts_per_tok",
+        "router_aux_loss_coef": "moe.load_balance_loss_weight", "router_jitter_noise": None,
+        "sliding_window": "sliding_window",
+    }  # fmt: skip
     hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
         **{k: v for k, v in LlamaConfig.hf_requires.items() if k != "sliding_window"},
         "use_bias": (False, "has no biases"),

@@ -44,6 +44,11 @@ class OlmoeConfig(MixtralConfig):
         **Qwen3MoeConfig.hf_requires,
         "qk_norm": (True, "has QK-norm over the whole projection"),
     }
+    hf_field_names: ClassVar[dict[str, str | None]] = {
+        **MixtralConfig.hf_field_names,  # num_local_experts: transformers 5 saves that name
+        "num_experts": "moe.num_experts", "norm_topk_prob": "moe.norm_topk_prob",
+        "clip_qkv": None,
+    }  # fmt: skip
     hf_moe_requires: ClassVar[dict[str, tuple[Any, str]]] = Qwen3MoeConfig.hf_moe_requires
     hf_expert_names: ClassVar[tuple[str, str, str, str]] = Qwen3MoeConfig.hf_expert_names
 

@@ -1,7 +1,8 @@
 """Phi-3 (``Phi3ForCausalLM``): Llama whose query, key and value projections are one fused HF
 tensor (``qkv_proj``), as are the gate and up projections (``gate_up_proj``); no biases.
 
-Only full rotary dimensions (``partial_rotary_factor`` 1) and plain rope types are read.
+Only full rotary dimensions (``partial_rotary_factor`` 1) and plain rope types are read, and
+only the default rope is written (transformers' Phi-3 refuses other scalings).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any, ClassVar
 
 from loomax.config import ConfigError
 from loomax.errors import BadFileError
+from loomax.models.attention.rotary import DefaultRotary
 from loomax.models.config import LmConfig
 from loomax.models.families.llama import LlamaConfig
 from loomax.models.io.hf_layout import Param
@@ -28,6 +30,10 @@ class Phi3Config(LlamaConfig):
         "resid_pdrop",
         "embd_pdrop",
     )
+    hf_field_names: ClassVar[dict[str, str | None]] = {
+        **LlamaConfig.hf_field_names,
+        "resid_pdrop": "resid_pdrop", "embd_pdrop": "embed_pdrop", "pad_token_id": None,
+    }  # fmt: skip
     hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
         **LlamaConfig.hf_requires,
         "use_bias": (False, "has no biases"),
@@ -56,6 +62,10 @@ class Phi3Config(LlamaConfig):
         if self.head_size * self.num_heads != self.hidden_dim:
             raise ConfigError(
                 "Phi3ForCausalLM has heads of hidden_dim / num_heads: export needs model.head_dim: null"
+            )
+        if type(self.rope) is not DefaultRotary:  # transformers' Phi-3 scales by longrope only
+            raise ConfigError(
+                "Phi3ForCausalLM has no such rope scaling: export needs model.rope.type: default"
             )
         out = super().hf_config(vocab_size)
         del out["attention_bias"], out["mlp_bias"], out["head_dim"]

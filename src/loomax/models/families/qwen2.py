@@ -24,6 +24,11 @@ class Qwen2Config(LlamaConfig):
 
     hf_model_type: ClassVar[str | None] = "qwen2"
     hf_architecture: ClassVar[str] = "Qwen2ForCausalLM"
+    hf_field_names: ClassVar[dict[str, str | None]] = {
+        **LlamaConfig.hf_field_names,
+        "use_sliding_window": "sliding_window", "sliding_window": "sliding_window",
+        "max_window_layers": "sliding_window_pattern", "layer_types": "sliding_window_pattern",
+    }  # fmt: skip
     hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
         **{k: v for k, v in LlamaConfig.hf_requires.items() if "sliding_window" not in k},
         "use_bias": (False, "has biases on q/k/v only (always)"),

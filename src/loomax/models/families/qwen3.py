@@ -27,6 +27,11 @@ class Qwen3Config(LlamaConfig):
 
     hf_model_type: ClassVar[str | None] = "qwen3"
     hf_architecture: ClassVar[str] = "Qwen3ForCausalLM"
+    hf_field_names: ClassVar[dict[str, str | None]] = {
+        **LlamaConfig.hf_field_names,
+        "use_sliding_window": "sliding_window", "sliding_window": "sliding_window",
+        "max_window_layers": "sliding_window_pattern", "layer_types": "sliding_window_pattern",
+    }  # fmt: skip
     hf_requires: ClassVar[dict[str, tuple[Any, str]]] = {
         **{k: v for k, v in LlamaConfig.hf_requires.items() if "sliding_window" not in k},
         "qk_norm": (True, "always has QK-norm"),

@@ -48,6 +48,13 @@ class Qwen3MoeConfig(MixtralConfig):
         "qk_norm": (True, "has QK-norm"),
         "sliding_window": (None, "has no sliding window"),
     }
+    hf_field_names: ClassVar[dict[str, str | None]] = {
+        **MixtralConfig.hf_field_names,  # num_local_experts: transformers 5 saves that name
+        "intermediate_size": None,  # the width of dense layers, which Loomax refuses
+        "moe_intermediate_size": "intermediate_dim", "num_experts": "moe.num_experts",
+        "norm_topk_prob": "moe.norm_topk_prob", "decoder_sparse_step": None,
+        "mlp_only_layers": None, "use_sliding_window": "sliding_window",
+    }  # fmt: skip
     hf_moe_requires: ClassVar[dict[str, tuple[Any, str]]] = {
         k: v for k, v in MixtralConfig.hf_moe_requires.items() if k != "norm_topk_prob"
     }
