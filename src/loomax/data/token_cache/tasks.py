@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 from loomax.data.fast_encoder import FastEncoder, fast_encoder
 from loomax.data.sources import ReadStats, Shard, read_shard
 from loomax.data.token_cache.layout import create_array, is_held_out, piece_dir, split_names
+from loomax.data.token_cache.lease import fence_holds
 from loomax.data.token_cache.priority import autogroup_nice, set_task_priority
 from loomax.data.tokenizer import encode_documents
 from loomax.storage import Directory
@@ -65,6 +66,14 @@ class PieceJob:
     node's autogroup before tokenizing (`priority.set_task_priority`)."""
     driver_autogroup: str | None = None
     """`priority.autogroup_id()` of the process that started the build (None: unknown)."""
+    fence: int | None = None
+    """The fence of the build lease the build runs under (None: no lease): the task records
+    its shard only while the lease still holds it (`lease.fence_holds`)."""
+
+
+class FenceLost(RuntimeError):
+    """The build lease no longer holds the task's fence: its builder stopped or was replaced,
+    so the task records nothing (its piece, if written, is deleted)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -92,6 +101,8 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         job.shard.name,
     ):
         return recorded
+    if not fence_holds(job.root_url, job.fence):
+        raise FenceLost(f"shard {job.shard.name}: the build lease moved on; not tokenized")
     if job.before_piece is not None:
         job.before_piece(job.shard)
     set_task_priority(job.nice, job.driver_autogroup)  # `_run_here` clears nice: the driver
@@ -132,6 +143,9 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         "nice": os.nice(0),
         "autogroup_nice": autogroup_nice(),
     }
+    if not fence_holds(job.root_url, job.fence):  # a stale holder's task writes no entry
+        root.child("pieces", str(job.position), attempt).delete()
+        raise FenceLost(f"shard {job.shard.name}: the build lease moved on; not recorded")
     root.child("ledger").write_json(f"{job.position}.json", entry)  # after the piece; atomic
     return entry
 
