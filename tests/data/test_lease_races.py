@@ -240,6 +240,18 @@ def test_a_dead_holder_is_replaced_after_missed_renewals_whatever_its_clock(tmp_
     assert not live.lost.is_set() and other.acquire() and other.fence == 6
 
 
+def test_confirming_while_the_thread_renews_never_loses_the_lease(tmp_path):
+    """`confirm` (before a commit) and the renewal thread both compare-and-swap the record:
+    taking turns, neither fails the other's (which would set `lost` on a held lease)."""
+    lease = BuildLease(str(tmp_path / "train0"), ttl_s=0.15, owner="me")  # renewed every 0.05 s
+    assert lease.acquire()
+    with lease.held():
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:
+            lease.confirm()
+        assert not lease.lost.is_set()
+
+
 def test_renewals_that_fail_on_the_store_are_retried_then_given_up_loudly(tmp_path, caplog):
     """The lease's record made unreadable for a moment (a symlink loop in its place: the
     store's reads fail) is ridden out by retries; for longer than the lease, the renewals

@@ -95,6 +95,7 @@ class BuildLease:
         self._beat = 0
         self._confirmed_at = float("-inf")  # monotonic time just before the last good write
         self._seen: tuple[tuple, float] | None = None  # another's record, first seen when
+        self._writing = threading.Lock()  # the renewal thread and `confirm` take turns
 
     def holder(self) -> dict | None:
         """The current holder's record (`owner`, `host`, `pid`, `fence`, `beat`), or None."""
@@ -123,7 +124,8 @@ class BuildLease:
 
     def _expired(self, record: dict) -> bool:
         """Whether another owner's `record` went unrenewed for its TTL on this clock."""
-        seen = (record.get("owner"), record.get("fence"), record.get("beat"))
+        # `expires`: a record of an older loomax, renewed by rewriting it
+        seen = tuple(record.get(key) for key in ("owner", "fence", "beat", "expires"))
         now = time.monotonic()
         if self._seen is None or self._seen[0] != seen:
             self._seen = (seen, now)
@@ -149,18 +151,19 @@ class BuildLease:
     def renew(self) -> bool:
         """Extends the lease (a compare-and-swap on this owner and fence); sets `lost` and
         returns False if another owner holds it. Store errors are raised."""
-        started = time.monotonic()
-        record, generation = self._read()
-        ours = record is not None and (record.get("owner"), record.get("fence")) == (
-            self.owner,
-            self.fence,
-        )
-        if not ours or not self._write(generation, self._record(self.fence, self._beat + 1)):
-            self.lost.set()
-            return False
-        self._beat += 1
-        self._confirmed_at = started
-        return True
+        with self._writing:  # two renewals at once would fail each other's compare-and-swap
+            started = time.monotonic()
+            record, generation = self._read()
+            ours = record is not None and (record.get("owner"), record.get("fence")) == (
+                self.owner,
+                self.fence,
+            )
+            if not ours or not self._write(generation, self._record(self.fence, self._beat + 1)):
+                self.lost.set()
+                return False
+            self._beat += 1
+            self._confirmed_at = started
+            return True
 
     def remaining_s(self) -> float:
         """Seconds this owner may still write before it must have renewed."""
