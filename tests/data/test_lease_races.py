@@ -29,6 +29,7 @@ import pytest
 from loomax.data.sources import SourceConfig, source_shards
 from loomax.data.token_cache import build_token_cache
 from loomax.data.token_cache.lease import BuildLease, lease_key, read_lease
+from loomax.data.token_cache.shared import build_shared
 from loomax.data.tokenizer import train_bpe_tokenizer
 
 DRIVER = Path(__file__).with_name("lease_race_driver.py")
@@ -213,6 +214,38 @@ def test_a_frozen_holder_let_go_after_a_takeover_writes_nothing(point, corpus, r
     }
     assert after == before, "the stale holder wrote to the cache after it was replaced"
     check_outcome(race, reference)
+
+
+def test_a_damaged_complete_cache_is_repaired_only_under_the_lease(corpus, reference, tmp_path):
+    """A run that finds a complete cache damaged does not delete or rebuild it while another
+    run holds its lease (that run may be reading or mending it): it waits, then repairs it
+    under the lease, back to the uninterrupted build."""
+    shards = source_shards(SourceConfig(urls=corpus.urls))
+    cache = tmp_path / "tokens" / "train0"
+    holdout = driver_module().HOLDOUT
+    build_token_cache(shards, corpus.tokenizer, cache, holdout_fraction=holdout, progress=False)
+    [stored] = [p for p in (cache / "train" / "tokens").rglob("*") if p.name == "0"]
+    stored.write_bytes(stored.read_bytes()[:-7])  # truncated: found on open by its size
+    other = BuildLease(str(cache), ttl_s=30, owner="another run")
+    assert other.acquire()
+    done = threading.Event()
+
+    def repair() -> None:
+        build_shared(
+            shards, corpus.tokenizer, cache, holdout_fraction=holdout, progress=False, poll_s=0.05
+        )
+        done.set()
+
+    thread = threading.Thread(target=repair)
+    thread.start()
+    try:
+        assert not done.wait(1.0), "repaired while another run held the lease"
+        assert (cache / "meta.json").exists() and stored.stat().st_size > 0  # untouched
+    finally:
+        other.release()
+        thread.join(60)
+    assert done.is_set()
+    assert cache_files(cache) == reference.files
 
 
 def test_a_dead_holder_is_replaced_after_missed_renewals_whatever_its_clock(tmp_path):
