@@ -33,7 +33,7 @@ from loomax.data.token_cache.ledger import claim, entry_tokens, pieces_left, rea
 from loomax.data.token_cache.placement import runs_here
 from loomax.data.token_cache.priority import autogroup_id
 from loomax.data.token_cache.settings import BuildPlan, TokenCacheInfo, cache_settings
-from loomax.data.token_cache.tasks import FenceLost, PieceJob, build_piece
+from loomax.data.token_cache.tasks import FENCE_LOST, FenceLost, PieceJob, build_piece
 from loomax.data.tokenizer import bos_id, eos_id, load_tokenizer, resolve_tokenizer_path
 from loomax.distributed import RayConfig, ray_session
 from loomax.errors import DataSourceError
@@ -259,6 +259,9 @@ def _collect(
     )
     try:
         for job, outcome in runner:
+            if isinstance(outcome, dict) and FENCE_LOST in outcome:  # the lease moved on
+                failures.insert(0, (job, FenceLost(outcome[FENCE_LOST])))
+                break  # no more tasks: this builder stops (`BuildStopped` below)
             if isinstance(outcome, BaseException):
                 failures.append((job, outcome))
                 continue

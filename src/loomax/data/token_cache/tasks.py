@@ -73,7 +73,13 @@ class PieceJob:
 
 class FenceLost(RuntimeError):
     """The build lease no longer holds the task's fence: its builder stopped or was replaced,
-    so the task records nothing (its piece, if written, is deleted)."""
+    so the task recorded nothing (its piece, if written, is deleted)."""
+
+
+FENCE_LOST = "fence_lost"
+"""The key of what a task returns instead of a ledger entry when its fence was lost (a
+value, not an exception: a stopped driver no longer waits for its tasks, and Ray logs the
+errors nobody fetched)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -89,7 +95,8 @@ def _fast_encoder(sha256: str, text: str) -> FastEncoder | None:
 
 
 def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
-    """Tokenizes one shard into a new piece, then records it in the ledger; returns the entry.
+    """Tokenizes one shard into a new piece, then records it in the ledger; returns the entry
+    (`{FENCE_LOST: why}` instead when the build lease no longer holds `job.fence`).
 
     A shard already recorded for this build is not tokenized again: its entry is returned.
     (Ray reruns a task lost with its node, and the node may have died after the task
@@ -102,7 +109,7 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
     ):
         return recorded
     if not fence_holds(job.root_url, job.fence):
-        raise FenceLost(f"shard {job.shard.name}: the build lease moved on; not tokenized")
+        return {FENCE_LOST: f"shard {job.shard.name}: the build lease moved on; not tokenized"}
     if job.before_piece is not None:
         job.before_piece(job.shard)
     set_task_priority(job.nice, job.driver_autogroup)  # `_run_here` clears nice: the driver
@@ -145,7 +152,7 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
     }
     if not fence_holds(job.root_url, job.fence):  # a stale holder's task writes no entry
         root.child("pieces", str(job.position), attempt).delete()
-        raise FenceLost(f"shard {job.shard.name}: the build lease moved on; not recorded")
+        return {FENCE_LOST: f"shard {job.shard.name}: the build lease moved on; not recorded"}
     root.child("ledger").write_json(f"{job.position}.json", entry)  # after the piece; atomic
     return entry
 
