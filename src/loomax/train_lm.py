@@ -12,6 +12,7 @@ import jax
 from loomax.checkpoint.checkpointer import check_writable
 from loomax.config import ConfigError, flatten_config, to_json_dict, to_yaml
 from loomax.data import BatchLoader, LmDatasets, build_lm_datasets, report_skipped
+from loomax.data.order import choose_order
 from loomax.data.streaming import check_streaming, streaming_datasets
 from loomax.distributed import pod_ray_cluster
 from loomax.hooks import (
@@ -65,7 +66,9 @@ def _train_lm(config: TrainLmConfig, run_id: str) -> TrainLmResult:
     if not check_restore_sources(trainer_config, own_checkpoints, run_id):
         check_initial_weights(config)
     check_fp8(model_config.fp8)  # only fp8 "on" looks at the devices
-    streaming = config.data.stream_while_building
+    order = choose_order(config.data, epochs=trainer_config.num_train_epochs is not None)
+    logger.info(order.describe(config.data.stream_chunk_shards))
+    streaming = order.streaming
     if streaming:
         check_streaming(config.data)
         if trainer_config.num_train_epochs is not None:
@@ -91,7 +94,7 @@ def _train_lm(config: TrainLmConfig, run_id: str) -> TrainLmResult:
 def _train_on(config: TrainLmConfig, run_id: str, data: LmDatasets) -> TrainLmResult:
     trainer_config, model_config = config.trainer, config.model
     # windows built so far while streaming: no epoch size (num_train_epochs was refused)
-    epoch_size = None if config.data.stream_while_building else data.num_train_windows
+    epoch_size = None if data.background is not None else data.num_train_windows
     trainer_config = trainer_config.with_epoch_size(epoch_size)  # num_train_epochs -> steps
     batch_sizes = trainer_config.batch_schedule
     steps = trainer_config.num_train_steps

@@ -53,7 +53,8 @@ def arguments(tmp_path, shards, cache: str, run: str, *extra: str, **source) -> 
         "data.tokenizer_vocab_size": "300",
         "data.validation_fraction": "0.1",
         "data.cache_dir": cache,
-        "data.stream_while_building": "true",
+        "data.stream_while_building": "auto",  # streams: the files hold more than 1 kB
+        "data.stream_auto_mb": "0.001",
         "data.stream_chunk_shards": "2",
         "model.seq_len": "32",
         "model.hidden_dim": "32",
@@ -121,7 +122,10 @@ def test_a_source_read_as_one_stream_trains_while_its_cache_builds(
     streamed = dict(records_per_shard=30)  # 320 documents: 10 shards of 30, one of 20
     building = config(tmp_path, shards, cache, "building", **streamed)
     caplog.set_level(logging.INFO, logger="loomax.data.streaming")
+    caplog.set_level(logging.INFO, logger="loomax.train_lm")
     train_lm(building)
+    [order] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data order")]
+    assert "training while the token caches build" in order and "read as a stream" in order
     [started] = [r.getMessage() for r in caplog.records if "training starts on" in r.getMessage()]
     assert "(of a stream)" in started, started  # before the build knew how many shards
     monkeypatch.setattr(build_module, "build_piece", slow)
@@ -183,5 +187,14 @@ def test_a_run_killed_while_the_cache_builds_resumes_to_the_uninterrupted_losses
 def test_epochs_are_refused_while_streaming(tmp_path, shards):
     with pytest.raises(ConfigError, match="num_train_steps"):
         train_lm(
-            config(tmp_path, shards, "memory://never", "epochs", "--trainer.num_train_epochs", "1")
+            config(
+                tmp_path,
+                shards,
+                "memory://never",
+                "epochs",
+                "--trainer.num_train_epochs",
+                "1",
+                "--data.stream_while_building",
+                "true",
+            )  # fmt: skip
         )

@@ -62,8 +62,11 @@ class DataConfig:
     prefetch: int = 4
     """Batches the loader prepares ahead on a background thread; 0 = none."""
 
-    stream_while_building: bool = False
-    """Start training once the first chunk of each train cache is built, the build going on in the background; windows are then shuffled within chunks of `stream_chunk_shards` shards (the same order whether or not the cache was complete at the start)."""
+    stream_while_building: bool | str = "auto"
+    """Start training once the first chunk of each train cache is built, the build going on in the background; windows are then shuffled within chunks of `stream_chunk_shards` shards (the same order whether or not the cache was complete at the start): true | false | auto (true when the train sources' listed files exceed `stream_auto_mb`, from the config and the files' sizes only)."""
+
+    stream_auto_mb: float = 64.0
+    """Size above which `stream_while_building: auto` streams: MB of text in the train sources' listed files (a .gz/.zst file counted 4x its size; a `records_per_shard` or streamed `hf` source always above)."""
 
     stream_chunk_shards: int = 8
     """Shards per chunk of the order `stream_while_building` uses: windows are shuffled within a chunk, chunks come in shard order."""
@@ -97,6 +100,16 @@ class DataConfig:
                 )
             if stage.start <= 0 or (i and stage.start <= self.weight_schedule[i - 1].start):
                 raise ValueError(f"{where}.start must be > 0 and increasing, got {stage.start}")
+        if (
+            not isinstance(self.stream_while_building, bool)
+            and self.stream_while_building != "auto"
+        ):
+            raise ValueError(
+                "data.stream_while_building must be true, false or auto, "
+                f"got {self.stream_while_building!r}"
+            )
+        if not self.stream_auto_mb >= 0:
+            raise ValueError(f"data.stream_auto_mb must be >= 0, got {self.stream_auto_mb}")
         if self.stream_chunk_shards < 1:
             raise ValueError(
                 f"data.stream_chunk_shards must be >= 1, got {self.stream_chunk_shards}"

@@ -42,14 +42,13 @@ from loomax.data.token_cache import (
     TokenCacheInfo,
     cache_fingerprint,
 )
-from loomax.data.token_cache.layout import META_FILE
 from loomax.data.token_cache.reader import TokenSplit
 from loomax.data.token_cache.shared import build_shared
 from loomax.data.tokenizer import eos_id, load_tokenizer
 from loomax.data.windows import SplitWindows, TokenWindows
 from loomax.distributed import RayConfig, barrier, coordination_client
 from loomax.errors import DataSourceError
-from loomax.storage import Directory
+from loomax.storage import to_url
 
 if TYPE_CHECKING:
     from loomax.data.background_build import BackgroundBuilds
@@ -137,9 +136,11 @@ def build_caches(
     overwrite: bool = False,
     progress: bool = True,
     kinds: tuple[str, ...] = ("train", "validation"),
+    rebuild: str | None = None,
 ) -> tuple[list[TokenCacheInfo], list[TokenCacheInfo]]:
     """Build (or reuse, or resume) the token caches of the train and validation sources
-    (of `kinds`), each under its lease: a cache another run builds is waited for."""
+    (of `kinds`), each under its lease: a cache another run builds is waited for. The
+    cache at URL `rebuild` (found damaged by a read) is deleted and rebuilt under its lease."""
 
     def build(kind: str, index: int, source: SourceConfig) -> TokenCacheInfo:
         plan = cache_plan(config, tokenizer_path, kind, index, source)
@@ -147,6 +148,7 @@ def build_caches(
             plan.shards,
             str(tokenizer_path),
             plan.url,
+            rebuild=to_url(plan.url) == rebuild,
             **plan.settings,
             skip_bad_records=config.skip_bad_records,
             fast_encoder=config.fast_encoder != "off",
@@ -187,8 +189,9 @@ def build_lm_datasets(
         if coordination_client() is not None:
             raise
         logger.warning("%s; rebuilding it", error)
-        Directory(error.root).delete(first=META_FILE)
-    return _lm_datasets(*known, *build_caches(config, tokenizer_path, ray=ray))
+        damaged_root = error.root
+    caches = build_caches(config, tokenizer_path, ray=ray, rebuild=damaged_root)
+    return _lm_datasets(*known, *caches)
 
 
 def _lm_datasets(

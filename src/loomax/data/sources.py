@@ -34,6 +34,7 @@ __all__ = [
     "SourceConfig",
     "iter_documents",
     "read_shard",
+    "source_file_sizes",
     "source_fingerprint",
     "source_paths",
     "source_shards",
@@ -217,6 +218,20 @@ def source_paths(source: SourceConfig) -> list[Path]:
         if "://" in path:
             raise ValueError(f"data source: {path} is not a local file; use `source_shards`")
     return [Path(path) for path in paths]
+
+
+def source_file_sizes(source: SourceConfig) -> list[tuple[str, int]] | None:
+    """`(url, bytes)` of each file a source lists (a compressed file's own size), or None
+    when its files are not listed (a Hub dataset, a `records_per_shard` stream)."""
+    if source.records_per_shard is not None:
+        return None
+    if source.hf is not None:
+        files = _hf_local_files(source.hf)
+    elif source.embedded is not None:
+        return [(str(path), path.stat().st_size) for path in embedded_paths(source.embedded)]
+    else:
+        files = _list_files(source)
+    return [(url, int(info.get("size") or 0)) for url, info in files] or None
 
 
 def source_fingerprint(source: SourceConfig) -> str:

@@ -26,6 +26,7 @@ from loomax.data.token_cache import (
     assemble,
     build,
     build_token_cache,
+    finish,
     layout,
 )
 from loomax.data.tokenizer import train_bpe_tokenizer
@@ -257,7 +258,7 @@ def test_a_build_stopped_at_any_point_resumes_to_the_same_cache(
 
     cache = tmp_path / "deleting"
     with monkeypatch.context() as patch:
-        patch.setattr(build, "delete_pieces", delete_some)
+        patch.setattr(finish, "delete_pieces", delete_some)
         with pytest.raises(Killed):
             make(corpus, cache)
     points["deleting"] = cache

@@ -7,6 +7,7 @@ shards were tokenized in. With `max_documents` the last shard used may be cut sh
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import tensorstore as ts
 
@@ -24,14 +25,17 @@ COPY_WINDOW = 8
 """Shards whose pieces are copied into the flat arrays at the same time."""
 
 
-def assemble_splits(build: BuildPlan, entries: list[dict]) -> dict[str, dict[str, int]]:
+def assemble_splits(
+    build: BuildPlan, entries: list[dict], check: Callable[[], None] = lambda: None
+) -> dict[str, dict[str, int]]:
     """Writes every split from the pieces of `entries` (the ledger entries of the shards
-    used, in order); returns the documents and tokens of each split."""
+    used, in order); returns the documents and tokens of each split. `check` is called
+    before each write (the build's lease fence: it raises when the lease is lost)."""
     kept = _kept_counts(build, entries)
     splits = {}
     for split in split_names(build.holdout["fraction"]):
         counts = [shard_counts[split] for shard_counts in kept]
-        _assemble_split(build.root, split, entries, counts)
+        _assemble_split(build.root, split, entries, counts, check)
         splits[split] = {
             "documents": sum(c["documents"] for c in counts),
             "tokens": sum(c["tokens"] for c in counts),
@@ -70,8 +74,11 @@ def _piece(root: Directory, entry: dict, split: str) -> Directory:
     return piece_dir(root, entry["position"], entry["piece"], split)
 
 
-def _assemble_split(root: Directory, split: str, entries: list[dict], counts: list[dict]) -> None:
+def _assemble_split(
+    root: Directory, split: str, entries: list[dict], counts: list[dict], check: Callable[[], None]
+) -> None:
     """Writes `<split>/tokens` and `<split>/offsets` from the pieces, each at its global offset."""
+    check()
     num_documents = sum(c["documents"] for c in counts)
     tokens = create_array(root.child(split, "tokens"), "int32", sum(c["tokens"] for c in counts))
     offsets = create_array(root.child(split, "offsets"), "int64", num_documents + 1)
@@ -83,6 +90,7 @@ def _assemble_split(root: Directory, split: str, entries: list[dict], counts: li
         if n_docs == 0:
             continue
         piece = _piece(root, entry, split)
+        check()
         source = open_array(piece.child("tokens"))[:n_tokens]
         pending.append(tokens[token_base : token_base + n_tokens].write(source))
         piece_offsets = open_array(piece.child("offsets"))[1 : n_docs + 1].read().result()

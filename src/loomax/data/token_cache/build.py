@@ -25,14 +25,15 @@ from tqdm import tqdm
 from loomax.data.cache import fingerprint
 from loomax.data.record_shards import RecordShards
 from loomax.data.sources import Shard
-from loomax.data.token_cache.assemble import assemble_splits
-from loomax.data.token_cache.damage import find_damage, reading, stored_files
-from loomax.data.token_cache.layout import FORMAT_VERSION, META_FILE, TokenCacheError
-from loomax.data.token_cache.ledger import claim, delete_pieces, entry_tokens, read_ledger
+from loomax.data.token_cache.damage import find_damage
+from loomax.data.token_cache.finish import clean_up, finish, info
+from loomax.data.token_cache.layout import META_FILE, TokenCacheError
+from loomax.data.token_cache.lease import BuildLease
+from loomax.data.token_cache.ledger import claim, entry_tokens, pieces_left, read_ledger
 from loomax.data.token_cache.placement import runs_here
 from loomax.data.token_cache.priority import autogroup_id
-from loomax.data.token_cache.settings import BuildPlan, SplitInfo, TokenCacheInfo, cache_settings
-from loomax.data.token_cache.tasks import PieceJob, build_piece
+from loomax.data.token_cache.settings import BuildPlan, TokenCacheInfo, cache_settings
+from loomax.data.token_cache.tasks import FENCE_LOST, FenceLost, PieceJob, build_piece
 from loomax.data.tokenizer import bos_id, eos_id, load_tokenizer, resolve_tokenizer_path
 from loomax.distributed import RayConfig, ray_session
 from loomax.errors import DataSourceError
@@ -62,6 +63,8 @@ def build_token_cache(
     fast_encoder: bool = True,
     background_from: int | None = None,
     held: Callable[[], bool] | None = None,
+    lease: BuildLease | None = None,
+    repair: bool = True,
 ) -> TokenCacheInfo:
     """Tokenizes `shards` with Ray into a token cache at `cache_url`, or resumes that build.
 
@@ -92,6 +95,12 @@ def build_token_cache(
     the earlier shards' tasks run first, at the workers' own priority. While `held()` is
     true those tasks also run at most (Ray CPUs - 1) at a time, at least one: a streaming
     run holds its build so until its first step, leaving a core to its compiles.
+
+    `lease`, the cache's build lease this process holds (`shared.build_shared`): every
+    write of the finish phase and every repair is fenced on it (`finish`), and the tasks
+    record their shards only while it holds their fence. `repair=False` (a run that does
+    not hold the lease) raises `CacheNeedsRepair` instead of touching a complete cache
+    that is damaged or still has its pieces.
     """
     if not 0 <= holdout_fraction < 1:
         raise ValueError(f"holdout_fraction must be in [0, 1), got {holdout_fraction}")
@@ -123,13 +132,24 @@ def build_token_cache(
         skip_bad_records=skip_bad_records,
         fast_encoder=fast_encoder,
         background_from=background_from,
+        fence=None if lease is None else lease.fence,
     )
-    meta, tokenized = claim(build, overwrite), []
+
+    def before_repair(why: str) -> None:
+        if not repair:
+            raise CacheNeedsRepair(f"token cache {build.root}: {why}")
+        if lease is not None:
+            lease.confirm()
+
+    meta, tokenized = claim(build, overwrite, before_repair), []
     problem = None if meta is None else find_damage(build.root, meta)
     if problem is not None:  # same settings, sources just fingerprinted: safe to rebuild
+        before_repair(f"damaged ({problem})")
         logger.warning("token cache %s is damaged (%s): rebuilding it", build.root, problem)
         build.root.delete(first=META_FILE)
-        meta = claim(build, overwrite)
+        meta = claim(build, overwrite, before_repair)
+    if meta is not None and pieces_left(build.root):
+        before_repair("its pieces are left")
     if meta is None:
         ledger = read_ledger(build)
         before = set(ledger)
@@ -143,9 +163,15 @@ def build_token_cache(
             )
             _tokenize_missing(build, jobs, ledger, ray_config, progress, should_stop, held)
         tokenized = [entry for position, entry in ledger.items() if position not in before]
-        meta = _finish(build, ledger)
-    delete_pieces(build.root)
-    return _info(build.root, meta, tokenized)
+        meta = finish(build, ledger, lease)
+    if pieces_left(build.root):
+        clean_up(build.root, lease)
+    return info(build.root, meta, tokenized)
+
+
+class CacheNeedsRepair(TokenCacheError):
+    """A complete cache needs a repair (or its pieces deleted), which only the holder of its
+    build lease may do (`build_token_cache(repair=False)`)."""
 
 
 def _job(build: BuildPlan, position: int, before_piece: Callable[[Shard], None] | None) -> PieceJob:
@@ -166,6 +192,7 @@ def _job(build: BuildPlan, position: int, before_piece: Callable[[Shard], None] 
         if build.background_from is not None and position >= build.background_from
         else 0,
         driver_autogroup=autogroup_id(),
+        fence=build.fence,
     )
 
 
@@ -232,6 +259,9 @@ def _collect(
     )
     try:
         for job, outcome in runner:
+            if isinstance(outcome, dict) and FENCE_LOST in outcome:  # the lease moved on
+                failures.insert(0, (job, FenceLost(outcome[FENCE_LOST])))
+                break  # no more tasks: this builder stops (`BuildStopped` below)
             if isinstance(outcome, BaseException):
                 failures.append((job, outcome))
                 continue
@@ -246,6 +276,8 @@ def _collect(
         bar.close()
     if failures:
         job, error = failures[0]
+        if isinstance(error, FenceLost):  # the lease moved on: this builder stops
+            raise BuildStopped(f"token cache: the build lease was lost ({error})")
         raise TokenCacheError(
             f"token cache: tokenizing shard {job.shard.name} failed "
             f"({len(failures)} shard(s) failed; finished shards are kept, rerun to resume): "
@@ -331,51 +363,3 @@ def _run_here(
         except Exception as error:  # reported by the caller, like a failed Ray task
             yield job, error
             return
-
-
-# ---------------------------------------------------------------------- finishing
-def _finish(build: BuildPlan, ledger: dict[int, dict]) -> dict:
-    """Copies the pieces of the shards used into the flat arrays, then writes `meta.json`."""
-    used = build.shards_used(ledger)
-    assert used is not None, "every shard used is in the ledger"
-    entries = [ledger[position] for position in range(used)]
-    with reading(build.root, f"a piece under {build.root.child('pieces')}"):
-        splits = assemble_splits(build, entries)
-    meta = {
-        "format": FORMAT_VERSION,
-        "fingerprint": build.key,
-        "settings": build.settings,
-        "tokenizer": str(build.tokenizer_file),
-        **build.token_ids,
-        "splits": splits,
-        "shards": {
-            "total": len(build.shards),
-            "used": used,
-            "documents": {entry["name"]: entry["documents"] for entry in entries},
-        },
-        "documents_skipped": sum(entry["skipped"] for entry in entries),
-        "skipped_examples": [e for entry in entries for e in entry["skipped_examples"]][:10],
-        "files": stored_files(build.root, list(splits)),
-    }
-    build.root.write_json(META_FILE, meta)
-    return meta
-
-
-def _info(root: Directory, meta: dict, tokenized: list[dict]) -> TokenCacheInfo:
-    """What the cache of `meta` holds, and what this call tokenized (`tokenized` entries)."""
-    nodes: dict[str, int] = {}
-    for entry in tokenized:
-        if entry.get("node") is not None:
-            nodes[entry["node"]] = nodes.get(entry["node"], 0) + 1
-    return TokenCacheInfo(
-        url=root.url,
-        fingerprint=meta["fingerprint"],
-        splits={name: SplitInfo(**counts) for name, counts in meta["splits"].items()},
-        documents_skipped=meta["documents_skipped"],
-        shards_total=meta["shards"]["total"],
-        shards_used=meta["shards"]["used"],
-        shards_tokenized=len(tokenized),
-        skipped_examples=list(meta.get("skipped_examples", [])),
-        shard_documents=dict(meta["shards"].get("documents", {})),
-        nodes=nodes,
-    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 
 import tensorstore as ts
 
@@ -24,17 +25,22 @@ from loomax.storage import CONTEXT, Directory, join, local_path
 logger = logging.getLogger(__name__)
 
 
-def claim(build: BuildPlan, overwrite: bool) -> dict | None:
+def claim(
+    build: BuildPlan, overwrite: bool, before_repair: Callable[[str], None] = lambda why: None
+) -> dict | None:
     """Checks what is at the cache URL: the meta of a complete, matching cache, or None.
 
     Refuses a cache (complete or not) built with other settings unless `overwrite`, and
     anything that is not a token cache. Records the settings in `build.json`.
+    `before_repair(why)` is called before a complete cache is deleted to be rebuilt (it
+    raises when this process may not: it does not hold the cache's build lease).
     """
     root = build.root
     meta, started = read_record(root, META_FILE), read_record(root, BUILD_FILE)
     if meta is DAMAGED:
         if started is DAMAGED or (started or {}).get("fingerprint") != build.key:
             raise damaged(root, str(root.child(META_FILE)), "not JSON")
+        before_repair(f"{META_FILE} is not JSON")
         logger.warning("token cache %s: %s is not JSON: rebuilding the cache", root, META_FILE)
         root.delete(first=META_FILE)
         meta = started = None
@@ -58,6 +64,7 @@ def claim(build: BuildPlan, overwrite: bool) -> dict | None:
             "(e.g. named by cache_fingerprint), or overwrite=True to delete it and rebuild"
         )
     else:
+        before_repair("--overwrite")
         root.delete(first=META_FILE)
     root.write_json(BUILD_FILE, {"fingerprint": build.key, "settings": build.settings})
     return None
@@ -138,6 +145,15 @@ def _piece_is_there(build: BuildPlan, entry: dict, pieces: set[str]) -> bool:
 def entry_tokens(entry: dict) -> int:
     """Tokens a ledger entry's shard holds, over all splits."""
     return sum(split["tokens"] for split in entry["splits"].values())
+
+
+def pieces_left(root: Directory) -> bool:
+    """Whether any piece is still stored (a local folder is checked without listing it)."""
+    pieces = root.child("pieces")
+    path = local_path(pieces.url)
+    if path is not None:
+        return os.path.isdir(path) and bool(os.listdir(path))
+    return bool(pieces.keys())
 
 
 def delete_pieces(root: Directory) -> None:

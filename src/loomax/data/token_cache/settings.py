@@ -130,6 +130,9 @@ class BuildPlan:
     """Whether tasks may encode with the exact tiktoken encoder (not a setting: same tokens)."""
     background_from: int | None = None
     """Shards from this position on are tokenized by Ray tasks at `BACKGROUND_NICE`."""
+    fence: int | None = None
+    """The fence of the build lease this build runs under (None: no lease); its tasks
+    record their shards only while the lease holds it."""
 
     @property
     def max_documents(self) -> int | None:

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 from loomax.data.fast_encoder import FastEncoder, fast_encoder
 from loomax.data.sources import ReadStats, Shard, read_shard
 from loomax.data.token_cache.layout import create_array, is_held_out, piece_dir, split_names
+from loomax.data.token_cache.lease import fence_holds
 from loomax.data.token_cache.priority import autogroup_nice, set_task_priority
 from loomax.data.tokenizer import encode_documents
 from loomax.storage import Directory
@@ -65,6 +66,20 @@ class PieceJob:
     node's autogroup before tokenizing (`priority.set_task_priority`)."""
     driver_autogroup: str | None = None
     """`priority.autogroup_id()` of the process that started the build (None: unknown)."""
+    fence: int | None = None
+    """The fence of the build lease the build runs under (None: no lease): the task records
+    its shard only while the lease still holds it (`lease.fence_holds`)."""
+
+
+class FenceLost(RuntimeError):
+    """The build lease no longer holds the task's fence: its builder stopped or was replaced,
+    so the task recorded nothing (its piece, if written, is deleted)."""
+
+
+FENCE_LOST = "fence_lost"
+"""The key of what a task returns instead of a ledger entry when its fence was lost (a
+value, not an exception: a stopped driver no longer waits for its tasks, and Ray logs the
+errors nobody fetched)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -80,7 +95,8 @@ def _fast_encoder(sha256: str, text: str) -> FastEncoder | None:
 
 
 def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
-    """Tokenizes one shard into a new piece, then records it in the ledger; returns the entry.
+    """Tokenizes one shard into a new piece, then records it in the ledger; returns the entry
+    (`{FENCE_LOST: why}` instead when the build lease no longer holds `job.fence`).
 
     A shard already recorded for this build is not tokenized again: its entry is returned.
     (Ray reruns a task lost with its node, and the node may have died after the task
@@ -92,6 +108,8 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         job.shard.name,
     ):
         return recorded
+    if not fence_holds(job.root_url, job.fence):
+        return {FENCE_LOST: f"shard {job.shard.name}: the build lease moved on; not tokenized"}
     if job.before_piece is not None:
         job.before_piece(job.shard)
     set_task_priority(job.nice, job.driver_autogroup)  # `_run_here` clears nice: the driver
@@ -132,6 +150,9 @@ def build_piece(job: PieceJob, tokenizer_json: str) -> dict[str, Any]:
         "nice": os.nice(0),
         "autogroup_nice": autogroup_nice(),
     }
+    if not fence_holds(job.root_url, job.fence):  # a stale holder's task writes no entry
+        root.child("pieces", str(job.position), attempt).delete()
+        return {FENCE_LOST: f"shard {job.shard.name}: the build lease moved on; not recorded"}
     root.child("ledger").write_json(f"{job.position}.json", entry)  # after the piece; atomic
     return entry
 
