@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import jax
 import numpy as np
@@ -211,3 +212,22 @@ def test_import_loomax_does_not_import_lm_eval():
         "assert 'lm_eval' not in sys.modules, 'lm_eval imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_process_indexes_a_set_of_task_folders_once_and_again_when_edited(
+    tasks_dir, tmp_path, lm_eval_tasks
+):
+    """lm-eval's index of its ~14,700 built-in task YAMLs (~9 CPU-s) is built once a process
+    for a set of folders; a folder whose YAMLs change is indexed again."""
+    from loomax.downstream import task_manager
+
+    folder = tmp_path / "tasks"
+    shutil.copytree(tasks_dir, folder)
+    first = task_manager(["tiny_mc"], folder, hub=True)
+    assert task_manager(["tiny_mc"], folder, hub=True) is first
+    assert "arc_easy" in first.all_tasks and "tiny_mc" in first.all_tasks
+    t = lm_eval_tasks
+    t.write_task(folder, "tiny_mc2", t.MC, data="mc2", **t.MULTIPLE_CHOICE)
+    again = task_manager(["tiny_mc2"], folder, hub=True)
+    assert again is not first and "tiny_mc2" in again.all_tasks
+    assert task_manager(["tiny_mc"], folder, include_defaults=False, hub=True) is not again
