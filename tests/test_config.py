@@ -213,7 +213,7 @@ def test_cli_unknown_flag_exits_2_before_work(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2
-    assert "--trainer.num_train_step" in proc.stderr
+    assert "--trainer.num_train_step 5 (did you mean --trainer.num_train_steps?)" in proc.stderr
 
 
 def test_cli_bad_value_exits_2_with_message(tmp_path):

@@ -268,6 +268,24 @@ def _version(info: dict[str, Any]) -> dict[str, Any]:
     return version
 
 
+def check_source_files(train: list[SourceConfig], validation: list[SourceConfig]) -> None:
+    """Fail, naming the config key (``data.train[0].urls``), when a ``urls`` pattern of a
+    source matches no file: before a tokenizer is trained or a cache built."""
+    for kind, sources in (("train", train), ("validation", validation)):
+        for index, source in enumerate(sources):
+            for url in source.urls or ():
+                for pattern in expand_braces(url if "://" in url else os.path.expanduser(url)):
+                    if _glob_files(pattern):
+                        continue
+                    named = pattern if pattern == url else f"{pattern} (from {url})"
+                    relative = "://" not in pattern and not os.path.isabs(pattern)
+                    where = f", relative to the current directory {os.getcwd()}" if relative else ""
+                    raise MissingFileError(
+                        f"data.{kind}[{index}].urls: no files match {named}{where}; give "
+                        "paths, globs or URLs of .txt/.jsonl/.parquet (optionally .gz/.zst) files"
+                    )
+
+
 def _list_files(source: SourceConfig) -> list[tuple[str, dict[str, Any]]]:
     """`(url, fsspec info)` of each file of a `urls` or `embedded` source, in order:
     patterns as listed, each glob's matches sorted, duplicates dropped."""
