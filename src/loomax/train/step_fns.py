@@ -20,7 +20,7 @@ _UNSET: Any = object()
 class JittedSteps:
     """The ``Trainer``'s step functions (a base class: it uses the trainer's ``loss_fn``,
     ``optimizer``, ``outer_optimizer``, ``config``, ``lr_schedule``, ``hook_set``,
-    ``runtime``, ``num_microbatches`` and its cache ``_step_fns``).
+    ``runtime``, ``num_microbatches`` and its caches ``_step_fns`` and ``_precompiled``).
 
     Under ``trainer.diloco`` a step is one of several programs: the inner step, or the inner
     step followed by the sync of fragment ``sync``; the loop picks it from the step number.
@@ -63,7 +63,7 @@ class JittedSteps:
         activation_stats: bool = False,
     ) -> Callable:
         microbatches = num_microbatches or self.num_microbatches
-        key = (microbatches, sync, activation_stats)
+        key = self._step_key(num_microbatches, sync, activation_stats)
         if key in self._step_fns:
             return self._step_fns[key]
         diloco = self.diloco()
@@ -139,7 +139,29 @@ class JittedSteps:
         step_fn = self._build_step(state, num_microbatches, sync, activation_stats)
         if not isinstance(batch, jax.Array):
             batch = self.place_batch(batch)
+        key = self._step_key(num_microbatches, sync, activation_stats)
+        compiled = self._precompiled.get(key)
+        if compiled is not None:
+            try:  # the program compiled ahead of time (precompile): no second compile
+                return compiled(state, batch)
+            except (TypeError, ValueError):  # other shapes or shardings, found before it runs
+                del self._precompiled[key]
         return step_fn(state, batch)
+
+    def precompile(self, state: TrainerState, batch: Any, **step_args: Any):
+        """Compile the step for ``state`` and a global ``batch`` (``ShapeDtypeStruct``s with
+        shardings will do) now, ahead of the first step, which then runs this program; the
+        ``jax.stages.Compiled`` it returns has the step's ``memory_analysis()``."""
+        num_microbatches = step_args.get("num_microbatches")
+        sync, stats = step_args.get("sync"), step_args.get("activation_stats", False)
+        step_fn = self._build_step(state, num_microbatches, sync, stats)
+        with self.runtime.mesh_context():
+            compiled = step_fn.jitted.lower(state, batch).compile()
+        self._precompiled[self._step_key(num_microbatches, sync, stats)] = compiled
+        return compiled
+
+    def _step_key(self, num_microbatches, sync, activation_stats) -> tuple:
+        return (num_microbatches or self.num_microbatches, sync, activation_stats)
 
     def place_batch(self, batch: Any) -> Any:
         """This process's rows as a global batch, split over (replica, data); a batch that
@@ -158,4 +180,5 @@ class JittedSteps:
 
     def compilations(self) -> int:
         """How many step variants have been compiled (one per shape and batch size)."""
-        return sum(fn.jitted._cache_size() for fn in self._step_fns.values())
+        jitted = sum(fn.jitted._cache_size() for fn in self._step_fns.values())
+        return jitted + len(self._precompiled)
