@@ -34,7 +34,7 @@ from loomax.peak_flops import total_peak_flops
 from loomax.storage import to_url
 from loomax.tracking import check_trackers
 from loomax.train import HookContext, StepInfo, Trainer, check_restore_sources, setup_process
-from loomax.train.memory_fit import check_step_fits
+from loomax.train.memory_fit import check_step_fits_everywhere
 from loomax.train.process import device_line
 from loomax.train.shutdown import schedule_shutdown
 
@@ -230,7 +230,7 @@ def check_step_memory(trainer: Trainer, config: TrainLmConfig, vocab_size: int) 
     state = trainer.abstract_state(initial_model(config, vocab_size))
     compiled = trainer.precompile(state, batch, **trainer.step_args(1))
     local = [d for d in runtime.mesh.devices.flat if d.process_index == jax.process_index()]
-    need = check_step_fits(compiled, local)
+    need = check_step_fits_everywhere(compiled, local)
     if need is not None:
         logger.info(
             "trainer.check_memory: the step needs %.3f GiB per device (state and batch %.3f, "

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from loomax.errors import UserError
 
@@ -96,6 +97,27 @@ KNOBS = (
     "fewer activations (model.gradient_checkpointing true), or shard over more devices "
     "(trainer.mesh); trainer.check_memory false tries anyway"
 )
+
+
+def check_step_fits_everywhere(compiled, devices: Sequence[jax.Device]) -> StepMemory | None:
+    """``check_step_fits`` on every process, agreed: when the step does not fit one process,
+    every process raises (none is left waiting for the others at the first step)."""
+    try:
+        need, refused = check_step_fits(compiled, devices), None
+    except StepMemoryError as error:
+        need, refused = None, error
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        flags = np.asarray(multihost_utils.process_allgather(np.int32(refused is not None)))
+        if refused is None and flags.any():
+            refused = StepMemoryError(
+                f"the train step will not fit in the memory of process {int(flags.argmax())} "
+                "(its own error says by how much); stopping every process"
+            )
+    if refused is not None:
+        raise refused
+    return need
 
 
 def check_step_fits(compiled, devices: Sequence[jax.Device]) -> StepMemory | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,8 @@ from loomax.mesh import replicated
 from loomax.train.diloco import DiLoCo, worker_compute_mapping
 from loomax.train.state import TrainerState, state_shardings
 from loomax.train.step import make_train_step
+
+logger = logging.getLogger(__name__)
 
 _UNSET: Any = object()
 
@@ -144,8 +147,13 @@ class JittedSteps:
         if compiled is not None:
             try:  # the program compiled ahead of time (precompile): no second compile
                 return compiled(state, batch)
-            except (TypeError, ValueError):  # other shapes or shardings, found before it runs
+            except (TypeError, ValueError) as e:  # other shapes or shardings, before it runs
                 del self._precompiled[key]
+                logger.info(
+                    "the step compiled ahead of time does not take these inputs "
+                    "(%s); compiling it for them",
+                    str(e).splitlines()[0][:200],
+                )
         return step_fn(state, batch)
 
     def precompile(self, state: TrainerState, batch: Any, **step_args: Any):
