@@ -264,6 +264,7 @@ def test_eval_only_cli_prints_the_eval_and_trains_nothing(tmp_path, tiny_corpus,
         "(trainer.mesh)"
     )
     assert "eval loss: step 0:" in out and "-> step 0:" in out
+    assert out.splitlines()[-1] == "steps: 0 of 40 (trainer.eval_only: evaluated, not trained)"
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0] and "eval/loss" in records[0]
     assert "train/loss" not in records[0]

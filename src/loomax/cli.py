@@ -192,6 +192,8 @@ def steps_line(step: int, num_train_steps: int | None, stop_reason: str | None) 
     line = f"steps: {step} of {num_train_steps}"
     if stop_reason is None:
         return line
+    if stop_reason == "trainer.eval_only":
+        return f"{line} (trainer.eval_only: evaluated, not trained)"
     if stop_reason.startswith("trainer.max_train_time"):
         return (
             f"{line}, stopped early by the time guard: {stop_reason} (a slower or busier machine; "

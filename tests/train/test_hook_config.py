@@ -43,7 +43,6 @@ def user_module(tmp_path, monkeypatch):
     return name
 
 
-@pytest.mark.slow
 def test_a_hook_from_the_users_module_is_named_in_yaml_and_runs(tmp_path, user_module, tiny):
     path = tmp_path / "run.yaml"
     path.write_text(

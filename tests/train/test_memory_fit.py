@@ -13,7 +13,6 @@ from loomax.train import memory_fit
 from loomax.train.memory_fit import StepMemoryError, check_step_fits
 
 
-@pytest.mark.slow
 def test_the_step_is_checked_then_run_as_compiled_once(tiny, tmp_path, monkeypatch):
     trainer = tiny.trainer(tmp_path, steps=2)
     init = lambda key: tiny.model.build(tiny.vocab, key=key)  # noqa: E731
