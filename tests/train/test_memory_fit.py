@@ -35,11 +35,14 @@ def test_the_step_is_checked_then_run_as_compiled_once(tiny, tmp_path, monkeypat
 
     need = check_step_fits(compiled, jax.local_devices())  # this host has room for it
     assert need is not None and need.state > 0 and need.total >= need.state
-    final = trainer.train(trainer.initial_state(init), tiny.batches())
+    batches = tiny.batches()
+    short = next(batches)[:, :8]  # a warm-up's shorter batch first (seq_len_warmup), then full
+    final = trainer.train(trainer.initial_state(init), [short, next(batches), next(batches)])
     assert final.step == 2
-    # the steps ran the program compiled ahead of time: the jitted step never compiled
-    assert [fn.jitted._cache_size() for fn in trainer._step_fns.values()] == [0]
-    assert trainer.compilations() == 1
+    # the short batch compiled its own program; the full one ran the program compiled ahead
+    # of time: the full-length step compiled once
+    assert [fn.jitted._cache_size() for fn in trainer._step_fns.values()] == [1]
+    assert trainer.compilations() == 2 and trainer._precompiled
 
 
 def test_each_device_is_checked_against_its_free_memory():

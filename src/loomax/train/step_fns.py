@@ -143,15 +143,15 @@ class JittedSteps:
         if not isinstance(batch, jax.Array):
             batch = self.place_batch(batch)
         key = self._step_key(num_microbatches, sync, activation_stats)
-        compiled = self._precompiled.get(key)
-        if compiled is not None:
+        compiled, shapes = self._precompiled.get(key, (None, None))
+        if compiled is not None and _shapes(batch) == shapes:  # not a warm-up's shorter batch
             try:  # the program compiled ahead of time (precompile): no second compile
                 return compiled(state, batch)
-            except (TypeError, ValueError) as e:  # other shapes or shardings, before it runs
+            except (TypeError, ValueError) as e:  # another state layout, found before it runs
                 del self._precompiled[key]
                 logger.info(
-                    "the step compiled ahead of time does not take these inputs "
-                    "(%s); compiling it for them",
+                    "the step compiled ahead of time does not take this state (%s); "
+                    "compiling it for it",
                     str(e).splitlines()[0][:200],
                 )
         return step_fn(state, batch)
@@ -165,7 +165,10 @@ class JittedSteps:
         step_fn = self._build_step(state, num_microbatches, sync, stats)
         with self.runtime.mesh_context():
             compiled = step_fn.jitted.lower(state, batch).compile()
-        self._precompiled[self._step_key(num_microbatches, sync, stats)] = compiled
+        self._precompiled[self._step_key(num_microbatches, sync, stats)] = (
+            compiled,
+            _shapes(batch),
+        )
         return compiled
 
     def _step_key(self, num_microbatches, sync, activation_stats) -> tuple:
@@ -190,3 +193,8 @@ class JittedSteps:
         """How many step variants have been compiled (one per shape and batch size)."""
         jitted = sum(fn.jitted._cache_size() for fn in self._step_fns.values())
         return jitted + len(self._precompiled)
+
+
+def _shapes(batch: Any) -> list[tuple[int, ...]]:
+    """The shapes of a batch's arrays (what a precompiled step is matched on first)."""
+    return [tuple(x.shape) for x in jax.tree.leaves(batch)]
