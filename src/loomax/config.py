@@ -22,7 +22,7 @@ import yaml
 from draccus.utils import DecodingError, ParsingError
 
 from loomax import config_help
-from loomax.config_suggest import unknown_keys_hint
+from loomax.config_suggest import did_you_mean, unknown_keys_hint
 from loomax.errors import UserError
 
 T = TypeVar("T")
@@ -175,8 +175,8 @@ def overlay_args(cls: type, path: str | os.PathLike) -> list[str]:
             key = str(key)
             if fields is not None and key not in fields:
                 raise ConfigError(
-                    f"{where([*keys, key])}: `{'.'.join([*keys, key])}` is not a config key "
-                    f"(keys of {'.'.join(keys) or 'the run'}: {', '.join(sorted(fields))})"
+                    f"{where([*keys, key])}: `{'.'.join([*keys, key])}` is not a config key"
+                    f"{did_you_mean(key, fields, keys)} (keys of {'.'.join(keys) or 'the run'}: {', '.join(sorted(fields))})"
                 )
             section = fields[key] if fields is not None else None
             if isinstance(value, dict) and (section is not None or fields is None):

@@ -23,6 +23,12 @@ def nearest(name: str, candidates: Iterable[str]) -> str | None:
     return matches[0] if matches else None
 
 
+def did_you_mean(name: str, candidates: Iterable[str], section: Sequence[str] = ()) -> str:
+    """ " (did you mean `section.nearest`?)", or "" when no candidate is close to ``name``."""
+    match = nearest(name, candidates)
+    return f" (did you mean `{'.'.join([*section, match])}`?)" if match else ""
+
+
 def section_class(cls: type, keys: Sequence[str], class_name: str | None = None) -> type | None:
     """The dataclass reached from ``cls`` through the fields ``keys`` (a list's index, such as
     the ``0`` of ``trainer.hooks.0``, stands for its items); a choice section (a
