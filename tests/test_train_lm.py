@@ -201,6 +201,22 @@ def test_a_step_that_will_not_fit_ends_in_one_line_before_training(
     )
     assert "this host has 0.00 GiB of RAM available" in err[-1]
     assert not list((tmp_path / "run").rglob("step-*"))  # no step taken, nothing saved
+    # overridable: trainer.check_memory false tries anyway (here, it fits after all)
+    result = train_lm(
+        small_config(
+            tmp_path,
+            tiny_corpus,
+            "--trainer.check_memory",
+            "false",
+            "--trainer.num_train_steps",
+            "1",
+            "--trainer.eval_at_start",
+            "false",
+            "--sample.enabled",
+            "false",
+        )
+    )
+    assert result.final.step == 1
 
 
 def test_fp8_without_fp8_devices_fails_before_the_data_is_built(tmp_path, tiny_corpus):
