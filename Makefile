@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 BENCH_STAMP := $(VENV)/.installed-bench
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.cache/jax
 export TF_CPP_MIN_LOG_LEVEL ?= 2
@@ -31,6 +32,14 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q uv || true
 
+# The demo installs what it runs: the package and its dependencies, no extra (about 1.2 GB;
+# README.md). The test extra adds torch, transformers, libtpu, JAX's CUDA plugin and tools,
+# lm-eval and the rest the suite checks against (about 3.6 GB in all): `make test` installs it.
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(UV_INSTALL) -e . || $(BIN)/python -m pip install -q -e .
+	$(BIN)/python -c "import loomax, jax, haliax, equinox, optax, draccus"
+	touch $(DEMO_STAMP)
+
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(UV_INSTALL) -e ".[test,docs]" || $(BIN)/python -m pip install -q -e ".[test,docs]"
 	$(BIN)/python -c "import loomax, jax, haliax, equinox, optax, draccus"
@@ -38,7 +47,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/loomax tokenizer train --config_path config/quickstart.yaml --out cache/tokenizers/quickstart
 	$(BIN)/loomax train --config_path config/quickstart.yaml --data.tokenizer cache/tokenizers/quickstart/tokenizer.json
 

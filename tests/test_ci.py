@@ -58,3 +58,22 @@ def test_make_test_deselects_no_test(repo_root):
 def test_make_test_fast_leaves_out_only_the_slow_tests(repo_root):
     runs = [line for line in make_dry_run(repo_root, "test-fast") if " -m pytest" in line]
     assert len(runs) == 1 and runs[0].endswith('-m "not slow"'), runs
+
+
+def test_make_demo_installs_what_the_demo_runs_and_make_test_the_test_extra(repo_root, tmp_path):
+    """`make demo` installs the package alone (no torch, libtpu, CUDA tools or lm-eval: the
+    test extra); `make test` installs the test extra. Dry runs into a venv that is not there."""
+    venv = f"VENV={tmp_path / 'venv'}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "PYTEST"))}
+
+    def installs(target: str) -> list[str]:
+        done = subprocess.run(
+            ["make", "-n", target, venv], cwd=repo_root, capture_output=True, text=True, env=env
+        )
+        assert done.returncode == 0, done.stderr
+        return [line for line in done.stdout.splitlines() if " install " in line and " -e " in line]
+
+    demo = installs("demo")
+    assert demo and all(line.endswith(" -e .") for line in demo), demo
+    test = installs("test")
+    assert test and all('-e ".[test,docs]"' in line for line in test), test

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from loomax.cli import INTERNAL_ERROR, main
+from loomax.cli import INTERNAL_ERROR, main, steps_line
 from loomax.data.tokenizer import load_tokenizer
 
 
@@ -276,3 +276,14 @@ def test_tokenizer_train_leaves_the_validation_documents_out(tmp_path):
     main([*args, "--data.validation_fraction", "0.01", "--out", str(tmp_path / "all")])
     if not is_held_out(0, held, 0.01, dataset_module.HOLDOUT_SEED):  # now in the train split
         assert any(rare in t for t in load_tokenizer(tmp_path / "all").get_vocab())
+
+
+def test_the_last_line_says_how_many_steps_ran_and_what_stopped_the_run():
+    assert steps_line(500, 500, None) == "steps: 500 of 500"
+    guard = steps_line(198, 500, "trainer.max_train_time (0:04:00) reached")
+    assert guard.startswith(
+        "steps: 198 of 500, stopped early by the time guard: trainer.max_train_time (0:04:00) "
+        "reached (a slower or busier machine;"
+    )
+    assert "--trainer.max_train_time null" in guard and "docs/quickstart.md" in guard
+    assert steps_line(7, 10, "signal SIGTERM") == "steps: 7 of 10, stopped early: signal SIGTERM"

@@ -213,7 +213,7 @@ def test_cli_unknown_flag_exits_2_before_work(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2
-    assert "--trainer.num_train_step" in proc.stderr
+    assert "--trainer.num_train_step 5 (did you mean --trainer.num_train_steps?)" in proc.stderr
 
 
 def test_cli_bad_value_exits_2_with_message(tmp_path):
@@ -263,7 +263,9 @@ def test_overlay_unknown_key_names_file_and_line(tmp_path):
     overlay = tmp_path / "bad.yaml"
     overlay.write_text("trainer:\n  seed: 1\n  mesh:\n    dat: 2\n")
     with pytest.raises(
-        ConfigError, match=r"bad.yaml, line 4: `trainer.mesh.dat` is not a config key"
+        ConfigError,
+        match=r"bad.yaml, line 4: `trainer.mesh.dat` is not a config key \(did you mean "
+        r"`trainer.mesh.data`\?\) \(keys of trainer.mesh:",
     ):
         parse_config(TrainLmConfig, None, ["--overlay", str(overlay)])
     with pytest.raises(ConfigError, match="overlay file not found"):

@@ -149,6 +149,7 @@ def test_quickstart_cli_few_steps(tmp_path, repo_root):
     # the demo's bar: gzip -9 on the same held-out files, beside the model's bits per byte
     assert re.search(r"held-out bits per byte: [\d.]+ \(model\) vs [\d.]+ \(gzip -9", proc.stdout)
     assert "sample:" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "steps: 4 of 4"  # the last line: how many steps ran
     assert "train: 100%" in proc.stderr  # the progress bar
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 4 and "eval/loss" in records[-1] and "train/loss" in records[-1]
@@ -170,6 +171,52 @@ def test_missing_weights_fail_before_the_data_is_built(tmp_path, tiny_corpus, fl
     with pytest.raises(FileNotFoundError, match=message):
         train_lm(config)
     assert not (tmp_path / "cache").exists()  # no tokenizer trained, no cache written
+
+
+def test_a_data_path_that_matches_nothing_names_its_config_key(tmp_path, tiny_corpus):
+    missing = json.dumps([{"urls": [str(tiny_corpus)]}, {"urls": [str(tmp_path / "no/*.txt")]}])
+    config = small_config(tmp_path, tiny_corpus, "--data.validation", missing)
+    with pytest.raises(FileNotFoundError) as error:
+        train_lm(config)
+    assert str(error.value).startswith(
+        f"data.validation[1].urls: no files match {tmp_path}/no/*.txt;"
+    )
+    assert not (tmp_path / "cache").exists()  # before any tokenizer or cache
+
+
+@pytest.mark.slow
+def test_a_step_that_will_not_fit_ends_in_one_line_before_training(
+    tmp_path, tiny_corpus, monkeypatch, capsys
+):
+    from loomax.cli import main
+    from loomax.train import memory_fit
+
+    monkeypatch.setattr(memory_fit, "host_available_bytes", lambda: 2**20)  # 1 MiB of RAM left
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *small_args(tmp_path, tiny_corpus)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2
+    assert err[-1].startswith(
+        "loomax train: error: the train step will not fit in memory: it needs"
+    )
+    assert "this host has 0.00 GiB of RAM available" in err[-1]
+    assert not list((tmp_path / "run").rglob("step-*"))  # no step taken, nothing saved
+    # overridable: trainer.check_memory false tries anyway (here, it fits after all)
+    result = train_lm(
+        small_config(
+            tmp_path,
+            tiny_corpus,
+            "--trainer.check_memory",
+            "false",
+            "--trainer.num_train_steps",
+            "1",
+            "--trainer.eval_at_start",
+            "false",
+            "--sample.enabled",
+            "false",
+        )
+    )
+    assert result.final.step == 1
 
 
 def test_fp8_without_fp8_devices_fails_before_the_data_is_built(tmp_path, tiny_corpus):
@@ -227,7 +274,13 @@ def test_eval_only_cli_prints_the_eval_and_trains_nothing(tmp_path, tiny_corpus,
 
     main(["train", *small_args(tmp_path, tiny_corpus, "--trainer.eval_only", "true")])
     out = capsys.readouterr().out
+    # the run's first line says where it runs
+    assert out.splitlines()[0] == (
+        "devices: 1 x cpu in 1 process; mesh replica=1 data=1 expert=1 context=1 model=1 "
+        "(trainer.mesh)"
+    )
     assert "eval loss: step 0:" in out and "-> step 0:" in out
+    assert out.splitlines()[-1] == "steps: 0 of 40 (trainer.eval_only: evaluated, not trained)"
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0] and "eval/loss" in records[0]
     assert "train/loss" not in records[0]

@@ -183,6 +183,23 @@ def _train(args: list[str]) -> None:
     if result.sample is not None:
         print("sample:\n" + "-" * 60 + "\n" + result.sample + "\n" + "-" * 60)
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}")
+    print(steps_line(result.final.step, result.num_train_steps, result.stop_reason))
+
+
+def steps_line(step: int, num_train_steps: int | None, stop_reason: str | None) -> str:
+    """The run's last line: how many steps ran, and what stopped it early if something did."""
+    line = f"steps: {step} of {num_train_steps}"
+    if stop_reason is None:
+        return line
+    if stop_reason == "trainer.eval_only":
+        return f"{line} (trainer.eval_only: evaluated, not trained)"
+    if stop_reason.startswith("trainer.max_train_time"):
+        return (
+            f"{line}, stopped early by the time guard: {stop_reason} (a slower or busier machine; "
+            "the evals and the sample above are of step "
+            f"{step}; --trainer.max_train_time null trains every step, docs/quickstart.md)"
+        )
+    return f"{line}, stopped early: {stop_reason}"
 
 
 def _run_config(config_path: str | None, overrides: list[str]):
@@ -218,6 +235,7 @@ def _cache(args: list[str]) -> None:
     from loomax.data.dataset import build_caches
     from loomax.data.report import skipped_lines, skipped_records
     from loomax.data.run_tokenizer import prepare_tokenizer
+    from loomax.data.sources import check_source_files
     from loomax.lm import TrainLmConfig
 
     parser = command_parser("cache", COMMANDS["cache"], config=True)
@@ -226,6 +244,7 @@ def _cache(args: list[str]) -> None:
     )
     known, overrides = parser.parse_known_args(args)
     config = load_config(TrainLmConfig, known.config_path, overrides)
+    check_source_files(config.data.train, config.data.validation)
     tokenizer = prepare_tokenizer(config.data)
     train, validation = build_caches(
         config.data, tokenizer, ray=config.trainer.ray, overwrite=known.overwrite

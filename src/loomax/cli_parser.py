@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from loomax.config import expand_overlays, parse_config
+from loomax.config_suggest import unknown_flags_hint
 from loomax.errors import UserError
 
 CONFIG_EPILOG = (
@@ -96,9 +97,16 @@ def config_errors() -> Iterator[None]:
 
 
 def load_config(cls: type, config_path: str | None, overrides: list[str]):
-    """``parse_config`` whose errors (draccus' unknown flags included) are one-line ``UserError``s."""
-    with config_errors():
-        return parse_config(cls, config_path, overrides)
+    """``parse_config`` whose errors (draccus' unknown flags included) are one-line
+    ``UserError``s; an unknown flag's names the nearest valid one."""
+    try:
+        with config_errors():
+            return parse_config(cls, config_path, overrides)
+    except UserError as e:
+        message = str(e)
+        if not message.startswith("unrecognized arguments:"):
+            raise
+        raise UserError(message + unknown_flags_hint(cls, message)) from None
 
 
 def given_values(

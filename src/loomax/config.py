@@ -22,6 +22,7 @@ import yaml
 from draccus.utils import DecodingError, ParsingError
 
 from loomax import config_help
+from loomax.config_suggest import did_you_mean, unknown_keys_hint
 from loomax.errors import UserError
 
 T = TypeVar("T")
@@ -114,7 +115,7 @@ def parse_config(
     try:
         return draccus.parse(config_class=cls, config_path=config_path, args=args)
     except DecodingError as e:
-        raise ConfigError(_describe_decoding_error(e, config_path, args)) from e
+        raise ConfigError(_describe_decoding_error(e, cls, config_path, args)) from e
     except ParsingError as e:
         cause = e.__cause__
         where = f" (config {config_path})" if config_path else ""
@@ -174,8 +175,8 @@ def overlay_args(cls: type, path: str | os.PathLike) -> list[str]:
             key = str(key)
             if fields is not None and key not in fields:
                 raise ConfigError(
-                    f"{where([*keys, key])}: `{'.'.join([*keys, key])}` is not a config key "
-                    f"(keys of {'.'.join(keys) or 'the run'}: {', '.join(sorted(fields))})"
+                    f"{where([*keys, key])}: `{'.'.join([*keys, key])}` is not a config key"
+                    f"{did_you_mean(key, fields, keys)} (keys of {'.'.join(keys) or 'the run'}: {', '.join(sorted(fields))})"
                 )
             section = fields[key] if fields is not None else None
             if isinstance(value, dict) and (section is not None or fields is None):
@@ -234,12 +235,14 @@ def flatten_config(config: object) -> dict[str, Any]:
     return out
 
 
-def _describe_decoding_error(e: DecodingError, config_path, args: Sequence[str]) -> str:
+def _describe_decoding_error(e: DecodingError, cls: type, config_path, args: Sequence[str]) -> str:
     key_path = list(e.key_path)
     invalid = re.findall(r"`([^`]+)`", e.message) if "are not valid" in e.message else []
     full_key = ".".join(key_path + invalid[:1])
     shown = ".".join(key_path) or "<top level>"
-    message = f"config key `{shown}`: {e.message}"
+    message = f"config key `{shown}`: {e.message}{unknown_keys_hint(e.message, cls, key_path)}"
+    if isinstance(e.__cause__ or e.__context__, UserError):  # its own message says it all
+        message = str(e.__cause__ or e.__context__)
     flag = f"--{'.'.join(key_path)}"
     if any(a == flag or a.startswith(flag + "=") for a in args):
         return f"{message} (from the command line flag {flag})"

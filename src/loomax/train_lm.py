@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from loomax.checkpoint.checkpointer import check_writable
 from loomax.config import ConfigError, flatten_config, to_json_dict, to_yaml
 from loomax.data import BatchLoader, LmDatasets, build_lm_datasets, report_skipped
 from loomax.data.order import choose_order
+from loomax.data.sources import check_source_files
 from loomax.data.streaming import check_streaming, streaming_datasets
 from loomax.distributed import pod_ray_cluster
 from loomax.hooks import (
@@ -27,11 +29,14 @@ from loomax.lm.eval_sets import eval_sets
 from loomax.lm.loss import model_lm_loss
 from loomax.lm.sample import sample_text
 from loomax.lm.weights import check_initial_weights, initial_model, initial_weights
+from loomax.mesh import batch_sharding, replicated
 from loomax.models.blocks.fp8 import check_fp8
 from loomax.peak_flops import total_peak_flops
 from loomax.storage import to_url
 from loomax.tracking import check_trackers
 from loomax.train import HookContext, StepInfo, Trainer, check_restore_sources, setup_process
+from loomax.train.memory_fit import check_step_fits_everywhere
+from loomax.train.process import device_line
 from loomax.train.shutdown import schedule_shutdown
 
 logger = logging.getLogger(__name__)
@@ -45,6 +50,10 @@ class TrainLmResult:
     evals: list[tuple[int, dict[str, float]]]
     sample: str | None
     run_dir: Path
+    num_train_steps: int | None = None
+    """The steps the run was to train (``trainer.num_train_steps``, or its epochs in steps)."""
+    stop_reason: str | None = None
+    """Why training stopped before ``num_train_steps`` (the time guard, a signal, a hook), if it did."""
 
 
 def train_lm(config: TrainLmConfig) -> TrainLmResult:
@@ -66,6 +75,9 @@ def _train_lm(config: TrainLmConfig, run_id: str) -> TrainLmResult:
     if not check_restore_sources(trainer_config, own_checkpoints, run_id):
         check_initial_weights(config)
     check_fp8(model_config.fp8)  # only fp8 "on" looks at the devices
+    check_source_files(config.data.train, config.data.validation)  # names data.train[i].urls
+    if jax.process_index() == 0:  # the run's first line: where it runs
+        print(device_line(trainer_config), flush=True)
     order = choose_order(config.data, epochs=trainer_config.num_train_epochs is not None)
     logger.info(order.describe(config.data.stream_chunk_shards))
     streaming = order.streaming
@@ -180,6 +192,8 @@ def _train_on(config: TrainLmConfig, run_id: str, data: LmDatasets) -> TrainLmRe
             + f", run dir {run_dir}"
         )
 
+    if trainer_config.check_memory and not trainer_config.eval_only:
+        check_step_memory(trainer, config, vocab_size)  # before the state takes any memory
     try:
         state = trainer.initial_state(
             initial_model(config, vocab_size), initial_weights=initial_weights(config, vocab_size)
@@ -202,7 +216,32 @@ def _train_on(config: TrainLmConfig, run_id: str, data: LmDatasets) -> TrainLmRe
         trainer.tracker.log_summary(summary)
     finally:
         trainer.finish()
-    return TrainLmResult(final, list(evaluator.history), text, run_dir)
+    return TrainLmResult(final, list(evaluator.history), text, run_dir, steps, trainer.stop_reason)
+
+
+def check_step_memory(trainer: Trainer, config: TrainLmConfig, vocab_size: int) -> None:
+    """``trainer.check_memory``: compile the first step now, from the state's shapes, and stop
+    with ``StepMemoryError`` if it needs more memory than the host or devices have. The
+    first step then runs this program: the check costs no second compile."""
+    runtime = trainer.runtime
+    rows = trainer.batch_schedule.size_at(0)
+    if trainer.config.allow_nondivisible_batch_size and rows % runtime.data_parallel_size:
+        sharding = replicated(runtime.mesh)  # as place_batch puts such a batch
+    else:
+        sharding = batch_sharding(runtime.mesh, 2)
+    batch = jax.ShapeDtypeStruct((rows, config.model.seq_len), jnp.int32, sharding=sharding)
+    state = trainer.abstract_state(initial_model(config, vocab_size))
+    compiled = trainer.precompile(state, batch, **trainer.step_args(1))
+    local = [d for d in runtime.mesh.devices.flat if d.process_index == jax.process_index()]
+    need = check_step_fits_everywhere(compiled, local)
+    if need is not None:
+        logger.info(
+            "trainer.check_memory: the step needs %.3f GiB per device (state and batch %.3f, "
+            "activations and temporaries %.3f): it fits",
+            need.total / 2**30,
+            need.state / 2**30,
+            need.temporaries / 2**30,
+        )
 
 
 def make_loader(config: TrainLmConfig, data: LmDatasets) -> BatchLoader:
@@ -219,4 +258,4 @@ def make_loader(config: TrainLmConfig, data: LmDatasets) -> BatchLoader:
     )
 
 
-__all__ = ["TrainLmResult", "make_loader", "train_lm"]
+__all__ = ["TrainLmResult", "check_step_memory", "make_loader", "train_lm"]

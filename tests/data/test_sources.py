@@ -19,12 +19,14 @@ from loomax.data.sources import (
     HfSourceConfig,
     ReadStats,
     SourceConfig,
+    check_source_files,
     iter_documents,
     read_shard,
     source_fingerprint,
     source_paths,
     source_shards,
 )
+from loomax.errors import MissingFileError
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
@@ -298,3 +300,16 @@ def test_presets_parse_as_the_data_section(
     run = tmp_path / "run.yaml"
     run.write_text(f"data: !include {path}\n", encoding="utf-8")
     assert parse_config(_Run, run).data == config
+
+
+def test_a_pattern_that_matches_nothing_is_named_by_its_config_key(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    found, missing = SourceConfig(urls=["a.txt"]), SourceConfig(urls=["{a,b}.txt"])
+    check_source_files([found], [found])  # every pattern matches: nothing raised
+    with pytest.raises(MissingFileError) as error:
+        check_source_files([found], [found, missing])
+    assert str(error.value).startswith(
+        f"data.validation[1].urls: no files match b.txt (from {{a,b}}.txt), relative to the "
+        f"current directory {tmp_path}; give paths, globs or URLs"
+    )

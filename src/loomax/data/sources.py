@@ -283,6 +283,33 @@ def _version(info: dict[str, Any]) -> dict[str, Any]:
     return version
 
 
+CHECKED_REMOTE_PATTERNS = 16
+"""Remote patterns (after brace expansion) a source may have for ``check_source_files`` to
+list them all at start; a source with more is listed only when it is read."""
+
+
+def check_source_files(train: list[SourceConfig], validation: list[SourceConfig]) -> None:
+    """Fail, naming the config key (``data.train[0].urls``), when a ``urls`` pattern of a
+    source matches no file: before a tokenizer is trained or a cache built. Local patterns
+    are all checked; remote ones when the source has few (``CHECKED_REMOTE_PATTERNS``)."""
+    for kind, sources in (("train", train), ("validation", validation)):
+        for index, source in enumerate(sources):
+            for url in source.urls or ():
+                patterns = expand_braces(url if "://" in url else os.path.expanduser(url))
+                if "://" in url and len(patterns) > CHECKED_REMOTE_PATTERNS:
+                    continue
+                for pattern in patterns:
+                    if _glob_files(pattern):
+                        continue
+                    named = pattern if pattern == url else f"{pattern} (from {url})"
+                    relative = "://" not in pattern and not os.path.isabs(pattern)
+                    where = f", relative to the current directory {os.getcwd()}" if relative else ""
+                    raise MissingFileError(
+                        f"data.{kind}[{index}].urls: no files match {named}{where}; give "
+                        "paths, globs or URLs of .txt/.jsonl/.parquet (optionally .gz/.zst) files"
+                    )
+
+
 def _list_files(source: SourceConfig) -> list[tuple[str, dict[str, Any]]]:
     """`(url, fsspec info)` of each file of a `urls` or `embedded` source, in order:
     patterns as listed, each glob's matches sorted, duplicates dropped."""

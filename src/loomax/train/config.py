@@ -74,6 +74,8 @@ class TrainerConfig:
     """Show a tqdm progress bar with loss and tokens/s."""
     max_train_time: timedelta | None = None
     """Stop cleanly (final eval and log) after this much wall time, e.g. 4m or 2h; null = no limit."""
+    check_memory: bool = True
+    """Before the first step, compare the compiled step's memory (XLA's analysis) with the host's available RAM (CPU) or each device's, and stop in one line if it will not fit; false = try anyway."""
     require_accelerator: bool = False
     """Fail at start, before any work, when JAX finds no GPU or TPU (only CPUs)."""
     shutdown_at_exit: timedelta | None = None

@@ -4,19 +4,25 @@ A hook is declared once: a ``Hook`` subclass with a nested frozen ``Config`` dat
 registered by ``@hook_type("name")``. The config holds (and validates, once, in its
 ``__post_init__``) every setting; the hook reads them from ``self.config``. The same
 registry builds the run's default hooks and those listed in YAML
-(``trainer.hooks: [{type: divergence, patience: 3}]``); a user hook registers the same
-way, in code imported before the config is parsed.
+(``trainer.hooks: [{type: divergence, patience: 3}]``). A hook of the user's own is named
+in YAML by its module and class (``type: my_hooks:PrintLr``): the module is imported when
+the config is parsed, and the class needs no registration.
 """
 
 from __future__ import annotations
 
 import abc
+import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import draccus
+
+from loomax.config import ConfigError
 
 if TYPE_CHECKING:
     from loomax.runtime import MeshRuntime
@@ -75,6 +81,25 @@ class HookConfig(draccus.ChoiceRegistry, abc.ABC):
         return self.hook_class.from_config(self, context)
 
     @classmethod
+    def get_choice_class(cls, name: str) -> Any:
+        """The settings class of hook type ``name``: a registered name, or a hook from the
+        user's own module, ``module.path:HookClass`` (imported now, registered under that
+        name; the module is looked for on ``sys.path``, then in the current directory)."""
+        if name not in cls._choice_registry and ":" in name:
+            hook = import_hook(name)
+            config_cls = hook.__dict__.get("Config")
+            if config_cls is None or not issubclass(config_cls, HookConfig):
+                raise ConfigError(
+                    f"trainer.hooks: type {name!r}: {hook.__name__} needs a nested "
+                    "Config(HookConfig) dataclass (docs/hooks.md, a hook of your own)"
+                )
+            if config_cls.hook_class is None:  # not registered by @hook_type yet
+                hook_type(name)(hook)
+            else:  # registered under its own name too: found by both
+                cls._choice_registry[name] = config_cls
+        return super().get_choice_class(name)
+
+    @classmethod
     def type_name(cls) -> str:
         """The ``type`` this config is registered under."""
         return cls.get_choice_name(cls)
@@ -89,6 +114,32 @@ class HookConfig(draccus.ChoiceRegistry, abc.ABC):
         for name in names:
             value = getattr(self, name)
             self.check(value is None or value > 0, f"{name} must be > 0, got {value}")
+
+
+def import_hook(path: str) -> type:
+    """The class ``HookClass`` of ``module.path:HookClass``, its module imported from
+    ``sys.path`` or else from the current directory; ``ConfigError`` naming what is missing."""
+    module_name, _, class_name = path.partition(":")
+    try:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name.split(".")[0] or os.getcwd() in sys.path:
+                raise
+            sys.path.append(os.getcwd())  # `loomax` itself is not run from here
+            module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"trainer.hooks: type {path!r}: cannot import module {module_name!r} ({e}); "
+            "put it on PYTHONPATH or in the current directory"
+        ) from e
+    hook = getattr(module, class_name, None)
+    if not isinstance(hook, type):
+        raise ConfigError(
+            f"trainer.hooks: type {path!r}: module {module_name!r} ({module.__file__}) has no "
+            f"class {class_name!r}"
+        )
+    return hook
 
 
 def hook_type(name: str) -> Callable[[type], type]:

@@ -83,7 +83,7 @@ class TrainingLoop:
                     self.hook_set.step_begins(step)
                     batch = self.hook_set.transform_batch(step, next(batches))
                     dispatched_at = time.perf_counter()
-                    state, metrics = self.train_step(state, batch, **self._step_args(step))
+                    state, metrics = self.train_step(state, batch, **self.step_args(step))
                     if pending is not None:  # the step before is done: its values are on the host
                         previous = self._complete(*pending)
                     self._flush(info)  # the record of the step before, now that this one is queued
@@ -156,7 +156,7 @@ class TrainingLoop:
             save = "permanent" if permanent else "temporary"
         return Decision(eval=control.eval_requested, save=save)
 
-    def _step_args(self, step: int) -> dict[str, Any]:
+    def step_args(self, step: int) -> dict[str, Any]:
         """``train_step`` arguments for step ``step`` (made from batch ``step - 1``): its
         microbatches under a batch-size schedule, the fragment it syncs under DiLoCo, and
         whether a hook asks it for activation statistics."""

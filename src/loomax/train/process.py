@@ -65,6 +65,21 @@ def check_accelerator(config: TrainerConfig) -> None:
         )
 
 
+def device_line(config: TrainerConfig) -> str:
+    """One line saying where a run runs: its devices and processes, and the mesh over them
+    (``trainer.mesh``); raises ``ConfigError`` when the mesh does not fit the devices."""
+    devices = jax.devices()
+    platform = devices[0].platform
+    kinds = ", ".join(sorted({d.device_kind for d in devices}))
+    kinds = kinds if kinds.lower() == platform else f"{kinds} ({platform})"
+    processes = jax.process_count()
+    where = f"devices: {len(devices)} x {kinds} in {processes} process" + "es" * (processes > 1)
+    if config.mesh.auto:
+        return f"{where}; mesh chosen for them at start (trainer.mesh.auto)"
+    sizes = config.mesh.resolve(len(devices))
+    return f"{where}; mesh {' '.join(f'{a}={n}' for a, n in sizes.items())} (trainer.mesh)"
+
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -14,13 +15,15 @@ from loomax.train.diloco import DiLoCo, worker_compute_mapping
 from loomax.train.state import TrainerState, state_shardings
 from loomax.train.step import make_train_step
 
+logger = logging.getLogger(__name__)
+
 _UNSET: Any = object()
 
 
 class JittedSteps:
     """The ``Trainer``'s step functions (a base class: it uses the trainer's ``loss_fn``,
     ``optimizer``, ``outer_optimizer``, ``config``, ``lr_schedule``, ``hook_set``,
-    ``runtime``, ``num_microbatches`` and its cache ``_step_fns``).
+    ``runtime``, ``num_microbatches`` and its caches ``_step_fns`` and ``_precompiled``).
 
     Under ``trainer.diloco`` a step is one of several programs: the inner step, or the inner
     step followed by the sync of fragment ``sync``; the loop picks it from the step number.
@@ -63,7 +66,7 @@ class JittedSteps:
         activation_stats: bool = False,
     ) -> Callable:
         microbatches = num_microbatches or self.num_microbatches
-        key = (microbatches, sync, activation_stats)
+        key = self._step_key(num_microbatches, sync, activation_stats)
         if key in self._step_fns:
             return self._step_fns[key]
         diloco = self.diloco()
@@ -139,7 +142,37 @@ class JittedSteps:
         step_fn = self._build_step(state, num_microbatches, sync, activation_stats)
         if not isinstance(batch, jax.Array):
             batch = self.place_batch(batch)
+        key = self._step_key(num_microbatches, sync, activation_stats)
+        compiled, shapes = self._precompiled.get(key, (None, None))
+        if compiled is not None and _shapes(batch) == shapes:  # not a warm-up's shorter batch
+            try:  # the program compiled ahead of time (precompile): no second compile
+                return compiled(state, batch)
+            except (TypeError, ValueError) as e:  # another state layout, found before it runs
+                del self._precompiled[key]
+                logger.info(
+                    "the step compiled ahead of time does not take this state (%s); "
+                    "compiling it for it",
+                    str(e).splitlines()[0][:200],
+                )
         return step_fn(state, batch)
+
+    def precompile(self, state: TrainerState, batch: Any, **step_args: Any):
+        """Compile the step for ``state`` and a global ``batch`` (``ShapeDtypeStruct``s with
+        shardings will do) now, ahead of the first step, which then runs this program; the
+        ``jax.stages.Compiled`` it returns has the step's ``memory_analysis()``."""
+        num_microbatches = step_args.get("num_microbatches")
+        sync, stats = step_args.get("sync"), step_args.get("activation_stats", False)
+        step_fn = self._build_step(state, num_microbatches, sync, stats)
+        with self.runtime.mesh_context():
+            compiled = step_fn.jitted.lower(state, batch).compile()
+        self._precompiled[self._step_key(num_microbatches, sync, stats)] = (
+            compiled,
+            _shapes(batch),
+        )
+        return compiled
+
+    def _step_key(self, num_microbatches, sync, activation_stats) -> tuple:
+        return (num_microbatches or self.num_microbatches, sync, activation_stats)
 
     def place_batch(self, batch: Any) -> Any:
         """This process's rows as a global batch, split over (replica, data); a batch that
@@ -158,4 +191,10 @@ class JittedSteps:
 
     def compilations(self) -> int:
         """How many step variants have been compiled (one per shape and batch size)."""
-        return sum(fn.jitted._cache_size() for fn in self._step_fns.values())
+        jitted = sum(fn.jitted._cache_size() for fn in self._step_fns.values())
+        return jitted + len(self._precompiled)
+
+
+def _shapes(batch: Any) -> list[tuple[int, ...]]:
+    """The shapes of a batch's arrays (what a precompiled step is matched on first)."""
+    return [tuple(x.shape) for x in jax.tree.leaves(batch)]

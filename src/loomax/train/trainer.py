@@ -98,6 +98,9 @@ class Trainer(TrainingLoop, JittedSteps):
         self._tracker: Tracker | None = None
         self._step_fns: dict[int, Callable] = {}
         """The jitted step per number of microbatches (each batch size may need its own)."""
+        self._precompiled: dict[tuple, tuple[Any, list]] = {}
+        """Steps compiled ahead of time (``precompile``) and their batch shapes, run in place
+        of the jitted ones on batches of those shapes."""
         base_path = config.checkpoint_path(self.run_id, run_dir)
         self.checkpointer = Checkpointer(config.checkpointer, base_path, run_id=self.run_id)
         self.checkpointer.check_writable()  # a clear error now, not at the first save
