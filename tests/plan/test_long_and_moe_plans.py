@@ -103,6 +103,20 @@ def test_a_mixture_of_experts_for_a_tpu_slice_runs_the_megablox_kernel(expert, k
         assert worst < 100 * result.est_mfu
 
 
+@pytest.mark.slow
+def test_the_blocked_form_compiles_for_a_tpu_slice_with_offloaded_layer_inputs():
+    """``moe.matmul: blocked`` on a TPU slice with the layer inputs offloaded to the host and
+    the experts' projections kept: libtpu's layout assignment rejected the loop's 3-D row
+    gathers ("layout minor_to_major field contains 2 elements, but shape has 3
+    dimensions"); the tiles are gathered as one matrix."""
+    flags = [*TINY, "--model.type", "mixtral", "--trainer.train_batch_size", "4"]
+    flags += ["--model.moe.num_experts", "4", "--trainer.mesh.expert", "2"]
+    flags += ["--model.moe.matmul", "blocked", "--model.gradient_checkpointing", "offload"]
+    flags += ["--model.moe.saved_rows", "1.5", "--model.remat_save", "[moe_up, moe_out]"]
+    result = compile_run(parse_config(TrainLmConfig, None, flags), topology("v5p:2x2x1"))
+    assert result.fits and result.error is None
+
+
 def _eqns(jaxpr):
     """Every equation of ``jaxpr`` and of the jaxprs inside its equations."""
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:

@@ -214,6 +214,17 @@ def _loop(layout: TileLayout, body, init, rows: int | None, m: int, groups: int,
         return jax.lax.fori_loop(0, layout.trips, body, init)
 
 
+def _gather_tiles(a: jax.Array, source: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """``a``'s rows at ``source [c, b]`` as ``[c, b, d]`` (zero where not ``valid``), gathered
+    as one ``[c*b, d]`` matrix: libtpu's layout assignment rejects the 3-D gather inside the
+    loop once the layer's inputs are offloaded to the host ("layout minor_to_major field
+    contains 2 elements, but shape has 3 dimensions")."""
+    rows = a[source.reshape(-1)]
+    if valid is not None:
+        rows = jnp.where(valid.reshape(-1, 1), rows, 0)
+    return rows.reshape(*source.shape, a.shape[1])
+
+
 def _tile_products(lhs, w, layout: TileLayout, spec: str, rows, block: int) -> jax.Array:
     """``lhs``'s rows times their group's matrix (``spec``: ``w`` as ``[k, n]`` or
     transposed), tile by tile over the occupied steps; rows outside every group are zero."""
@@ -224,7 +235,7 @@ def _tile_products(lhs, w, layout: TileLayout, spec: str, rows, block: int) -> j
 
     def body(i, out):
         source, valid, group = layout.step(i)
-        tiles = jnp.where(valid[..., None], lhs[source], 0)
+        tiles = _gather_tiles(lhs, source, valid)
         products = jnp.einsum(spec, tiles, w[group], preferred_element_type=acc)
         where = jnp.where(valid.reshape(-1), source.reshape(-1), spare)
         return out.at[where].set(
@@ -242,8 +253,10 @@ def _tile_weight_grad(x, dy, layout: TileLayout, groups: int, rows, block: int) 
 
     def body(i, dw):
         source, valid, group = layout.step(i)
-        tiles = jnp.where(valid[..., None], x[source], 0)
-        per_tile = jnp.einsum("cbk,cbn->ckn", tiles, dy[source], preferred_element_type=acc)
+        tiles = _gather_tiles(x, source, valid)
+        per_tile = jnp.einsum(
+            "cbk,cbn->ckn", tiles, _gather_tiles(dy, source), preferred_element_type=acc
+        )
         return dw.at[group].add(per_tile)
 
     init = jnp.zeros((groups, k, dy.shape[1]), acc)
