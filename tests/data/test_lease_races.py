@@ -319,3 +319,26 @@ def test_renewals_that_fail_on_the_store_are_retried_then_given_up_loudly(tmp_pa
             lease.check()
         broken.join()
     assert "giving up the build lease" in caplog.text
+
+
+def test_a_holder_that_ended_on_this_host_is_replaced_at_once(tmp_path):
+    """A record written on this host by a process that has ended (a run killed here) is
+    taken over without waiting for its TTL; one of a process that still runs is not."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    cache = str(tmp_path / "tokens" / "train0")
+    folder, key = lease_key(cache)
+    Path(folder).mkdir(parents=True)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    record = {"owner": "gone", "host": socket.gethostname(), "fence": 2, "beat": 5, "ttl_s": 600}
+    (Path(folder) / key).write_text(json.dumps({**record, "pid": int(ended.stdout)}))
+    waiter = BuildLease(cache, ttl_s=600, owner="here")
+    assert waiter.acquire() and waiter.fence == 3  # at once: its TTL is ten minutes
+    waiter.release()
+    alive = {**record, "owner": "alive", "fence": 3, "pid": os.getppid()}
+    (Path(folder) / key).write_text(json.dumps(alive))
+    assert not BuildLease(cache, ttl_s=600, owner="other").acquire()

@@ -10,7 +10,9 @@ create on local disks, a conditional write on GCS/S3).
   the same record, unrenewed, for `ttl_s` seconds of its *own* monotonic clock; no two
   hosts' clocks are ever compared. The holder counts its lease from just before its last
   confirmed write and stops writing `MARGIN` of `ttl_s` before that runs out, so it has
-  stopped before any waiter, who saw that write later, can take over.
+  stopped before any waiter, who saw that write later, can take over. One exception needs
+  no clock: a record written on this host by a process that no longer runs (a run killed
+  on the same machine) is taken over at once, not after its TTL.
 - **Renewals retried.** A store error in a renewal is retried until the lease would run
   out; then it is marked lost and the holder stops, loudly (an error in the log).
 - **Fenced.** Every take-over raises `fence`; a release keeps it (the record stays, with
@@ -53,6 +55,19 @@ _FAILED = b""
 
 class LeaseLost(TokenCacheError):
     """This process no longer holds (or can no longer prove it holds) a cache's build lease."""
+
+
+def _running(pid: object) -> bool:
+    """Whether process ``pid`` of this host runs (True when unknown: then the TTL decides)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it runs
+        return True
+    return True
 
 
 def lease_key(cache_url: str) -> tuple[str, str]:
@@ -123,7 +138,10 @@ class BuildLease:
         }
 
     def _expired(self, record: dict) -> bool:
-        """Whether another owner's `record` went unrenewed for its TTL on this clock."""
+        """Whether another owner's `record` went unrenewed for its TTL on this clock, or was
+        written on this host by a process that has ended (whose tasks the fence stops)."""
+        if record.get("host") == socket.gethostname() and not _running(record.get("pid")):
+            return True
         # `expires`: a record of an older loomax, renewed by rewriting it
         seen = tuple(record.get(key) for key in ("owner", "fence", "beat", "expires"))
         now = time.monotonic()
