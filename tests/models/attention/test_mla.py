@@ -20,7 +20,7 @@ from loomax.config import ConfigError
 from loomax.models.attention import mla
 from loomax.models.attention.mla import MlaAttention, MlaConfig
 from loomax.models.attention.mla_cache import MlaCache, cache_bytes_per_token
-from loomax.models.attention.rotary import DefaultRotary, YarnRotary
+from loomax.models.attention.rotary import DefaultRotary, RotaryConfig, YarnRotary
 from loomax.models.config import KvCache
 from loomax.models.decoding.stack import decode_layers
 from loomax.models.families.llama import LlamaConfig
@@ -69,7 +69,7 @@ def _hf_linear(linear: hnn.Linear, out_axes, in_axes):
 
 def hf_attention(module: MlaAttention):
     """transformers' DeepseekV3Attention (and its rotary embedding) holding ``module``'s weights."""
-    torch = pytest.importorskip("torch")
+    import torch
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
@@ -109,7 +109,8 @@ def hf_attention(module: MlaAttention):
 
 
 def hf_forward(module: MlaAttention, x) -> np.ndarray:
-    torch = pytest.importorskip("torch")
+    import torch
+
     attn, rotary = hf_attention(module)
     xs = torch.tensor(np.asarray(x.rearrange(("batch", "position", "embed")).array))
     positions = torch.arange(xs.shape[1])[None].expand(xs.shape[0], -1)
@@ -149,6 +150,23 @@ def test_deepseek_v3_softmax_scale():
     assert MlaConfig().rope.attention_factor() == 1.0  # mscale == mscale_all_dim
 
 
+def test_deepseek_yarn_rope_scaling_round_trips():
+    """DeepSeek-V3's ``rope_scaling`` (with mscale and mscale_all_dim) reads into YarnRotary
+    and writes back the same; without them the entry is as before (Llama's YaRN)."""
+    hf = {
+        "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+    }  # fmt: skip
+    rope = RotaryConfig.from_hf(10000.0, hf)
+    assert rope == MlaConfig().rope
+    assert rope.hf_rope_scaling() == {
+        "rope_type": "yarn",
+        **{k: v for k, v in hf.items() if k != "type"},
+    }
+    assert "mscale" not in YarnRotary().hf_rope_scaling()
+    assert YarnRotary(factor=4.0).attention_factor() == pytest.approx(0.1 * np.log(4.0) + 1)
+
+
 # ------------------------------------------------------------------ backends
 @pytest.mark.parametrize("backend", ["blockwise", "xla"])
 def test_backends_agree_with_packed_documents(backend):
@@ -160,6 +178,19 @@ def test_backends_agree_with_packed_documents(backend):
     reference = ours(tiny(8), hidden(), segments)
     out = ours(tiny(8, backend=backend), hidden(), segments)
     np.testing.assert_allclose(out, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow  # two backward passes to compile: ~5 s
+def test_blockwise_gradients_equal_vanilla():
+    """Training through blockwise (its own backward pass) with the padded head dims: the
+    weights' gradients equal those through vanilla."""
+
+    def grads(module):
+        loss = lambda m, x: hax.sum(m(x) ** 2).scalar()  # noqa: E731
+        return jax.tree.leaves(eqx.filter_jit(eqx.filter_grad(loss))(module, hidden()))
+
+    for got, want in zip(grads(tiny(8, backend="blockwise")), grads(tiny(8)), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_context_parallel_is_refused(monkeypatch):

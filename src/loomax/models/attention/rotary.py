@@ -167,9 +167,9 @@ class YarnRotary(RotaryConfig):
     beta_slow: float = 1.0
     """Rotations below which a pair is fully interpolated."""
     mscale: float | None = None
-    """With ``mscale_all_dim``: cos/sin scale ``m(mscale) / m(mscale_all_dim)`` (DeepSeek)."""
+    """With `mscale_all_dim` (DeepSeek): cos/sin times (0.1 mscale ln factor + 1) / (the same with mscale_all_dim)."""
     mscale_all_dim: float | None = None
-    """DeepSeek's softmax temperature: MLA multiplies its scale by ``m(mscale_all_dim)**2``."""
+    """DeepSeek's softmax temperature: MLA's scale times (0.1 mscale_all_dim ln factor + 1) squared."""
 
     def _correction_dim(self, rotations: float, head_size: int) -> float:
         old = self.original_max_position_embeddings
