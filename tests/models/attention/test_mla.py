@@ -2,11 +2,12 @@
 and without the query bottleneck and with DeepSeek's YaRN; the same through the blocked
 backends; decoding over the latent cache (up-projections absorbed) equals the full
 recompute and greedy tokens match; the cache is <= 1/8 of Llama's per token at V3's shape;
-context parallelism is refused."""
+context-parallel training equals one device; a split decode is refused."""
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import equinox as eqx
 import haliax as hax
@@ -193,12 +194,20 @@ def test_blockwise_gradients_equal_vanilla():
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_context_parallel_is_refused(monkeypatch):
-    """With the sequence split over ``context``, training and decoding say so in one line."""
+@pytest.mark.slow  # a fresh process on 8 fake CPU devices: ~30 s
+def test_context_parallel_training_equals_one_device(json_worker):
+    """Data 2 x context 4, the ring carrying the padded keys and values, the sequence
+    zig-zag laid out (rotary at the true positions), documents crossing the shards: the
+    output and the weights' gradients equal one device's (relative to the gradients' size)."""
+    result = json_worker(Path(__file__).with_name("mla_context_parallel_run.py"))["ring"]
+    assert result["out"] < 1e-5, result
+    assert result["weights"] < 2e-6 * result["scale"], result
+
+
+def test_split_decoding_is_refused(monkeypatch):
+    """Decoding with the sequence split over ``context`` says so in one line."""
     monkeypatch.setattr(mla, "context_ways", lambda: 2)
     module = tiny(8)
-    with pytest.raises(ConfigError, match=r"trainer\.mesh\.context"):
-        module(hidden())
     cache = module.config.init_cache((hax.Axis("batch", B),), T, jnp.float32)
     with pytest.raises(ConfigError, match=r"trainer\.mesh\.context"):
         module.decode(hidden(length=1), cache, jnp.int32(0))
@@ -251,6 +260,7 @@ class Block(eqx.Module):
         return x + out, cache
 
 
+@pytest.mark.slow  # ~3 s: two compiled decode shapes and a recompute
 def test_greedy_tokens_through_decode_layers():
     """Two MLA blocks (embedding and tied head around them) through the shared decode loop
     (``decode_layers`` over a layered ``MlaCache``): 8 greedy tokens after a 4-token prompt

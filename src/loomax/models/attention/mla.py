@@ -13,9 +13,11 @@ same permutation for queries and keys, so scores are unchanged.
 
 Training runs through ``model_attention`` (every backend: ``vanilla``, ``blockwise``, ``xla``,
 ``cudnn``, ``splash``): where the q.k and v head dims differ, the narrower side is zero-padded
-to the wider (zeros add nothing to a score or an output) and the output cut back. Context
-parallelism is refused (``trainer.mesh.context > 1``). Decoding caches only the latent and
-the rotary key (``mla_cache.py``, the up-projections absorbed).
+to the wider (zeros add nothing to a score or an output) and the output cut back. Under context
+parallelism (``trainer.mesh.context > 1``) the ring carries the padded per-head keys and
+values like any other attention's; rotary positions are the zig-zag layout's true ones.
+Decoding caches only the latent and the rotary key (``mla_cache.py``, the up-projections
+absorbed); a decode split over ``context`` is refused.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from loomax.models.attention.mla_cache import (
     init_mla_cache,
 )
 from loomax.models.attention.rotary import RotaryConfig, YarnRotary, apply_rotary
-from loomax.models.attention.sequence_layout import context_ways
+from loomax.models.attention.sequence_layout import context_ways, layout_positions
 from loomax.models.axes import Embed, Heads, HeadSize, Position
 from loomax.models.blocks.norms import rms_norm
 
@@ -123,11 +125,11 @@ class MlaConfig:
         return init_mla_cache(tuple(batch_axes), max_len, *args)
 
 
-def _refuse_context_parallel() -> None:
+def _refuse_split_decoding() -> None:
     if context_ways() > 1:
         raise ConfigError(
-            "trainer.mesh.context > 1 is not supported with multi-head latent attention "
-            "(the ring does not carry MLA's keys and values yet): set trainer.mesh.context 1"
+            "trainer.mesh.context > 1 is not supported when decoding multi-head latent "
+            "attention (no split prefill over the latent cache yet): decode with context 1"
         )
 
 
@@ -230,9 +232,8 @@ class MlaAttention(eqx.Module):
     ) -> NamedArray:
         """Causal self-attention of ``x`` (axes ``(..., position, embed)``) over itself;
         ``segment_ids`` keep packed documents apart, ``key`` drops out probabilities."""
-        _refuse_context_parallel()
         c = self.config
-        positions = hax.arange(x.resolve_axis(Position))
+        positions = layout_positions(x.resolve_axis(Position))  # zig-zag when split
         q_nope, q_rope = self._queries(x, positions)
         latent, k_rope = self._latents(x, positions)
         kv = self.kv_b_proj(latent)
@@ -256,7 +257,7 @@ class MlaAttention(eqx.Module):
         """Attention of new positions ``start, start + 1, ...`` over ``cache`` (one layer's),
         whose latent and rotary key are written at ``start``; the up-projections are
         absorbed into the query and the output (``mla_cache.absorbed_attention``)."""
-        _refuse_context_parallel()
+        _refuse_split_decoding()
         c = self.config
         positions = hax.arange(x.resolve_axis(Position)) + start
         q_nope, q_rope = self._queries(x, positions)
