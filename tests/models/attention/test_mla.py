@@ -151,6 +151,14 @@ def test_deepseek_v3_softmax_scale():
     assert MlaConfig().rope.attention_factor() == 1.0  # mscale == mscale_all_dim
 
 
+def test_bad_shapes_are_refused_naming_the_field():
+    """An odd rotary width (pairs) or a zero rank is a ConfigError naming the field."""
+    with pytest.raises(ConfigError, match="qk_rope_head_dim"):
+        MlaConfig(qk_rope_head_dim=3)
+    with pytest.raises(ConfigError, match="kv_lora_rank=0"):
+        MlaConfig(kv_lora_rank=0)
+
+
 def test_deepseek_yarn_rope_scaling_round_trips():
     """DeepSeek-V3's ``rope_scaling`` (with mscale and mscale_all_dim) reads into YarnRotary
     and writes back the same; without them the entry is as before (Llama's YaRN)."""
