@@ -166,6 +166,10 @@ class YarnRotary(RotaryConfig):
     """Rotations above which a pair is extrapolated (kept)."""
     beta_slow: float = 1.0
     """Rotations below which a pair is fully interpolated."""
+    mscale: float | None = None
+    """With `mscale_all_dim` (DeepSeek): cos/sin times (0.1 mscale ln factor + 1) / (the same with mscale_all_dim)."""
+    mscale_all_dim: float | None = None
+    """DeepSeek's softmax temperature: MLA's scale times (0.1 mscale_all_dim ln factor + 1) squared."""
 
     def _correction_dim(self, rotations: float, head_size: int) -> float:
         old = self.original_max_position_embeddings
@@ -182,8 +186,14 @@ class YarnRotary(RotaryConfig):
         keep = 1 - ramp  # 1 = extrapolate (high frequency), 0 = interpolate
         return interpolated * (1 - keep) + extrapolated * keep
 
+    def mscale_of(self, mscale: float = 1.0) -> float:
+        """YaRN's temperature ``0.1 * mscale * ln(factor) + 1`` (1 without extension)."""
+        return 0.1 * mscale * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
     def attention_factor(self) -> float:
-        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+        if self.mscale and self.mscale_all_dim:  # as transformers' YaRN (DeepSeek-V2/V3)
+            return self.mscale_of(self.mscale) / self.mscale_of(self.mscale_all_dim)
+        return self.mscale_of()
 
     def hf_rope_scaling(self) -> dict[str, Any]:
         return {
@@ -192,6 +202,7 @@ class YarnRotary(RotaryConfig):
             "original_max_position_embeddings": self.original_max_position_embeddings,
             "beta_fast": self.beta_fast,
             "beta_slow": self.beta_slow,
+            **{k: getattr(self, k) for k in ("mscale", "mscale_all_dim") if getattr(self, k)},
         }
 
 

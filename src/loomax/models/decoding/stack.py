@@ -11,36 +11,43 @@ layers has two: the dense blocks, then the MoE blocks).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import haliax as hax
 import haliax.nn as hnn
+import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
 from loomax.models.blocks import offload
-from loomax.models.config import KvCache
+
+Cache = TypeVar("Cache")
+
+
+def _named(x) -> bool:
+    return isinstance(x, NamedArray)
 
 
 def decode_layers(
     x: NamedArray,
     stacks: Sequence[hnn.Stacked],
-    cache: KvCache,
+    cache: Cache,
     start,
     *,
     layer_index: bool = False,
-) -> tuple[NamedArray, KvCache]:
+) -> tuple[NamedArray, Cache]:
     """``x`` through every block of ``stacks`` in order, each block reading and updating its
     layer of ``cache`` from position ``start``; ``layer_index``: each block is also given its
     model layer number (an int32 scalar: per-layer windows, GPT-2's inverse-layer scaling).
     Returns the last block's output and the updated cache."""
-    name = cache.k.axes[0].name
+    name = jax.tree.leaves(cache, is_leaf=_named)[0].axes[0].name
     first, parts = 0, []
     for blocks in stacks:
         n = blocks.Block.size
         part = cache
         if len(stacks) > 1:
             where = slice(first, first + n)
-            part = KvCache(cache.k[name, where], cache.v[name, where])
+            part = jax.tree.map(lambda a, w=where: a[name, w], cache, is_leaf=_named)
         index = [jnp.arange(first, first + n, dtype=jnp.int32)] if layer_index else []
 
         def step(x, block, layer_cache, *layer):
@@ -51,5 +58,4 @@ def decode_layers(
         first += n
     if len(parts) == 1:
         return x, parts[0]
-    k, v = (hax.concatenate(name, [getattr(p, a) for p in parts]) for a in ("k", "v"))
-    return x, KvCache(k, v)
+    return x, jax.tree.map(lambda *a: hax.concatenate(name, a), *parts, is_leaf=_named)
