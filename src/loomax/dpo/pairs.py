@@ -93,7 +93,7 @@ def tokenize_pairs(
             room = seq_len - 1 - len(response)
             if max_prompt_len is not None:
                 room = min(room, max_prompt_len)
-            prompt = prompt[len(prompt) - room :] if room > 0 else []
+            prompt = prompt[max(0, len(prompt) - room) :] if room > 0 else []
             row = [eos, *prompt, *response]
             tokens[i, : len(row)] = row
             start = 1 + len(prompt)  # the first response token's position
