@@ -16,9 +16,10 @@ def test_batches_cover_each_pair_once_an_epoch_and_resume_where_they_were():
     tokens = np.arange(n, dtype=np.int32)[:, None].repeat(3, 1)
     arrays = PairArrays(tokens, np.ones((n, 3), np.float32), tokens, np.ones((n, 3), np.float32))
     reference = {"train/chosen": np.arange(n, dtype=np.float32), "train/rejected": np.zeros(n)}
-    stream = lambda start: train_batches(
-        arrays, reference, BatchSchedule(5), seed=1, start_step=start
-    )  # noqa: E731
+
+    def stream(start):
+        return train_batches(arrays, reference, BatchSchedule(5), seed=1, start_step=start)
+
     batches = list(itertools.islice(stream(0), 6))
     for epoch in range(3):
         ids = np.concatenate([b["chosen"][:, 0] for b in batches[2 * epoch : 2 * epoch + 2]])
