@@ -28,8 +28,6 @@ def _trl_compute_loss():
     import torch.nn.functional as F  # noqa: N812
 
     spec = importlib.util.find_spec("trl.trainer.dpo_trainer")
-    if spec is None:
-        pytest.skip("trl is not installed (the test extra)")
     tree = ast.parse(open(spec.origin, encoding="utf-8").read())
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DPOTrainer")
     method = next(n for n in trainer.body if getattr(n, "name", None) == "_compute_loss")
@@ -42,7 +40,8 @@ def _trl_loss_and_metrics(per_token, completion_mask, ref_chosen, ref_rejected, 
     """TRL's ``DPOTrainer._compute_loss`` run on given per-token log-probs: the model is a
     stand-in returning them (what TRL's fused head returns), the trainer a namespace with
     the attributes the method reads; nothing is downloaded or built."""
-    torch = pytest.importorskip("torch")
+    import torch
+
     compute_loss = _trl_compute_loss()
     rows, length = completion_mask.shape
     shifted = torch.tensor(completion_mask[:, 1:])
@@ -83,7 +82,9 @@ def _trl_loss_and_metrics(per_token, completion_mask, ref_chosen, ref_rejected, 
 
 @pytest.mark.slow  # torch's import (~3 s)
 @pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
-def test_loss_and_metrics_equal_trl_on_the_same_logps(loss):
+def test_loss_and_metrics_equal_trl_on_the_same_logps(loss, require_extra):
+    require_extra("torch", "comparing the DPO loss with TRL's")
+    require_extra("trl", "comparing the DPO loss with TRL's")
     rng = np.random.default_rng(0)
     pairs, length, beta = 6, 12, 0.2
     per_token = rng.normal(-2.0, 1.0, (2 * pairs, length - 1)).astype(np.float32)

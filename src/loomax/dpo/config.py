@@ -15,7 +15,7 @@ LOSSES = ("sigmoid", "ipo", "simpo")
 
 @dataclass(frozen=True)
 class DpoConfig:
-    """The ``dpo`` section: preference pairs, their tokenizer and the preference loss."""
+    """The `dpo` section: preference pairs, their tokenizer and the preference loss."""
 
     train: str | None = None
     """A jsonl file of preference pairs, one object a line: {prompt, chosen, rejected} (strings)."""
@@ -26,7 +26,7 @@ class DpoConfig:
     tokenizer_vocab_size: int = 512
     """Vocabulary size of the BPE trained when `tokenizer` is null (>= 260)."""
     loss: str = "sigmoid"
-    """The preference loss: sigmoid (DPO) | ipo | simpo (no reference)."""
+    """The preference loss: sigmoid (DPO), ipo, or simpo (no reference)."""
     beta: float = 0.1
     """β: the inverse temperature of the implicit reward (sigmoid, simpo) or IPO's regulariser τ."""
     simpo_gamma_beta_ratio: float = 0.5
@@ -34,7 +34,7 @@ class DpoConfig:
     max_prompt_len: int | None = None
     """Prompt tokens kept (the end of a longer prompt); null = as many as `model.seq_len` leaves after the response."""
     reference_cache: str | None = None
-    """Where the reference log-probs are cached (an .npz); null = <run_dir>/dpo_reference.npz."""
+    """Where the reference log-probs are cached (an .npz); null = dpo_reference.npz in the run dir."""
 
     def __post_init__(self):
         if self.loss not in LOSSES:
