@@ -37,4 +37,5 @@ def dpo_command(args: list[str], parser) -> None:
             f"held-out {key}: {100 * b[key]:.1f}% at step {last}"
         )
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}")
+    print(f"model: {result.model_dir} (loomax export --checkpoint DIR writes it for Hugging Face)")
     print(steps_line(result.final.step, result.num_train_steps, result.stop_reason))

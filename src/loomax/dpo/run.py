@@ -47,6 +47,8 @@ class TrainDpoResult:
     """The steps the run was to train (``trainer.num_train_steps``, or its epochs in steps)."""
     stop_reason: str | None = None
     """Why training stopped before ``num_train_steps``, if it did."""
+    model_dir: Path | None = None
+    """The trained policy saved with its tokenizer (``model.save``): ``<run_dir>/model``."""
 
 
 def train_dpo(config: TrainDpoConfig) -> TrainDpoResult:
@@ -178,6 +180,9 @@ def _train(
         sets["train"], reference, schedule, seed=trainer_config.seed, start_step=int(state.step)
     )
     final = trainer.train(state, batches)
+    model_dir = trainer.run_dir / "model"
+    if context.primary:  # the policy with its tokenizer: what loomax export|generate|eval read
+        final.state.model.save(model_dir, tokenizer)
     evaluator = next((h for h in hooks if isinstance(h, EvalHook)), None)
     evals = list(evaluator.history) if evaluator is not None else []
     summary = {"final_step": final.step, **final.host_metrics()}
@@ -187,7 +192,13 @@ def _train(
         summary["dpo/reference_accuracy"] = baseline
     trainer.tracker.log_summary(summary)
     return TrainDpoResult(
-        final, evals, trainer.run_dir, baseline, trainer_config.num_train_steps, trainer.stop_reason
+        final,
+        evals,
+        trainer.run_dir,
+        baseline,
+        trainer_config.num_train_steps,
+        trainer.stop_reason,
+        model_dir,
     )
 
 
