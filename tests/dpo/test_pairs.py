@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from loomax.dpo.pairs import Pair, pair_batches, read_pairs, tokenize_pairs
+from loomax.dpo.pairs import Pair, fill_column, pair_batches, read_pairs, tokenize_pairs
 from loomax.errors import DataSourceError, MissingFileError
 
 
@@ -81,3 +81,6 @@ def test_the_last_batch_is_padded_with_rows_that_do_not_count():
     assert len(batches) == 3
     np.testing.assert_array_equal(batches[2]["valid"], [1.0, 0.0])
     np.testing.assert_array_equal(batches[2]["ref_chosen"], [4.0, 0.0])
+    fill_column(batches, "ref_chosen", np.arange(10.0, 15.0))  # the reference pass, later
+    np.testing.assert_array_equal(batches[1]["ref_chosen"], [12.0, 13.0])
+    np.testing.assert_array_equal(batches[2]["ref_chosen"], [14.0, 0.0])

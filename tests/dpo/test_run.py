@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from loomax.cli import main
@@ -54,7 +55,11 @@ def test_dpo_lifts_held_out_preference_accuracy_and_resumes_from_the_cached_refe
     } <= set(train[-1])
     final = [r for r in records if "eval/dpo/rewards/accuracies" in r][-1]
     assert final["step"] == 10 and final["eval/dpo/rewards/accuracies"] >= 0.85
-    assert (tmp_path / "run" / "dpo_reference.npz").is_file()
+    with np.load(tmp_path / "run" / "dpo_reference.npz") as reference:  # held-out rewards use it
+        ref_chosen = float(reference["validation/chosen"].mean())
+    beta = 0.1  # config/dpo_tiny.yaml
+    expected = beta * (final["eval/dpo/logps/chosen"] - ref_chosen)
+    assert final["eval/dpo/rewards/chosen"] == pytest.approx(expected, rel=1e-4, abs=1e-4)
     assert (tmp_path / "run" / "model" / "model.yaml").is_file()  # the policy, for loomax export
 
     def no_second_pass(*args, **kwargs):

@@ -109,4 +109,5 @@ def dpo_loss(config: DpoConfig):
         metrics = preference_metrics(chosen_rewards, rejected_rewards, chosen, rejected, valid)
         return (jnp.sum(per_pair * valid), jnp.sum(valid)), metrics
 
+    loss_fn.uses_reference = config.uses_reference  # the batch carries ref_chosen, ref_rejected
     return loss_fn

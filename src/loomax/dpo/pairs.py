@@ -125,3 +125,13 @@ def pair_batches(arrays: PairArrays, rows: int, extra: dict[str, np.ndarray] | N
         batch["valid"] = np.where(index < n, batch["valid"], 0.0).astype(np.float32)
         batches.append(batch)
     return batches
+
+
+def fill_column(batches: list[dict[str, np.ndarray]], name: str, values: np.ndarray) -> None:
+    """Write per-pair ``values`` into column ``name`` of ``pair_batches``' batches, in place
+    (padding rows keep theirs): the held-out batches get the reference log-probs this way,
+    built before the reference pass has run."""
+    rows = batches[0][name].shape[0]
+    for i, batch in enumerate(batches):
+        part = values[i * rows : (i + 1) * rows]
+        batch[name][: len(part)] = part

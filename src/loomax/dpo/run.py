@@ -19,15 +19,17 @@ from loomax.config import ConfigError, flatten_config, to_json_dict, to_yaml
 from loomax.dpo.config import TrainDpoConfig
 from loomax.dpo.data import run_tokenizer, tokenizer_eos, train_batches
 from loomax.dpo.loss import dpo_loss
-from loomax.dpo.pairs import PairArrays, pair_batches, read_pairs, tokenize_pairs
+from loomax.dpo.pairs import PairArrays, fill_column, pair_batches, read_pairs, tokenize_pairs
 from loomax.dpo.reference import compute_reference, reference_logps
 from loomax.hooks import EvalHook, default_hooks, make_loss_evaluator
 from loomax.lm.config import resolve_vocab_size
 from loomax.lm.weights import check_initial_weights, initial_model, initial_weights
+from loomax.mesh import batch_sharding, replicated
 from loomax.peak_flops import total_peak_flops
 from loomax.storage import to_url
 from loomax.tracking import check_trackers
 from loomax.train import HookContext, StepInfo, Trainer, check_restore_sources, setup_process
+from loomax.train.memory_fit import check_step_fits_everywhere
 
 logger = logging.getLogger(__name__)
 
@@ -98,38 +100,11 @@ def _train(
 ):
     dpo, trainer_config, model_config = config.dpo, trainer.config, config.model
     schedule = trainer_config.batch_schedule
-    state = trainer.initial_state(
-        initial_model(config, vocab_size), initial_weights=initial_weights(config, vocab_size)
-    )
-    reference = None
-    if dpo.uses_reference:  # one pass of the starting weights over every pair, cached
-        model, rows = state.model, schedule.size_at(0)
-
-        def compute():
-            return compute_reference(
-                model,
-                sets,
-                rows,
-                jit=trainer.runtime.jit,
-                place=trainer.place_batch,
-                cast=trainer_config.policy.cast_to_compute,
-            )
-
-        path = Path(dpo.reference_cache or trainer.run_dir / "dpo_reference.npz")
-        resumed = trainer.restored_from is not None
-        primary = jax.process_index() == 0
-        reference = reference_logps(path, sets, None if resumed else compute, save=primary)
-    validation, baseline = [], None
+    validation = []  # held-out batches; their reference columns are filled after the pass
     if "validation" in sets:
-        extra = None
-        if reference is not None:
-            extra = {
-                "ref_chosen": reference["validation/chosen"],
-                "ref_rejected": reference["validation/rejected"],
-            }
-            baseline = float(
-                np.mean(reference["validation/chosen"] > reference["validation/rejected"])
-            )
+        n = len(sets["validation"])
+        zeros = {"ref_chosen": np.zeros(n, np.float32), "ref_rejected": np.zeros(n, np.float32)}
+        extra = zeros if dpo.uses_reference else None
         validation = pair_batches(sets["validation"], schedule.size_at(0), extra)
     pair_tokens = 2 * model_config.seq_len  # a pair's two rows
 
@@ -171,6 +146,33 @@ def _train(
             hooks.append(hook)
     trainer.run_config = to_json_dict(config)
     trainer.tracker.log_hyperparameters(flatten_config(config))
+    init = initial_model(config, vocab_size)
+    if trainer_config.check_memory and not trainer_config.eval_only:
+        check_dpo_step_memory(trainer, init, model_config.seq_len)  # before the state exists
+    state = trainer.initial_state(init, initial_weights=initial_weights(config, vocab_size))
+    reference, baseline = None, None
+    if dpo.uses_reference:  # one pass of the starting weights over every pair, cached
+        model, rows = state.model, schedule.size_at(0)
+
+        def compute():
+            return compute_reference(
+                model,
+                sets,
+                rows,
+                jit=trainer.runtime.jit,
+                place=trainer.place_batch,
+                cast=trainer_config.policy.cast_to_compute,
+            )
+
+        path = Path(dpo.reference_cache or trainer.run_dir / "dpo_reference.npz")
+        resumed = trainer.restored_from is not None
+        primary = jax.process_index() == 0
+        reference = reference_logps(path, sets, None if resumed else compute, save=primary)
+        if validation:
+            chosen, rejected = reference["validation/chosen"], reference["validation/rejected"]
+            fill_column(validation, "ref_chosen", chosen)
+            fill_column(validation, "ref_rejected", rejected)
+            baseline = float(np.mean(chosen > rejected))
     if baseline is not None:
         logger.info(
             "dpo: the reference prefers the chosen response of %.1f%% of held-out pairs",
@@ -202,4 +204,40 @@ def _train(
     )
 
 
-__all__ = ["TrainDpoResult", "train_dpo"]
+def check_dpo_step_memory(trainer: Trainer, init, seq_len: int) -> None:
+    """``trainer.check_memory`` for a DPO step: compiled now from the state's shapes and a
+    batch of pairs (with reference columns), refused in one line if it will not fit; the
+    first step then runs this program."""
+    runtime = trainer.runtime
+    rows = trainer.batch_schedule.size_at(0)
+    nondivisible = (
+        trainer.config.allow_nondivisible_batch_size and rows % runtime.data_parallel_size
+    )
+
+    def struct(shape, dtype):
+        sharding = (
+            replicated(runtime.mesh) if nondivisible else batch_sharding(runtime.mesh, len(shape))
+        )
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    batch = {
+        "chosen": struct((rows, seq_len), np.int32),
+        "chosen_mask": struct((rows, seq_len), np.float32),
+        "rejected": struct((rows, seq_len), np.int32),
+        "rejected_mask": struct((rows, seq_len), np.float32),
+        "valid": struct((rows,), np.float32),
+    }
+    if trainer.loss_fn.uses_reference:
+        batch["ref_chosen"] = struct((rows,), np.float32)
+        batch["ref_rejected"] = struct((rows,), np.float32)
+    compiled = trainer.precompile(trainer.abstract_state(init), batch, **trainer.step_args(1))
+    local = [d for d in runtime.mesh.devices.flat if d.process_index == jax.process_index()]
+    need = check_step_fits_everywhere(compiled, local)
+    if need is not None:
+        logger.info(
+            "trainer.check_memory: the DPO step needs %.3f GiB per device: it fits",
+            need.total / 2**30,
+        )
+
+
+__all__ = ["TrainDpoResult", "check_dpo_step_memory", "train_dpo"]
