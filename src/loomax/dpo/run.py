@@ -30,6 +30,7 @@ from loomax.storage import to_url
 from loomax.tracking import check_trackers
 from loomax.train import HookContext, StepInfo, Trainer, check_restore_sources, setup_process
 from loomax.train.memory_fit import check_step_fits_everywhere
+from loomax.train.process import device_line
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,18 @@ def train_dpo(config: TrainDpoConfig) -> TrainDpoResult:
     if dpo.train is None:
         raise ConfigError("dpo.train: give a jsonl file of preference pairs")
     run_id = setup_process(trainer_config)
+    if jax.process_count() > 1:  # pairs are loaded whole and placed as one process's rows
+        raise ConfigError(
+            "loomax dpo runs in one process for now (any number of its devices); "
+            f"this run has {jax.process_count()} processes"
+        )
     check_trackers(trainer_config.tracker)
     own_checkpoints = to_url(trainer_config.checkpoint_path(run_id))
     check_writable(own_checkpoints)
     if not check_restore_sources(trainer_config, own_checkpoints, run_id):
         check_initial_weights(config)
+    if jax.process_index() == 0:  # the run's first line: where it runs
+        print(device_line(trainer_config), flush=True)
     # every pair is read and checked before any model work
     pairs = {"train": read_pairs(dpo.train)}
     if dpo.validation is not None:
