@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from loomax.config_reference import field_docs, render, undocumented
+from loomax.config_reference import field_docs, render, render_reference, undocumented
+from loomax.dpo.config import TrainDpoConfig
 from loomax.lm import TrainLmConfig
 from loomax.models import Gpt2Config
 
 
 def test_every_public_field_has_a_doc():
     assert undocumented(TrainLmConfig) == []
+    assert undocumented(TrainDpoConfig) == []
 
 
 def test_docs_come_from_the_string_below_each_field():
@@ -19,7 +21,7 @@ def test_docs_come_from_the_string_below_each_field():
 
 def test_committed_reference_is_current(repo_root):
     committed = (repo_root / "docs" / "reference" / "config.md").read_text()
-    assert committed == render(TrainLmConfig), (
+    assert committed == render_reference(), (
         "run `make docs` (python -m loomax.config_reference docs/reference/config.md)"
     )
 
@@ -34,6 +36,7 @@ def test_reference_lists_sections_and_choices():
     ):
         assert heading in text
     assert "| `num_train_steps` | `int` | `1000` |" in text
+    assert "## `dpo`" in render_reference()  # loomax dpo's own section
 
 
 def test_configuration_page_lists_every_choice(repo_root):

@@ -39,7 +39,7 @@ LAYERS: list[set[str]] = [
     {"hooks"},
     {"callbacks"},
     {"lm"},
-    {"train_lm", "inference"},
+    {"train_lm", "inference", "dpo"},
     {"benchmark"},
     {"ladder", "plan", "launch", "model_cli", "config_reference"},
     {"cli"},

@@ -15,11 +15,18 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from loomax.cli_parser import command_parser, config_errors, given_values, load_config
+from loomax.cli_parser import (  # steps_line: the last line of a training command
+    command_parser,
+    config_errors,
+    given_values,
+    load_config,
+    steps_line,
+)
 from loomax.errors import TrainingFailure, UserError
 
 COMMANDS = {
     "train": "train a language model",
+    "dpo": "train a model on preference pairs (DPO, IPO, SimPO) on the same trainer",
     "cache": "tokenize the data into the token cache (with Ray)",
     "tokenizer": "train a byte-level BPE on a config's train sources (tokenizer train)",
     "bench": "time the jitted train step on synthetic data",
@@ -133,6 +140,10 @@ def _run(command: str, args: list[str]) -> None:
 
         run = getattr(plan_cli, f"{command}_command")
         run(args, command_parser(command, COMMANDS[command], config=True), load_config)
+    elif command == "dpo":
+        from loomax.dpo.command import dpo_command
+
+        dpo_command(args, command_parser("dpo", COMMANDS["dpo"], config=True))
     elif command == "ladder":
         from loomax.ladder.command import ladder_command
 
@@ -184,22 +195,6 @@ def _train(args: list[str]) -> None:
         print("sample:\n" + "-" * 60 + "\n" + result.sample + "\n" + "-" * 60)
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}")
     print(steps_line(result.final.step, result.num_train_steps, result.stop_reason))
-
-
-def steps_line(step: int, num_train_steps: int | None, stop_reason: str | None) -> str:
-    """The run's last line: how many steps ran, and what stopped it early if something did."""
-    line = f"steps: {step} of {num_train_steps}"
-    if stop_reason is None:
-        return line
-    if stop_reason == "trainer.eval_only":
-        return f"{line} (trainer.eval_only: evaluated, not trained)"
-    if stop_reason.startswith("trainer.max_train_time"):
-        return (
-            f"{line}, stopped early by the time guard: {stop_reason} (a slower or busier machine; "
-            "the evals and the sample above are of step "
-            f"{step}; --trainer.max_train_time null trains every step, docs/quickstart.md)"
-        )
-    return f"{line}, stopped early: {stop_reason}"
 
 
 def _run_config(config_path: str | None, overrides: list[str]):

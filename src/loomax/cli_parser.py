@@ -4,7 +4,8 @@
 and whose usage ends with ``[--section.field VALUE ...]``; ``load_config`` parses a run
 config from ``--config_path`` and the leftover flags, turning draccus' exits into
 ``UserError``s too (config errors are ``ConfigError``s, ``UserError``s already);
-``given_values`` says which keys the file and the flags set (the rest keep their defaults).
+``given_values`` says which keys the file and the flags set (the rest keep their defaults);
+``steps_line`` is the last line every training command prints.
 """
 
 from __future__ import annotations
@@ -147,3 +148,19 @@ def given_values(
             parsed = value
         walk(tuple(name.split(".")), parsed)
     return out
+
+
+def steps_line(step: int, num_train_steps: int | None, stop_reason: str | None) -> str:
+    """The run's last line: how many steps ran, and what stopped it early if something did."""
+    line = f"steps: {step} of {num_train_steps}"
+    if stop_reason is None:
+        return line
+    if stop_reason == "trainer.eval_only":
+        return f"{line} (trainer.eval_only: evaluated, not trained)"
+    if stop_reason.startswith("trainer.max_train_time"):
+        return (
+            f"{line}, stopped early by the time guard: {stop_reason} (a slower or busier machine; "
+            "the evals and the sample above are of step "
+            f"{step}; --trainer.max_train_time null trains every step, docs/quickstart.md)"
+        )
+    return f"{line}, stopped early: {stop_reason}"

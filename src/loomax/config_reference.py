@@ -181,12 +181,29 @@ def undocumented(root: type) -> list[str]:
     return missing
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Write the reference for ``TrainLmConfig`` to the path given (stdout if none)."""
+def render_reference() -> str:
+    """The committed reference: ``TrainLmConfig`` (``loomax train``), then the sections other
+    run commands add to the same ``model``, ``optimizer`` and ``trainer`` (``loomax dpo``'s ``dpo``)."""
+    from loomax.dpo.config import TrainDpoConfig
     from loomax.lm import TrainLmConfig
 
+    out = [render(TrainLmConfig).rstrip(), ""]
+    out += [
+        "# `loomax dpo`",
+        "",
+        "A DPO run (`TrainDpoConfig`) has the `model`, `optimizer` and `trainer` sections above "
+        "and, in place of `data` and `sample`, a `dpo` section ([Post-training](../post_training.md)).",
+        "",
+    ]
+    dpo_field = next(f for f in dataclasses.fields(TrainDpoConfig) if f.name == "dpo")
+    _render_class(typing.get_type_hints(TrainDpoConfig)[dpo_field.name], "dpo", out, seen=set())
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Write the reference (``render_reference``) to the path given (stdout if none)."""
     argv = sys.argv[1:] if argv is None else argv
-    text = render(TrainLmConfig)
+    text = render_reference()
     if argv:
         Path(argv[0]).parent.mkdir(parents=True, exist_ok=True)
         Path(argv[0]).write_text(text)
