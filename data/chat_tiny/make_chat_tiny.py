@@ -45,7 +45,10 @@ def conversation(rng: random.Random) -> list[dict]:
         messages.append({"role": "system", "content": system})
     for _ in range(rng.randint(1, 3)):
         question, answer = exchange(rng)
-        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        messages += [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer},
+        ]
     return messages
 
 

@@ -141,7 +141,9 @@ def _train_on(config: TrainLmConfig, run_id: str, data: LmDatasets) -> TrainLmRe
         trainer_config.policy,
         jit=trainer.runtime.jit,
         prepare=trainer.place_batch,
-        count_bytes=None if chat else next_token_bytes(token_byte_lengths(data.tokenizer, vocab_size)),
+        count_bytes=None
+        if chat
+        else next_token_bytes(token_byte_lengths(data.tokenizer, vocab_size)),
         microbatch_rows=trainer_config.eval_microbatch_rows(trainer.runtime.data_parallel_size),
     )
     primary = jax.process_index() == 0  # only process 0 prints and writes shared files

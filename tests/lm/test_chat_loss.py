@@ -72,6 +72,11 @@ def test_packed_and_unpacked_give_the_same_per_token_losses(setup, template_name
     loss = chat_lm_loss(64, vocab_multiple=128)
     (sp, cp), _ = loss(model, jnp.asarray(packed))
     (sa, ca), _ = loss(model, jnp.asarray(alone))
-    assert int(cp) == int(ca) == int(packed[:, WEIGHTS].sum()) == sum(int(t[1:].sum()) for _, t in convs)
+    assert (
+        int(cp)
+        == int(ca)
+        == int(packed[:, WEIGHTS].sum())
+        == sum(int(t[1:].sum()) for _, t in convs)
+    )
     np.testing.assert_allclose(float(sp), float(sa), rtol=1e-6)
     np.testing.assert_allclose(float(sp), float((lp * packed[:, WEIGHTS]).sum()), rtol=1e-5)

@@ -33,7 +33,10 @@ def config(folder, **chat):
     return DataConfig(
         format="chat",
         tokenizer=str(folder / "tokenizer.json"),
-        train=[SourceConfig(urls=[str(folder / "a.jsonl")]), SourceConfig(urls=[str(folder / "b.jsonl")])],
+        train=[
+            SourceConfig(urls=[str(folder / "a.jsonl")]),
+            SourceConfig(urls=[str(folder / "b.jsonl")]),
+        ],
         validation_fraction=0.2,
         chat=ChatConfig(**chat),
     )
@@ -75,7 +78,9 @@ def test_overlong_conversations_stop_or_are_dropped(chat_files):
 
 def test_chat_needs_a_tokenizer_and_known_settings(chat_files):
     with pytest.raises(ConfigError, match="needs data.tokenizer"):
-        build_chat_datasets(DataConfig(format="chat", tokenizer=None, train=[SourceConfig(urls=["x.jsonl"])]), 64)
+        build_chat_datasets(
+            DataConfig(format="chat", tokenizer=None, train=[SourceConfig(urls=["x.jsonl"])]), 64
+        )
     with pytest.raises(ValueError, match="data.chat.loss_on must be one of"):
         ChatConfig(loss_on="user")
     with pytest.raises(ValueError, match="data.format must be text or chat"):

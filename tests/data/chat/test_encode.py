@@ -92,7 +92,10 @@ def test_loss_on_modes_pick_the_turns(hf_dir):
     _, all_ = encode_chat(CHAT, template, tok, "all")
     text = tok.decode(ids[every].tolist(), skip_special_tokens=False)
     assert text == "add(2, 3) = 5" + EOS_TOKEN + "\n" + "upper(apple) = APPLE" + EOS_TOKEN + "\n"
-    assert tok.decode(ids[last].tolist(), skip_special_tokens=False) == "upper(apple) = APPLE" + EOS_TOKEN + "\n"
+    assert (
+        tok.decode(ids[last].tolist(), skip_special_tokens=False)
+        == "upper(apple) = APPLE" + EOS_TOKEN + "\n"
+    )
     assert all_.all() and (last <= every).all() and last.sum() < every.sum()
 
 
@@ -112,7 +115,10 @@ def test_bad_conversations_name_the_place():
 def test_template_file_and_missing_template(tmp_path, hf_dir):
     out, _, tok = hf_dir
     (tmp_path / "t.jinja").write_text(SHIPPED["chatml"])
-    assert load_template(str(tmp_path / "t.jinja"), tok, out / "tokenizer.json").source == SHIPPED["chatml"]
+    assert (
+        load_template(str(tmp_path / "t.jinja"), tok, out / "tokenizer.json").source
+        == SHIPPED["chatml"]
+    )
     with pytest.raises(FileNotFoundError, match="neither a shipped template"):
         load_template("nope", tok, out / "tokenizer.json")
     assert np.all(SHIPPED["loomax"])

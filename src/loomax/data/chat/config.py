@@ -27,8 +27,12 @@ class ChatConfig:
 
     def __post_init__(self) -> None:
         if self.loss_on not in LOSS_ON:
-            raise ValueError(f"data.chat.loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
+            raise ValueError(
+                f"data.chat.loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}"
+            )
         if self.packing not in PACKING:
-            raise ValueError(f"data.chat.packing must be one of {', '.join(PACKING)}, got {self.packing!r}")
+            raise ValueError(
+                f"data.chat.packing must be one of {', '.join(PACKING)}, got {self.packing!r}"
+            )
         if not self.messages_key:
             raise ValueError("data.chat.messages_key must not be empty")

@@ -13,16 +13,15 @@ import json
 import logging
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
+from loomax.config import ConfigError
 from loomax.data.chat.encode import check_messages, encode_chat, load_template
 from loomax.data.chat.packing import SEGMENTS, TOKENS, WEIGHTS, assign_rows, pack_rows
 from loomax.data.config import DataConfig
 from loomax.data.sources import SourceConfig, source_paths
 from loomax.data.tokenizer import eos_id, load_tokenizer, resolve_tokenizer_path
-from loomax.config import ConfigError
 from loomax.errors import DataSourceError
 
 logger = logging.getLogger(__name__)
@@ -111,7 +110,9 @@ def build_chat_datasets(config: DataConfig, seq_len: int) -> ChatDatasets:
     def encode(source: SourceConfig, where: str, index: int, split: str | None):
         out, dropped = [], 0
         for r, (place, messages) in enumerate(read_conversations(source, chat.messages_key, where)):
-            if split is not None and _held_out(index, r, config.validation_fraction) != (split == "validation"):
+            if split is not None and _held_out(index, r, config.validation_fraction) != (
+                split == "validation"
+            ):
                 continue
             ids, trained = encode_chat(messages, template, tokenizer, chat.loss_on)
             if len(ids) > seq_len:
@@ -132,7 +133,8 @@ def build_chat_datasets(config: DataConfig, seq_len: int) -> ChatDatasets:
 
     own = not config.validation
     train = [
-        encode(s, f"data.train[{i}]", i, "train" if own else None) for i, s in enumerate(config.train)
+        encode(s, f"data.train[{i}]", i, "train" if own else None)
+        for i, s in enumerate(config.train)
     ]
     if own:
         val = [encode(s, f"data.train[{i}]", i, "validation") for i, s in enumerate(config.train)]
@@ -141,7 +143,13 @@ def build_chat_datasets(config: DataConfig, seq_len: int) -> ChatDatasets:
     for i, rows in enumerate(train):
         logger.info(
             "chat data.train[%d]: %d rows of %d, %d tokens, %d trained (template %s, loss on %s)",
-            i, len(rows), seq_len, rows.num_tokens, rows.num_trained, template.name, chat.loss_on,
+            i,
+            len(rows),
+            seq_len,
+            rows.num_tokens,
+            rows.num_trained,
+            template.name,
+            chat.loss_on,
         )
     validation = ChatRows(np.concatenate([v.rows for v in val]), seq_len)
     return ChatDatasets(

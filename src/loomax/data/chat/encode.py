@@ -67,7 +67,9 @@ def _own_special(tokenizer: Tokenizer) -> dict[str, str]:
     return found
 
 
-def load_template(spec: str | None, tokenizer: Tokenizer, tokenizer_path: str | Path) -> ChatTemplate:
+def load_template(
+    spec: str | None, tokenizer: Tokenizer, tokenizer_path: str | Path
+) -> ChatTemplate:
     """The template ``data.chat.template`` names (see ``ChatConfig.template``)."""
     folder = Path(tokenizer_path).parent
     beside = folder / "tokenizer_config.json"
