@@ -6,13 +6,14 @@ import json
 
 import pytest
 
+from loomax.cli import main
 from loomax.config import parse_config
 from loomax.lm import TrainLmConfig
 from loomax.train_lm import train_lm
 
 
 @pytest.mark.slow
-def test_chat_sft_trains_and_evaluates_the_assistant_loss(tmp_path, repo_root):
+def test_chat_sft_trains_and_evaluates_the_assistant_loss(tmp_path, repo_root, capsys, monkeypatch):
     folder = repo_root / "data" / "chat_tiny"
     with open(folder / "train.jsonl") as f:
         (tmp_path / "chats.jsonl").write_text("".join(next(f) for _ in range(200)))
@@ -36,3 +37,12 @@ def test_chat_sft_trains_and_evaluates_the_assistant_loss(tmp_path, repo_root):
     assert (first, last) == (0, 12)
     assert end["eval/loss"] < 0.8 * start["eval/loss"]  # the held-out assistant tokens' loss
     assert "eval/perplexity" in end and "eval/bpb" not in end  # no bytes over masked tokens
+    # `loomax generate --chat` renders the conversation with the run's template
+    monkeypatch.chdir(repo_root)
+    capsys.readouterr()  # the run's own output
+    chat = json.dumps([{"role": "user", "content": "Add 2 and 3."}])
+    greedy = ["--temperature", "0", "--max_new_tokens", "3", "--no_stop"]
+    main(
+        ["generate", "--checkpoint", str(tmp_path / "run" / "checkpoints"), "--chat", chat, *greedy]
+    )
+    assert capsys.readouterr().out.startswith("<user>\nAdd 2 and 3.\n<assistant>\n")

@@ -7,7 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from loomax.data.chat.encode import check_messages, encode_chat, load_template
+from loomax.data.chat.encode import (
+    check_messages,
+    encode_chat,
+    load_template,
+    prompt_ids,
+    read_chat_arg,
+)
 from loomax.data.chat.render import message_spans
 from loomax.data.chat.templates import SHIPPED
 from loomax.data.tokenizer import EOS_TOKEN, train_bpe_tokenizer
@@ -122,3 +128,18 @@ def test_template_file_and_missing_template(tmp_path, hf_dir):
     with pytest.raises(FileNotFoundError, match="neither a shipped template"):
         load_template("nope", tok, out / "tokenizer.json")
     assert np.all(SHIPPED["loomax"])
+
+
+def test_prompt_ids_are_transformers_generation_prompt(hf_dir, tmp_path):
+    """`loomax generate --chat`'s prompt: the conversation with the generation prompt."""
+    out, fast, tok = hf_dir
+    question = CHAT[:2]
+    theirs = fast.apply_chat_template(question, tokenize=True, add_generation_prompt=True)
+    theirs = list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
+    assert prompt_ids(question, load_template(None, tok, out / "tokenizer.json"), tok) == theirs
+    (tmp_path / "c.json").write_text(json.dumps({"messages": question}))
+    assert (
+        read_chat_arg(str(tmp_path / "c.json")) == question == read_chat_arg(json.dumps(question))
+    )
+    with pytest.raises(DataSourceError, match="--chat: neither a file nor JSON"):
+        read_chat_arg("{nope")

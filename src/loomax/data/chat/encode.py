@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from loomax.data.chat.render import message_spans
+from loomax.data.chat.render import message_spans, render
 from loomax.data.chat.templates import SHIPPED
 from loomax.data.tokenizer import BOS_CANDIDATES, EOS_CANDIDATES
 from loomax.errors import DataSourceError, MissingFileError
@@ -114,6 +114,27 @@ def encode_chat(
         lo, hi = spans[i]
         trained |= (starts >= lo) & (starts < hi)
     return ids, trained
+
+
+def prompt_ids(messages: list[dict], template: ChatTemplate, tokenizer: Tokenizer) -> list[int]:
+    """The ids a model continues to answer ``messages``: the conversation rendered with the
+    generation prompt, as ``apply_chat_template(add_generation_prompt=True, tokenize=True)``."""
+    text = render(template.source, messages, template.special, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def read_chat_arg(value: str) -> list[dict]:
+    """A conversation given on the command line: JSON (a list of turns, or an object with
+    `messages`), or a file holding it."""
+    try:
+        text = Path(value).read_text() if Path(value).is_file() else value
+    except OSError:  # a long JSON string is no file name
+        text = value
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise DataSourceError(f"--chat: neither a file nor JSON ({e})") from e
+    return check_messages(data.get("messages") if isinstance(data, dict) else data, "--chat")
 
 
 def check_messages(messages, where: str) -> list[dict]:
