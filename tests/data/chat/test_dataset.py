@@ -85,3 +85,23 @@ def test_chat_needs_a_tokenizer_and_known_settings(chat_files):
         ChatConfig(loss_on="user")
     with pytest.raises(ValueError, match="data.format must be text or chat"):
         DataConfig(format="dpo")
+
+
+def test_parquet_chat_files_give_the_jsonl_rows(chat_files):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    for name in ("a", "b"):
+        lines = (chat_files / f"{name}.jsonl").read_text().splitlines()
+        table = pa.table({"messages": [json.loads(line)["messages"] for line in lines]})
+        pq.write_table(table, chat_files / f"{name}.parquet")
+    want = build_chat_datasets(config(chat_files), 128)
+    given = DataConfig(
+        format="chat",
+        tokenizer=str(chat_files / "tokenizer.json"),
+        train=[SourceConfig(urls=[str(chat_files / f"{n}.parquet")]) for n in ("a", "b")],
+        validation_fraction=0.2,
+    )
+    got = build_chat_datasets(given, 128)
+    for w, g in zip(want.train + [want.validation], got.train + [got.validation], strict=True):
+        np.testing.assert_array_equal(g.rows, w.rows)

@@ -14,7 +14,7 @@ class ChatConfig:
     """A shipped template by name (loomax | chatml), a .jinja file, or a tokenizer_config.json holding `chat_template`; null = the tokenizer folder's tokenizer_config.json if it has one, else `loomax`."""
 
     messages_key: str = "messages"
-    """Key of each jsonl record's list of turns."""
+    """Key of each .jsonl record's list of turns (the column of a .parquet file)."""
 
     loss_on: str = "assistant"
     """Which tokens the loss covers: assistant (every assistant turn) | last_assistant (the last one) | all (every token)."""

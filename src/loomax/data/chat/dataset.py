@@ -68,14 +68,32 @@ class ChatDatasets:
         return sum(len(d) for d in self.train)
 
 
+def _parquet_records(path, key: str):
+    import pyarrow.parquet as pq
+
+    file = pq.ParquetFile(path)
+    if key not in file.schema_arrow.names:
+        raise DataSourceError(f"{path}: no `{key}` column (data.chat.messages_key)")
+    row = 0
+    for batch in file.iter_batches(columns=[key]):
+        for messages in batch.column(0).to_pylist():
+            row += 1
+            yield f"{path}, row {row}", check_messages(messages, f"{path}, row {row}")
+
+
 def read_conversations(source: SourceConfig, key: str, where: str):
-    """``(place, messages)`` of each record of a source's .jsonl(.gz) files, in order; a bad
-    record stops with its file and line."""
+    """``(place, messages)`` of each record of a source's .jsonl(.gz) or .parquet files, in
+    order; a bad record stops with its file and line (row)."""
     if source.hf is not None or source.embedded is not None:
-        raise ConfigError(f"{where}: data.format chat reads .jsonl files (`urls`) only")
+        raise ConfigError(
+            f"{where}: data.format chat reads .jsonl and .parquet files (`urls`) only"
+        )
     for path in source_paths(source):
+        if path.name.endswith(".parquet"):
+            yield from _parquet_records(path, key)
+            continue
         if not path.name.endswith((".jsonl", ".jsonl.gz")):
-            raise ConfigError(f"{where}: {path} is not .jsonl or .jsonl.gz (data.format chat)")
+            raise ConfigError(f"{where}: {path} is not .jsonl(.gz) or .parquet (data.format chat)")
         opener = gzip.open if path.name.endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
