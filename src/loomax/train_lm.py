@@ -24,7 +24,7 @@ from loomax.hooks import (
     next_token_bytes,
     token_byte_lengths,
 )
-from loomax.lm.config import TrainLmConfig, resolve_vocab_size
+from loomax.lm.config import TrainLmConfig, batch_shape, resolve_vocab_size
 from loomax.lm.eval_sets import eval_sets
 from loomax.lm.loss import model_lm_loss
 from loomax.lm.sample import sample_text
@@ -231,8 +231,8 @@ def check_step_memory(trainer: Trainer, config: TrainLmConfig, vocab_size: int) 
     with ``StepMemoryError`` if it needs more memory than the host or devices have. The
     first step then runs this program: the check costs no second compile."""
     runtime = trainer.runtime
-    rows, seq_len = trainer.batch_schedule.size_at(0), config.model.seq_len
-    shape = (rows, 3, seq_len) if config.data.format == "chat" else (rows, seq_len)  # chat rows
+    rows = trainer.batch_schedule.size_at(0)
+    shape = batch_shape(config, rows)  # chat SFT's packed rows have 3 channels
     if trainer.config.allow_nondivisible_batch_size and rows % runtime.data_parallel_size:
         sharding = replicated(runtime.mesh)  # as place_batch puts such a batch
     else:
