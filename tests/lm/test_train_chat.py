@@ -46,3 +46,8 @@ def test_chat_sft_trains_and_evaluates_the_assistant_loss(tmp_path, repo_root, c
         ["generate", "--checkpoint", str(tmp_path / "run" / "checkpoints"), "--chat", chat, *greedy]
     )
     assert capsys.readouterr().out.startswith("<user>\nAdd 2 and 3.\n<assistant>\n")
+    # `loomax eval` on the chat run's checkpoint: the held-out assistant loss of the last eval
+    main(["eval", "--checkpoint", str(tmp_path / "run" / "checkpoints"), "--json"])
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results["eval/loss"] == pytest.approx(end["eval/loss"], rel=1e-4)
+    assert "eval/bpb" not in results
