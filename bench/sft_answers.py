@@ -17,7 +17,7 @@ from pathlib import Path
 
 import jax
 
-from loomax.data.chat.dataset import _held_out, read_conversations
+from loomax.data.chat.dataset import held_out, read_conversations
 from loomax.data.chat.encode import load_template, prompt_ids
 from loomax.data.tokenizer import eos_id, load_tokenizer
 from loomax.inference import load_for_inference
@@ -37,7 +37,7 @@ def main(checkpoint: str, count: int = 50) -> None:
     template = load_template(data.chat.template, tokenizer, loaded.tokenizer)
     stop = eos_id(tokenizer)
     records = read_conversations(data.train[0], data.chat.messages_key, "data.train[0]")
-    held = [m for r, (_, m) in enumerate(records) if _held_out(0, r, data.validation_fraction)]
+    held = [m for r, (_, m) in enumerate(records) if held_out(0, r, data.validation_fraction)]
     formatted = right = done = 0
     for messages in held[:count]:
         first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")

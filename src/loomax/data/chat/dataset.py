@@ -109,7 +109,7 @@ def read_conversations(source: SourceConfig, key: str, where: str):
                 yield place, check_messages(record[key], place)
 
 
-def _held_out(source_index: int, record_index: int, fraction: float) -> bool:
+def held_out(source_index: int, record_index: int, fraction: float) -> bool:
     """Whether a record goes to validation: a hash of its position, below ``fraction``."""
     h = zlib.crc32(f"{source_index}:{record_index}".encode()) / 2**32
     return h < fraction
@@ -128,7 +128,7 @@ def build_chat_datasets(config: DataConfig, seq_len: int) -> ChatDatasets:
     def encode(source: SourceConfig, where: str, index: int, split: str | None):
         out, dropped = [], 0
         for r, (place, messages) in enumerate(read_conversations(source, chat.messages_key, where)):
-            if split is not None and _held_out(index, r, config.validation_fraction) != (
+            if split is not None and held_out(index, r, config.validation_fraction) != (
                 split == "validation"
             ):
                 continue
