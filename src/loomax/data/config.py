@@ -125,6 +125,10 @@ class DataConfig:
             raise ValueError(f"data.fast_encoder must be auto or off, got {self.fast_encoder!r}")
         if self.format not in ("text", "chat"):
             raise ValueError(f"data.format must be text or chat, got {self.format!r}")
+        if self.format == "chat" and self.tokenizer is None:  # no BPE is trained on turns
+            raise ValueError(
+                "data.format chat needs data.tokenizer (a tokenizer.json or its folder)"
+            )
         if self.prefetch < 0:
             raise ValueError(f"data.prefetch must be >= 0, got {self.prefetch}")
         if self.tokenizer == "":

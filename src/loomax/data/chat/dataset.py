@@ -1,4 +1,4 @@
-"""Chat sources (jsonl files of conversations) into packed rows the ``BatchLoader`` reads.
+"""Chat sources (.jsonl or .parquet files of conversations) into packed rows the ``BatchLoader`` reads.
 
 Every conversation is rendered, tokenized and masked on the host (``encode``), then packed
 (``packing``): the rows are a pure function of the files, the tokenizer, the template and
