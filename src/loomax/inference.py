@@ -132,7 +132,12 @@ def validation_sets(
         eval_batch_size=batch_size or config.trainer.eval_batch_size,
         max_eval_batches=max_batches or config.trainer.max_eval_batches,
     )
-    data = build_lm_datasets(config.data, config.model.seq_len, ray=trainer.ray)
+    if config.data.format == "chat":  # held-out conversations, packed as the run packed them
+        from loomax.data.chat.dataset import build_chat_datasets
+
+        data = build_chat_datasets(config.data, config.model.seq_len)
+    else:
+        data = build_lm_datasets(config.data, config.model.seq_len, ray=trainer.ray)
     sets = eval_sets(replace(config, trainer=trainer), data, 1)
     return sets if isinstance(sets, dict) else {"validation": sets}
 
@@ -156,6 +161,8 @@ def evaluate(
     sets = validation_sets(config, batch_size, max_batches)
     tokenizer = load_tokenizer(_run_tokenizer(config))
     count_bytes = next_token_bytes(token_byte_lengths(tokenizer, loaded.model.Vocab.size))
+    if config.data.format == "chat":  # the loss covers masked tokens only: no bytes per token
+        count_bytes = None
     evaluator = make_loss_evaluator(
         model_lm_loss(config, training=False), sets, config.trainer.policy, count_bytes=count_bytes
     )

@@ -79,7 +79,17 @@ def generate_command(args: list[str], parser: argparse.ArgumentParser, guard: Gu
 
     from loomax.models.decoding.generate import sample_tokens
 
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--prompt", default=None, help="text to continue")
+    parser.add_argument(
+        "--chat", default=None,
+        help="a conversation to answer instead of --prompt: JSON turns [{role, content}] or a "
+        "file of them, rendered with the chat template and its generation prompt",
+    )  # fmt: skip
+    parser.add_argument(
+        "--chat_template", default=None,
+        help="for --chat: loomax | chatml | a .jinja or tokenizer_config.json (default: the "
+        "run's data.chat.template, else the tokenizer folder's, else loomax)",
+    )  # fmt: skip
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=None)
@@ -97,6 +107,8 @@ def generate_command(args: list[str], parser: argparse.ArgumentParser, guard: Gu
         help="prefill the prompt split over this many devices (a long prompt; docs/sharding.md)",
     )  # fmt: skip
     known, overrides = _parse(parser, args)
+    if (known.prompt is None) == (known.chat is None):
+        parser.error("give one of --prompt and --chat")
     _check_sampling(known)
     mesh = _context_mesh(known.context)
     loaded = _load(known, overrides, guard)
@@ -106,7 +118,10 @@ def generate_command(args: list[str], parser: argparse.ArgumentParser, guard: Gu
     from loomax.data.tokenizer import eos_id, load_tokenizer
 
     tokenizer = load_tokenizer(path)
-    prompt = tokenizer.encode(known.prompt).ids
+    if known.chat is not None:
+        prompt = _chat_prompt(known, loaded, tokenizer, path)
+    else:
+        prompt = tokenizer.encode(known.prompt).ids
     if not prompt:
         raise UserError("--prompt encodes to no tokens")
     tokens = sample_tokens(
@@ -123,6 +138,17 @@ def generate_command(args: list[str], parser: argparse.ArgumentParser, guard: Gu
         mesh=mesh,
     )
     print(tokenizer.decode(tokens))
+
+
+def _chat_prompt(known, loaded, tokenizer, path) -> list[int]:
+    """``--chat``'s conversation rendered with its template, ready for the answer."""
+    from loomax.data.chat.encode import load_template, prompt_ids, read_chat_arg
+
+    spec = known.chat_template
+    run = loaded.run_config
+    if spec is None and run is not None and run.data.format == "chat":
+        spec = run.data.chat.template
+    return prompt_ids(read_chat_arg(known.chat), load_template(spec, tokenizer, path), tokenizer)
 
 
 def _context_mesh(context: int):

@@ -24,7 +24,7 @@ from loomax.hooks import (
     next_token_bytes,
     token_byte_lengths,
 )
-from loomax.lm.config import TrainLmConfig, resolve_vocab_size
+from loomax.lm.config import TrainLmConfig, batch_shape, resolve_vocab_size
 from loomax.lm.eval_sets import eval_sets
 from loomax.lm.loss import model_lm_loss
 from loomax.lm.sample import sample_text
@@ -78,6 +78,10 @@ def _train_lm(config: TrainLmConfig, run_id: str) -> TrainLmResult:
     check_source_files(config.data.train, config.data.validation)  # names data.train[i].urls
     if jax.process_index() == 0:  # the run's first line: where it runs
         print(device_line(trainer_config), flush=True)
+    if config.data.format == "chat":  # conversations: rendered, masked, packed on the host
+        from loomax.data.chat.dataset import build_chat_datasets
+
+        return _train_on(config, run_id, build_chat_datasets(config.data, model_config.seq_len))
     order = choose_order(config.data, epochs=trainer_config.num_train_epochs is not None)
     logger.info(order.describe(config.data.stream_chunk_shards))
     streaming = order.streaming
@@ -130,13 +134,16 @@ def _train_on(config: TrainLmConfig, run_id: str, data: LmDatasets) -> TrainLmRe
     peak = total_peak_flops(trainer_config.policy.compute_dtype, trainer_config.device_peak_flops)
 
     eval_loss = model_lm_loss(config, training=False)
+    chat = config.data.format == "chat"  # eval/loss: the held-out trained (assistant) tokens
     evaluate = make_loss_evaluator(  # the run's evaluator, shared by the eval hooks
         eval_loss,
         validation,
         trainer_config.policy,
         jit=trainer.runtime.jit,
         prepare=trainer.place_batch,
-        count_bytes=next_token_bytes(token_byte_lengths(data.tokenizer, vocab_size)),
+        count_bytes=None
+        if chat
+        else next_token_bytes(token_byte_lengths(data.tokenizer, vocab_size)),
         microbatch_rows=trainer_config.eval_microbatch_rows(trainer.runtime.data_parallel_size),
     )
     primary = jax.process_index() == 0  # only process 0 prints and writes shared files
@@ -225,11 +232,12 @@ def check_step_memory(trainer: Trainer, config: TrainLmConfig, vocab_size: int) 
     first step then runs this program: the check costs no second compile."""
     runtime = trainer.runtime
     rows = trainer.batch_schedule.size_at(0)
+    shape = batch_shape(config, rows)  # chat SFT's packed rows have 3 channels
     if trainer.config.allow_nondivisible_batch_size and rows % runtime.data_parallel_size:
         sharding = replicated(runtime.mesh)  # as place_batch puts such a batch
     else:
-        sharding = batch_sharding(runtime.mesh, 2)
-    batch = jax.ShapeDtypeStruct((rows, config.model.seq_len), jnp.int32, sharding=sharding)
+        sharding = batch_sharding(runtime.mesh, len(shape))
+    batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
     state = trainer.abstract_state(initial_model(config, vocab_size))
     compiled = trainer.precompile(state, batch, **trainer.step_args(1))
     local = [d for d in runtime.mesh.devices.flat if d.process_index == jax.process_index()]

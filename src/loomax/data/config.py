@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from loomax.data.chat.config import ChatConfig
 from loomax.data.embedded import PYTHON_STDLIB
 from loomax.data.sources import SourceConfig
 from loomax.data.tokenizer import MIN_VOCAB_SIZE
@@ -71,6 +72,12 @@ class DataConfig:
     stream_chunk_shards: int = 8
     """Shards per chunk of the order `stream_while_building` uses: windows are shuffled within a chunk, chunks come in shard order."""
 
+    format: str = "text"
+    """What the sources hold: text (documents, the pretraining objective) | chat (conversations, trained on the turns `chat.loss_on` picks; see docs/post_training.md)."""
+
+    chat: ChatConfig = field(default_factory=ChatConfig)
+    """Chat SFT settings (`format: chat`): template, which turns the loss covers, packing."""
+
     fast_encoder: str = "auto"
     """Cache builds encode with tiktoken where that provably gives the tokenizer's own ids (byte-level BPE, ~4x faster), else with `tokenizers`: auto | off."""
 
@@ -116,6 +123,12 @@ class DataConfig:
             )
         if self.fast_encoder not in ("auto", "off"):
             raise ValueError(f"data.fast_encoder must be auto or off, got {self.fast_encoder!r}")
+        if self.format not in ("text", "chat"):
+            raise ValueError(f"data.format must be text or chat, got {self.format!r}")
+        if self.format == "chat" and self.tokenizer is None:  # no BPE is trained on turns
+            raise ValueError(
+                "data.format chat needs data.tokenizer (a tokenizer.json or its folder)"
+            )
         if self.prefetch < 0:
             raise ValueError(f"data.prefetch must be >= 0, got {self.prefetch}")
         if self.tokenizer == "":

@@ -156,10 +156,13 @@ class BatchLoader:
         datasets, indices = self.locate(step, rows)
         if len(self.datasets) == 1:
             return np.asarray(self.windows.get_batch(indices), dtype=np.int32)
-        out = np.empty((len(indices), self.windows.seq_len), dtype=np.int32)
+        out = None  # [rows, seq_len], or [rows, 3, seq_len] for packed chat rows
         for d in np.unique(datasets):
             mask = datasets == d
-            out[mask] = self.datasets[int(d)].get_batch(indices[mask])
+            part = np.asarray(self.datasets[int(d)].get_batch(indices[mask]))
+            if out is None:
+                out = np.empty((len(indices), *part.shape[1:]), dtype=np.int32)
+            out[mask] = part
         return out
 
     def iter_from(

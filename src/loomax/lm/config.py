@@ -63,6 +63,15 @@ class TrainLmConfig:
             check_expert_split(moe.num_experts, self.trainer.mesh.expert)
 
 
+def batch_shape(config: TrainLmConfig, rows: int) -> tuple[int, ...]:
+    """The shape of a training batch of ``rows`` sequences: ``(rows, seq_len)`` token ids, or
+    for chat SFT (``data.format: chat``) ``(rows, 3, seq_len)`` packed rows (tokens, loss
+    weights, document ids: ``loomax.data.chat.packing``)."""
+    if config.data.format == "chat":
+        return (rows, 3, config.model.seq_len)
+    return (rows, config.model.seq_len)
+
+
 def resolve_vocab_size(model_config: LmConfig, tokenizer_vocab: int) -> int:
     """The model's vocabulary size: ``model.vocab_size``, or the tokenizer's when null."""
     if model_config.vocab_size is None:

@@ -49,15 +49,58 @@ def lm_loss(
     return loss_fn
 
 
+def chat_lm_loss(
+    block_size: int | None = 4096,
+    *,
+    z_loss_weight: float = 0.0,
+    vocab_block_size: int | None = None,
+    vocab_multiple: int = 1,
+    aux_losses: bool = True,
+):
+    """The chat SFT loss: ``lm_loss`` on packed chat rows, ``[batch, 3, position]`` int32
+    (tokens, loss weights, document ids: ``loomax.data.chat.packing``). Only the predictions
+    the weights mark count, and the mean divides by their number; attention stays within
+    each packed conversation."""
+
+    def loss_fn(model, batch, *, key=None):
+        def named(channel):
+            return hax.auto_sharded(hax.named(batch[:, channel], (Batch, Position)))
+
+        return next_token_loss_and_metrics(
+            model,
+            named(0),
+            block_size=block_size,
+            z_loss_weight=z_loss_weight,
+            segment_ids=named(2),
+            vocab_block_size=vocab_block_size,
+            vocab_multiple=vocab_multiple,
+            key=key,
+            aux_losses=aux_losses,
+            loss_weights=named(1),
+        )
+
+    return loss_fn
+
+
 def lm_loss_for(
     model: LmConfig,
     *,
     eos_id: int | None = None,
     z_loss_weight: float | None = None,
     aux_losses: bool = True,
+    chat: bool = False,
 ):
     """``lm_loss`` with ``model``'s cross-entropy settings (blocks, vocabulary padding, and its
-    z-loss unless ``z_loss_weight`` is given), attention kept within documents at ``eos_id``."""
+    z-loss unless ``z_loss_weight`` is given), attention kept within documents at ``eos_id``;
+    ``chat_lm_loss`` for packed chat rows when ``chat``."""
+    if chat:
+        return chat_lm_loss(
+            model.cross_entropy_block_size,
+            z_loss_weight=model.z_loss_weight if z_loss_weight is None else z_loss_weight,
+            vocab_block_size=model.cross_entropy_vocab_block_size,
+            vocab_multiple=model.cross_entropy_vocab_multiple,
+            aux_losses=aux_losses,
+        )
     return lm_loss(
         model.cross_entropy_block_size,
         z_loss_weight=model.z_loss_weight if z_loss_weight is None else z_loss_weight,
@@ -74,11 +117,16 @@ def model_lm_loss(config: TrainLmConfig, *, training: bool = True):
     plain cross-entropy)."""
     model = config.model
     eos = None
-    if model.document_mask:
+    chat = config.data.format == "chat"
+    if model.document_mask and not chat:
         from loomax.data.run_tokenizer import prepare_tokenizer
         from loomax.data.tokenizer import eos_id, load_tokenizer
 
         eos = eos_id(load_tokenizer(prepare_tokenizer(config.data)))
     return lm_loss_for(
-        model, eos_id=eos, z_loss_weight=None if training else 0.0, aux_losses=training
+        model,
+        eos_id=eos,
+        z_loss_weight=None if training else 0.0,
+        aux_losses=training,
+        chat=chat,
     )

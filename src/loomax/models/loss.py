@@ -84,11 +84,16 @@ def next_token_loss_and_metrics(
     vocab_multiple: int = 1,
     key: jax.Array | None = None,
     aux_losses: bool = True,
+    loss_weights: NamedArray | None = None,
 ) -> tuple[tuple[jax.Array, jax.Array], dict[str, jax.Array]]:
     """``((sum, number of tokens), metrics)``: ``next_token_loss`` and the model's metrics
     (``AuxOutputs.metrics``; empty for a dense model), as a trainer's loss function returns;
-    its state statistics (``AuxOutputs.state``) join them as ``state/<name>`` token means."""
+    its state statistics (``AuxOutputs.state``) join them as ``state/<name>`` token means.
+    ``loss_weights`` (0/1 per position, as ``tokens``) keep only the predictions they mark
+    (chat SFT's loss mask); the count, the mean's normaliser, is then the marked tokens."""
     targets, weights = next_token_targets(tokens)
+    if loss_weights is not None:
+        weights = weights * loss_weights.astype(jnp.float32)
     # a sequence split over the context axis is laid out zig-zag; the loss, a sum, needs no undoing
     tokens, targets, weights = to_layout(tokens), to_layout(targets), to_layout(weights)
     if segment_ids is not None:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from loomax.config import ConfigError
-from loomax.lm.config import TrainLmConfig
+from loomax.lm.config import TrainLmConfig, batch_shape
 from loomax.lm.loss import lm_loss_for, model_lm_loss
 from loomax.lm.weights import initial_model
 from loomax.mesh import batch_sharding, context_spans_processes
@@ -108,7 +108,8 @@ def loss_of(config: TrainLmConfig) -> tuple[object, str | None]:
     """The run's training loss; with document masking and no local tokenizer, ``lm_loss`` with a
     stand-in EOS id (the same program: only the constant compared with tokens differs)."""
     model = config.model
-    if not model.document_mask or local_tokenizer(config) is not None:
+    chat = config.data.format == "chat"  # documents from the rows' ids: no EOS needed
+    if chat or not model.document_mask or local_tokenizer(config) is not None:
         return model_lm_loss(config), None
     return lm_loss_for(
         model, eos_id=0
@@ -137,10 +138,9 @@ def built_step(config: TrainLmConfig, devices: Sequence[jax.Device]) -> Iterator
             notes.append(SPANS_HOSTS_NOTE)
         notes += _add_hooks(trainer, config, vocab_size, loss_fn)
         state = trainer.abstract_state(initial_model(config, vocab_size))
+        shape = batch_shape(config, batches.sizes[0])  # chat SFT: packed rows, 3 channels
         batch = jax.ShapeDtypeStruct(
-            (batches.sizes[0], config.model.seq_len),
-            jnp.int32,
-            sharding=batch_sharding(trainer.mesh, 2),
+            shape, jnp.int32, sharding=batch_sharding(trainer.mesh, len(shape))
         )
         yield BuiltStep(trainer, state, batch, vocab_size, notes)
     finally:
