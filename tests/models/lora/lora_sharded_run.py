@@ -17,12 +17,16 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import equinox as eqx  # noqa: E402
+import haliax as hax  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "train"))
 from sharded_run import VOCAB, loader, make_trainer  # noqa: E402
 
+from loomax.checkpoint import list_checkpoints  # noqa: E402
+from loomax.inference import _read_model  # noqa: E402
+from loomax.lm import TrainLmConfig  # noqa: E402
 from loomax.mesh import MeshConfig  # noqa: E402
 from loomax.models import LlamaConfig  # noqa: E402
 from loomax.models.lora.config import LoraConfig  # noqa: E402
@@ -37,9 +41,8 @@ MODEL = LlamaConfig(
 
 
 def main() -> dict:
-    trainer = make_trainer(
-        MeshConfig(data=2, model=2), tempfile.mkdtemp(), freeze=LORA.freeze_patterns()
-    )
+    run_dir = tempfile.mkdtemp()
+    trainer = make_trainer(MeshConfig(data=2, model=2), run_dir, freeze=LORA.freeze_patterns())
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
     state = trainer.initial_state(lambda key: MODEL.for_training(MODEL.build(VOCAB, key=key)))
@@ -56,7 +59,18 @@ def main() -> dict:
     after = jax.device_get(eqx.filter(without_adapters(final.model), eqx.is_inexact_array))
     same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), base, after)
     b_moved = float(np.abs(np.asarray(final.model.blocks.stacked.attn.q_proj.lora_b.array)).max())
+    # the trainer's final checkpoint read back as loomax export/generate read it
+    checkpoint = list_checkpoints(str(Path(run_dir) / "checkpoints"))[-1]
+    ids = hax.named(np.arange(16) % VOCAB, "position")
+    want = np.asarray(final.model.logits(ids).array)
+    config = TrainLmConfig(model=MODEL)
+    read = {
+        name: float(np.abs(np.asarray(_read_model(checkpoint, config, VOCAB, merge=merge)
+                                      .logits(ids).array) - want).max())
+        for name, merge in (("merged", True), ("unmerged", False))
+    }  # fmt: skip
     return {
+        "read_back": read,
         "losses": losses,
         "base_unchanged": all(jax.tree.leaves(same)),
         "lora_b_max": b_moved,
