@@ -82,3 +82,29 @@ def test_a_fused_hf_tensor_is_refused_by_name(tmp_path):
     )  # fmt: skip
     with pytest.raises(UserError, match="q_proj: its HF tensor .*qkv_proj.* is fused"):
         export_peft(trained(config), tmp_path)
+
+
+def test_loomax_export_peft_writes_the_base_and_the_adapter(tmp_path, monkeypatch, capsys):
+    """`loomax export --peft DIR`: the checkpoint read with its adapters kept apart, the
+    base (no adapters) at --out, the adapter at DIR."""
+    import loomax.inference
+    from loomax.cli import main
+    from loomax.hf import load_hf
+
+    model = trained(CASES["llama"])
+    asked = {}
+
+    def load(checkpoint, *, config_path=None, overrides=(), merge_adapters=True):
+        asked["merge_adapters"] = merge_adapters
+        return loomax.inference.LoadedModel(model, None, None, f"checkpoint {checkpoint}")
+
+    monkeypatch.setattr(loomax.inference, "load_for_inference", load)
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    main(["export", "--checkpoint", "run/checkpoints", "--out", str(base), "--peft", str(adapter)])
+    assert asked == {"merge_adapters": False}
+    assert "PEFT adapter" in capsys.readouterr().out
+    assert (adapter / "adapter_model.safetensors").is_file()
+    named = hax.named(np.arange(16) % VOCAB, "position")
+    got = np.asarray(load_hf(base).logits(named).array)
+    want = np.asarray(without_adapters(model).logits(named).array)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
