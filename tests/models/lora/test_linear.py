@@ -17,7 +17,7 @@ import pytest
 
 from loomax.config import ConfigError, parse_config
 from loomax.lm import TrainLmConfig
-from loomax.models import LlamaConfig
+from loomax.models import Gpt2Config, LlamaConfig
 from loomax.models.lora.config import LoraConfig
 from loomax.models.lora.files import load_adapters, save_adapters
 from loomax.models.lora.linear import LoraLinear, adapter_layers, merge_lora, without_adapters
@@ -112,14 +112,20 @@ def test_adapters_saved_alone_load_back(models, tmp_path):
     np.testing.assert_array_equal(logits(load_adapters(model, tmp_path)), logits(trained))
 
 
-def test_adapter_dropout_acts_in_training_only(models):
-    config = dataclasses.replace(BASE, lora=dataclasses.replace(LORA, dropout=0.5))
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_adapter_dropout_acts_in_training_only(family):
+    lora = dataclasses.replace(LORA, dropout=0.5)
+    config = (
+        BASE
+        if family == "llama"
+        else Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=4)
+    )
+    config = dataclasses.replace(config, lora=lora)
     assert config.dropout_active
     model = nudged(config.for_training(config.build(VOCAB, key=jax.random.PRNGKey(0))))
-    tokens = IDS
-    a = model.hidden_states(tokens, key=jax.random.PRNGKey(5)).array
-    b = model.hidden_states(tokens).array
-    assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-3
+    trained = np.asarray(model.hidden_states(IDS, key=jax.random.PRNGKey(5)).array)
+    evaluated = np.asarray(model.hidden_states(IDS).array)
+    assert np.abs(trained - evaluated).max() > 1e-3
 
 
 def test_llama_1b_adapter_state_is_at_most_2_percent_of_full(repo_root: Path):
