@@ -94,7 +94,7 @@ def test_only_adapters_get_gradients_and_optimizer_state(models):
     assert lora < 0.2 * full, (lora, full)
 
 
-def test_bad_settings_name_the_key(models):
+def test_bad_settings_name_the_key(models, families):
     with pytest.raises(ConfigError, match="model.lora.rank"):
         LoraConfig(rank=0)
     with pytest.raises(ConfigError, match="model.lora.dropout"):
@@ -102,6 +102,10 @@ def test_bad_settings_name_the_key(models):
     config = dataclasses.replace(BASE, lora=LoraConfig(targets=("attn", "qkv_fused")))
     with pytest.raises(ConfigError, match=r"model.lora.targets: 'qkv_fused' matches no linear"):
         config.for_training(models[1])
+    # MoE routers never get adapters: a target naming only them matches nothing
+    moe = families.tiny_config("mixtral", lora=LoraConfig(targets=("router",)))
+    with pytest.raises(ConfigError, match=r"'router' matches no linear layer of MixtralLmModel"):
+        moe.for_training(moe.build(VOCAB, key=jax.random.PRNGKey(0)))
 
 
 def test_adapters_saved_alone_load_back(models, tmp_path):

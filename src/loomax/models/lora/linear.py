@@ -115,7 +115,7 @@ def add_adapter(linear: hnn.Linear, config: LoraConfig, key: jax.Array) -> LoraL
 def apply_lora(model: Any, config: LoraConfig) -> Any:
     """``model`` with an adapter on every linear layer whose dotted name matches one of
     ``config.targets`` (MoE routers excepted); a target matching none is a ``ConfigError`` naming the key."""
-    names = linear_names(model)
+    names = [n for n in linear_names(model) if "router" not in n]  # routers get none
     compiled = [re.compile(p) for p in config.targets]
     for pattern, regex in zip(config.targets, compiled, strict=True):
         if not any(regex.search(n) for n in names):
