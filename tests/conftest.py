@@ -339,6 +339,12 @@ def needs_transformers() -> None:
 
 
 @pytest.fixture(scope="session")
+def needs_peft(needs_transformers) -> None:
+    """peft is in the `test` extra (tests/hf/test_peft: LoRA exports load in it): fail, don't skip."""
+    require_test_extra("peft", "loading LoRA exports in peft")
+
+
+@pytest.fixture(scope="session")
 def needs_hf_backend(needs_lm_eval, needs_transformers) -> None:
     """lm-eval's `hf` backend (transformers, and accelerate, which it imports) is in the
     `test` extra: fail, don't skip."""

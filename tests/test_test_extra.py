@@ -16,7 +16,7 @@ def test_a_missing_module_of_the_test_extra_fails_naming_the_install(require_ext
 
 
 @pytest.mark.parametrize(
-    "fixture", ["needs_lm_eval", "needs_transformers", "needs_hf_backend", "libtpu"]
+    "fixture", ["needs_lm_eval", "needs_transformers", "needs_peft", "needs_hf_backend", "libtpu"]
 )
 def test_the_test_extra_is_installed(request, fixture):
     request.getfixturevalue(fixture)  # fails (not skips) where the package is missing

@@ -21,6 +21,7 @@ from loomax.config import ConfigError, parse_config
 from loomax.errors import MissingFileError
 from loomax.lm import TrainLmConfig, hf_type_args, resolve_vocab_size
 from loomax.models.config import LmModel
+from loomax.models.lora.linear import apply_lora, merge_lora
 from loomax.tree_paths import is_named_array
 
 
@@ -45,9 +46,15 @@ def find_run_config(path: Path) -> Path | None:
 
 
 def load_for_inference(
-    checkpoint: str | Path, *, config_path: str | None = None, overrides: list[str] = ()
+    checkpoint: str | Path,
+    *,
+    config_path: str | None = None,
+    overrides: list[str] = (),
+    merge_adapters: bool = True,
 ) -> LoadedModel:
-    """The model at ``checkpoint`` (see the module docstring), in float32 on one device."""
+    """The model at ``checkpoint`` (see the module docstring), in float32 on one device; a
+    LoRA run's trainer checkpoint with its adapters merged (kept apart: ``merge_adapters``
+    false)."""
     path = Path(checkpoint)
     run_config, given, hf_dir = None, {}, (path / "config.json").is_file()
     if config_path is not None or overrides:
@@ -87,7 +94,7 @@ def load_for_inference(
     from loomax.data.tokenizer import load_tokenizer
 
     vocab = resolve_vocab_size(run_config.model, load_tokenizer(tokenizer).get_vocab_size())
-    model = _read_model(checkpoints[-1], run_config, vocab)
+    model = _read_model(checkpoints[-1], run_config, vocab, merge=merge_adapters)
     return LoadedModel(model, run_config, tokenizer, f"checkpoint {checkpoints[-1]}")
 
 
@@ -104,8 +111,16 @@ def _run_tokenizer(config: TrainLmConfig) -> Path:
     return Path(prepare_tokenizer(config.data))
 
 
-def _read_model(checkpoint, config: TrainLmConfig, vocab: int) -> LmModel:
-    skeleton = jax.eval_shape(lambda: config.model.build(vocab, key=jax.random.PRNGKey(0)))
+def _read_model(checkpoint, config: TrainLmConfig, vocab: int, *, merge: bool = True) -> LmModel:
+    """The checkpoint's model in float32 on one device; a LoRA run's (``model.lora``) with its
+    adapters, merged into the weights unless ``merge`` is false."""
+    lora = config.model.lora
+
+    def build():
+        model = config.model.build(vocab, key=jax.random.PRNGKey(0))
+        return model if lora is None else apply_lora(model, lora)
+
+    skeleton = jax.eval_shape(build)
     template = {"model": skeleton}
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: device, template, is_leaf=is_named_array)
@@ -115,7 +130,8 @@ def _read_model(checkpoint, config: TrainLmConfig, vocab: int) -> LmModel:
             f"checkpoint {checkpoint} lacks {len(missing)} model array(s), e.g. {missing[:3]}: "
             "does the run config match the checkpoint?"
         )
-    return jax.tree.map(lambda x: x.astype(jnp.float32), tree["model"])
+    model = jax.tree.map(lambda x: x.astype(jnp.float32), tree["model"])
+    return merge_lora(model) if lora is not None and merge else model
 
 
 def validation_sets(

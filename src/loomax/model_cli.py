@@ -39,12 +39,15 @@ def _parse(parser: argparse.ArgumentParser, args: list[str]):
     return parser.parse_known_args(args)  # the rest: --section.key VALUE overrides
 
 
-def _load(known, overrides: list[str], guard: Guard):
+def _load(known, overrides: list[str], guard: Guard, *, merge_adapters: bool = True):
     from loomax.inference import load_for_inference
 
     with guard():
         return load_for_inference(
-            known.checkpoint, config_path=known.config_path, overrides=overrides
+            known.checkpoint,
+            config_path=known.config_path,
+            overrides=overrides,
+            merge_adapters=merge_adapters,
         )
 
 
@@ -56,20 +59,33 @@ def export_command(args: list[str], parser: argparse.ArgumentParser, guard: Guar
     parser.add_argument(
         "--max_shard_gb", type=float, default=5.0, help="safetensors shard size limit"
     )
+    parser.add_argument(
+        "--peft",
+        default=None,
+        metavar="DIR",
+        help="a LoRA run: write its adapters there as a PEFT adapter, and the base (no "
+        "adapters) to --out; default: the adapters merged into the model at --out",
+    )
     known, overrides = _parse(parser, args)
-    loaded = _load(known, overrides, guard)
+    loaded = _load(known, overrides, guard, merge_adapters=known.peft is None)
     special = {}
     if loaded.tokenizer is not None:
         from loomax.data.tokenizer import load_tokenizer
 
         special = special_token_ids(load_tokenizer(loaded.tokenizer))
-    out = export_hf(
-        loaded.model,
-        known.out,
+    settings = dict(
         tokenizer=loaded.tokenizer,
         special_tokens=special,
         max_shard_bytes=int(known.max_shard_gb * 1024**3),
     )
+    if known.peft is not None:
+        from loomax.hf.peft import export_base_and_adapter
+
+        with guard():
+            export_base_and_adapter(loaded.model, known.out, known.peft, **settings)
+        print(f"exported {loaded.description} -> base {known.out}, PEFT adapter {known.peft}")
+        return
+    out = export_hf(loaded.model, known.out, **settings)
     print(f"exported {loaded.description} -> {out}")
 
 

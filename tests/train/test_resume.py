@@ -226,3 +226,30 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     assert logged == [(0, None, 1)] + [
         (s, 1 if s <= 4 else 2, 2 if s == 4 else None) for s in range(1, STEPS + 1)
     ]
+
+
+@pytest.mark.slow
+def test_initialize_from_a_base_run_starts_lora_adapters_fresh(tmp_path):
+    """A LoRA run (model.lora) from a base run's checkpoint: the base weights are the
+    checkpoint's, the adapters (which it lacks) start fresh with B = 0, no flag needed."""
+    import dataclasses
+
+    from loomax.models.lora.config import LoraConfig
+    from loomax.models.lora.linear import adapter_layers, without_adapters
+
+    source = make_trainer(tmp_path / "source", num_train_steps=2)
+    trained = source.train(*start(source)).state
+    lora = LoraConfig(rank=2)
+    model = dataclasses.replace(MODEL, lora=lora)
+    trainer = make_trainer(
+        tmp_path / "new",
+        model=model,
+        initialize_from=str(tmp_path / "source" / "checkpoints"),
+        freeze=lora.freeze_patterns(),
+    )
+    state = trainer.initial_state(lambda key: model.for_training(model.build(VOCAB, key=key)))
+    base = jax.tree.leaves(without_adapters(state.model))
+    for a, b in zip(base, jax.tree.leaves(trained.model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    layers = adapter_layers(state.model)
+    assert layers and all(not np.any(np.asarray(x.lora_b.array)) for x in layers.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import loomax.hooks  # noqa: F401 - registers the hook types `trainer.hooks` may name
@@ -58,6 +59,12 @@ class TrainLmConfig:
                     f"trainer.mesh.context > 1 (got {context}): context-parallel attention is "
                     "full causal"
                 )
+        lora = self.model.lora
+        if lora is not None:  # adapters alone trained: the rest frozen through trainer.freeze
+            added = [p for p in lora.freeze_patterns() if p not in self.trainer.freeze]
+            if added:
+                trainer = dataclasses.replace(self.trainer, freeze=[*self.trainer.freeze, *added])
+                object.__setattr__(self, "trainer", trainer)
         moe = getattr(self.model, "moe", None)
         if moe is not None:  # the experts split over trainer.mesh.expert: checked before any work
             check_expert_split(moe.num_experts, self.trainer.mesh.expert)

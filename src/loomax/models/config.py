@@ -28,6 +28,8 @@ from loomax.models.blocks.fp8 import MODES as FP8_MODES
 from loomax.models.blocks.fp8 import to_fp8
 from loomax.models.blocks.remat import check_remat, scan_policy
 from loomax.models.io.files import write_files
+from loomax.models.lora.config import LoraConfig
+from loomax.models.lora.linear import apply_lora
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Attention across a sequence split over trainer.mesh.context > 1: ring (K/V blocks passed around, O(seq/n) memory) or all_gather (K/V gathered whole)."""
     fp8: str = "off"
     """FP8 matmuls in the blocks' linear layers (e4m3 forward, e5m2 gradients, current scaling): off (false), on (true; needs NVIDIA compute capability 8.9+), or emulate (same arithmetic on any device)."""
+    lora: LoraConfig | None = None
+    """Low-rank adapters on chosen linear layers, the rest frozen (`model.lora`, docs/post_training.md); null = none."""
     hf_config_json: dict[str, Any] | None = field(default=None, compare=False)
     """Set on import: the Hugging Face checkpoint's config.json, whose fields export writes back (changed only where training changed them); null = none."""
 
@@ -176,7 +180,8 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     @property
     def dropout_active(self) -> bool:
         """Whether any dropout rate is above 0 (the model then uses the step's key)."""
-        return max(self.embed_pdrop, self.resid_pdrop, self.attn_pdrop) > 0
+        lora = 0.0 if self.lora is None else self.lora.dropout
+        return max(self.embed_pdrop, self.resid_pdrop, self.attn_pdrop, lora) > 0
 
     @property
     def flash_block(self) -> int:
@@ -203,8 +208,10 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
 
     def for_training(self, model: LmModel) -> LmModel:
         """``model`` as this config trains it: its blocks' linear layers in FP8 with
-        ``fp8`` on or emulate (``models.fp8``), else unchanged."""
-        return model if self.fp8 == "off" else to_fp8(model)
+        ``fp8`` on or emulate (``models.fp8``); with adapters on the layers ``lora`` names
+        (``models.lora``)."""
+        model = model if self.fp8 == "off" else to_fp8(model)
+        return model if self.lora is None else apply_lora(model, self.lora)
 
     @abc.abstractmethod
     def flops_per_token(self, vocab_size: int, *, causal: bool = True) -> float:

@@ -32,6 +32,8 @@ from loomax.checkpoint import (
     load_latest,
 )
 from loomax.errors import MissingFileError, UserError
+from loomax.models.lora.config import ADAPTER_LEAVES
+from loomax.models.lora.linear import adapter_layers
 from loomax.runtime import MeshRuntime
 from loomax.storage import to_url
 from loomax.train.config import TrainerConfig
@@ -279,7 +281,8 @@ class StateBuilder:
             raise MissingFileError(f"trainer.initialize_from: no complete checkpoint at {path}")
         checkpoint, loaded, missing = found
         state = fresh()
-        model = self._fill_missing(checkpoint, loaded.model, missing, lambda: state.model)
+        model, missing = _new_adapters(loaded.model, missing, state.model)
+        model = self._fill_missing(checkpoint, model, missing, lambda: state.model)
         logger.info(
             "model weights from %s (step %d); optimizer fresh at step 0",
             checkpoint,
@@ -316,6 +319,18 @@ class StateBuilder:
             ", ".join(missing[:3]),
         )
         return _fill(tree, fresh())
+
+
+def _new_adapters(model: Any, missing: list[str], fresh: Any) -> tuple[Any, list[str]]:
+    """``model`` with the LoRA adapters (``model.lora``) a base model's checkpoint lacks
+    taken from ``fresh`` (B = 0: the base's outputs), and the names still missing (refused,
+    or started fresh too with ``trainer.allow_partial_checkpoint``, by ``_fill_missing``)."""
+    new = [n for n, layer in adapter_layers(model).items() if layer.lora_a is None]
+    if not new:
+        return model, missing
+    logger.info("%d LoRA adapter(s) start fresh (the checkpoint has none)", len(new))
+    rest = [n for n in missing if n.rsplit("/", 1)[-1] not in ADAPTER_LEAVES]
+    return _fill(model, fresh), rest
 
 
 def _fill(tree: Any, source: Any) -> Any:

@@ -32,7 +32,7 @@ from loomax.models.attention.rotary import apply_rotary
 from loomax.models.attention.sequence_layout import context_ways, layout_positions
 from loomax.models.axes import KeyPosition, Position
 from loomax.models.blocks import taps
-from loomax.models.blocks.dropout import dropout, split
+from loomax.models.blocks.dropout import adapter_keys, dropout, split
 from loomax.models.blocks.mlp_activations import activation
 from loomax.models.blocks.remat import name_activation
 from loomax.models.config import KvCache, LmModel
@@ -121,8 +121,9 @@ class LlamaAttention(eqx.Module):
             config,
         )
 
-    def _qkv(self, x: NamedArray, positions: NamedArray):
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    def _qkv(self, x: NamedArray, positions: NamedArray, keys=(None, None, None)):
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = (p(x, key=kp) for p, kp in zip(projections, keys, strict=True))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, positions, self.config.rope)
@@ -140,7 +141,8 @@ class LlamaAttention(eqx.Module):
         """``key`` drops out attention probabilities (``attn_pdrop``); ``layer`` (the block's
         index) picks its window where the layers' windows differ."""
         c = self.config
-        q, k, v = self._qkv(x, layout_positions(x.resolve_axis(Position)))
+        k_q, k_k, k_v, k_o = adapter_keys(key, 4)
+        q, k, v = self._qkv(x, layout_positions(x.resolve_axis(Position)), (k_q, k_k, k_v))
 
         def attend(window):
             return lambda q, k, v: model_attention(
@@ -158,7 +160,7 @@ class LlamaAttention(eqx.Module):
                 )
             kind = jnp.asarray([kinds.index(w) for w in c.layer_windows])[layer]
             out = jax.lax.switch(kind, [attend(w) for w in kinds], q, k, v)
-        return self.o_proj(name_activation(out, "attn_out"))
+        return self.o_proj(name_activation(out, "attn_out"), key=k_o)
 
     def decode(self, x: NamedArray, cache_k, cache_v, start, layer=None):
         """Attention over the cache for new positions from ``start``; returns the new cache too.
@@ -203,9 +205,12 @@ class LlamaMlp(eqx.Module):
             c.activation_function,
         )
 
-    def __call__(self, x: NamedArray) -> NamedArray:
-        gate, up = name_activation((self.gate_proj(x), self.up_proj(x)), "mlp_up")
-        return self.down_proj(activation(self.act)(gate) * up)
+    def __call__(self, x: NamedArray, *, key: PRNGKeyArray | None = None) -> NamedArray:
+        """``key`` (training) drives the LoRA adapters' dropout (``models/lora``)."""
+        k_gate, k_up, k_down = adapter_keys(key, 3)
+        gate, up = self.gate_proj(x, key=k_gate), self.up_proj(x, key=k_up)
+        gate, up = name_activation((gate, up), "mlp_up")
+        return self.down_proj(activation(self.act)(gate) * up, key=k_down)
 
 
 class LlamaBlock(eqx.Module):
@@ -252,7 +257,7 @@ class LlamaBlock(eqx.Module):
         attn = taps.tap("attn_out", self.attn(attn_in, segment_ids, key=k_probs, layer=layer))
         x = x + dropout(self._branch(self.attn_out_norm, attn), rate, k_attn)
         mlp_in = taps.tap("mlp_in", name_activation(_maybe(self.post_attn_norm, x), "mlp_in"))
-        mlp = taps.tap("mlp_out", self.mlp(mlp_in))
+        mlp = taps.tap("mlp_out", self.mlp(mlp_in, key=k_mlp))
         x = x + dropout(self._branch(self.mlp_out_norm, mlp), rate, k_mlp)
         return hax.auto_sharded(x)
 

@@ -46,3 +46,16 @@ def split(key: PRNGKeyArray | None, n: int) -> tuple[PRNGKeyArray | None, ...]:
     if key is None:
         return (None,) * n
     return tuple(jax.random.split(key, n))
+
+
+ADAPTER_SALT = 0x10AA
+"""Folded into a site's key to draw its linear layers' adapter dropout keys (``models/lora``),
+so that the sites' own masks stay what they were without adapters."""
+
+
+def adapter_keys(key: PRNGKeyArray | None, n: int) -> tuple[PRNGKeyArray | None, ...]:
+    """``n`` keys for the linear layers of a site whose key is ``key`` (their LoRA adapters'
+    dropout; a plain ``Linear`` ignores its key), or ``n`` Nones without one."""
+    if key is None:
+        return (None,) * n
+    return split(jax.random.fold_in(key, ADAPTER_SALT), n)

@@ -21,7 +21,7 @@ from loomax.models.attention.attention import cached_attention, model_attention
 from loomax.models.attention.sequence_layout import context_ways, layout_positions
 from loomax.models.axes import KeyPosition, Position
 from loomax.models.blocks import taps
-from loomax.models.blocks.dropout import dropout, split
+from loomax.models.blocks.dropout import adapter_keys, dropout, split
 from loomax.models.blocks.mlp_activations import activation
 from loomax.models.blocks.norms import layer_norm
 from loomax.models.blocks.remat import name_activation
@@ -101,11 +101,12 @@ class Gpt2Attention(eqx.Module):
     ) -> NamedArray:
         """``layer`` (this block's index) scales the scores by ``1 / (layer + 1)``; ``key``
         drops out attention probabilities (``attn_pdrop``)."""
-        qkv = self.qkv(x)
+        k_qkv, k_out = adapter_keys(key, 2)
+        qkv = self.qkv(x, key=k_qkv)
         qkv = name_activation(qkv, "qkv")
         q, k, v = _scaled(qkv["qkv", 0], layer), qkv["qkv", 1], qkv["qkv", 2]
         out = model_attention(self.config, q, k, v, segment_ids, key=key)
-        return self.out(name_activation(out, "attn_out"))
+        return self.out(name_activation(out, "attn_out"), key=k_out)
 
     def decode(self, x: NamedArray, cache_k, cache_v, start, layer: jax.Array | None = None):
         """Attention over the cache for new positions from ``start``; returns the new cache too."""
@@ -139,8 +140,11 @@ class Gpt2Mlp(eqx.Module):
         down = _residual_projection(config, config.Mlp, key=k_down)
         return Gpt2Mlp(up, down, config.activation_function)
 
-    def __call__(self, x: NamedArray) -> NamedArray:
-        return self.down(activation(self.act)(name_activation(self.up(x), "mlp_up")))
+    def __call__(self, x: NamedArray, *, key: PRNGKeyArray | None = None) -> NamedArray:
+        """``key`` (training) drives the LoRA adapters' dropout (``models/lora``)."""
+        k_up, k_down = adapter_keys(key, 2)
+        up = name_activation(self.up(x, key=k_up), "mlp_up")
+        return self.down(activation(self.act)(up), key=k_down)
 
 
 class Gpt2Block(eqx.Module):
@@ -181,7 +185,7 @@ class Gpt2Block(eqx.Module):
         )
         x = x + dropout(attn, rate, k_attn)
         mlp_in = taps.tap("mlp_in", name_activation(self.ln_mlp(x), "mlp_in"))
-        x = x + dropout(taps.tap("mlp_out", self.mlp(mlp_in)), rate, k_mlp)
+        x = x + dropout(taps.tap("mlp_out", self.mlp(mlp_in, key=k_mlp)), rate, k_mlp)
         return hax.auto_sharded(x)  # keep activations laid out by the compute mapping
 
     def decode(

@@ -1,0 +1,166 @@
+"""``LoraLinear``: a ``haliax.nn.Linear`` plus a low-rank adapter, and the model surgery.
+
+The adapter of a layer with input axes ``In`` and output axes ``Out`` is ``lora_a``
+(``lora_r`` x In) and ``lora_b`` (Out x ``lora_r``), both with the weight's other axes
+in front (``layers`` in a stack of blocks), so that a scanned stack slices them per layer
+as it slices the weight. The output is ``W x + scale * B (A dropout(x))``, ``scale =
+alpha / rank``; B starts at zero, so a model with fresh adapters computes the base model's
+outputs exactly. Being a ``Linear``, the layer keeps its parameter names (``...q_proj.weight``)
+and everything that reads linear layers (weight decay, FP8, offload) sees it as before;
+its adapter's arrays are named ``...q_proj.lora_a`` / ``.lora_b`` and carry named axes, so
+FSDP and tensor parallelism shard them by the same axis mappings as the weight (``lora_r``
+is never sharded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import zlib
+from typing import Any
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+from haliax import Axis, NamedArray
+
+from loomax.config import ConfigError
+from loomax.models.blocks.dropout import dropout
+from loomax.models.lora.config import LoraConfig
+from loomax.tree_paths import path_name
+
+RANK = "lora_r"
+"""The adapters' rank axis."""
+
+
+class LoraLinear(hnn.Linear):
+    """A linear layer with a low-rank adapter (module docstring)."""
+
+    lora_a: NamedArray | None = None
+    lora_b: NamedArray | None = None
+    scale: float = eqx.field(static=True, default=1.0)
+    dropout_rate: float = eqx.field(static=True, default=0.0)
+
+    def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
+        out = super().__call__(inputs)
+        x = dropout(inputs, self.dropout_rate, key)
+        low = x.dot(self.lora_a.astype(x.dtype), axis=self.In)
+        delta = low.dot(self.lora_b.astype(x.dtype), axis=RANK)
+        return hax.auto_sharded(
+            out + (delta * jnp.asarray(self.scale, delta.dtype)).astype(out.dtype)
+        )
+
+    def delta(self) -> NamedArray:
+        """``scale * B A`` laid out as the weight (what merging adds to it)."""
+        product = self.lora_b.dot(self.lora_a, axis=RANK) * self.scale
+        return (product / self.reparam.active_scale).rearrange(self.weight.axes)
+
+    def merged(self) -> hnn.Linear:
+        """The plain ``Linear`` computing what this layer computes: W + scale * B A."""
+        weight = (self.weight + self.delta()).astype(self.weight.dtype)
+        return hnn.Linear(weight, self.bias, self.In, self.Out, self.dot_general, self._reparam_cls)
+
+    def base(self) -> hnn.Linear:
+        """The layer without its adapter."""
+        return hnn.Linear(
+            self.weight, self.bias, self.In, self.Out, self.dot_general, self._reparam_cls
+        )
+
+
+def _axes(spec) -> tuple[Axis, ...]:
+    return (spec,) if isinstance(spec, Axis) else tuple(spec)
+
+
+def _is_linear(x: Any) -> bool:
+    return isinstance(x, hnn.Linear)
+
+
+def linear_names(model: Any) -> list[str]:
+    """The dotted names of ``model``'s linear layers (what ``model.lora.targets`` matches)."""
+    names: list[str] = []
+
+    def visit(path, node):
+        if _is_linear(node):
+            names.append(path_name(path, "."))
+        return node
+
+    jax.tree_util.tree_map_with_path(visit, model, is_leaf=_is_linear)
+    return names
+
+
+def add_adapter(linear: hnn.Linear, config: LoraConfig, key: jax.Array) -> LoraLinear:
+    """``linear`` with a fresh adapter: A ~ N(0, 1/fan_in), B = 0."""
+    ins, outs = _axes(linear.In), _axes(linear.Out)
+    own = {a.name for a in ins + outs}
+    front = tuple(a for a in linear.weight.axes if a.name not in own)  # layers (experts)
+    rank = Axis(RANK, config.rank)
+    fan_in = 1
+    for a in ins:
+        fan_in *= a.size
+    dtype = linear.weight.dtype
+    a = hax.random.normal(key, (*front, rank, *ins)) * (fan_in**-0.5)
+    b = hax.zeros((*front, *outs, rank), dtype=dtype)
+    fields = {f.name: getattr(linear, f.name) for f in dataclasses.fields(hnn.Linear)}
+    return LoraLinear(
+        **fields,
+        lora_a=a.astype(dtype),
+        lora_b=b,
+        scale=config.scale,
+        dropout_rate=config.dropout,
+    )
+
+
+def apply_lora(model: Any, config: LoraConfig) -> Any:
+    """``model`` with an adapter on every linear layer whose dotted name matches one of
+    ``config.targets`` (MoE routers excepted); a target matching none is a ``ConfigError`` naming the key."""
+    names = [n for n in linear_names(model) if "router" not in n]  # routers get none
+    compiled = [re.compile(p) for p in config.targets]
+    for pattern, regex in zip(config.targets, compiled, strict=True):
+        if not any(regex.search(n) for n in names):
+            raise ConfigError(
+                f"model.lora.targets: {pattern!r} matches no linear layer of "
+                f"{type(model).__name__}; its linear layers: {', '.join(names)}"
+            )
+    root = jax.random.PRNGKey(config.seed)
+
+    def convert(path, node):
+        if not _is_linear(node) or isinstance(node, LoraLinear):
+            return node
+        name = path_name(path, ".")
+        if "router" in name or not any(r.search(name) for r in compiled):
+            return node
+        return add_adapter(node, config, jax.random.fold_in(root, zlib.crc32(name.encode())))
+
+    return jax.tree_util.tree_map_with_path(convert, model, is_leaf=_is_linear)
+
+
+def _replace(model: Any, how) -> Any:
+    is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
+    return jax.tree.map(lambda n: how(n) if is_lora(n) else n, model, is_leaf=is_lora)
+
+
+def merge_lora(model: Any) -> Any:
+    """``model`` with every adapter folded into its weight: plain ``Linear`` layers, the same
+    outputs (up to rounding), the layout any export reads."""
+    return _replace(model, LoraLinear.merged)
+
+
+def without_adapters(model: Any) -> Any:
+    """``model`` with every adapter dropped: the base model."""
+    return _replace(model, LoraLinear.base)
+
+
+def adapter_layers(model: Any) -> dict[str, LoraLinear]:
+    """``{dotted name: layer}`` of every ``LoraLinear`` in ``model``."""
+    found: dict[str, LoraLinear] = {}
+    is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
+
+    def visit(path, node):
+        if is_lora(node):
+            found[path_name(path, ".")] = node
+        return node
+
+    jax.tree_util.tree_map_with_path(visit, model, is_leaf=is_lora)
+    return found
