@@ -2,7 +2,7 @@
 
 The suites over every family check gemma3_text at its tiny shape, two layers, where its
 pattern of six makes both local. Here, with a global layer beside a local one: our export
-loads in transformers with our logits and greedy tokens, a model transformers built (global
+loads in transformers with our logits and, trained, greedy tokens, a model transformers built (global
 rotary scaled as Gemma 3 4B's) imports with its logits, each layer kind rotates by its own
 base, the pattern and rotary of a config.json as the Hub has them (no ``layer_types``), and
 what import refuses.
@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import equinox as eqx
 import haliax as hax
 import jax
 import numpy as np
+import optax
 import pytest
 
 from loomax.errors import BadFileError
 from loomax.hf import export_hf, load_hf
-from loomax.models import LmConfig
+from loomax.models import LmConfig, next_token_loss
 from loomax.models.attention.rotary import DefaultRotary, LinearRotary
 from loomax.models.decoding.generate import sample_tokens
 
@@ -54,17 +56,49 @@ def hf_logits(torch, hf) -> np.ndarray:
         return hf(torch.tensor(IDS[None], dtype=torch.long)).logits[0].numpy()
 
 
-def test_a_local_and_a_global_layer_match_transformers_with_greedy_tokens(tmp_path):
+def trained(config, steps: int = 12):
+    """``config`` trained ``steps`` Adam steps on a repeating sequence (the blocked loss)."""
+    model = config.build(VOCAB, key=KEY)
+    pattern = np.tile([3, 1, 4, 1, 5, 9, 2, 6, 7], 2)[:16]
+    batch = hax.named(np.stack([pattern, np.roll(pattern, 2)]), ("batch", "position"))
+    opt = optax.adam(3e-2)
+
+    @eqx.filter_jit
+    def step(m, state):
+        def loss_fn(m):
+            total, count = next_token_loss(m, batch, block_size=8)
+            return total / count
+
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(m)
+        updates, state = opt.update(grads, state, m)
+        return eqx.apply_updates(m, updates), state, loss
+
+    state, losses = opt.init(eqx.filter(model, eqx.is_inexact_array)), []
+    for _ in range(steps):
+        model, state, loss = step(model, state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] / 2, losses
+    return model
+
+
+def test_a_local_and_a_global_layer_match_transformers_trained_with_greedy_tokens(tmp_path):
+    """Random weights: our export's logits are transformers'; trained a few steps: transformers'
+    greedy ``generate`` gives the tokens ``loomax generate`` (``sample_tokens``) gives."""
     import torch
     import transformers
 
     model = built(MIXED)
-    export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    export_hf(model, tmp_path / "random", special_tokens={"eos_token_id": 0})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "random", dtype=torch.float32)
     assert type(hf).__name__ == "Gemma3ForCausalLM"
     assert hf.config.layer_types == ["sliding_attention", "full_attention"]
     assert hf.config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
-    np.testing.assert_allclose(logits(model), hf_logits(torch, hf), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits(model), hf_logits(torch, hf.eval()), rtol=1e-5, atol=1e-5)
+    model = trained(MIXED)
+    export_hf(model, tmp_path / "trained", special_tokens={"eos_token_id": 0})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "trained", dtype=torch.float32
+    )
     prompt = [3, 1, 4, 1, 5]  # decodes 11 positions past the window of 3
     ours = sample_tokens(model, prompt, seq_len=16, max_new_tokens=11, temperature=0.0, key=KEY)
     with torch.no_grad():
@@ -72,7 +106,7 @@ def test_a_local_and_a_global_layer_match_transformers_with_greedy_tokens(tmp_pa
             torch.tensor([prompt]), max_new_tokens=11, do_sample=False, eos_token_id=None,
             pad_token_id=0, min_new_tokens=11,
         )[0].tolist()  # fmt: skip
-    assert ours == theirs
+    assert ours[5:7] == [9, 2] and ours == theirs  # it learned the sequence
 
 
 def test_a_model_transformers_built_with_a_scaled_global_rotary_imports(tmp_path):
@@ -132,6 +166,9 @@ def test_a_hub_config_json_without_layer_types_imports_its_pattern_and_ropes():
     kinds = config.hf_config(262144)["layer_types"]
     assert [i for i, k in enumerate(kinds) if k == "full_attention"] == globals_
     assert Gemma3(num_layers=2, sliding_window=4).layer_windows == (4, 4)  # pattern cut to 2
+    saved = {**hub, "num_hidden_layers": 6, "_sliding_window_pattern": 3}  # transformers 5's name
+    del saved["sliding_window_pattern"]
+    assert Gemma3.from_hf_config(saved).layer_windows == (512, 512, None) * 2
 
 
 @pytest.mark.parametrize(
