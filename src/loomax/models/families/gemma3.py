@@ -34,7 +34,7 @@ class Gemma3TextConfig(Gemma2Config):
     """Gemma 3 (Gemma Team 2025), text: Gemma 2 with QK-norm, 5 local : 1 global layers and a rotary base per kind."""
 
     rope: RotaryConfig = field(default_factory=lambda: DefaultRotary(theta=_GLOBAL_THETA))
-    """Rotary embeddings of the global (full-attention) layers (`type`, `theta`: rope_theta, rope_scaling)."""
+    """Rotary embeddings of the global (full-attention) layers, theta 1,000,000 by default (`type`, `theta`: rope_theta, rope_scaling)."""
     rope_local_base_freq: float = _LOCAL_THETA
     """Rotary base (theta) of the local (sliding-window) layers, plain RoPE with no scaling."""
     qk_norm: bool = True
