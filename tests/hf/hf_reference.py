@@ -6,8 +6,10 @@ instead of before (OLMo 2: no ``input_layernorm``), fused q/k/v and gate/up tens
 and sliding-window attention (config.json ``sliding_window``, per layer by ``layer_types``);
 and Gemma 2 (``model_type`` gemma2): ``1 + w`` norms, four per layer, embeddings times
 sqrt(hidden), scores times ``query_pre_attn_scalar ** -0.5``, soft-capped scores and logits,
-a GELU-tanh gate; and Granite's multipliers (``embedding_multiplier``, ``residual_multiplier``,
-``attention_multiplier``, ``logits_scaling``; transformers' defaults of 1 where absent).
+a GELU-tanh gate; and Gemma 3 (``model_type`` gemma3_text): Gemma 2's with ``1 + w`` QK-norms
+and the local layers' rotary base ``rope_local_base_freq``; and Granite's multipliers
+(``embedding_multiplier``, ``residual_multiplier``, ``attention_multiplier``,
+``logits_scaling``; transformers' defaults of 1 where absent).
 
 They read only what transformers reads (config.json fields and safetensors tensor names),
 in float64, following the transformers modelling code's math. `test_transformers` checks
@@ -117,15 +119,15 @@ def _linear(t: dict, name: str, x):
     return out + t[name + ".bias"] if name + ".bias" in t else out
 
 
-def _qk_norm(t: dict, name: str, x, T: int, heads: int, d: int, eps: float):
+def _qk_norm(t: dict, name: str, x, T: int, heads: int, d: int, eps: float, rms=_rms_norm):
     """Reshape a projection to [heads, T, d], RMS-normed first when the checkpoint has the norm:
     over each head (a norm of size d) or over the whole projection (size heads * d)."""
     w = t.get(name + ".weight")
     if w is not None and w.size == heads * d:  # the whole projection, before the head split
-        x = _rms_norm(x, w, eps)
+        x = rms(x, w, eps)
     x = x.reshape(T, heads, d)
     if w is not None and w.size == d:
-        x = _rms_norm(x, w, eps)
+        x = rms(x, w, eps)
     return x.transpose(1, 0, 2)
 
 
@@ -149,7 +151,7 @@ def llama_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
     d = config.get("head_dim") or config["hidden_size"] // H
     t = {k: v.astype(np.float64) for k, v in _unfused(t, H, K, d).items()}
     eps = config["rms_norm_eps"]
-    gemma = config["model_type"] == "gemma2"
+    gemma = config["model_type"] in ("gemma2", "gemma3_text")
     rms = (lambda x, w, eps: _rms_norm(x, 1 + w, eps)) if gemma else _rms_norm
     scale = config["query_pre_attn_scalar"] ** -0.5 if gemma else config.get("attention_multiplier")
     res = config.get("residual_multiplier", 1.0)
@@ -166,10 +168,16 @@ def llama_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
         window = window if kinds is None or kinds[i] == "sliding_attention" else None
         pre = p + "input_layernorm.weight" in t  # OLMo 2: norms after, not before
         h = rms(x, t[p + "input_layernorm.weight"], eps) if pre else x
-        q = _qk_norm(t, p + "self_attn.q_norm", _linear(t, p + "self_attn.q_proj", h), T, H, d, eps)
-        k = _qk_norm(t, p + "self_attn.k_norm", _linear(t, p + "self_attn.k_proj", h), T, K, d, eps)
+        q = _qk_norm(
+            t, p + "self_attn.q_norm", _linear(t, p + "self_attn.q_proj", h), T, H, d, eps, rms
+        )
+        k = _qk_norm(
+            t, p + "self_attn.k_norm", _linear(t, p + "self_attn.k_proj", h), T, K, d, eps, rms
+        )
         v = _linear(t, p + "self_attn.v_proj", h).reshape(T, K, d).transpose(1, 0, 2)
-        q, k = _rotate(q, pos, inv), _rotate(k, pos, inv)
+        local = config.get("rope_local_base_freq")  # Gemma 3's local layers: their own base
+        layer_inv = 1.0 / local ** (np.arange(0, d, 2) / d) if local and window else inv
+        q, k = _rotate(q, pos, layer_inv), _rotate(k, pos, layer_inv)
         k, v = np.repeat(k, H // K, axis=0), np.repeat(v, H // K, axis=0)  # repeat_kv
         out = _causal_softmax_attention(q, k, v, window, scale, softcap)
         attn = _linear(t, p + "self_attn.o_proj", out)

@@ -9,7 +9,9 @@ alternate layers, run as a ``lax.switch`` on the scanned layer index so that eac
 layer skips what its window excludes), the attention's ``attn_scale`` and
 ``attn_logit_softcap``, ``scale_embeddings`` (by sqrt(hidden), Gemma) or ``embed_scale``,
 ``residual_scale`` (each block's attention and MLP outputs before the residual add) and
-``logit_scale`` (the final hidden states, so the logits: Granite's multipliers). Weight
+``logit_scale`` (the final hidden states, so the logits: Granite's multipliers) and the
+optional ``layer_ropes`` (each layer's rotary where they differ: Gemma 3's base per layer
+kind, switched on the layer index like the windows, so only with differing windows). Weight
 layout and rotary convention match Hugging Face ``LlamaForCausalLM``.
 """
 
@@ -121,13 +123,12 @@ class LlamaAttention(eqx.Module):
             config,
         )
 
-    def _qkv(self, x: NamedArray, positions: NamedArray, keys=(None, None, None)):
+    def _qkv(self, x: NamedArray, positions: NamedArray, layer=None, keys=(None, None, None)):
         projections = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = (p(x, key=kp) for p, kp in zip(projections, keys, strict=True))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, positions, self.config.rope)
-        k = apply_rotary(k, positions, self.config.rope)
+        q, k = _rotate(self.config, q, k, positions, layer)
         return name_activation((q, k, v), "qkv")
 
     def __call__(
@@ -142,7 +143,8 @@ class LlamaAttention(eqx.Module):
         index) picks its window where the layers' windows differ."""
         c = self.config
         k_q, k_k, k_v, k_o = adapter_keys(key, 4)
-        q, k, v = self._qkv(x, layout_positions(x.resolve_axis(Position)), (k_q, k_k, k_v))
+        positions = layout_positions(x.resolve_axis(Position))
+        q, k, v = self._qkv(x, positions, layer, (k_q, k_k, k_v))
 
         def attend(window):
             return lambda q, k, v: model_attention(
@@ -167,7 +169,7 @@ class LlamaAttention(eqx.Module):
         With ``position`` split over the context axis, a prefill of the whole cache from 0
         with the tokens zig-zag laid out (``models/decoding/split_prefill.py``)."""
         c = self.config
-        q, k, v = self._qkv(x, layout_positions(x.resolve_axis(Position)) + start)
+        q, k, v = self._qkv(x, layout_positions(x.resolve_axis(Position)) + start, layer)
         window = c.layer_windows[0]
         if context_ways() > 1:  # any layer's window: refused there (full causal only)
             window = next((w for w in c.layer_windows if w is not None), None)
@@ -273,6 +275,23 @@ class LlamaBlock(eqx.Module):
         """What the attention or MLP adds to the residual: its output, normed with
         ``hybrid_norm``, times ``residual_scale`` (Granite's ``residual_multiplier``)."""
         return _scaled(_maybe(norm, out), self.config.residual_scale)
+
+
+def _rotate(c: DecoderConfig, q: NamedArray, k: NamedArray, positions: NamedArray, layer):
+    """``q`` and ``k`` rotated by ``rope``, or where the config has ``layer_ropes`` that differ
+    (Gemma 3: a base per layer kind) by the layer's own, a ``lax.switch`` on its index."""
+    ropes = getattr(c, "layer_ropes", None) or (c.rope,)  # optional: Llama has none
+    kinds = list(dict.fromkeys(ropes))
+
+    def rotate(rope):
+        return lambda q, k: (apply_rotary(q, positions, rope), apply_rotary(k, positions, rope))
+
+    if len(kinds) == 1:
+        return rotate(kinds[0])(q, k)
+    if layer is None:
+        raise ConfigError(f"{type(c).__name__}: layer_ropes that differ need windows that differ")
+    kind = jnp.asarray([kinds.index(r) for r in ropes])[layer]
+    return jax.lax.switch(kind, [rotate(r) for r in kinds], q, k)
 
 
 def _maybe(norm: hnn.RmsNorm | None, x: NamedArray) -> NamedArray:
