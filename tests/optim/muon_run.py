@@ -80,7 +80,7 @@ def update_differences() -> dict[str, float]:
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
     grads = jax.tree.unflatten(
-        treedef, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
+        treedef, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
     )
     tx = OPTIMIZER.direction()
 
