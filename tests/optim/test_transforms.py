@@ -18,7 +18,8 @@ from loomax.lm import TrainLmConfig
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig, MuonConfig, SkipBadStepsConfig, regex_mask
 from loomax.optim.muon import muon_labels
-from loomax.optim.transforms import clip_update_norm, clip_update_rms, newton_schulz
+from loomax.optim.newton_schulz import newton_schulz
+from loomax.optim.transforms import clip_update_norm, clip_update_rms
 
 MODEL = Gpt2Config(seq_len=8, hidden_dim=16, num_layers=2, num_heads=2).build(
     30, key=jax.random.PRNGKey(0)
