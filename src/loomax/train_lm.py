@@ -76,8 +76,6 @@ def _train_lm(config: TrainLmConfig, run_id: str) -> TrainLmResult:
         check_initial_weights(config)
     check_fp8(model_config.fp8)  # only fp8 "on" looks at the devices
     check_source_files(config.data.train, config.data.validation)  # names data.train[i].urls
-    if jax.process_index() == 0:  # the run's first line: where it runs
-        print(device_line(trainer_config), flush=True)
     if config.data.format == "chat":  # conversations: rendered, masked, packed on the host
         from loomax.data.chat.dataset import build_chat_datasets
 
@@ -109,6 +107,10 @@ def _train_lm(config: TrainLmConfig, run_id: str) -> TrainLmResult:
 
 def _train_on(config: TrainLmConfig, run_id: str, data: LmDatasets) -> TrainLmResult:
     trainer_config, model_config = config.trainer, config.model
+    # where it runs: once the data is ready (asking for the devices starts JAX's backend,
+    # which must come after the data's Ray cluster)
+    if jax.process_index() == 0:
+        print(device_line(trainer_config), flush=True)
     # windows built so far while streaming: no epoch size (num_train_epochs was refused)
     epoch_size = None if data.background is not None else data.num_train_windows
     trainer_config = trainer_config.with_epoch_size(epoch_size)  # num_train_epochs -> steps

@@ -18,8 +18,15 @@ def test_llama_configs_parse(repo_root, name):
     assert isinstance(config.model, LlamaConfig)
 
 
-NOT_A_FAMILY = {"moe_tiny.yaml": "mixtral"}
+NOT_A_FAMILY = {"moe_tiny.yaml": "mixtral", "sft_tiny.yaml": "llama", "dpo_tiny.yaml": "llama"}
 """Tiny configs named for what they show, not for their ``model.type``."""
+
+
+def _run_class(path: str) -> type:
+    """The run config class a shipped config is for (``loomax dpo``'s, or ``loomax train``'s)."""
+    from loomax.dpo.config import TrainDpoConfig
+
+    return TrainDpoConfig if path.startswith("dpo") else TrainLmConfig
 
 
 @pytest.mark.parametrize(
@@ -27,7 +34,7 @@ NOT_A_FAMILY = {"moe_tiny.yaml": "mixtral"}
 )
 def test_tiny_configs_are_of_their_family(repo_root, path):
     """config/<type>_tiny.yaml (one per family that ships one) parses as that ``model.type``."""
-    config = parse_config(TrainLmConfig, repo_root / "config" / path)
+    config = parse_config(_run_class(path), repo_root / "config" / path)
     family = NOT_A_FAMILY.get(path, path.removesuffix("_tiny.yaml"))
     assert LmConfig.get_choice_name(type(config.model)) == family
 

@@ -31,9 +31,16 @@ from loomax.plan.compile import compile_run  # noqa: E402
 from loomax.plan.topology import get_topology  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+NOT_PLANNED = {
+    "dpo_tiny.yaml": "a `loomax dpo` run: `loomax compile` plans the language-model step only; "
+    "the DPO step (chosen and rejected rows, the cached reference) is not planned yet",
+}
+"""Shipped configs of other tasks than ``loomax train``'s, each with why it is not compiled
+here (tests/models/test_configs.py parses each as its own task's config)."""
 RUN_CONFIGS = sorted(
-    p.relative_to(REPO / "config").as_posix()
+    name
     for p in [*REPO.glob("config/*.yaml"), *REPO.glob("config/bench/*.yaml")]
+    if (name := p.relative_to(REPO / "config").as_posix()) not in NOT_PLANNED
 )
 TOPOLOGY = "v5p:2x2x1"
 topology = functools.cache(get_topology)  # libtpu makes the devices once per process
