@@ -38,7 +38,11 @@ def test_each_misspelled_flag_names_the_nearest_flag():
         ),
         ("trainr:\n  seed: 1\n", 1, "did you mean `trainer`?"),
         ("model:\n  type: gpt2\n  hiden_dim: 3\n", 3, "did you mean `model.hidden_dim`?"),
-        ("model:\n  type: gtp2\n", 1, "did you mean `gpt2`? model.type is one of: gemma2, gpt2,"),
+        (
+            "model:\n  type: gtp2\n",
+            1,
+            "did you mean `gpt2`? model.type is one of: gemma2, gemma3_text, gpt2,",
+        ),
         (
             "trainer:\n  hooks:\n    - {type: divergnce, patience: 3}\n",
             2,
