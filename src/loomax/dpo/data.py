@@ -11,7 +11,7 @@ import numpy as np
 from loomax.batch_schedule import BatchSchedule
 from loomax.data.tokenizer import eos_id, load_tokenizer, train_bpe_tokenizer
 from loomax.dpo.config import DpoConfig
-from loomax.dpo.pairs import Pair, PairArrays
+from loomax.dpo.pairs import Pair, PairArrays, pair_fields
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +46,7 @@ def train_batches(
     ``perm_e[i mod n]`` of epoch ``e = i div n`` (a fresh permutation per epoch, from
     ``seed``), so a resumed run reads the batches the first run would have."""
     n = len(arrays)
-    fields = {
-        "chosen": arrays.chosen,
-        "chosen_mask": arrays.chosen_mask,
-        "rejected": arrays.rejected,
-        "rejected_mask": arrays.rejected_mask,
-        "valid": np.ones(n, np.float32),
-    }
+    fields = pair_fields(arrays)
     if reference is not None:
         fields["ref_chosen"] = reference["train/chosen"]
         fields["ref_rejected"] = reference["train/rejected"]

@@ -106,18 +106,23 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in tokenizer.encode_batch(texts)] if texts else []
 
 
-def pair_batches(arrays: PairArrays, rows: int, extra: dict[str, np.ndarray] | None = None):
-    """``arrays`` (and per-pair ``extra`` arrays) as batches of ``rows`` pairs, the last one
-    padded with copies of pair 0 that carry ``valid = 0``: a list of dicts of arrays."""
-    n = len(arrays)
-    fields = {
+def pair_fields(arrays: PairArrays) -> dict[str, np.ndarray]:
+    """A batch's arrays for every pair of ``arrays``: the chosen and rejected rows, their
+    response masks, and ``valid`` (1: a real pair; padding rows carry 0)."""
+    return {
         "chosen": arrays.chosen,
         "chosen_mask": arrays.chosen_mask,
         "rejected": arrays.rejected,
         "rejected_mask": arrays.rejected_mask,
-        "valid": np.ones(n, np.float32),
-        **(extra or {}),
+        "valid": np.ones(len(arrays), np.float32),
     }
+
+
+def pair_batches(arrays: PairArrays, rows: int, extra: dict[str, np.ndarray] | None = None):
+    """``arrays`` (and per-pair ``extra`` arrays) as batches of ``rows`` pairs, the last one
+    padded with copies of pair 0 that carry ``valid = 0``: a list of dicts of arrays."""
+    n = len(arrays)
+    fields = pair_fields(arrays) | (extra or {})
     batches = []
     for start in range(0, n, rows):
         index = np.arange(start, start + rows)
