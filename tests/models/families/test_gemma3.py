@@ -35,16 +35,21 @@ KEY = jax.random.PRNGKey(0)
 IDS = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (16,), 0, VOCAB))
 
 
-def built(config, seed: int = 0):
-    """Every weight random (norm scales too) and scaled up, the same for same-shaped configs."""
-    model = config.build(VOCAB, key=jax.random.PRNGKey(seed))
-    leaves, treedef = jax.tree.flatten(model)
-    keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
-    leaves = [
-        3 * x + 0.3 * jax.random.normal(k, x.shape, x.dtype)
-        for x, k in zip(leaves, keys, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, leaves)
+def _gemma2_tests():
+    """tests/models/families/test_gemma2.py as a module (its ``built``: the same vocabulary)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).with_name("test_gemma2.py")
+    spec = importlib.util.spec_from_file_location("loomax_tests_gemma2_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.VOCAB == VOCAB
+    return module
+
+
+built = _gemma2_tests().built
+"""Every weight random (norm scales too) and scaled up, as the Gemma 2 tests build them."""
 
 
 def logits(model) -> np.ndarray:
