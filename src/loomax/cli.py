@@ -27,6 +27,7 @@ from loomax.errors import TrainingFailure, UserError
 COMMANDS = {
     "train": "train a language model",
     "dpo": "train a model on preference pairs (DPO, IPO, SimPO) on the same trainer",
+    "rl": "train a model with verifiable rewards (GRPO, DAPO, Dr. GRPO) on the same trainer",
     "cache": "tokenize the data into the token cache (with Ray)",
     "tokenizer": "train a byte-level BPE on a config's train sources (tokenizer train)",
     "bench": "time the jitted train step on synthetic data",
@@ -144,6 +145,10 @@ def _run(command: str, args: list[str]) -> None:
         from loomax.dpo.command import dpo_command
 
         dpo_command(args, command_parser("dpo", COMMANDS["dpo"], config=True))
+    elif command == "rl":
+        from loomax.rl.command import rl_command
+
+        rl_command(args, command_parser("rl", COMMANDS["rl"], config=True))
     elif command == "ladder":
         from loomax.ladder.command import ladder_command
 
