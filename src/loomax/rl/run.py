@@ -98,7 +98,9 @@ def train_rl(config: TrainRlConfig) -> TrainRlResult:
     init = initial_model(config, vocab_size)
     start_weights = initial_weights(config, vocab_size)
     if rl.warm_start_steps > 0:
-        warm = warm_start_model(config, prompts, encode, stop, init, run_dir, tokenizer)
+        warm = warm_start_model(
+            config, prompts, encode, lambda t: tokenizer.encode(t).ids, stop, init, run_dir, tokenizer
+        )
         start_weights = lambda: warm  # noqa: E731
     steps, schedule = trainer_config.num_train_steps, trainer_config.batch_schedule
     loss = grpo_loss(rl)

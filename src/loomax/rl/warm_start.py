@@ -23,12 +23,13 @@ from loomax.train import Trainer
 logger = logging.getLogger(__name__)
 
 
-def answer_rows(prompts, encode, stop: int, seq_len: int) -> dict[str, np.ndarray]:
-    """``tokens`` (prompt, answer, stop token) and ``mask`` (positions predicting the answer)."""
+def answer_rows(prompts, encode, encode_text, stop: int, seq_len: int) -> dict[str, np.ndarray]:
+    """``tokens`` (the prompt as ``encode`` makes it, the answer's ``encode_text`` tokens, the
+    stop token) and ``mask`` (the positions predicting the answer and the stop token)."""
     tokens = np.zeros((len(prompts), seq_len), np.int32)
     mask = np.zeros((len(prompts), seq_len), np.float32)
     for i, p in enumerate(prompts):
-        prompt, answer = encode(p.prompt), encode(p.answer or "") + [stop]
+        prompt, answer = encode(p.prompt), encode_text(p.answer or "") + [stop]
         row = (prompt + answer)[:seq_len]
         tokens[i, : len(row)] = row
         mask[i, len(prompt) - 1 : len(row) - 1] = 1.0
@@ -42,7 +43,14 @@ def sft_loss(model, batch, *, key=None):
 
 
 def warm_start_model(
-    config: TrainRlConfig, prompts: list[Prompt], encode, stop: int, init, run_dir: Path, tokenizer
+    config: TrainRlConfig,
+    prompts: list[Prompt],
+    encode,
+    encode_text,
+    stop: int,
+    init,
+    run_dir: Path,
+    tokenizer,
 ):
     """The warm-started model (trained now, or read back from ``<run_dir>/warm_start/model``)."""
     steps = config.rl.warm_start_steps
@@ -64,7 +72,7 @@ def warm_start_model(
         trainer_config, optimizer.build(steps, schedule), sft_loss,
         lr_schedule=optimizer.lr_scheduler(steps, schedule),
     )  # fmt: skip
-    rows = answer_rows(prompts, encode, stop, config.model.seq_len)
+    rows = answer_rows(prompts, encode, encode_text, stop, config.model.seq_len)
     rng = np.random.default_rng(config.trainer.seed)
     size = schedule.size_at(0)
 
