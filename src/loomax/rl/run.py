@@ -180,8 +180,10 @@ def _train(config, trainer, prompts, held_out, encode, decode, stop, vocab_size,
         if model_config.lora is not None:
             reference_model["model"] = None
             stream.reference = lambda: without_adapters(stream.state.model)
-        elif trainer.restored_from is None:
-            reference_model["model"] = state.model
+        elif trainer.restored_from is None:  # a copy: the step donates the state's buffers
+            reference_model["model"] = jax.tree.map(
+                lambda x: x.copy() if isinstance(x, jax.Array) else x, state.model
+            )
         elif rl.warm_start_steps > 0:
             reference_model["model"] = jax.tree.map(
                 lambda w, s: jax.device_put(w, s.sharding),
