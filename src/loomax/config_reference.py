@@ -183,20 +183,28 @@ def undocumented(root: type) -> list[str]:
 
 def render_reference() -> str:
     """The committed reference: ``TrainLmConfig`` (``loomax train``), then the sections other
-    run commands add to the same ``model``, ``optimizer`` and ``trainer`` (``loomax dpo``'s ``dpo``)."""
+    run commands add to the same ``model``, ``optimizer`` and ``trainer`` (``loomax dpo``'s
+    ``dpo``, ``loomax rl``'s ``rl``)."""
     from loomax.dpo.config import TrainDpoConfig
     from loomax.lm import TrainLmConfig
+    from loomax.rl.config import TrainRlConfig
 
     out = [render(TrainLmConfig).rstrip(), ""]
-    out += [
-        "# `loomax dpo`",
-        "",
-        "A DPO run (`TrainDpoConfig`) has the `model`, `optimizer` and `trainer` sections above "
-        "and, in place of `data` and `sample`, a `dpo` section ([Post-training](../post_training.md)).",
-        "",
-    ]
-    dpo_field = next(f for f in dataclasses.fields(TrainDpoConfig) if f.name == "dpo")
-    _render_class(typing.get_type_hints(TrainDpoConfig)[dpo_field.name], "dpo", out, seen=set())
+    for command, what, cls, section in (
+        ("dpo", "A DPO run", TrainDpoConfig, "dpo"),
+        ("rl", "An RL run", TrainRlConfig, "rl"),
+    ):
+        out += [
+            f"# `loomax {command}`",
+            "",
+            f"{what} (`{cls.__name__}`) has the `model`, `optimizer` and `trainer` sections above "
+            f"and, in place of `data` and `sample`, a `{section}` section "
+            "([Post-training](../post_training.md)).",
+            "",
+        ]
+        field = next(f for f in dataclasses.fields(cls) if f.name == section)
+        _render_class(typing.get_type_hints(cls)[field.name], section, out, seen=set())
+        out.append("")
     return "\n".join(out).rstrip() + "\n"
 
 

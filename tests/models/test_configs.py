@@ -18,14 +18,19 @@ def test_llama_configs_parse(repo_root, name):
     assert isinstance(config.model, LlamaConfig)
 
 
-NOT_A_FAMILY = {"moe_tiny.yaml": "mixtral", "sft_tiny.yaml": "llama", "dpo_tiny.yaml": "llama"}
+NOT_A_FAMILY = {"moe_tiny.yaml": "mixtral", "sft_tiny.yaml": "llama", "dpo_tiny.yaml": "llama",
+               "rl_tiny.yaml": "llama"}  # fmt: skip
 """Tiny configs named for what they show, not for their ``model.type``."""
 
 
 def _run_class(path: str) -> type:
-    """The run config class a shipped config is for (``loomax dpo``'s, or ``loomax train``'s)."""
+    """The run config class a shipped config is for (``loomax dpo``'s, ``loomax rl``'s, or
+    ``loomax train``'s)."""
     from loomax.dpo.config import TrainDpoConfig
+    from loomax.rl.config import TrainRlConfig
 
+    if path.startswith("rl"):
+        return TrainRlConfig
     return TrainDpoConfig if path.startswith("dpo") else TrainLmConfig
 
 

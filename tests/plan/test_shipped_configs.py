@@ -34,6 +34,9 @@ REPO = Path(__file__).resolve().parents[2]
 NOT_PLANNED = {
     "dpo_tiny.yaml": "a `loomax dpo` run: `loomax compile` plans the language-model step only; "
     "the DPO step (chosen and rejected rows, the cached reference) is not planned yet",
+    "rl_tiny.yaml": "a `loomax rl` run: `loomax compile` plans the language-model step only; "
+    "the rollout program and the GRPO update (rollout rows, old and reference log-probs) are "
+    "not planned yet",
 }
 """Shipped configs of other tasks than ``loomax train``'s, each with why it is not compiled
 here (tests/models/test_configs.py parses each as its own task's config)."""

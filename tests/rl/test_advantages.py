@@ -16,6 +16,8 @@ def test_advantages_are_normalised_within_groups():
     np.testing.assert_allclose(adv, want.reshape(-1), rtol=1e-6)
     assert valid.tolist() == [1.0] * 12
     plain, _ = group_advantages(rewards, 4, scale=False)
-    np.testing.assert_allclose(plain, (groups - groups.mean(1, keepdims=True)).reshape(-1), rtol=1e-6)
+    np.testing.assert_allclose(
+        plain, (groups - groups.mean(1, keepdims=True)).reshape(-1), rtol=1e-6
+    )
     _, kept = group_advantages(rewards, 4, drop_flat_groups=True)
     assert kept.tolist() == [1.0] * 4 + [1.0] * 4 + [0.0] * 4

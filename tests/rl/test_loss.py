@@ -29,7 +29,9 @@ def numbers():
 def numpy_loss(logp, old, ref, adv, mask, normalisation, eps_low, eps_high, beta):
     """The loss written out: ratio, clipped surrogate, k3 KL, then the normalisation."""
     ratio = np.exp(logp.astype(np.float64) - old)
-    surrogate = np.minimum(ratio * adv[:, None], np.clip(ratio, 1 - eps_low, 1 + eps_high) * adv[:, None])
+    surrogate = np.minimum(
+        ratio * adv[:, None], np.clip(ratio, 1 - eps_low, 1 + eps_high) * adv[:, None]
+    )
     d = ref.astype(np.float64) - logp
     per_token = -surrogate + beta * (np.exp(d) - d - 1)
     if normalisation == "grpo":
@@ -53,14 +55,18 @@ def test_the_loss_is_the_hand_derived_one(numbers, normalisation, eps_low, eps_h
     assert float(total / weight) == pytest.approx(want, rel=1e-5)
     logp, old, ref, adv, mask = numbers
     ratio = np.exp(logp - old)
-    clipped = ((ratio < 1 - eps_low) & (adv[:, None] < 0)) | ((ratio > 1 + eps_high) & (adv[:, None] > 0))
+    clipped = ((ratio < 1 - eps_low) & (adv[:, None] < 0)) | (
+        (ratio > 1 + eps_high) & (adv[:, None] > 0)
+    )
     s, w = metrics["rl/clip_fraction"]
     assert float(s / w) == pytest.approx((clipped * mask).sum() / mask.sum(), rel=1e-6)
     assert 0 < float(s / w) < 1  # the case exercises the clip
     if beta:
         d = ref - logp
         s, w = metrics["rl/kl"]
-        assert float(s / w) == pytest.approx(((np.exp(d) - d - 1) * mask).sum() / mask.sum(), rel=1e-5)
+        assert float(s / w) == pytest.approx(
+            ((np.exp(d) - d - 1) * mask).sum() / mask.sum(), rel=1e-5
+        )
 
 
 class _TrlLoss:
@@ -70,10 +76,17 @@ class _TrlLoss:
     def __init__(self, loss_type, eps_low, eps_high, beta, logp):
         import torch
 
-        self.loss_type, self.epsilon_low, self.epsilon_high, self.beta = loss_type, eps_low, eps_high, beta
+        self.loss_type, self.epsilon_low, self.epsilon_high, self.beta = (
+            loss_type,
+            eps_low,
+            eps_high,
+            beta,
+        )
         self.top_entropy_quantile, self.off_policy_mask_threshold = 1.0, None
         self.importance_sampling_level, self.use_vllm = "token", False
-        self.args = SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1)
+        self.args = SimpleNamespace(
+            use_bias_correction_kl=False, delta=None, steps_per_generation=1
+        )
         self.model = SimpleNamespace(training=True)
         self.current_gradient_accumulation_steps, self.max_completion_length = 1, MAX_NEW
         self._entropy_bonus_enabled, self.aux_loss_enabled = False, False

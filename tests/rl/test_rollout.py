@@ -28,7 +28,9 @@ def model():
 
 def test_greedy_rollouts_are_sample_batchs_and_rows_stop_on_their_own(model):
     keys = row_keys(jax.random.PRNGKey(1), len(PROMPTS))
-    got = generate(model, PROMPTS, keys, seq_len=32, max_new_tokens=6, temperature=0.0, stop_token=57)
+    got = generate(
+        model, PROMPTS, keys, seq_len=32, max_new_tokens=6, temperature=0.0, stop_token=57
+    )
     want = sample_batch(model, PROMPTS, seq_len=32, max_new_tokens=6, keys=keys, temperature=0.0,
                         stop_token=57)  # fmt: skip
     assert [got.tokens[i, : got.length[i]].tolist() for i in range(len(PROMPTS))] == want

@@ -49,6 +49,12 @@ def test_rl_logs_its_metrics_and_a_resumed_run_repeats_rewards_and_losses(tmp_pa
     main(["rl", "--config_path", str(CONFIG), "--trainer.run_dir", str(run), *SMALL])
     again = _records(run)
     for step in (3, 4):
-        for key in ("rl/reward_mean", "rl/reward_std", "train/loss", "train/rl/kl", "optim/grad_norm"):
+        for key in (
+            "rl/reward_mean",
+            "rl/reward_std",
+            "train/loss",
+            "train/rl/kl",
+            "optim/grad_norm",
+        ):
             if key in first[step]:
                 assert again[step][key] == first[step][key], (step, key)

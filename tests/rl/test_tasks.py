@@ -17,7 +17,9 @@ SHIPPED = Path(__file__).parents[2] / "config" / "rl" / "sort_letters"
 def test_the_shipped_prompts_are_the_generators_and_held_out_ones_are_new():
     train, validation = make_sets()
     for name, rows in (("train", train), ("validation", validation)):
-        assert [json.loads(line) for line in (SHIPPED / f"{name}.jsonl").read_text().splitlines()] == rows
+        assert [
+            json.loads(line) for line in (SHIPPED / f"{name}.jsonl").read_text().splitlines()
+        ] == rows
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in validation}
     for row in validation:
         letters = row["prompt"].removeprefix("sort: ").removesuffix(" =").split()

@@ -28,5 +28,7 @@ def group_advantages(
     advantages = centred / (std + EPS) if scale else centred
     valid = np.ones_like(grouped)
     if drop_flat_groups:
-        valid = np.broadcast_to(grouped.max(axis=1, keepdims=True) > grouped.min(axis=1, keepdims=True), grouped.shape).astype(np.float64)
+        valid = np.broadcast_to(
+            grouped.max(axis=1, keepdims=True) > grouped.min(axis=1, keepdims=True), grouped.shape
+        ).astype(np.float64)
     return advantages.reshape(-1).astype(np.float32), valid.reshape(-1).astype(np.float32)

@@ -40,7 +40,9 @@ _CACHE: dict = {}
 def _jitted_logps(jit, temperature):
     key = (id(jit), temperature)
     if key not in _CACHE:
-        _CACHE[key] = jit(lambda model, tokens: token_logps(model, tokens, temperature=temperature)[0])
+        _CACHE[key] = jit(
+            lambda model, tokens: token_logps(model, tokens, temperature=temperature)[0]
+        )
     return _CACHE[key]
 
 

@@ -26,7 +26,9 @@ def rl_command(args: list[str], parser) -> None:
     if result.evals:
         (first, a), (last, b) = result.evals[0], result.evals[-1]
         key = "eval/rl/exact_match"
-        print(f"held-out exact match: step {first}: {100 * a[key]:.1f}% -> step {last}: {100 * b[key]:.1f}%")
+        print(
+            f"held-out exact match: step {first}: {100 * a[key]:.1f}% -> step {last}: {100 * b[key]:.1f}%"
+        )
     print(f"metrics: {result.run_dir / 'metrics.jsonl'}")
     print(f"model: {result.model_dir}")
     print(steps_line(result.final.step, result.num_train_steps, result.stop_reason))

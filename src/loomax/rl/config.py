@@ -62,9 +62,13 @@ class RlConfig:
 
     def __post_init__(self):
         if self.loss not in NORMALISATIONS:
-            raise ValueError(f"rl.loss must be one of {', '.join(NORMALISATIONS)}, got {self.loss!r}")
+            raise ValueError(
+                f"rl.loss must be one of {', '.join(NORMALISATIONS)}, got {self.loss!r}"
+            )
         if self.group_size < 2:
-            raise ValueError(f"rl.group_size must be >= 2 (advantages compare a group), got {self.group_size}")
+            raise ValueError(
+                f"rl.group_size must be >= 2 (advantages compare a group), got {self.group_size}"
+            )
         if self.temperature <= 0:
             raise ValueError(f"rl.temperature must be > 0, got {self.temperature}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -73,11 +77,15 @@ class RlConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.eps_low < 1 or self.eps_high < 0:
-            raise ValueError(f"rl.eps_low must be in [0, 1) and rl.eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+            raise ValueError(
+                f"rl.eps_low must be in [0, 1) and rl.eps_high >= 0, got {self.eps_low}, {self.eps_high}"
+            )
         if self.kl_beta < 0 or self.warm_start_steps < 0:
             raise ValueError("rl.kl_beta and rl.warm_start_steps must be >= 0")
         if self.tokenizer_vocab_size < 260:
-            raise ValueError(f"rl.tokenizer_vocab_size must be >= 260, got {self.tokenizer_vocab_size}")
+            raise ValueError(
+                f"rl.tokenizer_vocab_size must be >= 260, got {self.tokenizer_vocab_size}"
+            )
 
     @property
     def steps_per_rollout(self) -> int:

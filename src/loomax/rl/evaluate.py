@@ -61,7 +61,12 @@ class RlEvalHook(Hook):
     """Scores held-out prompts when the trainer evaluates; asks for an evaluation every
     ``steps_per_eval`` steps, at the start (``eval_at_start``) and after the last step."""
 
-    def __init__(self, score_model: Callable[[Any], dict[str, float]], steps_per_eval: int | None, at_start: bool):
+    def __init__(
+        self,
+        score_model: Callable[[Any], dict[str, float]],
+        steps_per_eval: int | None,
+        at_start: bool,
+    ):
         super().__init__()
         self.score_model, self.steps_per_eval, self.at_start = score_model, steps_per_eval, at_start
         self.every = 1

@@ -94,9 +94,7 @@ def grpo_loss(config):
     predicts them), ``old_logp``, ``advantages`` and, with ``rl.kl_beta`` > 0, ``ref_logp``."""
 
     def loss_fn(model, batch, *, key=None):
-        logp, entropy = token_logps(
-            model, batch["tokens"], temperature=config.temperature, key=key
-        )
+        logp, entropy = token_logps(model, batch["tokens"], temperature=config.temperature, key=key)
         mask = batch["mask"]
         total, weight, metrics = policy_loss(
             logp,

@@ -99,7 +99,14 @@ def train_rl(config: TrainRlConfig) -> TrainRlResult:
     start_weights = initial_weights(config, vocab_size)
     if rl.warm_start_steps > 0:
         warm = warm_start_model(
-            config, prompts, encode, lambda t: tokenizer.encode(t).ids, stop, init, run_dir, tokenizer
+            config,
+            prompts,
+            encode,
+            lambda t: tokenizer.encode(t).ids,
+            stop,
+            init,
+            run_dir,
+            tokenizer,
         )
         start_weights = lambda: warm  # noqa: E731
     steps, schedule = trainer_config.num_train_steps, trainer_config.batch_schedule
@@ -165,7 +172,9 @@ def _train(config, trainer, prompts, held_out, encode, decode, stop, vocab_size,
     trainer.add_hook(stream)
     evaluator = None
     if held_out:
-        evaluator = RlEvalHook(score_model, trainer_config.steps_per_eval, trainer_config.eval_at_start)
+        evaluator = RlEvalHook(
+            score_model, trainer_config.steps_per_eval, trainer_config.eval_at_start
+        )
         trainer.add_hook(evaluator)
     for hook_config in default_hooks(trainer_config) + list(trainer_config.hooks):
         if isinstance(hook_config, EvalHook.Config):

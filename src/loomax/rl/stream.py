@@ -124,7 +124,9 @@ class RolloutStream(Hook):
             stop_token=self.stop_token,
             mesh=self.mesh,
         )
-        completions = [self.decode(_strip(rolled.completion(i), self.stop_token)) for i in range(len(index))]
+        completions = [
+            self.decode(_strip(rolled.completion(i), self.stop_token)) for i in range(len(index))
+        ]
         prompts = [self.prompts[i] for i in index]
         scores = score(
             config.rewards, [p.prompt for p in prompts], completions, [p.answer for p in prompts]
@@ -137,7 +139,12 @@ class RolloutStream(Hook):
             drop_flat_groups=config.drop_flat_groups,
         )
         logps = lambda m: forward_logps(  # noqa: E731
-            m, rolled.tokens, self.rows, temperature=config.temperature, jit=self.jit, place=self.place
+            m,
+            rolled.tokens,
+            self.rows,
+            temperature=config.temperature,
+            jit=self.jit,
+            place=self.place,
         )
         arrays["old_logp"] = logps(model)
         if config.kl_beta > 0 and self.reference is not None:
@@ -157,7 +164,9 @@ class RolloutStream(Hook):
             "rollout/tokens_per_s": rolled.new_tokens / max(rolled.seconds, 1e-9),
             "rollout/sampler_logp_gap": float(gap.sum() / max(mask.sum(), 1.0)),
         }
-        metrics.update({f"rl/reward/{k}": float(v.mean()) for k, v in scores.items() if k != "total"})
+        metrics.update(
+            {f"rl/reward/{k}": float(v.mean()) for k, v in scores.items() if k != "total"}
+        )
         self._pending = metrics
         self.last_rollout = (rollout, rolled, scores)
         return arrays

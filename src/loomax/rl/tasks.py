@@ -44,7 +44,11 @@ def read_prompts(path: str | Path) -> list[Prompt]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataSourceError(f"{path}:{number}: not JSON ({e.msg})") from e
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            if (
+                not isinstance(row, dict)
+                or not isinstance(row.get("prompt"), str)
+                or not row["prompt"]
+            ):
                 raise DataSourceError(f"{path}:{number}: needs a non-empty string 'prompt'")
             answer = row.get("answer")
             if answer is not None and not isinstance(answer, str):
@@ -59,7 +63,10 @@ def sort_letters(rng: np.random.Generator) -> dict[str, str]:
     """One prompt of the shipped task and its answer."""
     k = int(rng.integers(3, 7))
     letters = [str(c) for c in rng.choice(list(LETTERS), size=k, replace=False)]
-    return {"prompt": "sort: " + " ".join(letters) + " =", "answer": " " + " ".join(sorted(letters))}
+    return {
+        "prompt": "sort: " + " ".join(letters) + " =",
+        "answer": " " + " ".join(sorted(letters)),
+    }
 
 
 def make_sets(n_train: int = 2000, n_validation: int = 200, seed: int = 0):

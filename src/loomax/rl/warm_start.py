@@ -66,7 +66,9 @@ def warm_start_model(
         steps_per_eval=steps,
         num_train_epochs=None,
     )
-    optimizer = dataclasses.replace(config.optimizer, learning_rate=config.rl.warm_start_learning_rate)
+    optimizer = dataclasses.replace(
+        config.optimizer, learning_rate=config.rl.warm_start_learning_rate
+    )
     schedule = trainer_config.batch_schedule
     trainer = Trainer(
         trainer_config, optimizer.build(steps, schedule), sft_loss,

@@ -69,7 +69,7 @@ def score(
 ) -> dict[str, np.ndarray]:
     """Each reward's ``[rows]`` scores by name, and their weighted sum under ``"total"``."""
     out: dict[str, np.ndarray] = {}
-    for name, weight in weights.items():
+    for name in weights:
         fn = get_reward(name)
         values = np.zeros(len(completions), np.float32)
         for i, (prompt, completion, answer) in enumerate(
