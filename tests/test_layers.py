@@ -39,7 +39,7 @@ LAYERS: list[set[str]] = [
     {"hooks"},
     {"callbacks"},
     {"lm"},
-    {"train_lm", "inference", "dpo"},
+    {"train_lm", "inference", "dpo", "rl"},
     {"benchmark"},
     {"ladder", "plan", "launch", "model_cli", "config_reference"},
     {"cli"},

@@ -3,6 +3,7 @@
 completion matches a pattern), ``code_tests`` (a program passes unit tests, in a subprocess
 with a time limit)."""
 
+from loomax.rl.rewards import code_tests, exact_match, format_check, numeric  # noqa: F401
 from loomax.rl.rewards.registry import (
     RewardError,
     check_rewards,

@@ -3,7 +3,9 @@
 A reward is ``fn(prompt, completion, answer) -> float`` (``answer`` the prompt's reference,
 or None). ``@register_reward("name")`` adds one; ``rl.rewards`` names them with weights
 (``{exact_match: 1.0, format: 0.1}``) and ``combined_reward`` scores a completion by their
-weighted sum. A reward that raises fails the run with a ``RewardError`` that names it and
+weighted sum. The shipped rewards register themselves when
+``loomax.rl.rewards`` (the package, imported before this module) is imported. A reward
+that raises fails the run with a ``RewardError`` that names it and
 the completion, instead of an unexplained crash inside the loop.
 """
 
@@ -39,13 +41,11 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 def reward_names() -> list[str]:
     """The registered rewards' names, sorted."""
-    _load_builtin()
     return sorted(_REWARDS)
 
 
 def get_reward(name: str) -> RewardFn:
     """The reward registered as ``name``; an unknown name lists the known ones."""
-    _load_builtin()
     if name not in _REWARDS:
         raise RewardError(
             f"rl.rewards: no reward named {name!r}; registered: {', '.join(sorted(_REWARDS))}"
@@ -90,8 +90,3 @@ def score(
         (weights[n] * out[n] for n in weights), np.zeros(len(completions), np.float32)
     ).astype(np.float32)
     return out
-
-
-def _load_builtin() -> None:
-    """Import the shipped rewards (each registers itself)."""
-    from loomax.rl.rewards import code_tests, exact_match, format_check, numeric  # noqa: F401
