@@ -63,6 +63,7 @@ def test_cache_builds_then_reuses(tmp_path, tiny_corpus, capsys, ray_cluster):
 
 CONFIG_COMMANDS = [
     ["train"],
+    ["rl"],
     ["cache"],
     ["tokenizer", "train"],
     ["bench"],
