@@ -1,6 +1,7 @@
 """``loomax rl`` on the shipped config (shrunk): rollout and loss metrics are logged, held-out
 exact match is scored, and a run resumed from a mid-run checkpoint repeats the first run's
-rewards and losses bitwise (its rollouts' keys and prompts follow from the state's step)."""
+rewards and losses bitwise: at a rollout boundary (the rollout's keys and prompts follow from
+the state's step) and inside a rollout (the checkpoint holds its batch)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ SMALL = ["--model.hidden_dim", "32", "--model.intermediate_dim", "64", "--model.
          "--rl.max_new_tokens", "8", "--trainer.num_train_steps", "4",
          "--trainer.steps_per_eval", "100", "--trainer.log_every", "1",
          "--trainer.progress_bar", "false",
-         "--trainer.checkpointer.fixed_steps", "[2]", "--rl.kl_beta", "0.05",
+         "--trainer.checkpointer.fixed_steps", "[2, 3]", "--rl.kl_beta", "0.05",
          "--rl.rewards", "{exact_match: 1.0, format: 0.5}"]  # fmt: skip
 
 
@@ -31,7 +32,7 @@ def _records(run: Path) -> dict[int, dict]:
     return out
 
 
-@pytest.mark.slow  # ~15 s: a 3-step warm start, 4 RL steps (2 rollouts), then 2 steps resumed
+@pytest.mark.slow  # ~15 s: a warm start, 4 RL steps (2 rollouts), then resumed twice
 def test_rl_logs_its_metrics_and_a_resumed_run_repeats_rewards_and_losses(tmp_path, capsys):
     run = tmp_path / "run"
     main(["rl", "--config_path", str(CONFIG), "--trainer.run_dir", str(run), *SMALL])
@@ -45,16 +46,19 @@ def test_rl_logs_its_metrics_and_a_resumed_run_repeats_rewards_and_losses(tmp_pa
     assert first[3]["rl/reward_std"] > 0 and first[3]["optim/grad_norm"] > 0  # a signal
     assert first[4]["rl/kl"] > 0  # the policy moved away from the reference
     assert "eval/rl/exact_match" in first[0] and "eval/rl/exact_match" in first[4]
-    shutil.rmtree(run / "checkpoints" / "step-4")
+    shutil.rmtree(run / "checkpoints" / "step-4")  # resume inside rollout 1: its saved batch
+    assert (run / "checkpoints" / "step-3" / "rl_rollout.npz").is_file()
+    assert not (run / "checkpoints" / "step-2" / "rl_rollout.npz").exists()
     main(["rl", "--config_path", str(CONFIG), "--trainer.run_dir", str(run), *SMALL])
-    again = _records(run)
-    for step in (3, 4):
-        for key in (
-            "rl/reward_mean",
-            "rl/reward_std",
-            "train/loss",
-            "rl/kl",
-            "optim/grad_norm",
-        ):
+    _same(first, _records(run), [4])
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    shutil.rmtree(run / "checkpoints" / "step-3")  # resume at the boundary: rollout 1 sampled again
+    main(["rl", "--config_path", str(CONFIG), "--trainer.run_dir", str(run), *SMALL])
+    _same(first, _records(run), [3, 4])
+
+
+def _same(first: dict, again: dict, steps: list[int]) -> None:
+    for step in steps:
+        for key in ("rl/reward_mean", "rl/reward_std", "train/loss", "rl/kl", "optim/grad_norm"):
             if key in first[step]:
                 assert again[step][key] == first[step][key], (step, key)

@@ -25,7 +25,7 @@ from loomax.rl.config import TrainRlConfig
 from loomax.rl.evaluate import RlEvalHook, held_out_scores
 from loomax.rl.loss import grpo_loss
 from loomax.rl.rewards import check_rewards
-from loomax.rl.stream import RolloutStream
+from loomax.rl.stream import ROLLOUT_FILE, RolloutStream
 from loomax.rl.tasks import read_prompts
 from loomax.rl.warm_start import warm_start_model
 from loomax.storage import to_url
@@ -203,7 +203,10 @@ def _train(config, trainer, prompts, held_out, encode, decode, stop, vocab_size,
                 "rl.kl_beta > 0: a resumed run needs its reference weights (rl.warm_start_steps "
                 "or a LoRA run's base); this run started from other weights"
             )
-    batches = stream.batches(state, int(state.step))
+    saved = None
+    if trainer.restored_from is not None:
+        saved = trainer.restored_from.directory.read_bytes(ROLLOUT_FILE)
+    batches = stream.batches(state, int(state.step), saved)
     final = trainer.train(state, batches)
     model_dir = trainer.run_dir / "model"
     if context.primary:

@@ -6,11 +6,14 @@ rollout samples. Rollout ``r`` (steps ``r·k + 1 … r·k + k``, k the steps per
 prompts ``r·P … r·P + P − 1`` of the seeded prompt stream (a fresh permutation per epoch)
 and the sampler key ``fold_in(PRNGKey(trainer.seed), r)``: both are functions of the
 state's step, so a run resumed at a rollout boundary samples what the first run would have.
-Temporary checkpoints wait for a rollout boundary (``blocks_temporary_saves``).
+A checkpoint inside a rollout (a run stopped by a signal or ``trainer.max_train_time``, a
+fixed step) also holds the rollout batch being trained on (``ROLLOUT_FILE``), which a run
+resumed there reads back instead of sampling; temporary checkpoints wait for a boundary.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +30,9 @@ from loomax.rl.tasks import Prompt
 from loomax.train.hooks import Hook, StepInfo
 
 logger = logging.getLogger(__name__)
+
+ROLLOUT_FILE = "rl_rollout.npz"
+"""The file of a checkpoint inside a rollout: that rollout's batch arrays and index."""
 
 SAMPLER_STREAM = 1
 """Folded into the run's seed before the rollout index: the sampler's keys."""
@@ -69,25 +75,28 @@ class RolloutStream(Hook):
                 f"rollout do not split into groups of rl.group_size = {config.group_size}"
             )
         self.state = None
+        self._step = 0
+        self._rollout = -1
         self._arrays: dict[str, np.ndarray] | None = None
         self._pending: dict[str, float] = {}
         self._perms: dict[int, np.ndarray] = {}
 
     # ------------------------------------------------------------ the iterator
-    def batches(self, state, start_step: int) -> Iterator[dict[str, np.ndarray]]:
-        """Batches of steps ``start_step + 1`` on; ``state`` is the state of ``start_step``."""
+    def batches(
+        self, state, start_step: int, saved: bytes | None = None
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """Batches of steps ``start_step + 1`` on; ``state`` is the state of ``start_step``
+        and ``saved`` its checkpoint's ``ROLLOUT_FILE`` (needed inside a rollout)."""
         k = self.rl.steps_per_rollout
+        self.state, self._step = state, start_step
         if start_step % k:
-            raise CheckpointError(
-                f"rl: step {start_step} is inside rollout {start_step // k} ({k} steps each); "
-                "a run resumes at a rollout boundary (temporary checkpoints wait for one)"
-            )
-        self.state = state
+            self._arrays = self._read_rollout(saved, start_step // k, start_step)
+            self._rollout = start_step // k
         step = start_step
         while True:
             j = step % k
             if j == 0:
-                self._arrays = self.make_rollout(step // k)
+                self._arrays, self._rollout = self.make_rollout(step // k), step // k
             yield minibatch(self._arrays, j % self.rl.minibatches, self.rows)
             step += 1
 
@@ -172,8 +181,27 @@ class RolloutStream(Hook):
         return arrays
 
     # ------------------------------------------------------------ the hook
+    def _read_rollout(self, saved: bytes | None, rollout: int, step: int) -> dict:
+        if saved is None:
+            raise CheckpointError(
+                f"rl: step {step} is inside rollout {rollout} and its checkpoint holds no "
+                f"{ROLLOUT_FILE}: resume from a checkpoint at a rollout boundary"
+            )
+        with np.load(io.BytesIO(saved)) as f:
+            arrays = {k: f[k] for k in f.files}
+        if int(arrays.pop("rollout")) != rollout:
+            raise CheckpointError(f"rl: the checkpoint's {ROLLOUT_FILE} is not rollout {rollout}")
+        return arrays
+
+    def checkpoint_files(self) -> dict[str, bytes]:
+        if self._step % self.rl.steps_per_rollout == 0 or self._arrays is None:
+            return {}  # at a boundary the next rollout is sampled afresh
+        buffer = io.BytesIO()
+        np.savez(buffer, rollout=np.asarray(self._rollout), **self._arrays)
+        return {ROLLOUT_FILE: buffer.getvalue()}
+
     def on_step(self, info: StepInfo) -> None:
-        self.state = info.state
+        self.state, self._step = info.state, info.step
         if self._pending:
             info.log(self._pending)
             self._pending = {}
