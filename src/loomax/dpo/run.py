@@ -112,7 +112,7 @@ def _train(
     if "validation" in sets:
         n = len(sets["validation"])
         zeros = {"ref_chosen": np.zeros(n, np.float32), "ref_rejected": np.zeros(n, np.float32)}
-        extra = zeros if dpo.uses_reference else None
+        extra = zeros if dpo.cached_reference else None
         validation = pair_batches(sets["validation"], schedule.size_at(0), extra)
     pair_tokens = 2 * model_config.seq_len  # a pair's two rows
 
@@ -159,7 +159,7 @@ def _train(
         check_dpo_step_memory(trainer, init, model_config.seq_len)  # before the state exists
     state = trainer.initial_state(init, initial_weights=initial_weights(config, vocab_size))
     reference, baseline = None, None
-    if dpo.uses_reference:  # one pass of the starting weights over every pair, cached
+    if dpo.cached_reference:  # one pass of the starting weights over every pair, cached
         model, rows = state.model, schedule.size_at(0)
 
         def compute():
