@@ -39,6 +39,8 @@ class DpoConfig:
     """Prompt tokens kept (the end of a longer prompt); null = as many as `model.seq_len` leaves after the response."""
     reference_cache: str | None = None
     """Where the reference log-probs are cached (an .npz); null = dpo_reference.npz in the run dir."""
+    chat_template: str | None = None
+    """The chat template of chat pairs (a prompt of messages): loomax, chatml, a .jinja file or a tokenizer_config.json; null = the tokenizer folder's, else loomax."""
     reference: str = "cached"
     """The reference model: cached (the starting weights' log-probs, one pass before training) or adapters_off (a LoRA run's own base, the adapters off, in each step: no pass, no cache, no second copy)."""
 

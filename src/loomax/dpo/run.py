@@ -17,7 +17,7 @@ import numpy as np
 from loomax.checkpoint.checkpointer import check_writable
 from loomax.config import ConfigError, flatten_config, to_json_dict, to_yaml
 from loomax.dpo.config import TrainDpoConfig
-from loomax.dpo.data import run_tokenizer, tokenizer_eos, train_batches
+from loomax.dpo.data import chat_template, run_tokenizer, tokenizer_eos, train_batches
 from loomax.dpo.loss import dpo_loss
 from loomax.dpo.pairs import PairArrays, fill_column, pair_batches, read_pairs, tokenize_pairs
 from loomax.dpo.reference import compute_reference, reference_logps
@@ -79,8 +79,10 @@ def train_dpo(config: TrainDpoConfig) -> TrainDpoResult:
     run_dir = trainer_config.run_path(run_id)
     tokenizer = run_tokenizer(dpo, pairs["train"], run_dir)
     eos, seq_len = tokenizer_eos(tokenizer), config.model.seq_len
+    template = chat_template(dpo, pairs, tokenizer, run_dir)
     sets = {
-        k: tokenize_pairs(v, tokenizer, eos, seq_len, dpo.max_prompt_len) for k, v in pairs.items()
+        k: tokenize_pairs(v, tokenizer, eos, seq_len, dpo.max_prompt_len, template)
+        for k, v in pairs.items()
     }
     vocab_size = resolve_vocab_size(config.model, tokenizer.get_vocab_size())
     trainer_config = trainer_config.with_epoch_size(len(sets["train"]))
