@@ -77,6 +77,7 @@ def export_command(args: list[str], parser: argparse.ArgumentParser, guard: Guar
         tokenizer=loaded.tokenizer,
         special_tokens=special,
         max_shard_bytes=int(known.max_shard_gb * 1024**3),
+        chat_template=_export_template(loaded),
     )
     if known.peft is not None:
         from loomax.hf.peft import export_base_and_adapter
@@ -165,6 +166,22 @@ def _chat_prompt(known, loaded, tokenizer, path) -> list[int]:
     if spec is None and run is not None and run.data.format == "chat":
         spec = run.data.chat.template
     return prompt_ids(read_chat_arg(known.chat), load_template(spec, tokenizer, path), tokenizer)
+
+
+def _export_template(loaded) -> str | None:
+    """The chat template an export writes beside the tokenizer: a chat run's own
+    (``data.chat.template``), else the tokenizer folder's; None without either."""
+    from loomax.data.chat.encode import folder_template, load_template
+    from loomax.data.tokenizer import load_tokenizer
+
+    run = loaded.run_config
+    if loaded.tokenizer is None:
+        return None
+    if run is not None and run.data.format == "chat":
+        spec = run.data.chat.template
+        return load_template(spec, load_tokenizer(loaded.tokenizer), loaded.tokenizer).source
+    own = folder_template(loaded.tokenizer)
+    return None if own is None else own.source
 
 
 def _context_mesh(context: int):

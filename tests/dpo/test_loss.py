@@ -154,3 +154,72 @@ def test_sequence_logps_sum_the_masked_next_token_logps_and_the_loss_reports_dpo
         f"dpo/rewards/{k}" for k in ("chosen", "rejected", "margins", "accuracies")
     }
     assert float(metrics["dpo/rewards/margins"][0]) == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.slow  # a tiny LoRA Llama compiled on CPU
+def test_a_lora_runs_reference_is_its_base_with_the_adapters_off():
+    """``dpo.reference: adapters_off``: the reference log-probs are the policy's own base's,
+    in the step (no second copy): the loss, metrics and adapter gradients equal those from
+    the base's log-probs given as cached columns; the base gets no gradient through it."""
+    import dataclasses
+
+    import equinox as eqx
+    import haliax as hax
+
+    from loomax.dpo.config import TrainDpoConfig
+    from loomax.models.lora.config import LoraConfig
+    from loomax.models.lora.linear import LoraLinear, without_adapters
+    from loomax.train.step import trainable_mask
+
+    config = LlamaConfig(
+        seq_len=8, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=2, num_kv_heads=2,
+        lora=LoraConfig(rank=4),
+    )  # fmt: skip
+    model = config.for_training(config.build(40, key=jax.random.PRNGKey(0)))
+
+    def trained(layer):  # B away from 0: the policy is no longer its base
+        b = hax.random.normal(jax.random.PRNGKey(1), layer.lora_b.axes) * 0.1
+        return eqx.tree_at(lambda m: m.lora_b, layer, b)
+
+    is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
+    model = jax.tree.map(lambda n: trained(n) if is_lora(n) else n, model, is_leaf=is_lora)
+    tokens = jnp.array([[0, 5, 6, 7, 8, 9, 0, 0], [0, 5, 6, 11, 12, 0, 0, 0]], jnp.int32)
+    mask = jnp.array([[0, 0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 0, 0, 0]], jnp.float32)
+    batch = {
+        "chosen": tokens[:1], "chosen_mask": mask[:1], "rejected": tokens[1:],
+        "rejected_mask": mask[1:], "valid": jnp.array([1.0]),
+    }  # fmt: skip
+    base = without_adapters(model)
+    cached = {
+        **batch,
+        "ref_chosen": sequence_logps(base, tokens[:1], mask[:1]),
+        "ref_rejected": sequence_logps(base, tokens[1:], mask[1:]),
+    }
+    off = dpo_loss(DpoConfig(reference="adapters_off"))
+    assert not off.uses_reference  # no reference columns in its batches
+    mask_tree = trainable_mask(model, config.lora.freeze_patterns())
+
+    def run(loss_fn, batch):
+        trainable, frozen = eqx.partition(model, mask_tree)
+
+        def total(t):
+            (s, n), metrics = loss_fn(eqx.combine(t, frozen), batch)
+            return s / n, metrics
+
+        return jax.value_and_grad(total, has_aux=True)(trainable)
+
+    (loss_off, m_off), g_off = run(off, batch)
+    (loss_cached, m_cached), g_cached = run(dpo_loss(DpoConfig()), cached)
+    assert float(loss_off) == pytest.approx(float(loss_cached), rel=1e-6)
+    assert abs(float(m_off["dpo/rewards/margins"][0])) > 1e-4  # the adapters moved it
+    for name in m_off:
+        assert float(m_off[name][0]) == pytest.approx(float(m_cached[name][0]), rel=1e-5, abs=1e-7)
+    for a, b in zip(jax.tree.leaves(g_off), jax.tree.leaves(g_cached), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    # a run asking for it without adapters is refused, naming the keys
+    with pytest.raises(Exception, match="dpo.reference adapters_off .* model.lora"):
+        TrainDpoConfig(
+            dpo=DpoConfig(reference="adapters_off"), model=dataclasses.replace(config, lora=None)
+        )
+    frozen = TrainDpoConfig(dpo=DpoConfig(reference="adapters_off"), model=config)
+    assert frozen.trainer.freeze == config.lora.freeze_patterns()  # the base frozen, as in train

@@ -84,3 +84,31 @@ def test_the_last_batch_is_padded_with_rows_that_do_not_count():
     fill_column(batches, "ref_chosen", np.arange(10.0, 15.0))  # the reference pass, later
     np.testing.assert_array_equal(batches[1]["ref_chosen"], [12.0, 13.0])
     np.testing.assert_array_equal(batches[2]["ref_chosen"], [14.0, 0.0])
+
+
+def test_chat_pairs_render_with_the_template_and_mask_the_reply(tmp_path, repo_root):
+    """A prompt of messages (TRL's conversational form; a reply as a string or one assistant
+    message): each side is the conversation with the reply as `loomax train` renders chat
+    data, and the mask marks the positions predicting the reply and its end of turn."""
+    from loomax.data.chat.encode import encode_chat, load_template
+    from loomax.data.tokenizer import load_tokenizer
+
+    question = [{"role": "user", "content": "sort: d a c ="}]
+    reply = [{"role": "assistant", "content": "a c d"}]
+    path = _write(tmp_path, [{"prompt": question, "chosen": reply, "rejected": "d c a"}])
+    (pair,) = read_pairs(path)
+    assert pair.is_chat and pair.chosen == "a c d" and pair.rejected == "d c a"
+    tokenizer_path = repo_root / "data" / "chat_tiny" / "tokenizer.json"
+    tokenizer = load_tokenizer(tokenizer_path)
+    template = load_template("loomax", tokenizer, tokenizer_path)
+    arrays = tokenize_pairs([pair], tokenizer, eos=0, seq_len=48, template=template)
+    ids, trained = encode_chat([*question, *reply], template, tokenizer)
+    np.testing.assert_array_equal(arrays.chosen[0, : len(ids)], ids)
+    predicted = arrays.chosen[0, 1:][arrays.chosen_mask[0, :-1] > 0]
+    assert tokenizer.decode(list(predicted), skip_special_tokens=False) == "a c d<|endoftext|>\n"
+    assert int(arrays.chosen_mask[0].sum()) == int(trained.sum())
+    predicted = arrays.rejected[0, 1:][arrays.rejected_mask[0, :-1] > 0]
+    assert tokenizer.decode(list(predicted), skip_special_tokens=False) == "d c a<|endoftext|>\n"
+    bad = _write(tmp_path, [{"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"}])
+    with pytest.raises(DataSourceError, match="pairs.jsonl:1: 'prompt': turn 0 has no string"):
+        read_pairs(bad)

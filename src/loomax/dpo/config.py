@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import loomax.hooks  # noqa: F401 - registers the hook types `trainer.hooks` may name
+from loomax.config import ConfigError
 from loomax.models import Gpt2Config, LmConfig
 from loomax.optim import AdamConfig, OptimizerConfig
 from loomax.train import TrainerConfig
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 """The preference losses ``dpo.loss`` may name."""
+REFERENCES = ("cached", "adapters_off")
+"""Where ``dpo.reference`` takes the reference log-probs from."""
 
 
 @dataclass(frozen=True)
@@ -35,12 +39,20 @@ class DpoConfig:
     """Prompt tokens kept (the end of a longer prompt); null = as many as `model.seq_len` leaves after the response."""
     reference_cache: str | None = None
     """Where the reference log-probs are cached (an .npz); null = dpo_reference.npz in the run dir."""
+    chat_template: str | None = None
+    """The chat template of chat pairs (a prompt of messages): loomax, chatml, a .jinja file or a tokenizer_config.json; null = the tokenizer folder's, else loomax."""
+    reference: str = "cached"
+    """The reference model: cached (the starting weights' log-probs, one pass before training) or adapters_off (a LoRA run's own base, the adapters off, in each step: no pass, no cache, no second copy)."""
 
     def __post_init__(self):
         if self.loss not in LOSSES:
             raise ValueError(f"dpo.loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.beta <= 0:
             raise ValueError(f"dpo.beta must be > 0, got {self.beta}")
+        if self.reference not in REFERENCES:
+            raise ValueError(
+                f"dpo.reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}"
+            )
         if self.tokenizer_vocab_size < 260:
             raise ValueError(
                 f"dpo.tokenizer_vocab_size must be >= 260, got {self.tokenizer_vocab_size}"
@@ -50,6 +62,12 @@ class DpoConfig:
     def uses_reference(self) -> bool:
         """Whether the loss compares with a reference model (SimPO does not)."""
         return self.loss != "simpo"
+
+    @property
+    def cached_reference(self) -> bool:
+        """Whether the reference log-probs come from the pass before training (and ride in
+        the batches as ``ref_chosen``/``ref_rejected``)."""
+        return self.uses_reference and self.reference == "cached"
 
 
 @dataclass(frozen=True)
@@ -64,3 +82,16 @@ class TrainDpoConfig:
     """The optimizer and its learning-rate schedule (`type`: adam)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, batch (pairs per step), precision, logging, evaluation and checkpoints."""
+
+    def __post_init__(self):
+        lora = self.model.lora
+        if lora is not None:  # adapters alone trained: the rest frozen, as in loomax train
+            added = [p for p in lora.freeze_patterns() if p not in self.trainer.freeze]
+            if added:
+                trainer = dataclasses.replace(self.trainer, freeze=[*self.trainer.freeze, *added])
+                object.__setattr__(self, "trainer", trainer)
+        if self.dpo.reference == "adapters_off" and (lora is None or lora.train_base):
+            raise ConfigError(
+                "dpo.reference adapters_off takes the reference from the policy's frozen base: "
+                "it needs model.lora (without model.lora.train_base)"
+            )

@@ -24,9 +24,23 @@ def run_tokenizer(config: DpoConfig, train: list[Pair], run_dir: Path):
     path = run_dir / "tokenizer.json"
     if path.is_file():
         return load_tokenizer(path)
-    texts = (text for p in train for text in (p.prompt, p.chosen, p.rejected))
+    texts = (text for p in train for text in p.texts())
     logger.info("dpo: training a %d-token BPE on the train pairs", config.tokenizer_vocab_size)
     return train_bpe_tokenizer(texts, config.tokenizer_vocab_size, path)
+
+
+def chat_template(config: DpoConfig, pairs: dict[str, list[Pair]], tokenizer, run_dir: Path):
+    """The chat template of the run's chat pairs (``dpo.chat_template``: loaded as ``loomax
+    train`` loads ``data.chat.template``); None when no pair is a chat pair."""
+    if not any(p.is_chat for side in pairs.values() for p in side):
+        return None
+    from loomax.data.chat.encode import load_template
+    from loomax.data.tokenizer import resolve_tokenizer_path
+
+    path = (
+        resolve_tokenizer_path(config.tokenizer) if config.tokenizer else run_dir / "tokenizer.json"
+    )
+    return load_template(config.chat_template, tokenizer, path)
 
 
 def tokenizer_eos(tokenizer) -> int:

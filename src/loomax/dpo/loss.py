@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from loomax.dpo.config import DpoConfig
 from loomax.models.axes import Batch, Position
+from loomax.models.lora.linear import without_adapters
 
 
 def sequence_logps(model, tokens: jax.Array, mask: jax.Array, *, key=None) -> jax.Array:
@@ -84,8 +85,10 @@ def preference_metrics(
 
 def dpo_loss(config: DpoConfig):
     """The trainer's loss on a batch of pairs (``pairs.pair_batches``, with ``ref_chosen`` and
-    ``ref_rejected`` log-probs when the loss has a reference): ``((sum, pairs), metrics)``.
-    Chosen and rejected rows go through the model in one pass."""
+    ``ref_rejected`` log-probs when the reference is cached): ``((sum, pairs), metrics)``.
+    Chosen and rejected rows go through the model in one pass; with ``dpo.reference:
+    adapters_off`` a second, gradient-free pass of the same model without its adapters
+    gives the reference log-probs."""
 
     def loss_fn(model, batch, *, key=None):
         rows = batch["chosen"].shape[0]
@@ -94,11 +97,16 @@ def dpo_loss(config: DpoConfig):
         logps = sequence_logps(model, tokens, mask, key=key)
         chosen, rejected = logps[:rows], logps[rows:]
         zeros = jnp.zeros_like(chosen)
+        ref_chosen, ref_rejected = batch.get("ref_chosen", zeros), batch.get("ref_rejected", zeros)
+        if adapters_off:  # the policy's own frozen base, in this step: no second copy
+            base = jax.lax.stop_gradient(without_adapters(model))
+            ref = sequence_logps(base, tokens, mask)
+            ref_chosen, ref_rejected = ref[:rows], ref[rows:]
         per_pair, chosen_rewards, rejected_rewards = preference_loss(
             chosen,
             rejected,
-            batch.get("ref_chosen", zeros),
-            batch.get("ref_rejected", zeros),
+            ref_chosen,
+            ref_rejected,
             jnp.sum(batch["chosen_mask"], axis=1),
             jnp.sum(batch["rejected_mask"], axis=1),
             loss=config.loss,
@@ -109,5 +117,6 @@ def dpo_loss(config: DpoConfig):
         metrics = preference_metrics(chosen_rewards, rejected_rewards, chosen, rejected, valid)
         return (jnp.sum(per_pair * valid), jnp.sum(valid)), metrics
 
-    loss_fn.uses_reference = config.uses_reference  # the batch carries ref_chosen, ref_rejected
+    adapters_off = config.uses_reference and config.reference == "adapters_off"
+    loss_fn.uses_reference = config.cached_reference  # the batch carries ref_chosen, ref_rejected
     return loss_fn

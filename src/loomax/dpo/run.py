@@ -17,7 +17,7 @@ import numpy as np
 from loomax.checkpoint.checkpointer import check_writable
 from loomax.config import ConfigError, flatten_config, to_json_dict, to_yaml
 from loomax.dpo.config import TrainDpoConfig
-from loomax.dpo.data import run_tokenizer, tokenizer_eos, train_batches
+from loomax.dpo.data import chat_template, run_tokenizer, tokenizer_eos, train_batches
 from loomax.dpo.loss import dpo_loss
 from loomax.dpo.pairs import PairArrays, fill_column, pair_batches, read_pairs, tokenize_pairs
 from loomax.dpo.reference import compute_reference, reference_logps
@@ -79,8 +79,10 @@ def train_dpo(config: TrainDpoConfig) -> TrainDpoResult:
     run_dir = trainer_config.run_path(run_id)
     tokenizer = run_tokenizer(dpo, pairs["train"], run_dir)
     eos, seq_len = tokenizer_eos(tokenizer), config.model.seq_len
+    template = chat_template(dpo, pairs, tokenizer, run_dir)
     sets = {
-        k: tokenize_pairs(v, tokenizer, eos, seq_len, dpo.max_prompt_len) for k, v in pairs.items()
+        k: tokenize_pairs(v, tokenizer, eos, seq_len, dpo.max_prompt_len, template)
+        for k, v in pairs.items()
     }
     vocab_size = resolve_vocab_size(config.model, tokenizer.get_vocab_size())
     trainer_config = trainer_config.with_epoch_size(len(sets["train"]))
@@ -112,7 +114,7 @@ def _train(
     if "validation" in sets:
         n = len(sets["validation"])
         zeros = {"ref_chosen": np.zeros(n, np.float32), "ref_rejected": np.zeros(n, np.float32)}
-        extra = zeros if dpo.uses_reference else None
+        extra = zeros if dpo.cached_reference else None
         validation = pair_batches(sets["validation"], schedule.size_at(0), extra)
     pair_tokens = 2 * model_config.seq_len  # a pair's two rows
 
@@ -159,7 +161,7 @@ def _train(
         check_dpo_step_memory(trainer, init, model_config.seq_len)  # before the state exists
     state = trainer.initial_state(init, initial_weights=initial_weights(config, vocab_size))
     reference, baseline = None, None
-    if dpo.uses_reference:  # one pass of the starting weights over every pair, cached
+    if dpo.cached_reference:  # one pass of the starting weights over every pair, cached
         model, rows = state.model, schedule.size_at(0)
 
         def compute():

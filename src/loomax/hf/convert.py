@@ -67,6 +67,7 @@ def export_hf(
     tokenizer: str | os.PathLike | Any = None,
     special_tokens: dict[str, int] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    chat_template: str | None = None,
 ) -> Path:
     """Write ``model`` to ``out_dir`` in the Hugging Face layout; returns the directory.
 
@@ -74,6 +75,8 @@ def export_hf(
     ``{"bos_token_id": 0, "eos_token_id": 0}``) go into config.json; a missing BOS is the
     EOS, and with neither both are written as null, so that transformers does not assume
     its own defaults (GPT-2's 50256, Llama's 1 and 2), which need not exist in this vocabulary.
+    ``chat_template`` (Jinja source) goes into tokenizer_config.json, where transformers'
+    ``apply_chat_template`` reads it.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,6 +99,8 @@ def export_hf(
             "model_max_length": model.config.seq_len,
             **_special_token_names(out / "tokenizer.json", config),
         }
+        if chat_template is not None:
+            tok_config["chat_template"] = chat_template
         (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     return out
 

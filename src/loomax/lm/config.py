@@ -59,6 +59,7 @@ class TrainLmConfig:
                     f"trainer.mesh.context > 1 (got {context}): context-parallel attention is "
                     "full causal"
                 )
+        self._resolve_document_positions()
         lora = self.model.lora
         if lora is not None:  # adapters alone trained: the rest frozen through trainer.freeze
             added = [p for p in lora.freeze_patterns() if p not in self.trainer.freeze]
@@ -68,6 +69,18 @@ class TrainLmConfig:
         moe = getattr(self.model, "moe", None)
         if moe is not None:  # the experts split over trainer.mesh.expert: checked before any work
             check_expert_split(moe.num_experts, self.trainer.mesh.expert)
+
+    def _resolve_document_positions(self) -> None:
+        """``model.document_positions``: null becomes on for chat SFT (a packed conversation
+        then computes as it would alone); on needs documents (chat rows or document_mask)."""
+        model, chat = self.model, self.data.format == "chat"
+        if model.document_positions is None and chat:
+            object.__setattr__(self, "model", dataclasses.replace(model, document_positions=True))
+        elif model.document_positions and not chat and not model.document_mask:
+            raise ConfigError(
+                "model.document_positions restarts positions at each packed document: it "
+                "needs model.document_mask (or data.format chat)"
+            )
 
 
 def batch_shape(config: TrainLmConfig, rows: int) -> tuple[int, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import haliax as hax
+import jax.numpy as jnp
 
 from loomax.lm.config import TrainLmConfig
 from loomax.models.attention.attention import segment_ids_from_eos
@@ -60,13 +61,16 @@ def chat_lm_loss(
     """The chat SFT loss: ``lm_loss`` on packed chat rows, ``[batch, 3, position]`` int32
     (tokens, loss weights, document ids: ``loomax.data.chat.packing``). Only the predictions
     the weights mark count, and the mean divides by their number; attention stays within
-    each packed conversation."""
+    each packed conversation. Its metrics, under ``sft/`` (``eval/sft/...`` on held-out
+    rows): ``assistant_loss``, the loss over the trained tokens (``data.chat.loss_on``: the
+    assistant turns by default), and ``trained_fraction``, the share of the conversations'
+    tokens that the loss trains."""
 
     def loss_fn(model, batch, *, key=None):
         def named(channel):
             return hax.auto_sharded(hax.named(batch[:, channel], (Batch, Position)))
 
-        return next_token_loss_and_metrics(
+        (total, count), metrics = next_token_loss_and_metrics(
             model,
             named(0),
             block_size=block_size,
@@ -78,6 +82,9 @@ def chat_lm_loss(
             aux_losses=aux_losses,
             loss_weights=named(1),
         )
+        tokens = jnp.sum(batch[:, 2] >= 0).astype(jnp.float32)
+        sft = {"sft/assistant_loss": (total, count), "sft/trained_fraction": (count, tokens)}
+        return (total, count), {**metrics, **sft}
 
     return loss_fn
 

@@ -62,6 +62,8 @@ class LmConfig(draccus.ChoiceRegistry, abc.ABC):
     """Key/value block of the splash kernel (a multiple of 128; seq_len must be a multiple of it)."""
     document_mask: bool = False
     """Attention stays within each packed document (documents end at the tokenizer's EOS)."""
+    document_positions: bool | None = None
+    """Positions (rotary angles; GPT-2's position table) restart at 0 at each packed document, as if it were alone; null = on for chat SFT (data.format chat), off otherwise."""
     cudnn_packed_documents: int = 0
     """On cuDNN, document masks via its packed-sequence kernel for rows of at most this many documents (more: dense mask); 0 = dense mask."""
     scan_unroll: int | bool = 1

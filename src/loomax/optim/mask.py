@@ -21,7 +21,7 @@ def weight_decay_mask(model: eqx.Module, *, decay_embeddings: bool = False):
 
     def mark(node):
         falses = jax.tree.map(lambda _: False, node)
-        if isinstance(node, hnn.Linear):
+        if isinstance(node, hnn.Linear) and node.weight is not None:  # QLoRA's: codes, frozen
             return eqx.tree_at(lambda m: m.weight, falses, True)
         if isinstance(node, hnn.Embedding):
             return eqx.tree_at(lambda m: m.weight, falses, decay_embeddings)

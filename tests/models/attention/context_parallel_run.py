@@ -179,12 +179,14 @@ def train_losses(mesh: MeshConfig, devices, variant: str = "ring") -> list[float
     return [*losses, evaluate(final.state.model)["eval/loss"]]
 
 
-def loss_gradients(mesh: MeshConfig, devices) -> list[np.ndarray]:
+def loss_gradients(mesh: MeshConfig, devices, restart: bool = False) -> list[np.ndarray]:
     """The logits (``model.logits``) and the gradients of the mean loss (with document masks)
-    of a tiny GPT-2's initial weights (learned positions) on one batch."""
+    of a tiny GPT-2's initial weights (learned positions; per document with ``restart``:
+    ``model.document_positions``) on one batch."""
     model = Gpt2Config(
-        seq_len=TRAIN_SEQ, hidden_dim=32, num_layers=2, num_heads=4, cross_entropy_block_size=128
-    )
+        seq_len=TRAIN_SEQ, hidden_dim=32, num_layers=2, num_heads=4, cross_entropy_block_size=128,
+        document_positions=restart,
+    )  # fmt: skip
     runtime = MeshRuntime(mesh.build(devices), make_axis_mappings())
     loss = lm_loss_for(model, eos_id=EOS)
     params = model.build(VOCAB, key=jax.random.PRNGKey(0))
@@ -221,12 +223,14 @@ def largest_collective(hlo: str) -> int:
     return max(sizes)
 
 
-def gradient_error(mesh: MeshConfig = MeshConfig(data=2, context=CONTEXT)) -> float:
+def gradient_error(mesh: MeshConfig | None = None, restart: bool = False) -> float:
     """Largest difference of the logits and of each gradient, ``mesh`` (on the first devices
-    it needs) against one device, relative to the largest entry of each."""
-    one = loss_gradients(MeshConfig(data=1), jax.devices()[:1])
+    it needs; data 2 x context when None) against one device, relative to the largest entry
+    of each."""
+    mesh = mesh or MeshConfig(data=2, context=CONTEXT)
+    one = loss_gradients(MeshConfig(data=1), jax.devices()[:1], restart)
     count = math.prod(v for v in mesh.as_dict().values() if v > 0)
-    split = loss_gradients(mesh, jax.devices()[:count])
+    split = loss_gradients(mesh, jax.devices()[:count], restart)
     return max(
         float(np.max(np.abs(a - b)) / np.max(np.abs(a))) for a, b in zip(one, split, strict=True)
     )
@@ -237,6 +241,7 @@ def train():
     data4 = MeshConfig(data=BATCH)
     return {
         "gradient_error": gradient_error(),
+        "document_positions_gradient_error": gradient_error(restart=True),
         # rows split over data alone: the fused loss runs per device, as under context
         "data4_gradient_error": gradient_error(data4),
         "data4_largest_collective": LARGEST_COLLECTIVE[str(data4)],

@@ -143,6 +143,12 @@ def test_split_loss_gradients_and_logits_equal_one_device(train_runs):
     assert train_runs["gradient_error"] < TOLERANCE
 
 
+def test_split_document_positions_equal_one_device(train_runs):
+    """The same with ``model.document_positions``: each document's positions (from 0) worked
+    out in true order and taken into the zig-zag layout, where documents cross the shards."""
+    assert train_runs["document_positions_gradient_error"] < TOLERANCE
+
+
 def test_loss_over_rows_split_by_data_runs_on_each_devices_own_rows(train_runs):
     """With the rows split over `data` alone the fused loss runs per device too. In the global
     view its scan over token blocks made every device walk every block: XLA:CPU all-gathered

@@ -8,6 +8,7 @@ adapters' shardings, the optimizer state's arrays).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -76,7 +77,30 @@ def main() -> dict:
         "lora_b_max": b_moved,
         "specs": specs,
         "opt_leaves": opt_leaves,
+        "qlora": qlora(),
     }
+
+
+def qlora() -> dict:
+    """The same with an nf4 base (model.lora.quantize_base): losses, the codes' and scales'
+    shardings, whether the codes changed."""
+    lora = LoraConfig(rank=4, alpha=8.0, quantize_base="nf4")
+    model = dataclasses.replace(MODEL, lora=lora)
+    trainer = make_trainer(
+        MeshConfig(data=2, model=2), tempfile.mkdtemp(), freeze=lora.freeze_patterns()
+    )
+    losses: list[float] = []
+    trainer.add_hook(lambda info: losses.append(info.loss))
+    state = trainer.initial_state(lambda key: model.for_training(model.build(VOCAB, key=key)))
+    stored = state.model.blocks.stacked.attn.q_proj.quantized
+    specs = {
+        name: [[a.name for a in x.axes], str(x.array.sharding.spec)]
+        for name, x in (("codes", stored.codes), ("scales", stored.scales))
+    }
+    codes = np.asarray(stored.codes.array)
+    final = trainer.train(state, loader().iter_from(0, 0, 1)).state
+    after = np.asarray(final.model.blocks.stacked.attn.q_proj.quantized.codes.array)
+    return {"losses": losses, "specs": specs, "codes_unchanged": bool(np.array_equal(codes, after))}
 
 
 if __name__ == "__main__":

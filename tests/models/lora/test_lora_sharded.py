@@ -1,7 +1,8 @@
 """LoRA under FSDP x tensor parallelism (4 fake CPU devices, data 2 x model 2): the trainer
 trains the adapters alone (the base bit for bit unchanged, the optimizer state holding only
 adapter moments) and the adapters are sharded by the weights' own axis mappings; the final
-checkpoint reads back (loomax.inference) with the trained logits, merged or not."""
+checkpoint reads back (loomax.inference) with the trained logits, merged or not; a QLoRA
+(nf4) base's codes and scales are split as the weight is, and stay unchanged."""
 
 from __future__ import annotations
 
@@ -30,3 +31,13 @@ def test_adapters_train_alone_sharded_like_their_weights(json_worker):
     leaves = out["opt_leaves"]
     assert len(leaves) == 2 * 14  # Adam's mu and nu of 7 layers' A and B, nothing else
     assert all(n.endswith((".lora_a", ".lora_b")) for n in leaves)
+    # QLoRA (nf4): the codes and scales split by the weight's own axis mappings (FSDP over
+    # data by embed, tensor parallel over model by heads), unchanged by training
+    qlora = out["qlora"]
+    assert len(qlora["losses"]) == 5 and all(math.isfinite(x) for x in qlora["losses"])
+    assert qlora["codes_unchanged"]
+    assert qlora["specs"]["codes"] == [
+        ["layers", "heads", "head_size", "embed"],
+        "P(None, 'model', None, 'data')",
+    ]
+    assert qlora["specs"]["scales"][0] == ["layers", "heads", "head_size", "embed"]

@@ -54,17 +54,35 @@ def _from_config_file(path: Path) -> ChatTemplate:
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
     if not isinstance(source, str):
         raise DataSourceError(f"data.chat.template: {path} has no `chat_template` string")
-    special = {k: t for k in SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
-    return ChatTemplate(source, special, str(path))
+    return ChatTemplate(source, _config_special(config), str(path))
+
+
+def _config_special(config: dict) -> dict[str, str]:
+    """The special tokens a tokenizer_config.json names (what transformers hands a template)."""
+    return {k: t for k in SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
 
 
 def _own_special(tokenizer: Tokenizer) -> dict[str, str]:
-    """BOS/EOS of a tokenizer.json without a config: the first of the known names it has."""
+    """BOS/EOS of a tokenizer.json without a config: the first of the known names it has; a
+    tokenizer without a BOS (Loomax's own) uses its EOS there, as its Hugging Face export
+    says (``loomax.hf.special_token_ids``), so the export renders the same ids."""
     found = {}
-    for key, names in (("bos_token", BOS_CANDIDATES), ("eos_token", EOS_CANDIDATES)):
+    for key, names in (("eos_token", EOS_CANDIDATES), ("bos_token", BOS_CANDIDATES)):
         name = next((n for n in names if tokenizer.token_to_id(n) is not None), None)
-        found[key] = name or ""
+        found[key] = name or found.get("eos_token", "")
     return found
+
+
+def folder_template(tokenizer_path: str | Path) -> ChatTemplate | None:
+    """The template of a tokenizer's folder (its tokenizer_config.json's `chat_template`, or
+    the `chat_template.jinja` beside it); None without one."""
+    folder = Path(tokenizer_path).parent
+    beside = folder / "tokenizer_config.json"
+    if beside.is_file() and (
+        "chat_template" in _read_config(beside) or (folder / JINJA_FILE).is_file()
+    ):
+        return _from_config_file(beside)
+    return None
 
 
 def load_template(
@@ -74,13 +92,15 @@ def load_template(
     folder = Path(tokenizer_path).parent
     beside = folder / "tokenizer_config.json"
     if spec is None:
-        if beside.is_file() and (
-            "chat_template" in _read_config(beside) or (folder / JINJA_FILE).is_file()
-        ):
-            return _from_config_file(beside)
+        own = folder_template(tokenizer_path)
+        if own is not None:
+            return own
         spec = "loomax"
+    # the special tokens transformers would give the template: the folder's config's, if any
+    special = _config_special(_read_config(beside)) if beside.is_file() else None
+    special = _own_special(tokenizer) if special is None else special
     if spec in SHIPPED:
-        return ChatTemplate(SHIPPED[spec], _own_special(tokenizer), spec)
+        return ChatTemplate(SHIPPED[spec], special, spec)
     path = Path(spec).expanduser()
     if not path.is_file():
         raise MissingFileError(
@@ -89,7 +109,6 @@ def load_template(
         )
     if path.suffix == ".json":
         return _from_config_file(path)
-    special = _from_config_file(beside).special if beside.is_file() else _own_special(tokenizer)
     return ChatTemplate(path.read_text(), special, str(path))
 
 

@@ -43,7 +43,7 @@ from loomax.models.attention.mla_cache import (
     init_mla_cache,
 )
 from loomax.models.attention.rotary import RotaryConfig, YarnRotary, apply_rotary
-from loomax.models.attention.sequence_layout import context_ways, layout_positions
+from loomax.models.attention.sequence_layout import context_ways, token_positions
 from loomax.models.axes import Embed, Heads, HeadSize, Position
 from loomax.models.blocks.norms import rms_norm
 
@@ -233,7 +233,9 @@ class MlaAttention(eqx.Module):
         """Causal self-attention of ``x`` (axes ``(..., position, embed)``) over itself;
         ``segment_ids`` keep packed documents apart, ``key`` drops out probabilities."""
         c = self.config
-        positions = layout_positions(x.resolve_axis(Position))  # zig-zag when split
+        Pos = x.resolve_axis(Position)  # zig-zag when split; per document if asked
+        restart = getattr(self.settings, "document_positions", None)  # a model config's
+        positions = token_positions(Pos, segment_ids, restart)
         q_nope, q_rope = self._queries(x, positions)
         latent, k_rope = self._latents(x, positions)
         kv = self.kv_b_proj(latent)

@@ -210,17 +210,18 @@ def apply_rotary(x: NamedArray, positions: NamedArray, rope: RotaryConfig) -> Na
     """Rotate ``x`` (axes include ``head_size``) by angle ``position * inv_freq`` per pair.
 
     ``positions`` is an integer array with a ``position`` axis (any offset: decoding passes
-    ``start + arange``).
+    ``start + arange``), and optionally batch axes (each row's own: packed documents'
+    positions, ``sequence_layout.document_positions``).
     """
     D = x.resolve_axis(HeadSize)
     half = D.size // 2
     inv = jnp.asarray(rope.inv_freq(D.size), jnp.float32)
-    angles = positions.array.astype(jnp.float32)[:, None] * inv[None, :]  # [position, half]
+    angles = positions.array.astype(jnp.float32)[..., None] * inv  # [..., position, half]
     factor = rope.attention_factor()
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1) * factor
     sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1) * factor
-    cos = hax.named(cos.astype(x.dtype), (positions.axes[0].name, HeadSize))
-    sin = hax.named(sin.astype(x.dtype), (positions.axes[0].name, HeadSize))
+    names = (*(a.name for a in positions.axes), HeadSize)
+    cos, sin = hax.named(cos.astype(x.dtype), names), hax.named(sin.astype(x.dtype), names)
     x1, x2 = x[HeadSize, :half], x[HeadSize, half:]
     rotated = hax.concatenate(HeadSize, [-x2, x1])
     return x * cos + rotated * sin

@@ -7,6 +7,10 @@ The model works in this layout throughout: ``next_token_loss`` puts the tokens, 
 ids, targets and weights into it (``to_layout``), rotary angles and attention masks use
 ``layout_positions`` (each slot's true position), and nothing is put back: the loss is a
 sum over tokens. With one device on the axis the layout is the identity.
+
+``token_positions`` is what rotary angles and learned position tables read: the true
+positions, or with ``model.document_positions`` each packed document's own (from 0 at its
+first token), so a document packed at any offset is computed as it would be alone.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import math
 
 import haliax as hax
+import jax
 import jax.numpy as jnp
 import numpy as np
 from haliax import Axis, NamedArray
@@ -84,3 +89,25 @@ def from_layout(x: NamedArray) -> NamedArray:
         return x
     slots = jnp.asarray(np.argsort(zigzag_order(Pos.size, ways)), jnp.int32)
     return x.take(Pos, hax.named(slots, Pos))
+
+
+def document_positions(segment_ids: NamedArray) -> NamedArray:
+    """Each slot's position within its document (int32, axes of ``segment_ids``, in the
+    layout): 0 where the document id changes from the previous true position, counting up
+    from there. Documents are contiguous runs of one id (packed rows, ``segment_ids_from_eos``)."""
+    seg = from_layout(segment_ids).rearrange((..., Position))
+    ids = seg.array
+    index = jnp.arange(ids.shape[-1], dtype=jnp.int32)
+    starts = jnp.concatenate(
+        [jnp.ones((*ids.shape[:-1], 1), bool), ids[..., 1:] != ids[..., :-1]], axis=-1
+    )
+    first = jax.lax.cummax(jnp.where(starts, index, 0), axis=ids.ndim - 1)
+    return to_layout(hax.named(index - first, seg.axes))
+
+
+def token_positions(Pos: Axis, segment_ids: NamedArray | None, restart: bool | None) -> NamedArray:
+    """The positions rotary and position tables use: per document (``document_positions``)
+    when ``restart`` and ``segment_ids`` are given, else each slot's true position."""
+    if restart and segment_ids is not None:
+        return document_positions(segment_ids)
+    return layout_positions(Pos)

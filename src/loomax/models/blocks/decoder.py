@@ -31,7 +31,7 @@ from jaxtyping import PRNGKeyArray
 from loomax.config import ConfigError
 from loomax.models.attention.attention import cached_attention, model_attention
 from loomax.models.attention.rotary import apply_rotary
-from loomax.models.attention.sequence_layout import context_ways, layout_positions
+from loomax.models.attention.sequence_layout import context_ways, layout_positions, token_positions
 from loomax.models.axes import KeyPosition, Position
 from loomax.models.blocks import taps
 from loomax.models.blocks.dropout import adapter_keys, dropout, split
@@ -68,6 +68,7 @@ class DecoderConfig(Protocol):
     hybrid_norm: bool
     input_embedding_norm: bool
     sliding_window: int | None
+    document_positions: bool | None
     layer_windows: tuple[int | None, ...]
     attn_scale: float | None
     attn_logit_softcap: float | None
@@ -143,7 +144,7 @@ class LlamaAttention(eqx.Module):
         index) picks its window where the layers' windows differ."""
         c = self.config
         k_q, k_k, k_v, k_o = adapter_keys(key, 4)
-        positions = layout_positions(x.resolve_axis(Position))
+        positions = token_positions(x.resolve_axis(Position), segment_ids, c.document_positions)
         q, k, v = self._qkv(x, positions, layer, (k_q, k_k, k_v))
 
         def attend(window):

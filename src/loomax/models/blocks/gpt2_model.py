@@ -18,7 +18,7 @@ from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
 from loomax.models.attention.attention import cached_attention, model_attention
-from loomax.models.attention.sequence_layout import context_ways, layout_positions
+from loomax.models.attention.sequence_layout import context_ways, layout_positions, token_positions
 from loomax.models.axes import KeyPosition, Position
 from loomax.models.blocks import taps
 from loomax.models.blocks.dropout import adapter_keys, dropout, split
@@ -237,7 +237,10 @@ class Gpt2LmModel(LmModel):
         c = self.config
         Pos = tokens.resolve_axis(Position)
         x = self.token_embeddings.embed(tokens)
-        if context_ways() > 1:  # the sequence laid out zig-zag: each slot's true position
+        if c.document_positions and segment_ids is not None:  # each document's own, from 0
+            positions = token_positions(Pos, segment_ids, True)
+            x = x + self.position_embeddings.weight.take(Position, positions)
+        elif context_ways() > 1:  # the sequence laid out zig-zag: each slot's true position
             x = x + self.position_embeddings.weight.take(Position, layout_positions(Pos))
         else:
             x = x + self.position_embeddings.weight[Position, hax.dslice(0, Pos.size)]

@@ -30,6 +30,10 @@ class LoraConfig:
     """Train the base weights too (no freezing); false = adapters alone, as LoRA."""
     extra: tuple[str, ...] = field(default_factory=tuple)
     """Regexes of further parameters trained beside the adapters (e.g. norm scales); none by default."""
+    quantize_base: str = "none"
+    """QLoRA: the adapted layers' frozen weights stored quantised in blocks, dequantised per matmul: none, int8 or nf4."""
+    quantize_block: int = 64
+    """Entries per block (one scale each) along a quantised weight's last input axis."""
 
     def __post_init__(self):
         for key in ("targets", "extra"):  # a list from YAML: hashable, as the model config is
@@ -40,6 +44,17 @@ class LoraConfig:
             raise ConfigError("model.lora.targets is empty: name the linear layers to adapt")
         if self.alpha == 0:
             raise ConfigError("model.lora.alpha must not be 0 (the adapters would do nothing)")
+        if self.quantize_base not in ("none", "int8", "nf4"):
+            raise ConfigError(
+                f"model.lora.quantize_base must be none, int8 or nf4, got {self.quantize_base!r}"
+            )
+        if self.quantize_block <= 0:
+            raise ConfigError(f"model.lora.quantize_block must be > 0, got {self.quantize_block}")
+        if self.quantize_base != "none" and self.train_base:
+            raise ConfigError(
+                "model.lora.quantize_base stores the base frozen (quantised): it cannot be "
+                "trained with model.lora.train_base"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
         for key in ("targets", "extra"):

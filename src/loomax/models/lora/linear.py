@@ -9,7 +9,8 @@ outputs exactly. Being a ``Linear``, the layer keeps its parameter names (``...q
 and everything that reads linear layers (weight decay, FP8, offload) sees it as before;
 its adapter's arrays are named ``...q_proj.lora_a`` / ``.lora_b`` and carry named axes, so
 FSDP and tensor parallelism shard them by the same axis mappings as the weight (``lora_r``
-is never sharded).
+is never sharded). With ``model.lora.quantize_base`` (QLoRA) the frozen weight is kept as
+blockwise codes and scales (``quantized``; ``weight`` is None) and dequantised per matmul.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from haliax import Axis, NamedArray
 from loomax.config import ConfigError
 from loomax.models.blocks.dropout import dropout
 from loomax.models.lora.config import LoraConfig
+from loomax.models.lora.quantized import BlockQuantized, quantize
 from loomax.tree_paths import path_name
 
 RANK = "lora_r"
@@ -42,9 +44,13 @@ class LoraLinear(hnn.Linear):
     lora_b: NamedArray | None = None
     scale: float = eqx.field(static=True, default=1.0)
     dropout_rate: float = eqx.field(static=True, default=0.0)
+    quantized: BlockQuantized | None = None  # QLoRA: the frozen weight (``weight`` is None)
 
     def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
-        out = super().__call__(inputs)
+        if self.quantized is None:
+            out = super().__call__(inputs)
+        else:  # dequantised for this matmul, in the compute dtype
+            out = self.base(inputs.dtype)(inputs)
         x = dropout(inputs, self.dropout_rate, key)
         low = x.dot(self.lora_a.astype(x.dtype), axis=self.In)
         delta = low.dot(self.lora_b.astype(x.dtype), axis=RANK)
@@ -55,18 +61,28 @@ class LoraLinear(hnn.Linear):
     def delta(self) -> NamedArray:
         """``scale * B A`` laid out as the weight (what merging adds to it)."""
         product = self.lora_b.dot(self.lora_a, axis=RANK) * self.scale
-        return (product / self.reparam.active_scale).rearrange(self.weight.axes)
+        weight = self.base_weight()
+        return (product / self.reparam.active_scale).rearrange(weight.axes)
+
+    def base_weight(self, dtype=None) -> NamedArray:
+        """The base weight: ``weight``, or with QLoRA its dequantised codes (``dtype``, else
+        float32)."""
+        if self.quantized is None:
+            return self.weight if dtype is None else self.weight.astype(dtype)
+        return self.quantized.dequantize(dtype or jnp.float32)
 
     def merged(self) -> hnn.Linear:
         """The plain ``Linear`` computing what this layer computes: W + scale * B A."""
-        weight = (self.weight + self.delta()).astype(self.weight.dtype)
+        base = self.base_weight()
+        weight = (base + self.delta()).astype(base.dtype)
         return hnn.Linear(weight, self.bias, self.In, self.Out, self.dot_general, self._reparam_cls)
 
-    def base(self) -> hnn.Linear:
-        """The layer without its adapter."""
+    def base(self, dtype=None) -> hnn.Linear:
+        """The layer without its adapter (QLoRA: the dequantised weight)."""
         return hnn.Linear(
-            self.weight, self.bias, self.In, self.Out, self.dot_general, self._reparam_cls
-        )
+            self.base_weight(dtype), self.bias, self.In, self.Out, self.dot_general,
+            self._reparam_cls,
+        )  # fmt: skip
 
 
 def _axes(spec) -> tuple[Axis, ...]:
@@ -103,12 +119,17 @@ def add_adapter(linear: hnn.Linear, config: LoraConfig, key: jax.Array) -> LoraL
     a = hax.random.normal(key, (*front, rank, *ins)) * (fan_in**-0.5)
     b = hax.zeros((*front, *outs, rank), dtype=dtype)
     fields = {f.name: getattr(linear, f.name) for f in dataclasses.fields(hnn.Linear)}
+    quantized = None
+    if config.quantize_base != "none":  # QLoRA: the frozen weight kept as codes and scales
+        quantized = quantize(linear.weight, linear.In, config.quantize_base, config.quantize_block)
+        fields["weight"] = None
     return LoraLinear(
         **fields,
         lora_a=a.astype(dtype),
         lora_b=b,
         scale=config.scale,
         dropout_rate=config.dropout,
+        quantized=quantized,
     )
 
 
