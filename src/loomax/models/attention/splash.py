@@ -86,13 +86,14 @@ def _local(q, k, v, seg, sinks=None, *, blocks, interpret, window=None):
     kernel = _kernel(q.shape[1], q.shape[2], k.shape[2], *blocks, interpret, window)
 
     def attend(q, k, v, seg, sinks):
-        def one(q1, k1, v1, s1):
-            ids = None if s1 is None else SegmentIds(s1, s1)
+        def one(q1, k1, v1, s1, sinks):  # the sinks passed, not closed over (a closed-over
+            ids = None if s1 is None else SegmentIds(s1, s1)  # tracer fails to lower)
             return kernel(q1, k1, v1, segment_ids=ids, sinks=sinks)
 
         if seg is None:
-            return jax.vmap(lambda q1, k1, v1: one(q1, k1, v1, None))(q, k, v)
-        return jax.vmap(one)(q, k, v, seg)
+            rows = lambda q1, k1, v1, s: one(q1, k1, v1, None, s)  # noqa: E731
+            return jax.vmap(rows, in_axes=(0, 0, 0, None))(q, k, v, sinks)
+        return jax.vmap(one, in_axes=(0, 0, 0, 0, None))(q, k, v, seg, sinks)
 
     return _named_residuals(attend)(q, k, v, seg, sinks)
 
