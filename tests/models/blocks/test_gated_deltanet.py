@@ -61,3 +61,32 @@ def test_the_cache_is_the_same_size_at_every_position():
     assert per_row == 4 * (3 * 56 + 4 * 8 * 6) == 1440
     kv_per_position = 4 * 2 * D  # float32 keys and values of the layer's width
     assert per_row / kv_per_position == 11.25
+
+
+def test_the_layer_is_transformers_qwen3_next_gated_deltanet():
+    """transformers' ``Qwen3NextGatedDeltaNet`` (its torch fallback) with random weights, put
+    into this layer: the same outputs (float32, 1e-5)."""
+    import torch
+    import transformers
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf_module
+
+    config = transformers.Qwen3NextConfig(
+        hidden_size=D, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=1,
+        layer_types=["linear_attention"], rms_norm_eps=1e-6,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = hf_module.Qwen3NextGatedDeltaNet(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    w = {n: jnp.asarray(p.detach().numpy()) for n, p in hf.named_parameters()}
+    net = GatedDeltaNet(
+        w["in_proj_qkvz.weight"].T, w["in_proj_ba.weight"].T, w["conv1d.weight"][:, 0].T,
+        w["dt_bias"], w["A_log"], w["norm.weight"], w["out_proj.weight"].T,
+        key_heads=2, value_heads=4, dk=8, dv=6, chunk=8, eps=1e-6,
+    )  # fmt: skip
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (B, T, D)))
+    with torch.no_grad():
+        want = hf(torch.tensor(x)).numpy()
+    np.testing.assert_allclose(net(jnp.asarray(x)), want, atol=1e-5, rtol=1e-5)
