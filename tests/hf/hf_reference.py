@@ -9,7 +9,9 @@ sqrt(hidden), scores times ``query_pre_attn_scalar ** -0.5``, soft-capped scores
 a GELU-tanh gate; and Gemma 3 (``model_type`` gemma3_text): Gemma 2's with ``1 + w`` QK-norms
 and the local layers' rotary base ``rope_local_base_freq``; and Granite's multipliers
 (``embedding_multiplier``, ``residual_multiplier``, ``attention_multiplier``,
-``logits_scaling``; transformers' defaults of 1 where absent).
+``logits_scaling``; transformers' defaults of 1 where absent); and gpt-oss (``model_type``
+gpt_oss): attention sinks, YaRN, a router with a bias and experts with biases, their gate
+and up projections interleaved in one tensor, and the clamped SwiGLU.
 
 They read only what transformers reads (config.json fields and safetensors tensor names),
 in float64, following the transformers modelling code's math. `test_transformers` checks
@@ -40,9 +42,10 @@ def _gelu_new(x):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-def _causal_softmax_attention(q, k, v, window=None, scale=None, softcap=None):
+def _causal_softmax_attention(q, k, v, window=None, scale=None, softcap=None, sinks=None):
     """q: [heads, T, d], k/v: [heads, T, d] -> [T, heads * d]; ``window``: each query sees
-    the keys less than that many positions back (itself included)."""
+    the keys less than that many positions back (itself included); ``sinks [heads]``: a
+    column of each head's sink beside the scores, dropped after the softmax."""
     T = q.shape[1]
     scores = q @ k.transpose(0, 2, 1) * (scale or 1 / math.sqrt(q.shape[-1]))
     if softcap:
@@ -51,8 +54,12 @@ def _causal_softmax_attention(q, k, v, window=None, scale=None, softcap=None):
     if window is not None:
         visible &= np.triu(np.ones((T, T), bool), -(window - 1))
     scores = np.where(visible, scores, -np.inf)
+    if sinks is not None:
+        column = np.broadcast_to(sinks[:, None, None], (*scores.shape[:-1], 1))
+        scores = np.concatenate([scores, column], -1)
     w = np.exp(scores - scores.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
+    w = w if sinks is None else w[..., :-1]
     return (w @ v).transpose(1, 0, 2).reshape(T, -1)
 
 
@@ -83,13 +90,44 @@ def gpt2_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
     return x @ head.T
 
 
+def _rope_scaling(config: dict) -> dict | None:
+    """``rope_scaling``, or transformers 5's ``rope_parameters`` (None: plain RoPE)."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters")
+    return None if not scaling or scaling.get("rope_type", "default") == "default" else scaling
+
+
+def _rope_factor(config: dict) -> float:
+    """What YaRN multiplies cos and sin by (1 for the others)."""
+    scaling = _rope_scaling(config)
+    if not scaling or scaling["rope_type"] != "yarn" or scaling["factor"] <= 1:
+        return 1.0
+    return 0.1 * math.log(scaling["factor"]) + 1.0
+
+
+def _yarn(inv: np.ndarray, scaling: dict, base: float, dim: int) -> np.ndarray:
+    def corr(rotations):
+        old = scaling["original_max_position_embeddings"]
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr(scaling.get("beta_fast", 32)), corr(scaling.get("beta_slow", 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    extrapolated = 1 - np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+    return inv / scaling["factor"] * (1 - extrapolated) + inv * extrapolated
+
+
 def _llama_inv_freq(config: dict, dim: int) -> np.ndarray:
-    base = config.get("rope_theta", 10000.0)
+    params = config.get("rope_parameters") or {}
+    base = params.get("rope_theta", config.get("rope_theta", 10000.0))
     inv = 1.0 / base ** (np.arange(0, dim, 2) / dim)
-    scaling = config.get("rope_scaling")
+    scaling = _rope_scaling(config)
     if not scaling:
         return inv
     kind = scaling["rope_type"]
+    if kind == "yarn":
+        return _yarn(inv, scaling, base, dim)
     if kind == "linear":
         return inv / scaling["factor"]
     if kind == "llama3":
@@ -177,9 +215,10 @@ def llama_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
         v = _linear(t, p + "self_attn.v_proj", h).reshape(T, K, d).transpose(1, 0, 2)
         local = config.get("rope_local_base_freq")  # Gemma 3's local layers: their own base
         layer_inv = 1.0 / local ** (np.arange(0, d, 2) / d) if local and window else inv
-        q, k = _rotate(q, pos, layer_inv), _rotate(k, pos, layer_inv)
+        q, k = (_rotate(a, pos, layer_inv) * _rope_factor(config) for a in (q, k))
         k, v = np.repeat(k, H // K, axis=0), np.repeat(v, H // K, axis=0)  # repeat_kv
-        out = _causal_softmax_attention(q, k, v, window, scale, softcap)
+        sinks = t.get(p + "self_attn.sinks")  # gpt-oss
+        out = _causal_softmax_attention(q, k, v, window, scale, softcap, sinks)
         attn = _linear(t, p + "self_attn.o_proj", out)
         if gemma:  # four norms: before and after the attention and the MLP
             x = x + rms(attn, t[p + "post_attention_layernorm.weight"], eps)
@@ -193,7 +232,10 @@ def llama_logits(config: dict, t: dict, ids: np.ndarray) -> np.ndarray:
         else:
             x = x + _rms_norm(attn, t[p + "post_attention_layernorm.weight"], eps)
             h = x
-        mlp = _moe(config, t, p, h) if _moe_prefix(t, p) else _swiglu(t, p + "mlp.", h)
+        if p + "mlp.experts.gate_up_proj" in t:
+            mlp = _gpt_oss_moe(config, t, p + "mlp.", h)
+        else:
+            mlp = _moe(config, t, p, h) if _moe_prefix(t, p) else _swiglu(t, p + "mlp.", h)
         if not pre:
             mlp = _rms_norm(mlp, t[p + "post_feedforward_layernorm.weight"], eps)
         x = x + mlp * res
@@ -237,5 +279,25 @@ def _moe(config: dict, t: dict, p: str, h):
     for e in range(t[moe + "gate.weight"].shape[0]):
         expert = f"{moe}experts.{e}."
         y = _swiglu(t, expert, h, names) if names else _swiglu(t, expert, h)
+        out += (weights * (top == e)).sum(-1, keepdims=True) * y
+    return out
+
+
+def _gpt_oss_moe(config: dict, t: dict, p: str, h):
+    """gpt-oss's experts: the softmax of the top k of the router's (biased) logits, each token
+    through its experts' biased projections, gate and up interleaved (even, odd) in one
+    tensor, the clamped SwiGLU ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    k, alpha, limit = config["num_experts_per_tok"], config["swiglu_alpha"], config["swiglu_limit"]
+    logits = _linear(t, p + "router", h)
+    top = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+    chosen = np.take_along_axis(logits, top, -1)
+    weights = np.exp(chosen - chosen.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    out = np.zeros_like(h)
+    for e in range(logits.shape[-1]):
+        gate_up = h @ t[p + "experts.gate_up_proj"][e] + t[p + "experts.gate_up_proj_bias"][e]
+        gate, up = np.minimum(gate_up[:, ::2], limit), np.clip(gate_up[:, 1::2], -limit, limit)
+        glu = (up + 1) * gate / (1 + np.exp(-alpha * gate))
+        y = glu @ t[p + "experts.down_proj"][e] + t[p + "experts.down_proj_bias"][e]
         out += (weights * (top == e)).sum(-1, keepdims=True) * y
     return out

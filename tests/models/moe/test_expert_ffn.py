@@ -32,8 +32,12 @@ def ffn(impl: str, keep: int):
     mm = lambda a, w, s: grouped_matmul(a, w, s, impl=impl, block=8, zero_rest=False)  # noqa: E731
     mm_grads = lambda a, w, s, dy: grouped_matmul_grads(a, w, s, dy, impl=impl, block=8)  # noqa: E731
     return lambda x, g, u, d: expert_ffn(
-        x, SIZES, g, u, d, mm=mm, mm_grads=mm_grads, act=jax.nn.silu, keep=keep
+        x, SIZES, g, u, d, mm=mm, mm_grads=mm_grads, glu=_swiglu, keep=keep
     )
+
+
+def _swiglu(g, u):
+    return jax.nn.silu(g) * u
 
 
 def reference(x, gate, up, down):
@@ -88,3 +92,32 @@ def test_saved_rows_without_moe_up_kept_is_refused():
     assert config.moe.kept_rows(routed=1000, buffer=4096) == 1280  # 1.25 x 1000, tiles of 128
     assert config.moe.kept_rows(routed=10, buffer=4096) == 13  # tiny: no tile
     assert config.moe.kept_rows(routed=4000, buffer=4096) == 4096  # never past the buffer
+
+
+@pytest.mark.parametrize("keep", [128, 64])  # fits / a device holds more (recomputed)
+def test_expert_biases_add_per_row_and_sum_their_gradients_per_expert(keep):
+    """Biases on the gate and up projections (gpt-oss): each routed row gets its expert's,
+    and their gradients are each expert's rows' summed, by either backward branch."""
+    x, gate, up, down, weights = inputs()
+    keys = jax.random.split(jax.random.PRNGKey(7), 2)
+    biases = tuple(jax.random.normal(k, (2, MLP)) for k in keys)
+    mm = lambda a, w, s: grouped_matmul(a, w, s, impl="blocked", block=8, zero_rest=False)  # noqa: E731
+    mm_grads = lambda a, w, s, dy: grouped_matmul_grads(a, w, s, dy, impl="blocked", block=8)  # noqa: E731
+
+    def ours(x, gb, ub):
+        out = expert_ffn(x, SIZES, gate, up, down, mm=mm, mm_grads=mm_grads, glu=_swiglu,
+                         keep=keep, biases=(gb, ub))  # fmt: skip
+        return jnp.sum(out[:ROUTED] * weights)
+
+    def reference(x, gb, ub):
+        ids = jnp.repeat(jnp.arange(2), SIZES, total_repeat_length=ROUTED)
+        rmm = lambda a, w: grouped_matmul(a, w, SIZES, impl="ragged_dot")  # noqa: E731
+        x = x[:ROUTED]
+        h = _swiglu(rmm(x, gate) + gb[ids], rmm(x, up) + ub[ids])
+        return jnp.sum(rmm(h, down) * weights)
+
+    got = jax.jit(jax.value_and_grad(ours, argnums=(1, 2)))(x, *biases)
+    want = jax.jit(jax.value_and_grad(reference, argnums=(1, 2)))(x, *biases)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

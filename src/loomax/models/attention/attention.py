@@ -30,6 +30,8 @@ and an optional sliding ``window``: a query sees only the keys fewer than ``wind
 positions back (itself included), as Mistral; ``vanilla`` and ``blockwise`` skip the key
 blocks wholly outside it, splash uses its local mask, ``xla``/``cudnn`` their local window.
 Keys may have fewer heads than queries (grouped-query attention: a ``kv_heads`` axis).
+Attention sinks (one logit per head in the softmax's denominator: ``sinks.py``) run on
+``vanilla``, ``blockwise``, ``splash``, the blockwise ring and decoding.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ from haliax import NamedArray
 
 from loomax.config import ConfigError
 from loomax.mesh import target_platform
-from loomax.models.attention.cudnn_packed import cudnn_document_attention
+from loomax.models.attention.cudnn_packed import jax_attention
 from loomax.models.attention.flash import acc_dtype, flash_attention, visible_mask
 from loomax.models.attention.ring_attention import context_parallel_attention
 from loomax.models.attention.sequence_layout import context_ways
+from loomax.models.attention.sinks import refuse_sinks, sink_array, sink_softmax
 from loomax.models.attention.splash import splash_attention, splash_unsupported_reason
 from loomax.models.axes import Heads, HeadSize, KeyPosition, KvHeads, Position
 from loomax.models.blocks.dropout import dropout
@@ -173,11 +176,12 @@ def model_attention(
     window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: NamedArray | None = None,
 ) -> NamedArray:
     """``causal_attention`` of ``q`` over ``k`` and ``v`` (all on ``position``; the keys and
     values are renamed to ``key_position`` here) with a model config's backend, blocks and
     attention dropout (``attn_backend``, ``splash_blocks``, ``flash_block``, ``attn_pdrop``),
-    within a sliding ``window``, scores times ``scale`` and soft-capped when given."""
+    within a sliding ``window``, scores times ``scale``, soft-capped and with ``sinks`` when given."""
     k, v = k.rename({Position: KeyPosition}), v.rename({Position: KeyPosition})
     return causal_attention(
         q,
@@ -194,6 +198,7 @@ def model_attention(
         window=window,
         scale=scale,
         softcap=softcap,
+        sinks=sinks,
     )
 
 
@@ -213,6 +218,7 @@ def causal_attention(
     window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: NamedArray | None = None,
 ) -> NamedArray:
     """Scaled dot-product causal self-attention (within a sliding ``window`` when given).
 
@@ -229,6 +235,8 @@ def causal_attention(
     with ``segment_ids``, ``cudnn_documents > 0`` attends through cuDNN's packed-sequence
     kernel when no row has more documents than that (``models/attention/cudnn_packed.py``).
     With the sequence split (``context_ways() > 1``), ``context_parallel`` attention instead.
+    ``sinks`` (axis ``heads``): each head's sink logit (gpt-oss; ``sinks.py``), on the
+    backends of ``sinks.SINK_BACKENDS`` (``auto`` picks none of the others).
     """
     drop = None
     if key is not None and dropout_rate > 0:
@@ -245,6 +253,9 @@ def causal_attention(
     if segment_ids is not None:
         seg = segment_ids.rearrange((*batch_axes, Position)).array.reshape(B, T)
     scale = 1 / math.sqrt(qa.shape[-1]) if scale is None else scale
+    sink = sink_array(sinks, ka.shape[1])
+    if sink is not None:
+        refuse_sinks(backend)
     if softcap is not None:
         backend = _softcap_backend(backend, T)
     if context_ways() > 1:
@@ -260,23 +271,24 @@ def causal_attention(
                 "(context-parallel attention is full causal)"
             )
         out = context_parallel_attention(
-            qa, ka, va, seg, scale, flash_block, context_parallel, backend, splash_blocks
+            qa, ka, va, seg, scale, flash_block, context_parallel, backend, splash_blocks, sink
         )
         return _from_array(out, q, batch_axes)
     backend = resolve_backend(
-        backend, qa.dtype, T, qa.shape[-1], segments=seg is not None, splash_blocks=splash_blocks
-    )
+        backend, qa.dtype, T, qa.shape[-1], segments=seg is not None, splash_blocks=splash_blocks,
+        **({} if sink is None else {"compute_capability": None}),  # sinks: no cuDNN
+    )  # fmt: skip
     if backend == "vanilla":
         qs = qa * jnp.asarray(scale, qa.dtype)
-        out = _blocked_causal(qs, ka, va, seg, drop, window, softcap)
+        out = _blocked_causal(qs, ka, va, seg, drop, window, softcap, sink)
     elif backend == "blockwise":
         if seg is None:
             seg = jnp.zeros((B, T), jnp.int32)
-        out = flash_attention(qa, ka, va, seg, scale, min(flash_block, T), window, softcap)
+        out = flash_attention(qa, ka, va, seg, scale, min(flash_block, T), window, softcap, sink)
     elif backend == "splash":
-        out = splash_attention(qa, ka, va, seg, scale, *splash_blocks, window=window)
+        out = splash_attention(qa, ka, va, seg, scale, *splash_blocks, window=window, sink=sink)
     elif backend in ("xla", "cudnn"):
-        out = _jax_attention(qa, ka, va, seg, backend, cudnn_documents, window, scale)
+        out = jax_attention(qa, ka, va, seg, backend, cudnn_documents, window, scale)
     else:
         raise ValueError(f"model.attn_backend must be one of {BACKENDS}, got {backend!r}")
     return _from_array(out, q, batch_axes)
@@ -292,6 +304,7 @@ def cached_attention(
     window: int | jax.Array | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: NamedArray | None = None,
 ) -> tuple[NamedArray, NamedArray, NamedArray]:
     """Attention for incremental decoding with a KV cache: returns ``(out, cache_k, cache_v)``.
 
@@ -299,7 +312,7 @@ def cached_attention(
     ``cache_k``/``cache_v`` hold all ``key_position`` slots. The new keys and values are
     written at ``start``, and each query sees every cached key at or before its position
     (and fewer than ``window`` positions back, when given; here ``window`` may be traced);
-    ``scale`` and ``softcap`` as in ``causal_attention``.
+    ``scale``, ``softcap`` and ``sinks`` as in ``causal_attention``.
     """
     k = k.rename({Position: KeyPosition})
     v = v.rename({Position: KeyPosition})
@@ -307,7 +320,8 @@ def cached_attention(
     cache_v = hax.updated_slice(cache_v, {KeyPosition: start}, v.rearrange(cache_v.axes))
     qa, ka, va, batch_axes = _to_arrays(q, cache_k, cache_v)
     scale = jnp.asarray(1 / math.sqrt(qa.shape[-1]) if scale is None else scale, qa.dtype)
-    out = _attend(qa * scale, ka, va, start, None, None, window=window, softcap=softcap)
+    sink = sink_array(sinks, ka.shape[1])
+    out = _attend(qa * scale, ka, va, start, None, None, None, 0, window, softcap, sink)
     return _from_array(out, q, batch_axes), cache_k, cache_v
 
 
@@ -349,7 +363,7 @@ def _softcap_backend(backend: str, seq_len: int) -> str:
     return backend
 
 
-def _blocked_causal(q, k, v, seg, drop=None, window=None, softcap=None):
+def _blocked_causal(q, k, v, seg, drop=None, window=None, softcap=None, sink=None):
     seq = q.shape[-2]
     block = min(QUERY_BLOCK, seq)
     outs = []
@@ -360,13 +374,15 @@ def _blocked_causal(q, k, v, seg, drop=None, window=None, softcap=None):
         k_seg = None if seg is None else seg[:, first:stop]
         block_drop = None if drop is None else (drop[0], jax.random.fold_in(drop[1], start))
         qkv = (q[..., start:stop, :], k[..., first:stop, :], v[..., first:stop, :])
-        outs.append(_attend(*qkv, start, q_seg, k_seg, block_drop, first, window, softcap))
+        outs.append(_attend(*qkv, start, q_seg, k_seg, block_drop, first, window, softcap, sink))
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)
 
 
-def _attend(q, k, v, q_start, q_seg, k_seg, drop=None, k_start=0, window=None, softcap=None):
+def _attend(
+    q, k, v, q_start, q_seg, k_seg, drop=None, k_start=0, window=None, softcap=None, sink=None
+):
     """Softmax attention of (pre-scaled) ``q`` at positions ``q_start + i`` over keys at
-    ``k_start + j``; ``drop`` = ``(rate, key)`` drops out probabilities."""
+    ``k_start + j``; ``drop`` = ``(rate, key)`` drops out probabilities; ``sink [K, G]``."""
     acc = acc_dtype(q.dtype)
     scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=acc)
     if softcap is not None:
@@ -374,27 +390,7 @@ def _attend(q, k, v, q_start, q_seg, k_seg, drop=None, k_start=0, window=None, s
     q_pos = q_start + jnp.arange(q.shape[-2])
     visible = visible_mask(q_pos, k_start + jnp.arange(k.shape[-2]), q_seg, k_seg, window)
     scores = jnp.where(visible, scores, jnp.finfo(acc).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    weights = sink_softmax(scores, sink).astype(v.dtype)
     if drop is not None:
         weights = dropout(weights, *drop)
     return jnp.einsum("bkgqs,bksd->bkgqd", weights, v)
-
-
-# ------------------------------------------------------------------ jax.nn (xla / cudnn)
-def _jax_attention(q, k, v, seg, implementation, cudnn_documents=0, window=None, scale=None):
-    B, K, G, T, D = q.shape
-    qj = q.reshape(B, K * G, T, D).transpose(0, 2, 1, 3)  # [B, T, N, D], heads kv-major
-    kj, vj = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    default_scale = scale is None or scale == 1 / math.sqrt(D)
-    packed = seg is not None and cudnn_documents > 0 and window is None and default_scale
-    if implementation == "cudnn" and packed:
-        out = cudnn_document_attention(qj, kj, vj, seg, cudnn_documents)
-    else:
-        mask = None
-        if seg is not None:
-            mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # [B, 1, T, S]
-        out = jax.nn.dot_product_attention(
-            qj, kj, vj, mask=mask, is_causal=True, implementation=implementation, scale=scale,
-            local_window_size=None if window is None else (window - 1, 0),
-        )  # fmt: skip
-    return out.transpose(0, 2, 1, 3).reshape(B, K, G, T, D)

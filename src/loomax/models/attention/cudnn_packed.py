@@ -1,4 +1,5 @@
-"""Document-masked attention through cuDNN's packed-sequence kernels (NVIDIA GPUs).
+"""The ``xla``/``cudnn`` backends (``jax_attention``), and document-masked attention through
+cuDNN's packed-sequence kernels (NVIDIA GPUs).
 
 ``jax.nn.dot_product_attention`` takes a document mask only as a dense ``[B, 1, T, T]``
 bias, which cuDNN reads for every head and tile. cuDNN can instead attend within packed
@@ -74,3 +75,25 @@ def cudnn_document_attention(
         )
 
     return jax.lax.cond(jnp.max(runs) <= max_docs, packed, dense, q, k, v)
+
+
+def jax_attention(q, k, v, seg, implementation, cudnn_documents=0, window=None, scale=None):
+    """The ``xla`` and ``cudnn`` backends: ``jax.nn.dot_product_attention`` of ``q [B, K, G, T,
+    D]`` over ``k``/``v [B, K, T, D]`` (document ids ``seg [B, T]`` or None), through cuDNN's
+    packed-sequence kernel where ``cudnn_documents`` allows (``cudnn_document_attention``)."""
+    B, K, G, T, D = q.shape
+    qj = q.reshape(B, K * G, T, D).transpose(0, 2, 1, 3)  # [B, T, N, D], heads kv-major
+    kj, vj = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    default_scale = scale is None or scale == 1 / math.sqrt(D)
+    packed = seg is not None and cudnn_documents > 0 and window is None and default_scale
+    if implementation == "cudnn" and packed:
+        out = cudnn_document_attention(qj, kj, vj, seg, cudnn_documents)
+    else:
+        mask = None
+        if seg is not None:
+            mask = (seg[:, :, None] == seg[:, None, :])[:, None]  # [B, 1, T, S]
+        out = jax.nn.dot_product_attention(
+            qj, kj, vj, mask=mask, is_causal=True, implementation=implementation, scale=scale,
+            local_window_size=None if window is None else (window - 1, 0),
+        )  # fmt: skip
+    return out.transpose(0, 2, 1, 3).reshape(B, K, G, T, D)

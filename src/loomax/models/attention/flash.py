@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loomax.models.attention.sinks import sink_grad, sink_state
+
 
 def acc_dtype(dtype) -> jnp.dtype:
     """The dtype scores and softmax are computed in: at least float32."""
@@ -76,27 +78,30 @@ LATE = np.iinfo(np.int32).max
 
 
 def flash_attention(
-    q, k, v, seg, scale: float, block: int, window: int | None = None, softcap: float | None = None
-):
+    q, k, v, seg, scale: float, block: int, window: int | None = None,
+    softcap: float | None = None, sink=None,
+):  # fmt: skip
     """Causal attention by blocks with an online softmax; O(seq) memory forward and backward.
 
     ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]``, ``seg`` is ``[B, T]``;
     ``window``: sliding-window attention (``visible_mask``); ``softcap``: scores become
-    ``softcap * tanh(scores / softcap)`` (Gemma 2).
+    ``softcap * tanh(scores / softcap)`` (Gemma 2); ``sink [K, G]``: attention sinks
+    (``models/attention/sinks.py``).
     """
     pos = jnp.arange(q.shape[-2], dtype=jnp.int32)
-    return flash_attention_at(q, k, v, pos, pos, seg, seg, scale, block, window, softcap)
+    return flash_attention_at(q, k, v, pos, pos, seg, seg, scale, block, window, softcap, sink)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def flash_attention_at(
-    q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int, window=None, softcap=None
-):
+    q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int, window=None, softcap=None,
+    sink=None,
+):  # fmt: skip
     """Causal attention of ``q`` (``[B, K, G, Tq, D]`` at positions ``q_pos [Tq]``, segments
     ``q_seg [B, Tq]``) over ``k``/``v`` (``[B, K, Tk, D]``, ``k_pos [Tk]``, ``k_seg [B, Tk]``):
     a query sees the keys at or before its position in its own segment (and within
-    ``window``)."""
-    out, _ = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window, softcap)
+    ``window``), and each head's ``sink [K, G]`` when given."""
+    out, _ = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window, softcap, sink)
     return out.astype(q.dtype)
 
 
@@ -193,12 +198,13 @@ def grad_step(dq, pair, grads, scale: float, window=None, softcap=None, causal=T
     return dq, dk_b, dv_b
 
 
-def forward_state(queries):
-    """The online softmax's start for blocked ``queries``: (running max, sum, output)."""
+def forward_state(queries, sink=None):
+    """The online softmax's start for blocked ``queries``: (running max, sum, output); from
+    each head's ``sink [K, G]`` when given (``sinks.sink_state``)."""
     qb = queries[0]
     acc = acc_dtype(qb.dtype)
-    shape = qb.shape[:-1]
-    return jnp.full(shape, jnp.finfo(acc).min, acc), jnp.zeros(shape, acc), jnp.zeros(qb.shape, acc)
+    m, total = sink_state(sink, qb.shape[:-1], acc, jnp.finfo(acc).min)
+    return m, total, jnp.zeros(qb.shape, acc)
 
 
 def forward_blocks(queries, state, keys, scale: float, window=None, softcap=None, causal=True):
@@ -238,15 +244,16 @@ def finish(state):
 
 
 def block_forward(
-    q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int, window=None, softcap=None
-):
+    q, k, v, q_pos, k_pos, q_seg, k_seg, scale: float, block: int, window=None, softcap=None,
+    sink=None,
+):  # fmt: skip
     """``(out, lse)``: the attention output in the accumulation dtype (``[B, K, G, Tq, D]``)
-    and the log-sum-exp of each query's visible scores (``[B, K, G, Tq]``; a query that
-    sees no key gets the dtype's lowest value, and zeros)."""
+    and the log-sum-exp of each query's visible scores and ``sink`` (``[B, K, G, Tq]``; a
+    query that sees no key and no sink gets the dtype's lowest value, and zeros)."""
     Tq = q.shape[-2]
     queries = query_blocks(q, q_pos, q_seg, min(block, Tq))
     keys = key_blocks(k, v, k_pos, k_seg, min(block, k.shape[-2]))
-    state = forward_blocks(queries, forward_state(queries), keys, scale, window, softcap)
+    state = forward_blocks(queries, forward_state(queries, sink), keys, scale, window, softcap)
     out, lse = finish(state)
     return merge_blocks(out, 3)[..., :Tq, :], merge_blocks(lse, 3)[..., :Tq]
 
@@ -319,19 +326,23 @@ def grad_blocks(g, lse, delta, block: int):
     return tuple(_split_blocks(_pad_to(x, block, 3), block, 3) for x in (g, lse, delta))
 
 
-def _flash_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window, softcap):
-    out, lse = block_forward(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window, softcap)
+def _flash_fwd(q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window, softcap, sink):
+    out, lse = block_forward(
+        q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, window, softcap, sink
+    )
     out = out.astype(q.dtype)
-    return out, (q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse)
+    return out, (q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse, sink)
 
 
 def _flash_bwd(scale, block, window, softcap, residuals, g):
-    q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse = residuals
+    q, k, v, q_pos, k_pos, q_seg, k_seg, out, lse, sink = residuals
     delta = jnp.sum(g.astype(lse.dtype) * out.astype(lse.dtype), axis=-1)  # [B, K, G, Tq]
     dq, dk, dv = block_backward(
         q, k, v, q_pos, k_pos, q_seg, k_seg, scale, block, g, lse, delta, window, softcap
     )
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+    dsink = None if sink is None else sink_grad(sink, lse, delta)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None,
+            dsink)  # fmt: skip
 
 
 flash_attention_at.defvjp(_flash_fwd, _flash_bwd)

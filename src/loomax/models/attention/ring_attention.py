@@ -70,6 +70,7 @@ from loomax.models.attention.flash import (
 from loomax.models.attention.ring_hops import add_partials, ring_hop
 from loomax.models.attention.ring_splash import splash_ring_attention
 from loomax.models.attention.sequence_layout import context_axes, context_ways, zigzag_order
+from loomax.models.attention.sinks import sink_grad
 from loomax.models.attention.splash import splash_unsupported_reason
 from loomax.models.axes import Heads
 
@@ -94,13 +95,15 @@ def context_parallel_attention(
     variant: str,
     backend: str = "blockwise",
     splash_blocks: tuple[int, int] = (512, 512),
+    sink: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of a sequence laid out over the context axes of the mesh in context.
 
     ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]``, ``seg`` is ``[B, T]``
     document ids or None, all in the zig-zag layout. Returns ``q``'s shape and dtype.
     The per-block kernel follows ``backend`` (``model.attn_backend``; ``ring_kernel``):
-    ``block`` is blockwise's, ``splash_blocks`` splash's query and key blocks.
+    ``block`` is blockwise's, ``splash_blocks`` splash's query and key blocks. ``sink
+    [K, G]``: attention sinks (``sinks.py``), on the blockwise kernel (the splash ring has none).
     """
     if variant not in VARIANTS:
         raise ValueError(f"model.context_parallel must be one of {VARIANTS}, got {variant!r}")
@@ -113,11 +116,17 @@ def context_parallel_attention(
     batch = mapped_axes(mesh, "batch", B, keep_trivial=True)
     heads = mapped_axes(mesh, Heads, K * G, K, keep_trivial=True)
     kernel = ring_kernel(backend, variant, T // (2 * ways), splash_blocks)
+    if sink is not None and kernel == "splash":
+        raise ConfigError("attention sinks are not supported by the splash ring kernel: use "
+                          "model.attn_backend blockwise with trainer.mesh.context > 1")  # fmt: skip
+    if sink is None:  # a sink of -inf's weight: none (one program for both)
+        sink = jnp.full((K, G), -jnp.inf, jnp.float32)
     block = min(block, T // (2 * ways))  # a block never straddles two zig-zag chunks
     if variant == "ring":
         block = min(block, RING_BLOCK)
     if kernel == "splash":
         local = partial(
+            _sinkless,
             splash_ring_attention,
             scale=scale,
             blocks=splash_blocks,
@@ -137,7 +146,7 @@ def context_parallel_attention(
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, P(ctx), P(batch, ctx)),
+        in_specs=(q_spec, kv_spec, kv_spec, P(ctx), P(batch, ctx), P(heads)),
         out_specs=q_spec,
         # Unchecked: the blockwise kernel (models/attention/flash.py) starts its loops and its
         # skipped blocks' cond branches from zeros typed as varying over no mesh axis,
@@ -146,7 +155,12 @@ def context_parallel_attention(
         # unmasked pairs, but a diagonal with an odd number of blocks (and the all-gather
         # path) runs flash.py's causal backward_blocks, whose skip branch's zeros fail it.
         check_vma=False,
-    )(q, k, v, positions, seg)
+    )(q, k, v, positions, seg, sink)
+
+
+def _sinkless(attend, q, k, v, pos, seg, sink, **settings):
+    """``attend`` (the splash ring) without the sink argument (refused there, -inf here)."""
+    return attend(q, k, v, pos, seg, **settings)
 
 
 def cpu_program() -> bool:
@@ -178,25 +192,29 @@ def ring_kernel(
     return "splash"
 
 
-def all_gather_attention(q, k, v, pos, seg, *, scale: float, block: int, axis):
+def all_gather_attention(q, k, v, pos, seg, sink=None, *, scale: float, block: int, axis):
     """This device's queries over the keys and values gathered from every device of ``axis``
-    (inside ``shard_map``; ``pos``/``seg`` are the local slots' true positions and documents)."""
+    (inside ``shard_map``; ``pos``/``seg`` are the local slots' true positions and documents;
+    ``sink [K, G]`` each head's attention sink)."""
 
     def gather(x, dim):
         return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
 
-    k_pos, k_seg = gather(pos, 0), gather(seg, 1)
-    return flash_attention_at(q, gather(k, 2), gather(v, 2), pos, k_pos, seg, k_seg, scale, block)
+    k_pos, k_seg, k, v = gather(pos, 0), gather(seg, 1), gather(k, 2), gather(v, 2)
+    return flash_attention_at(q, k, v, pos, k_pos, seg, k_seg, scale, block, None, None, sink)
 
 
 def ring_attention(
-    q, k, v, pos, seg, *, scale: float, block: int, axis, ways: int, cpu_program: bool = False
-):
+    q, k, v, pos, seg, sink=None, *, scale: float, block: int, axis, ways: int,
+    cpu_program: bool = False,
+):  # fmt: skip
     """This device's queries over every device's keys and values, passed around the ring of
     ``ways`` devices of ``axis`` (inside ``shard_map``; the zig-zag layout: ``pos`` are two
     chunks of true positions, ``sequence_layout.zigzag_order``). ``cpu_program``: the mesh's
-    devices are CPUs (``_after``'s scheduling workaround goes into XLA:CPU programs only)."""
-    return _ring(q, k, v, pos, seg, scale, block, axis, ways, cpu_program)
+    devices are CPUs (``_after``'s workaround goes into XLA:CPU programs only); ``sink [K, G]``."""
+    if sink is None:
+        sink = jnp.full(q.shape[1:3], -jnp.inf, jnp.float32)
+    return _ring(q, k, v, pos, seg, sink, scale, block, axis, ways, cpu_program)
 
 
 def _chunks(q, k, v, pos, seg, block):
@@ -238,12 +256,12 @@ def _after(x, anchor, cpu: bool):
     return x + jnp.isnan(first).astype(x.dtype) * 0
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _ring(q, k, v, pos, seg, scale, block, axis, ways, cpu):
-    return _ring_forward(q, k, v, pos, seg, scale, block, axis, ways, cpu)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _ring(q, k, v, pos, seg, sink, scale, block, axis, ways, cpu):
+    return _ring_forward(q, k, v, pos, seg, sink, scale, block, axis, ways, cpu)[0]
 
 
-def _ring_forward(q, k, v, pos, seg, scale, block, axis, ways, cpu):
+def _ring_forward(q, k, v, pos, seg, sink, scale, block, axis, ways, cpu):
     """The online softmax carried around the ring: each hop's keys continue it where the
     last left it, block by block (no per-hop partial outputs to combine). The keys and values
     travel already cut into blocks, so no hop re-lays them out. Only visible chunk pairs are
@@ -268,8 +286,8 @@ def _ring_forward(q, k, v, pos, seg, scale, block, axis, ways, cpu):
 
     hop = partial(ring_hop, axis=axis, ways=ways, pack=not cpu)
     held = hop(own) if ways > 1 else None  # in flight over the diagonals
-    state_e = diagonal_forward(qe, forward_state(qe), ke, scale)
-    state_l = diagonal_forward(ql, attend(ql, forward_state(ql), ke), kl, scale)
+    state_e = diagonal_forward(qe, forward_state(qe, sink), ke, scale)
+    state_l = diagonal_forward(ql, attend(ql, forward_state(ql, sink), ke), kl, scale)
     states = (state_e, state_l)
 
     def step(carry, _):
@@ -285,10 +303,10 @@ def _ring_forward(q, k, v, pos, seg, scale, block, axis, ways, cpu):
     return _join(out, 3, c).astype(q.dtype), _join(lse, 3, c)
 
 
-def _ring_fwd(q, k, v, pos, seg, scale, block, axis, ways, cpu):
-    out, lse = _ring_forward(q, k, v, pos, seg, scale, block, axis, ways, cpu)
+def _ring_fwd(q, k, v, pos, seg, sink, scale, block, axis, ways, cpu):
+    out, lse = _ring_forward(q, k, v, pos, seg, sink, scale, block, axis, ways, cpu)
     out, lse = checkpoint_name(out, RING_RESIDUALS), checkpoint_name(lse, RING_RESIDUALS)
-    return out, (q, k, v, pos, seg, out, lse)
+    return out, (q, k, v, pos, seg, sink, out, lse)
 
 
 def _ring_bwd(scale, block, axis, ways, cpu, residuals, g):
@@ -301,10 +319,11 @@ def _ring_bwd(scale, block, axis, ways, cpu, residuals, g):
     hop's partial sums, home to the blocks' owners, behind the late diagonal. In a CPU
     program (``cpu``: XLA:CPU overlaps no transfer with work) a block travels with its dK/dV
     and each device adds to them as they arrive: one block and one set of dK/dV fewer held."""
-    q, k, v, pos, seg, out, lse = residuals
+    q, k, v, pos, seg, sink, out, lse = residuals
     c, acc = q.shape[-2] // 2, lse.dtype
     g = _after(g, lse, cpu)  # the backward's layouts and accumulators wait for the forward
     delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)
+    dsink = sink_grad(sink, lse, delta)  # this device's queries' share
     (qe, ql), own = _chunks(q, k, v, pos, seg, block)
     (ke, kl) = own
     ge, gl = (grad_blocks(g[..., h, :], lse[..., h], delta[..., h], block)
@@ -375,7 +394,7 @@ def _ring_bwd(scale, block, axis, ways, cpu, residuals, g):
         dq_e, ((dk_e, dv_e), (dk_l, dv_l)) = dqs[0], add_partials(home, (None, tuple(dkv_l)))
     dq = _join((dq_e, dq_l), 3, c)
     dk, dv = _join((dk_e, dk_l), 2, c), _join((dv_e, dv_l), 2, c)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsink
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -170,6 +170,8 @@ class YarnRotary(RotaryConfig):
     """With `mscale_all_dim` (DeepSeek): cos/sin times (0.1 mscale ln factor + 1) / (the same with mscale_all_dim)."""
     mscale_all_dim: float | None = None
     """DeepSeek's softmax temperature: MLA's scale times (0.1 mscale_all_dim ln factor + 1) squared."""
+    truncate: bool = True
+    """Round the ramp's ends to whole dimensions (false: gpt-oss's exact ends)."""
 
     def _correction_dim(self, rotations: float, head_size: int) -> float:
         old = self.original_max_position_embeddings
@@ -178,8 +180,11 @@ class YarnRotary(RotaryConfig):
     def inv_freq(self, head_size: int) -> np.ndarray:
         extrapolated = self.base_inv_freq(head_size)
         interpolated = extrapolated / self.factor
-        low = max(math.floor(self._correction_dim(self.beta_fast, head_size)), 0)
-        high = min(math.ceil(self._correction_dim(self.beta_slow, head_size)), head_size - 1)
+        low = self._correction_dim(self.beta_fast, head_size)
+        high = self._correction_dim(self.beta_slow, head_size)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_size - 1)
         if low == high:
             high += 0.001
         ramp = np.clip((np.arange(head_size // 2) - low) / (high - low), 0, 1)
@@ -203,6 +208,7 @@ class YarnRotary(RotaryConfig):
             "beta_fast": self.beta_fast,
             "beta_slow": self.beta_slow,
             **{k: getattr(self, k) for k in ("mscale", "mscale_all_dim") if getattr(self, k)},
+            **({} if self.truncate else {"truncate": False}),
         }
 
 

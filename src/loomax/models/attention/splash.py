@@ -41,9 +41,11 @@ def splash_unsupported_reason(seq_len: int, block_q: int, block_kv: int) -> str 
 
 
 def splash_attention(
-    q, k, v, seg, scale: float, block_q: int, block_kv: int, *, window: int | None = None
-) -> jax.Array:
-    """Causal attention through the splash kernel (its local mask: a sliding ``window``).
+    q, k, v, seg, scale: float, block_q: int, block_kv: int, *, window: int | None = None,
+    sink: jax.Array | None = None,
+) -> jax.Array:  # fmt: skip
+    """Causal attention through the splash kernel (its local mask: a sliding ``window``; its
+    ``sinks``: each head's attention sink, ``sink [K, G]``).
 
     ``q`` is ``[B, K, G, T, D]``, ``k``/``v`` are ``[B, K, T, D]`` (K kv heads, G queries
     each), ``seg`` is ``[B, T]`` document ids or None. Returns ``q``'s shape and dtype.
@@ -53,6 +55,7 @@ def splash_attention(
     if reason:
         raise ValueError(f"model.attn_backend splash: {reason}")
     qh = (q * np.asarray(scale, q.dtype)).reshape(B, K * G, T, D)  # heads kv-major
+    sinks = None if sink is None else sink.reshape(K * G)
     local = functools.partial(
         _local,
         blocks=(min(block_q, T), min(block_kv, T)),
@@ -61,34 +64,38 @@ def splash_attention(
     )
     mesh = current_mesh()
     if mesh is None or mesh.size == 1:
-        out = local(qh, k, v, seg)
+        out = local(qh, k, v, seg, sinks)
     else:
         batch, heads = _mesh_axes(mesh, B, K, K * G)
         spec = P(batch, heads)
         out = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(spec, spec, spec, None if seg is None else P(batch)),
+            in_specs=(spec, spec, spec, None if seg is None else P(batch), P(heads)),
             out_specs=spec,
             check_vma=False,  # JAX's Pallas splash kernel declares no varying axes on its outputs
-        )(qh, k, v, seg)
+        )(qh, k, v, seg, sinks)
     return out.reshape(B, K, G, T, D)
 
 
-def _local(q, k, v, seg, *, blocks, interpret, window=None):
-    """The kernel over this device's ``[b, heads, T, D]`` queries, one batch row at a time."""
+def _local(q, k, v, seg, sinks=None, *, blocks, interpret, window=None):
+    """The kernel over this device's ``[b, heads, T, D]`` queries, one batch row at a time
+    (``sinks [heads]`` or None, shared by the rows)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
     kernel = _kernel(q.shape[1], q.shape[2], k.shape[2], *blocks, interpret, window)
 
-    def attend(q, k, v, seg):
-        if seg is None:
-            return jax.vmap(lambda q1, k1, v1: kernel(q1, k1, v1))(q, k, v)
-        return jax.vmap(lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=SegmentIds(s1, s1)))(
-            q, k, v, seg
-        )
+    def attend(q, k, v, seg, sinks):
+        def one(q1, k1, v1, s1, sinks):  # the sinks passed, not closed over (a closed-over
+            ids = None if s1 is None else SegmentIds(s1, s1)  # tracer fails to lower)
+            return kernel(q1, k1, v1, segment_ids=ids, sinks=sinks)
 
-    return _named_residuals(attend)(q, k, v, seg)
+        if seg is None:
+            rows = lambda q1, k1, v1, s: one(q1, k1, v1, None, s)  # noqa: E731
+            return jax.vmap(rows, in_axes=(0, 0, 0, None))(q, k, v, sinks)
+        return jax.vmap(one, in_axes=(0, 0, 0, 0, None))(q, k, v, seg, sinks)
+
+    return _named_residuals(attend)(q, k, v, seg, sinks)
 
 
 def _named_residuals(attend):
@@ -100,12 +107,12 @@ def _named_residuals(attend):
     """
 
     @jax.custom_vjp
-    def run(q, k, v, seg):
-        return attend(q, k, v, seg)
+    def run(q, k, v, seg, sinks):
+        return attend(q, k, v, seg, sinks)
 
-    def forward(q, k, v, seg):
-        out, backward = jax.vjp(lambda q, k, v: attend(q, k, v, seg), q, k, v)
-        inputs = (q, k, v, seg)  # left unnamed: saved or recomputed as the layer's own
+    def forward(q, k, v, seg, sinks):
+        out, backward = jax.vjp(lambda q, k, v, s: attend(q, k, v, seg, s), q, k, v, sinks)
+        inputs = (q, k, v, seg, sinks)  # left unnamed: saved or recomputed as the layer's own
 
         def name(x):
             return x if any(x is a for a in inputs) else checkpoint_name(x, SPLASH_RESIDUALS)
@@ -113,7 +120,8 @@ def _named_residuals(attend):
         return out, jax.tree.map(name, backward)
 
     def backward(residuals, g):
-        return (*residuals(g), None)
+        dq, dk, dv, dsinks = residuals(g)
+        return dq, dk, dv, None, dsinks
 
     run.defvjp(forward, backward)
     return run

@@ -11,8 +11,9 @@ layer skips what its window excludes), the attention's ``attn_scale`` and
 ``residual_scale`` (each block's attention and MLP outputs before the residual add) and
 ``logit_scale`` (the final hidden states, so the logits: Granite's multipliers) and the
 optional ``layer_ropes`` (each layer's rotary where they differ: Gemma 3's base per layer
-kind, switched on the layer index like the windows, so only with differing windows). Weight
-layout and rotary convention match Hugging Face ``LlamaForCausalLM``.
+kind, switched on the layer index like the windows, so only with differing windows), and the
+optional ``attention_sinks`` (a learned logit per head in the softmax's denominator: gpt-oss).
+Weight layout and rotary convention match Hugging Face ``LlamaForCausalLM``.
 """
 
 from __future__ import annotations
@@ -87,14 +88,12 @@ class DecoderConfig(Protocol):
     def make_norm(self, axis) -> hnn.RmsNorm: ...
 
 
-def _linear(
-    In, Out, *, key: PRNGKeyArray, init_scale: float = 1.0, use_bias: bool = False
-) -> hnn.Linear:
+def _linear(In, Out, *, key: PRNGKeyArray, init_scale: float = 1.0, use_bias=False) -> hnn.Linear:
     return hnn.Linear.init(In=In, Out=Out, key=key, use_bias=use_bias, init_scale=init_scale)
 
 
 class LlamaAttention(eqx.Module):
-    """Grouped-query causal attention with rotary positions (and optional QK-norm)."""
+    """Grouped-query causal attention with rotary positions (optional QK-norm and sinks)."""
 
     q_proj: hnn.Linear  # embed -> (heads, head_size)
     k_proj: hnn.Linear  # embed -> (kv_heads, head_size)
@@ -103,6 +102,7 @@ class LlamaAttention(eqx.Module):
     q_norm: hnn.RmsNorm | None
     k_norm: hnn.RmsNorm | None
     config: DecoderConfig = eqx.field(static=True)
+    sinks: NamedArray | None = None  # (heads,): config.attention_sinks
 
     @staticmethod
     def init(config: DecoderConfig, *, key: PRNGKeyArray) -> LlamaAttention:
@@ -114,6 +114,7 @@ class LlamaAttention(eqx.Module):
             q_norm = c.make_norm(c.HeadSize if per_head else (c.Heads, c.HeadSize))
             k_norm = c.make_norm(c.HeadSize if per_head else (c.KvHeads, c.HeadSize))
         out_scale = 1 / math.sqrt(2 * c.num_layers)
+        sinks = hax.zeros(c.Heads) if getattr(c, "attention_sinks", False) else None
         return LlamaAttention(
             _linear(c.Embed, (c.Heads, c.HeadSize), key=k_q, use_bias=qkv_bias),
             _linear(c.Embed, (c.KvHeads, c.HeadSize), key=k_k, use_bias=qkv_bias),
@@ -122,6 +123,7 @@ class LlamaAttention(eqx.Module):
             q_norm,
             k_norm,
             config,
+            sinks,
         )
 
     def _qkv(self, x: NamedArray, positions: NamedArray, layer=None, keys=(None, None, None)):
@@ -150,7 +152,7 @@ class LlamaAttention(eqx.Module):
         def attend(window):
             return lambda q, k, v: model_attention(
                 c, q, k, v, segment_ids, key=key, window=window,
-                scale=c.attn_scale, softcap=c.attn_logit_softcap,
+                scale=c.attn_scale, softcap=c.attn_logit_softcap, sinks=self.sinks,
             )  # fmt: skip
 
         kinds = sorted(set(c.layer_windows), key=lambda w: -1 if w is None else w)
@@ -174,17 +176,15 @@ class LlamaAttention(eqx.Module):
         window = c.layer_windows[0]
         if context_ways() > 1:  # any layer's window: refused there (full causal only)
             window = next((w for w in c.layer_windows if w is not None), None)
-            out, cache_k, cache_v = split_prefill_attention(
-                c, q, k, v, cache_k, cache_v, window, c.attn_scale, c.attn_logit_softcap
-            )
+            scores = (window, c.attn_scale, c.attn_logit_softcap, self.sinks)
+            out, cache_k, cache_v = split_prefill_attention(c, q, k, v, cache_k, cache_v, *scores)
             return self.o_proj(out), cache_k, cache_v
         if len(set(c.layer_windows)) > 1:  # a traced window: a mask here, nothing to skip
             full = jnp.iinfo(jnp.int32).max
             window = jnp.asarray([full if w is None else w for w in c.layer_windows])[layer]
         attend = rolling_attention if uses_rolling(cache_k, window) else cached_attention
-        out, cache_k, cache_v = attend(
-            q, k, v, cache_k, cache_v, start, window, c.attn_scale, c.attn_logit_softcap
-        )
+        scores = (window, c.attn_scale, c.attn_logit_softcap, self.sinks)
+        out, cache_k, cache_v = attend(q, k, v, cache_k, cache_v, start, *scores)
         return self.o_proj(out), cache_k, cache_v
 
 

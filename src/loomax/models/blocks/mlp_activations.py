@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import haliax as hax
 import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
 from haliax import NamedArray
 
 from loomax.config import ConfigError
@@ -52,3 +54,21 @@ def activation(name: str) -> Callable[[NamedArray], NamedArray]:
     """The function called ``name`` (checked by ``check_activation``)."""
     check_activation(name)
     return ACTIVATION_FUNCTIONS[name]
+
+
+def gated_unit(
+    name: str, limit: float | None = None, alpha: float = 1.702
+) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """The gated unit ``glu(gate, up)`` on plain arrays: ``act(gate) * up`` with the function
+    called ``name``, or with a ``limit`` gpt-oss's clamped SwiGLU: the gate clamped to at most
+    ``limit``, the up projection to [-limit, limit], then ``(up + 1) * gate * sigmoid(alpha *
+    gate)`` (``name`` unused there)."""
+    if limit is not None:
+
+        def clamped(g: jax.Array, u: jax.Array) -> jax.Array:
+            g, u = jnp.minimum(g, limit), jnp.clip(u, -limit, limit)
+            return (u + 1) * (g * jax.nn.sigmoid(g * alpha))
+
+        return clamped
+    act = activation(name)
+    return lambda g, u: act(hax.named(g, tuple(f"d{i}" for i in range(g.ndim)))).array * u

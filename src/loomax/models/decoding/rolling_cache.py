@@ -20,6 +20,7 @@ from haliax import NamedArray
 
 from loomax.models.attention.attention import _from_array, _to_arrays
 from loomax.models.attention.flash import visible_mask
+from loomax.models.attention.sinks import sink_array, sink_softmax
 from loomax.models.axes import KeyPosition, Position
 from loomax.models.config import KvCache
 
@@ -71,6 +72,7 @@ def rolling_attention(
     window: int,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: NamedArray | None = None,
 ) -> tuple[NamedArray, NamedArray, NamedArray]:
     """``cached_attention`` on a rolling cache: ``(out, cache_k, cache_v)``. ``q``, ``k``,
     ``v`` hold positions ``start, start + 1, ...``; each query sees the cached and new keys
@@ -93,7 +95,7 @@ def rolling_attention(
         scores = softcap * jnp.tanh(scores / softcap)
     visible = visible_mask(q_pos, k_pos, None, None, window)
     scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(va.dtype)
+    weights = sink_softmax(scores, sink_array(sinks, ka.shape[1])).astype(va.dtype)
     out = jnp.einsum("bkgqs,bksd->bkgqd", weights, va)
     kept = min(T, W)
     slots = jnp.mod(start + jnp.arange(T - kept, T), W)

@@ -94,15 +94,17 @@ def split_prefill_attention(
     window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: NamedArray | None = None,
 ) -> tuple[NamedArray, NamedArray, NamedArray]:
     """A decoder layer's attention in a split prefill (``q``, ``k``, ``v`` zig-zag laid out,
     as long as the cache): the model's context-parallel attention, and the keys and values
     as the new cache (true order, split contiguously). Returns ``(out, cache_k, cache_v)``;
-    a ``window`` or ``softcap`` is refused there as in training (``ConfigError``)."""
+    a ``window`` or ``softcap`` is refused there as in training (``ConfigError``); ``sinks``
+    run as there."""
     T, S = q.resolve_axis(Position).size, cache_k.resolve_axis(KeyPosition).size
     if T != S:
         raise ValueError(f"a split prefill fills the whole cache: {T} positions, cache of {S}")
-    out = model_attention(config, q, k, v, window=window, scale=scale, softcap=softcap)
+    out = model_attention(config, q, k, v, window=window, scale=scale, softcap=softcap, sinks=sinks)
     return out, _as_cache(k, cache_k), _as_cache(v, cache_v)
 
 

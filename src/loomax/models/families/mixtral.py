@@ -214,7 +214,9 @@ class MixtralBlock(eqx.Module):
         x, aux = carry
         k_probs, k_attn, k_mlp = split(key, 3)
         rate = self.config.resid_pdrop
-        attn = taps.tap("attn_out", self.attn(self.input_norm(x), segment_ids, key=k_probs))
+        here = layer + self.config.moe.first_dense_layers  # the model's layer (its window)
+        attn = self.attn(self.input_norm(x), segment_ids, key=k_probs, layer=here)
+        attn = taps.tap("attn_out", attn)
         x = x + dropout(attn, rate, k_attn)
         mlp_in = taps.tap("mlp_in", name_activation(self.post_attn_norm(x), "mlp_in"))
         mlp, aux = self.mlp(mlp_in, aux, layer)

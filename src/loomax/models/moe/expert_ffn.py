@@ -1,6 +1,8 @@
 """The experts' gated MLP over expert parallelism's receive buffer, and its backward pass.
 
-``expert_ffn`` is ``mm(act(mm(x, gate)) * mm(x, up), down)`` over a buffer ``x [R, D]`` whose
+``expert_ffn`` is ``mm(glu(mm(x, gate), mm(x, up)), down)`` (``glu(g, u) = act(g) * u``, or
+gpt-oss's clamped SwiGLU; with per-expert ``biases`` on the gate and up projections, each row
+its expert's) over a buffer ``x [R, D]`` whose
 first rows hold the routed rows grouped by local expert (``expert_parallel._GroupedExchange``);
 ``mm`` is the grouped matmul. The buffer is sized for the dropless worst case, ``R`` rows,
 while a device holds ``T x k`` of them on average. A layer that saves its gate and up
@@ -43,62 +45,89 @@ def expert_ffn(
     *,
     mm: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
     mm_grads: Callable[..., tuple[jax.Array, jax.Array]],
-    act: Callable[[jax.Array], jax.Array],
+    glu: Callable[[jax.Array, jax.Array], jax.Array],
     keep: int,
+    biases: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """``[R, D]``: the experts' gated MLP of the buffer ``x`` (rows grouped by local expert,
     ``group_sizes`` of them). ``mm(x, w, group_sizes)`` is the grouped matmul and
-    ``mm_grads(x, w, group_sizes, dy)`` its ``(dx, dw)``; ``act`` the activation. The backward
-    uses the first ``keep`` rows of the gate and up projections (see the module docstring)."""
+    ``mm_grads(x, w, group_sizes, dy)`` its ``(dx, dw)``; ``glu(g, u)`` the gated unit;
+    ``biases`` the gate's and up's ``[experts, M]`` biases or None. The backward uses the
+    first ``keep`` rows of the gate and up projections (see the module docstring)."""
     keep = min(keep, x.shape[0])
-    return _ffn(mm, mm_grads, act, keep, x, group_sizes, gate, up, down)
+    return _ffn(mm, mm_grads, glu, keep, x, group_sizes, gate, up, down, biases)
 
 
-def _forward(mm, act, x, group_sizes, gate, up, down):
+def row_experts(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """Each of ``rows`` buffer rows' group (expert); the number of groups past the groups."""
+    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
+
+
+def _projections(mm, x, group_sizes, gate, up, biases):
     g, u = mm(x, gate, group_sizes), mm(x, up, group_sizes)
-    return mm(act(g) * u, down, group_sizes), g, u
+    if biases is not None:  # rows past the groups take a zero bias (their rows are unread)
+        ids = row_experts(group_sizes, x.shape[0])
+        g, u = (a + jnp.take(b, ids, axis=0, mode="fill", fill_value=0).astype(a.dtype)
+                for a, b in zip((g, u), biases, strict=True))  # fmt: skip
+    return g, u
+
+
+def _forward(mm, glu, x, group_sizes, gate, up, down, biases):
+    g, u = _projections(mm, x, group_sizes, gate, up, biases)
+    return mm(glu(g, u), down, group_sizes), g, u
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ffn(mm, mm_grads, act, keep, x, group_sizes, gate, up, down):
-    return _forward(mm, act, x, group_sizes, gate, up, down)[0]
+def _ffn(mm, mm_grads, glu, keep, x, group_sizes, gate, up, down, biases):
+    return _forward(mm, glu, x, group_sizes, gate, up, down, biases)[0]
 
 
-def _ffn_fwd(mm, mm_grads, act, keep, x, group_sizes, gate, up, down):
-    y, g, u = _forward(mm, act, x, group_sizes, gate, up, down)
+def _ffn_fwd(mm, mm_grads, glu, keep, x, group_sizes, gate, up, down, biases):
+    y, g, u = _forward(mm, glu, x, group_sizes, gate, up, down, biases)
     kept = name_activation((g[:keep], u[:keep]), "moe_up")
-    return y, (x, group_sizes, gate, up, down, kept)
+    return y, (x, group_sizes, gate, up, down, biases, kept)
 
 
-def _ffn_bwd(mm, mm_grads, act, keep, residuals, dy):
-    x, group_sizes, gate, up, down, (g, u) = residuals
+def _ffn_bwd(mm, mm_grads, glu, keep, residuals, dy):
+    x, group_sizes, gate, up, down, biases, (g, u) = residuals
     rows = x.shape[0]
+    weights = (gate, up, down)
 
     def from_kept():
-        dx, *dw = _backward(mm_grads, act, x[:keep], group_sizes, gate, up, down, g, u, dy[:keep])
-        return (jnp.pad(dx, ((0, rows - keep), (0, 0))), *dw)
+        dx, *dw, dg, du = _backward(mm_grads, glu, x[:keep], group_sizes, weights, g, u, dy[:keep])
+        dx, dg, du = (jnp.pad(a, ((0, rows - keep), (0, 0))) for a in (dx, dg, du))
+        return dx, *dw, dg, du
 
     def recompute():
         with jax.named_scope(KEPT_ROWS_FALLBACK):
-            _, g_all, u_all = _forward(mm, act, x, group_sizes, gate, up, down)
-            return _backward(mm_grads, act, x, group_sizes, gate, up, down, g_all, u_all, dy)
+            _, g_all, u_all = _forward(mm, glu, x, group_sizes, gate, up, down, biases)
+            return _backward(mm_grads, glu, x, group_sizes, weights, g_all, u_all, dy)
 
     if keep >= rows:
         grads = from_kept()
     else:
         grads = jax.lax.cond(jnp.sum(group_sizes) <= keep, from_kept, recompute)
-    dx, dgate, dup, ddown = grads
-    return dx, None, dgate, dup, ddown
+    dx, dgate, dup, ddown, dg, du = grads
+    dbiases = None
+    if biases is not None:  # each row's gradient to its expert's bias
+        ids = row_experts(group_sizes, dg.shape[0])
+        dbiases = tuple(
+            jax.ops.segment_sum(d, ids, num_segments=b.shape[0]).astype(b.dtype)
+            for d, b in zip((dg, du), biases, strict=True)
+        )
+    return dx, None, dgate, dup, ddown, dbiases
 
 
-def _backward(mm_grads, act, x, group_sizes, gate, up, down, g, u, dy):
-    """``(dx, dgate, dup, ddown)`` from the gate and up projections ``g``, ``u`` of ``x``."""
-    h, act_vjp = jax.vjp(lambda g, u: act(g) * u, g, u)
+def _backward(mm_grads, glu, x, group_sizes, weights, g, u, dy):
+    """``(dx, dgate, dup, ddown, dg, du)`` from the gate and up projections ``g``, ``u`` of
+    ``x`` (``weights``: gate, up, down); ``dg``/``du`` those projections' gradients."""
+    gate, up, down = weights
+    h, glu_vjp = jax.vjp(glu, g, u)
     dh, ddown = mm_grads(h, down, group_sizes, dy)
-    dg, du = act_vjp(dh)
+    dg, du = glu_vjp(dh)
     dx_gate, dgate = mm_grads(x, gate, group_sizes, dg)
     dx_up, dup = mm_grads(x, up, group_sizes, du)
-    return dx_gate + dx_up, dgate, dup, ddown
+    return dx_gate + dx_up, dgate, dup, ddown, dg, du
 
 
 _ffn.defvjp(_ffn_fwd, _ffn_bwd)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 
-import haliax as hax
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -48,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from loomax.config import ConfigError
 from loomax.mesh import EXPERT_AXIS, current_mesh, mapped_axes, target_platform
 from loomax.models.axes import Embed, Experts, Mlp
-from loomax.models.blocks.mlp_activations import activation
+from loomax.models.blocks.mlp_activations import gated_unit
 from loomax.models.blocks.remat import name_activation
 from loomax.models.moe.expert_ffn import expert_ffn
 from loomax.models.moe.grouped_matmul import grouped_matmul, grouped_matmul_grads
@@ -107,9 +106,13 @@ def routed_experts(
     gate = mlp.gate.rearrange((Experts, Embed, Mlp)).array
     up = mlp.up.rearrange((Experts, Embed, Mlp)).array
     down = mlp.down.rearrange((Experts, Mlp, Embed)).array
+    biases = None  # the experts' biases (gpt-oss: moe.expert_bias)
+    if mlp.gate_bias is not None:
+        in_b = tuple(b.rearrange((Experts, Mlp)).array for b in (mlp.gate_bias, mlp.up_bias))
+        biases = (*in_b, mlp.down_bias.rearrange((Experts, Embed)).array)
     if mesh is None:  # no mesh: one device, no collective
         local = _Local(mlp, 1, "padded", None, ())
-        y, sizes, _, over = local(x, weights, experts, chosen, gate, up, down)
+        y, sizes, _, over = local(x, weights, experts, chosen, gate, up, down, biases)
         return y, sizes, dropped, over[0]
     specs = tuple(mapped_axes(mesh, a.name, a.size) for a in lead)
     token_axes = tuple(
@@ -120,13 +123,14 @@ def routed_experts(
     on_experts = EXPERT_AXIS if EXPERT_AXIS in mesh.axis_names else None
     w_in, w_out = P(on_experts, None, tp), P(on_experts, tp, None)
     tokens = P(*specs, None)
+    b_specs = P() if biases is None else (P(on_experts, tp), P(on_experts, tp), P())
     y, sizes, unreceived, over = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(tokens, tokens, tokens, tokens, w_in, w_in, w_out),
+        in_specs=(tokens, tokens, tokens, tokens, w_in, w_in, w_out, b_specs),
         out_specs=(tokens, P(), P(), P(mesh.axis_names)),
         check_vma=False,  # the TPU's megablox kernel (Pallas) declares no varying axes
-    )(x, weights, experts, chosen, gate, up, down)
+    )(x, weights, experts, chosen, gate, up, down, biases)
     return y, sizes, dropped + unreceived, jnp.mean(over)
 
 
@@ -139,7 +143,7 @@ class _Local:
         self.moe, self.act, self.ways, self.form, self.tp = mlp.moe, mlp.act, ways, form, tp
         self.token_axes = token_axes
 
-    def __call__(self, x, weights, experts, chosen, gate, up, down):
+    def __call__(self, x, weights, experts, chosen, gate, up, down, biases=None):
         lead, D = x.shape[:-1], x.shape[-1]
         k = experts.shape[-1]
         t, experts, weights = x.reshape(-1, D), experts.reshape(-1, k), weights.reshape(-1, k)
@@ -151,7 +155,7 @@ class _Local:
         xs = t[order // k]
         dropped = jnp.zeros((), jnp.int32)
         if ways == 1:  # every expert here: the sorted rows are the buffer
-            out = self._matmuls(xs, sizes, gate, up, down, n)
+            out = self._matmuls(xs, sizes, gate, up, down, n, biases)
             kept = jnp.sum(sizes)
             ys = out if self.moe.capacity_factor is None else _first(out, kept)
             over = kept > self.moe.kept_rows(n, n)
@@ -163,7 +167,7 @@ class _Local:
             exchange = _Exchange(per_shard, me, cap, self.form)
             dropped = exchange.dropped
             recv = exchange.there(xs)  # [ways * cap, D], grouped by local expert
-            out = self._matmuls(recv, exchange.group_sizes, gate, up, down, n)
+            out = self._matmuls(recv, exchange.group_sizes, gate, up, down, n, biases)
             ys = exchange.back(out, n)  # [n, D], in ``order``
             over = jnp.sum(exchange.group_sizes) > self.moe.kept_rows(n, recv.shape[0])
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
@@ -171,15 +175,19 @@ class _Local:
         combined = jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
         if self.tp:
             combined = jax.lax.psum(combined, self.tp)
+        if biases is not None:  # the down projection's bias, once (after the model-axis sum)
+            down_b = jnp.take(biases[2], experts, axis=0, mode="fill", fill_value=0)
+            combined = combined + jnp.einsum("tkd,tk->td", down_b, weights.astype(down_b.dtype))
         chosen = jnp.bincount(chosen.reshape(-1), length=E)  # before any capacity drop
         if self.token_axes:  # the counts of every device's tokens
             chosen, dropped = jax.lax.psum((chosen, dropped), self.token_axes)
         y = combined.astype(t.dtype).reshape(*lead, D)
         return y, chosen, dropped, over.astype(jnp.float32)[None]
 
-    def _matmuls(self, xs, group_sizes, gate, up, down, routed: int):
+    def _matmuls(self, xs, group_sizes, gate, up, down, routed: int, biases=None):
         """The experts' matmuls over the receive buffer, of which ``routed`` rows (``T * k``,
-        the mean over the expert axis: every device sends as many) are routed rows."""
+        the mean over the expert axis: every device sends as many) are routed rows;
+        ``biases``: the local experts' gate and up biases first (or None)."""
         settings = {"impl": self.moe.matmul, "block": self.moe.matmul_block}
         # the buffer's rows past the groups are never read: not sent home, skipped by the
         # next grouped matmul and by the weight gradients (megablox's tgmm masks by group)
@@ -189,10 +197,13 @@ class _Local:
         mm_grads = lambda a, w, sizes, dy: grouped_matmul_grads(  # noqa: E731
             a, w, sizes, dy, rows=min(routed, a.shape[0]), **settings
         )
-        act = lambda g: activation(self.act)(hax.named(g, ("tokens", Mlp))).array  # noqa: E731
+        glu = gated_unit(self.act, self.moe.swiglu_limit, self.moe.swiglu_alpha)
         weights = (w.astype(xs.dtype) for w in (gate, up, down))
         keep = self.moe.kept_rows(routed, xs.shape[0])
-        return expert_ffn(xs, group_sizes, *weights, mm=mm, mm_grads=mm_grads, act=act, keep=keep)
+        in_b = None if biases is None else biases[:2]
+        return expert_ffn(
+            xs, group_sizes, *weights, mm=mm, mm_grads=mm_grads, glu=glu, keep=keep, biases=in_b
+        )
 
 
 def _first(rows: jax.Array, count: jax.Array) -> jax.Array:

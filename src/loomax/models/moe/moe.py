@@ -73,6 +73,12 @@ class MoeConfig:
 
     receive_buffer: float | None = None
     """Expert parallelism: each device's receive buffer holds this many times its mean routed rows (T x k), each sender's share at most 1/ways of it, rows past a share dropped (moe/dropped_fraction); null = dropless (ways x T x min(k, E/ways) rows)."""
+    expert_bias: bool = False
+    """Learned biases on the router and on each expert's gate, up and down projections (gpt-oss)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped SwiGLU in the experts: gate clamped to at most this, up to [-limit, limit], out = (up + 1) * gate * sigmoid(swiglu_alpha * gate); null = act(gate) * up."""
+    swiglu_alpha: float = 1.702
+    """The clamped SwiGLU's sigmoid gain (used with swiglu_limit)."""
 
     def __post_init__(self):
         for key in ("num_experts", "num_experts_per_tok", "matmul_block"):
@@ -110,6 +116,10 @@ class MoeConfig:
         if self.receive_buffer is not None and self.receive_buffer <= 0:
             raise ConfigError(
                 f"model.moe.receive_buffer must be positive or null, got {self.receive_buffer}"
+            )
+        if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+            raise ConfigError(
+                f"model.moe.swiglu_limit must be positive or null, got {self.swiglu_limit}"
             )
         if self.saved_rows is not None and self.saved_rows <= 0:
             raise ConfigError(
@@ -155,7 +165,9 @@ def _weights(key, axes: tuple[Axis, ...], fan_in: int, scale: float = 1.0) -> Na
 class MoeMlp(eqx.Module):
     """Router ``(experts, embed)``, experts' ``gate``/``up`` ``(experts, embed, mlp)`` and
     ``down`` ``(experts, mlp, embed)``, the shared experts' gated MLP (or None), and the
-    aux-loss-free routing bias ``(experts,)`` (a ``Buffer``; None when off)."""
+    aux-loss-free routing bias ``(experts,)`` (a ``Buffer``; None when off); with
+    ``expert_bias`` the experts' learned biases (``(experts, mlp)`` twice, ``(experts,
+    embed)``) and a router bias."""
 
     router: hnn.Linear
     gate: NamedArray
@@ -167,6 +179,9 @@ class MoeMlp(eqx.Module):
     bias: Buffer | None
     moe: MoeConfig = eqx.field(static=True)
     act: str = eqx.field(static=True)
+    gate_bias: NamedArray | None = None
+    up_bias: NamedArray | None = None
+    down_bias: NamedArray | None = None
 
     @staticmethod
     def init(
@@ -176,7 +191,7 @@ class MoeMlp(eqx.Module):
         k_r, k_g, k_u, k_d, k_sg, k_su, k_sd = jax.random.split(key, 7)
         E = Axis(Experts, moe.num_experts)
         M = Axis(Mlp, moe.expert_intermediate_dim or width)
-        router = hnn.Linear.init(Embed_, E, key=k_r, use_bias=False)
+        router = hnn.Linear.init(Embed_, E, key=k_r, use_bias=moe.expert_bias)
         gate = _weights(k_g, (E, Embed_, M), Embed_.size)
         up = _weights(k_u, (E, Embed_, M), Embed_.size)
         down = _weights(k_d, (E, M, Embed_), M.size, down_scale)
@@ -189,7 +204,9 @@ class MoeMlp(eqx.Module):
                 hnn.Linear.init(S, Embed_, key=k_sd, use_bias=False, init_scale=down_scale),
             )
         bias = Buffer(hax.zeros(E)) if moe.bias_update_rate else None
-        return MoeMlp(router, gate, up, down, *shared, bias, moe, act)
+        biases = (hax.zeros((E, M)), hax.zeros((E, M)), hax.zeros((E, Embed_)))
+        return MoeMlp(router, gate, up, down, *shared, bias, moe, act,
+                      *(biases if moe.expert_bias else ()))  # fmt: skip
 
     def __call__(
         self, x: NamedArray, aux: RouterAux | None = None, layer=0
@@ -202,6 +219,8 @@ class MoeMlp(eqx.Module):
         logits = jnp.einsum(
             "...d,ed->...e", t, r.astype(t.dtype), preferred_element_type=jnp.float32
         )
+        if self.router.bias is not None:
+            logits = logits + self.router.bias.rearrange((Experts,)).array
         weights, experts, probs = route(
             logits,
             self.moe.num_experts_per_tok,
