@@ -17,7 +17,6 @@ from loomax.config import ConfigError
 from loomax.models.attention.attention import cached_attention, causal_attention
 from loomax.models.axes import Batch, Heads, HeadSize, KeyPosition, KvHeads, Position
 from loomax.models.decoding.rolling_cache import rolling_attention
-from support.cpu_workers import run_json_worker
 
 T, H, K, D = 128, 4, 2, 8
 SINKS = np.asarray([0.5, -1.0, 2.0, 0.0])
@@ -146,10 +145,10 @@ def test_backends_without_sinks_refuse_them_by_name(backend):
 
 
 @pytest.mark.slow
-def test_ring_and_all_gather_sinks_match_one_device():
+def test_ring_and_all_gather_sinks_match_one_device(json_worker):
     """Data 2 x context 4 (8 fake CPU devices): values and gradients, the sinks' included
     (their gradient summed over the devices' queries)."""
-    result = run_json_worker(Path(__file__).with_name("sinks_run.py"), devices=8)
+    result = json_worker(Path(__file__).with_name("sinks_run.py"), devices=8)
     for variant in ("ring", "all_gather"):
         errors = result[variant]
         assert errors["dsinks_size"] > 0.1
