@@ -122,7 +122,7 @@ def test_a_mixture_of_experts_gets_expert_parallel_strategies():
     assert "fsdp ep2 tp2 2x2x2" in labels and not any("ep8" in label for label in labels)
     ep4 = next(c for c in mesh_strategies(8, num_experts=4) if c.label == "fsdp ep4 2x4x1")
     assert ep4.apply(parse_config(TrainLmConfig, None, [])).trainer.mesh.resolve(8) == {
-        "replica": 1, "data": 2, "expert": 4, "context": 1, "model": 1,
+        "replica": 1, "data": 2, "expert": 4, "context": 1, "model": 1, "stage": 1,
     }  # fmt: skip
     assert not any("ep" in c.label for c in mesh_strategies(8))  # dense: none
     config = parse_config(

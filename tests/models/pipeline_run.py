@@ -1,0 +1,80 @@
+"""Worker for the pipeline tests: a tiny Llama (8 layers) trained 5 steps on 1 device and on
+8 CPU devices as stage 4 x data 2 under each executed schedule; prints JSON.
+
+  python pipeline_run.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from loomax.data import BatchLoader, TokenWindows  # noqa: E402
+from loomax.lm import lm_loss  # noqa: E402
+from loomax.mesh import MeshConfig  # noqa: E402
+from loomax.models import LlamaConfig  # noqa: E402
+from loomax.optim import AdamConfig  # noqa: E402
+from loomax.stages import PipelineConfig  # noqa: E402
+from loomax.tracking import NoopTrackerConfig  # noqa: E402
+from loomax.train import Trainer, TrainerConfig  # noqa: E402
+
+MODEL = LlamaConfig(
+    seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=8, num_heads=4, num_kv_heads=2
+)  # fmt: skip
+VOCAB, STEPS, BATCH = 64, 5, 16
+RUNS = {
+    "gpipe": (MeshConfig(data=2, stage=4), PipelineConfig(microbatches=8)),
+    "interleaved": (
+        MeshConfig(data=2, stage=4),
+        PipelineConfig(schedule="interleaved", microbatches=8, virtual_stages=2),
+    ),
+}
+
+
+def loader() -> BatchLoader:
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 40 * MODEL.seq_len, dtype=np.int32)
+    return BatchLoader(TokenWindows(tokens, MODEL.seq_len), BATCH, seed=0)
+
+
+def make_trainer(mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str) -> Trainer:
+    config = TrainerConfig(
+        num_train_steps=STEPS, train_batch_size=BATCH, mesh=mesh, pipeline=pipeline,
+        progress_bar=False, tracker=NoopTrackerConfig(), run_dir=run_dir,
+    )  # fmt: skip
+    optimizer = AdamConfig(learning_rate=3e-3, warmup=0)
+    return Trainer(config, optimizer.build(STEPS), lm_loss(), devices=devices)
+
+
+def train(mesh: MeshConfig, pipeline: PipelineConfig, devices) -> dict:
+    trainer = make_trainer(mesh, pipeline, devices, tempfile.mkdtemp())
+    losses: list[float] = []
+    trainer.add_hook(lambda info: losses.append(info.loss))
+    state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+    up = state.model.blocks.stacked.mlp.up_proj.weight.array
+    spec, shape = str(up.sharding.spec), list(up.addressable_shards[0].data.shape)
+    batch = next(iter(loader().iter_from(0)))
+    cost = trainer.compiled_step(state, batch).cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    trainer.train(state, loader().iter_from(0, *trainer.runtime.row_block))
+    return {
+        "losses": losses,
+        "mlp_up_spec": spec,
+        "mlp_up_shard_shape": shape,
+        "flops": float(cost.get("flops", 0.0)),
+    }
+
+
+if __name__ == "__main__":
+    out = {"single": train(MeshConfig(data=1), PipelineConfig(), jax.devices()[:1])}
+    for name, (mesh, pipeline) in RUNS.items():
+        if len(sys.argv) < 2 or name in sys.argv[1:]:
+            out[name] = train(mesh, pipeline, None)
+    print(json.dumps(out))

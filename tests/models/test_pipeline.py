@@ -1,0 +1,69 @@
+"""Pipeline parallelism (``trainer.mesh.stage``): a tiny Llama trained on 8 CPU devices as
+stage 4 x data 2 under each executed schedule equals 1 device's losses (one subprocess)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loomax.config import ConfigError
+from loomax.mesh import MeshConfig
+from loomax.models.pipeline import bubble, pipeline_plan
+from loomax.stages import PipelineConfig
+from loomax.train import TrainerConfig
+
+WORKER = Path(__file__).with_name("pipeline_run.py")
+
+
+@pytest.fixture(scope="module")
+def runs(json_worker):
+    return json_worker(WORKER)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_staged_losses_equal_one_device(runs, schedule):
+    assert len(runs["single"]["losses"]) == 5
+    np.testing.assert_allclose(runs[schedule]["losses"], runs["single"]["losses"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_layers_and_their_optimizer_state_rest_on_their_stage(runs):
+    # 8 layers over 4 stages: 2 per device; embed (32) split over data 2 (FSDP within a stage)
+    assert runs["gpipe"]["mlp_up_shard_shape"] == [2, 64, 16]
+    assert runs["single"]["mlp_up_shard_shape"] == [8, 64, 32]
+
+
+def test_stacked_layers_map_to_the_stage_axis():
+    mappings = TrainerConfig(mesh=MeshConfig(data=2, stage=4)).axis_mappings()
+    assert mappings.parameter["layers"] == "stage" and mappings.optimizer["layers"] == "stage"
+    assert "layers" not in mappings.compute
+    assert "layers" not in TrainerConfig().axis_mappings().parameter  # no stages: unchanged
+
+
+def test_pipeline_plan_names_what_does_not_divide():
+    assert pipeline_plan(8, 16, 4, PipelineConfig()) == (8, 1)
+    with pytest.raises(ConfigError, match="must divide the model's 6 layers"):
+        pipeline_plan(6, 16, 4, PipelineConfig())
+    with pytest.raises(ConfigError, match="microbatches \\(3\\) must divide"):
+        pipeline_plan(8, 16, 4, PipelineConfig(microbatches=3))
+    interleaved = PipelineConfig(schedule="interleaved", virtual_stages=2, microbatches=2)
+    with pytest.raises(ConfigError, match="at least trainer.mesh.stage"):
+        pipeline_plan(8, 16, 4, interleaved)
+
+
+def test_pipeline_config_refuses_schedules_without_an_executor():
+    with pytest.raises(ValueError, match="no executor yet"):
+        PipelineConfig(schedule="1f1b")
+    with pytest.raises(ValueError, match="must be one of"):
+        PipelineConfig(schedule="looped")
+    with pytest.raises(ValueError, match="needs trainer.pipeline.schedule: interleaved"):
+        PipelineConfig(virtual_stages=2)
+
+
+def test_loop_bubble_follows_its_formula():
+    assert bubble(4, 8) == pytest.approx(3 / 11)
+    assert bubble(4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble(1, 8) == 0
