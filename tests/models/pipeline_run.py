@@ -1,7 +1,8 @@
 """Worker for the pipeline tests: a tiny Llama (8 layers) trained 5 steps on 1 device and on
-8 CPU devices as stage 4 x data 2 under each executed schedule; prints JSON.
+8 CPU devices as stage 4 x data 2 under each executed schedule; then a checkpoint written
+at step 3 by the stage-4 run resumed on 4 devices as stage 2 x data 2; prints JSON.
 
-  python pipeline_run.py
+  python pipeline_run.py [SCHEDULE ...] [resume]    (resume needs gpipe)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from loomax.checkpoint import CheckpointerConfig  # noqa: E402
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
 from loomax.lm import lm_loss  # noqa: E402
 from loomax.mesh import MeshConfig  # noqa: E402
@@ -44,17 +46,22 @@ def loader() -> BatchLoader:
     return BatchLoader(TokenWindows(tokens, MODEL.seq_len), BATCH, seed=0)
 
 
-def make_trainer(mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str) -> Trainer:
+def make_trainer(
+    mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str, **settings
+) -> Trainer:
     config = TrainerConfig(
         num_train_steps=STEPS, train_batch_size=BATCH, mesh=mesh, pipeline=pipeline,
-        progress_bar=False, tracker=NoopTrackerConfig(), run_dir=run_dir,
+        progress_bar=False, tracker=NoopTrackerConfig(), run_dir=run_dir, **settings,
     )  # fmt: skip
     optimizer = AdamConfig(learning_rate=3e-3, warmup=0)
     return Trainer(config, optimizer.build(STEPS), lm_loss(), devices=devices)
 
 
-def train(mesh: MeshConfig, pipeline: PipelineConfig, devices) -> dict:
-    trainer = make_trainer(mesh, pipeline, devices, tempfile.mkdtemp())
+def train(mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str | None = None) -> dict:
+    """5 steps; the stage-4 GPipe run (given ``run_dir``) also saves step 3, alone."""
+    saving = CheckpointerConfig(fixed_steps=[3], save_at_end=False, async_save=False)
+    settings = {"checkpointer": saving} if run_dir else {}
+    trainer = make_trainer(mesh, pipeline, devices, run_dir or tempfile.mkdtemp(), **settings)
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
     state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
@@ -72,9 +79,29 @@ def train(mesh: MeshConfig, pipeline: PipelineConfig, devices) -> dict:
     }
 
 
+def resume(run_dir: str) -> dict:
+    """The stage-4 run's step-3 checkpoint (in ``run_dir``) resumed at stage 2 x data 2 (4
+    devices) for steps 4 and 5."""
+    again = make_trainer(
+        MeshConfig(data=2, stage=2), PipelineConfig(microbatches=8), jax.devices()[:4],
+        tempfile.mkdtemp(), load_checkpoint=True, load_checkpoint_path=f"{run_dir}/checkpoints",
+    )  # fmt: skip
+    resumed: list[float] = []
+    again.add_hook(lambda info: resumed.append(info.loss))
+    state = again.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+    start = int(state.step)
+    up = state.model.blocks.stacked.mlp.up_proj.weight.array
+    shape = list(up.addressable_shards[0].data.shape)
+    again.train(state, loader().iter_from(start, *again.runtime.row_block))
+    return {"start": start, "losses": resumed, "mlp_up_shard_shape": shape}
+
+
 if __name__ == "__main__":
     out = {"single": train(MeshConfig(data=1), PipelineConfig(), jax.devices()[:1])}
+    saved = tempfile.mkdtemp()
     for name, (mesh, pipeline) in RUNS.items():
         if len(sys.argv) < 2 or name in sys.argv[1:]:
-            out[name] = train(mesh, pipeline, None)
+            out[name] = train(mesh, pipeline, None, saved if name == "gpipe" else None)
+    if len(sys.argv) < 2 or "resume" in sys.argv[1:]:
+        out["resume"] = resume(saved)
     print(json.dumps(out))

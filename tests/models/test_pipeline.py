@@ -1,5 +1,6 @@
 """Pipeline parallelism (``trainer.mesh.stage``): a tiny Llama trained on 8 CPU devices as
-stage 4 x data 2 under each executed schedule equals 1 device's losses (one subprocess)."""
+stage 4 x data 2 under each executed schedule equals 1 device's losses, and its checkpoint
+resumes at stage 2 (one subprocess)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,14 @@ def test_layers_and_their_optimizer_state_rest_on_their_stage(runs):
     # 8 layers over 4 stages: 2 per device; embed (32) split over data 2 (FSDP within a stage)
     assert runs["gpipe"]["mlp_up_shard_shape"] == [2, 64, 16]
     assert runs["single"]["mlp_up_shard_shape"] == [8, 64, 32]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_4_stages_resumes_on_2_with_bitwise_equal_losses(runs):
+    resumed = runs["resume"]
+    assert resumed["start"] == 3
+    assert resumed["losses"] == runs["gpipe"]["losses"][3:]  # bitwise: the same floats
+    assert resumed["mlp_up_shard_shape"] == [4, 64, 16]  # 8 layers over 2 stages
 
 
 def test_stacked_layers_map_to_the_stage_axis():
