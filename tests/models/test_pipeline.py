@@ -12,6 +12,7 @@ import pytest
 from loomax.config import ConfigError
 from loomax.mesh import MeshConfig
 from loomax.models.pipeline import bubble, pipeline_plan
+from loomax.pipeline_schedules import table
 from loomax.stages import PipelineConfig
 from loomax.train import TrainerConfig
 
@@ -28,6 +29,17 @@ def runs(json_worker):
 def test_staged_losses_equal_one_device(runs, schedule):
     assert len(runs["single"]["losses"]) == 5
     np.testing.assert_allclose(runs[schedule]["losses"], runs["single"]["losses"], rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "slots"), [("gpipe", 11), ("interleaved", 19)])
+def test_the_compiled_loop_idles_the_bubble_of_its_table(runs, schedule, slots):
+    # stage 4, 8 microbatches (x 2 chunks interleaved): v m + p - 1 slots, v m of them busy
+    assert slots in runs[schedule]["loop_trip_counts"]
+    busy = 8 * (2 if schedule == "interleaved" else 1)
+    v = busy // 8
+    assert (slots - busy) / slots == pytest.approx(bubble(4, 8, v))
+    assert table("circular", 4, 8, v).bubble == pytest.approx(bubble(4, 8, v))
 
 
 @pytest.mark.slow
