@@ -77,6 +77,11 @@ def run_stages(
 ) -> NamedArray:
     """``x`` through every block of ``blocks``, pipelined over the ``stage`` mesh axis."""
     mesh, p = current_mesh(), stage_count()
+    if not isinstance(x, NamedArray):
+        raise ConfigError(
+            "trainer.mesh.stage > 1: this model's layers carry more than the residual stream "
+            "(a mixture of experts' router statistics); its stack is not staged yet"
+        )
     Batch = x.axes[0]
     L = blocks.Block.size
     m, v = pipeline_plan(L, Batch.size, p, current_pipeline())
