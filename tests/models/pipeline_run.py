@@ -64,7 +64,9 @@ def train(mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str | No
     settings = {"checkpointer": saving} if run_dir else {}
     trainer = make_trainer(mesh, pipeline, devices, run_dir or tempfile.mkdtemp(), **settings)
     losses: list[float] = []
+    norms: list[float] = []  # Adam hides a gradient's scale from the losses; its norm does not
     trainer.add_hook(lambda info: losses.append(info.loss))
+    trainer.add_hook(lambda info: norms.append(float(info.metrics["optim/grad_norm"])))
     state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
     up = state.model.blocks.stacked.mlp.up_proj.weight.array
     spec, shape = str(up.sharding.spec), list(up.addressable_shards[0].data.shape)
@@ -74,6 +76,7 @@ def train(mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str | No
     trainer.train(state, loader().iter_from(0, *trainer.runtime.row_block))
     return {
         "losses": losses,
+        "grad_norms": norms,
         "mlp_up_spec": spec,
         "mlp_up_shard_shape": shape,
         "loop_trip_counts": trips,

@@ -29,6 +29,8 @@ def runs(json_worker):
 def test_staged_losses_equal_one_device(runs, schedule):
     assert len(runs["single"]["losses"]) == 5
     np.testing.assert_allclose(runs[schedule]["losses"], runs["single"]["losses"], rtol=1e-5)
+    single, staged = runs["single"]["grad_norms"], runs[schedule]["grad_norms"]
+    np.testing.assert_allclose(staged, single, rtol=1e-5)  # Adam alone would hide a scale
 
 
 @pytest.mark.slow

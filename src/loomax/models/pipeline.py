@@ -129,7 +129,6 @@ def run_stages(
         params = [a[:, 0] for a in params]  # (v, chunk, ...): this stage's chunks
         extra = {k: a[:, 0] for k, a in extra.items()}
         zero = jnp.zeros_like(x_mb[0])
-        zero = jax.lax.pcast(zero, STAGE_AXIS, to="varying")
 
         def slot(carry, t):
             state, kept, outputs = carry
@@ -164,6 +163,7 @@ def run_stages(
         in_specs=(stage_spec, {k: P(None, STAGE_AXIS) for k in layer_in}, P(), P()),
         out_specs=P(),
         axis_names={STAGE_AXIS},
+        check_vma=False,
     )
     out = run(stacked_in, layer_in, x_in, seg_in)
     out = out.swapaxes(0, 1).reshape(x.array.shape)
