@@ -83,6 +83,30 @@ def train(mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str | No
     }
 
 
+def stack_flops() -> dict:
+    """Matmul FLOPs of the layer stack's gradient (``loomax plan``'s count over the traced
+    program, all devices), unstaged and under each executed schedule."""
+    import equinox as eqx
+    import haliax as hax
+
+    from loomax.models.layers import run_layers
+    from loomax.plan.flops import count_step
+    from loomax.runtime import MeshRuntime
+
+    blocks = MODEL.build(VOCAB, key=jax.random.PRNGKey(0)).blocks
+    axes = (hax.Axis("batch", BATCH), hax.Axis("position", MODEL.seq_len), MODEL.Embed)
+    x = hax.random.normal(jax.random.PRNGKey(1), axes)
+    grad = eqx.filter_grad(lambda b, x: hax.sum(run_layers(b, x, None)).array)
+    out = {}
+    for name, (mesh, pipeline) in {"single": (MeshConfig(data=1), None), **RUNS}.items():
+        devices = jax.devices()[:1] if name == "single" else None
+        mappings = TrainerConfig(mesh=mesh).axis_mappings()
+        runtime = MeshRuntime.create(mesh, mappings, devices, pipeline)
+        with runtime.mesh_context():
+            out[name] = count_step(jax.make_jaxpr(grad)(blocks, x)).dot_flops
+    return out
+
+
 def resume(run_dir: str) -> dict:
     """The stage-4 run's step-3 checkpoint (in ``run_dir``) resumed at stage 2 x data 2 (4
     devices) for steps 4 and 5."""
@@ -108,4 +132,6 @@ if __name__ == "__main__":
             out[name] = train(mesh, pipeline, None, saved if name == "gpipe" else None)
     if len(sys.argv) < 2 or "resume" in sys.argv[1:]:
         out["resume"] = resume(saved)
+    if len(sys.argv) < 2 or "flops" in sys.argv[1:]:
+        out["stack_flops"] = stack_flops()
     print(json.dumps(out))

@@ -45,6 +45,16 @@ def test_the_compiled_loop_idles_the_bubble_of_its_table(runs, schedule, slots):
 
 
 @pytest.mark.slow
+def test_the_counted_flops_carry_the_bubble(runs):
+    # loomax plan's count of the stack's gradient: every slot computes, idle ones on zeros,
+    # so staged / unstaged = (v m + p - 1) / (v m): 1F1B/GPipe's 3/11 bubble, 3/19 at v = 2
+    flops = runs["stack_flops"]
+    assert flops["gpipe"] / flops["single"] == pytest.approx(11 / 8)
+    assert flops["interleaved"] / flops["single"] == pytest.approx(19 / 16)
+    assert 1 - flops["single"] / flops["gpipe"] == pytest.approx(table("1f1b", 4, 8).bubble)
+
+
+@pytest.mark.slow
 def test_layers_and_their_optimizer_state_rest_on_their_stage(runs):
     # 8 layers over 4 stages: 2 per device; embed (32) split over data 2 (FSDP within a stage)
     assert runs["gpipe"]["mlp_up_shard_shape"] == [2, 64, 16]
