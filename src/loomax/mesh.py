@@ -306,6 +306,8 @@ def make_axis_mappings(
     if layer_axis:  # stacked layers rest on their stage (pipeline parallelism)
         optimizer[layer_axis] = parameter[layer_axis] = "stage"
     compute: dict = {**shared, batch_axis: DATA_AXES}
+    if layer_axis:  # outside the staged stack (embedding, head, loss) stages split the batch
+        compute[batch_axis] = (*DATA_AXES, "stage")
     if context_axis:
         compute[context_axis] = CONTEXT_AXIS
     for overrides in (axis_resources, parameter_axis_resources):

@@ -62,10 +62,12 @@ def test_layers_and_their_optimizer_state_rest_on_their_stage(runs):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_4_stages_resumes_on_2_with_bitwise_equal_losses(runs):
+def test_a_checkpoint_of_4_stages_resumes_on_2_with_equal_losses(runs):
     resumed = runs["resume"]
     assert resumed["start"] == 3
-    assert resumed["losses"] == runs["gpipe"]["losses"][3:]  # bitwise: the same floats
+    # not bitwise: the loss's batch splits over data x stage, 8 devices then 4 (summed in
+    # another order); the layers' arithmetic is the same at either stage count
+    np.testing.assert_allclose(resumed["losses"], runs["gpipe"]["losses"][3:], rtol=1e-6)
     assert resumed["mlp_up_shard_shape"] == [4, 64, 16]  # 8 layers over 2 stages
 
 
@@ -73,6 +75,7 @@ def test_stacked_layers_map_to_the_stage_axis():
     mappings = TrainerConfig(mesh=MeshConfig(data=2, stage=4)).axis_mappings()
     assert mappings.parameter["layers"] == "stage" and mappings.optimizer["layers"] == "stage"
     assert "layers" not in mappings.compute
+    assert mappings.compute["batch"] == ("replica", "data", "expert", "stage")  # head, loss
     assert "layers" not in TrainerConfig().axis_mappings().parameter  # no stages: unchanged
 
 

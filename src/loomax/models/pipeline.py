@@ -109,6 +109,8 @@ def run_stages(
     seg_in = None if segment_ids is None else micro(segment_ids.array)
     Micro = Batch.resize(Batch.size // m)
 
+    inner = _without_stage(hax.partitioning.current_thread_local_mapping() or {})
+
     def stage_chunk(params, extra, inp, seg):
         local_leaves = list(leaves)
         for i, a, n in zip(where, params, names, strict=True):
@@ -117,9 +119,8 @@ def run_stages(
         stack = dataclasses.replace(blocks, stacked=local, Block=blocks.Block.resize(chunk))
         h = hax.named(inp, (Micro.name, *x_axes[1:]))
         s_ids = None if seg is None else hax.named(seg, (Micro.name, *seg_axes[1:]))
-        if extra:
+        with hax.axis_mapping(inner):  # stage is manual in here: no constraint may name it
             return stack.fold(h, s_ids, unroll=unroll, **extra).array
-        return stack.fold(h, s_ids, unroll=unroll).array
 
     items, slots = v * m, v * m + p - 1
     ring = [(i, (i + 1) % p) for i in range(p)]
@@ -168,3 +169,14 @@ def run_stages(
     out = run(stacked_in, layer_in, x_in, seg_in)
     out = out.swapaxes(0, 1).reshape(x.array.shape)
     return hax.auto_sharded(hax.named(out, x_axes))
+
+
+def _without_stage(mapping: dict) -> dict:
+    """``mapping`` with the ``stage`` mesh axis taken out of every target."""
+    out = {}
+    for name, target in mapping.items():
+        targets = (target,) if isinstance(target, str) else tuple(target or ())
+        kept = tuple(t for t in targets if t != STAGE_AXIS)
+        if kept:
+            out[name] = kept[0] if len(kept) == 1 else kept
+    return out
