@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
         "batch_schedule",
     },
     {"cli_parser", "row_blocks"},
-    {"mesh", "tree_paths"},
+    {"mesh", "tree_paths", "stages", "mesh_fit", "pipeline_schedules"},
     {"distributed", "runtime", "tracking"},
     {"models", "optim", "data", "checkpoint"},
     {"hf", "downstream"},

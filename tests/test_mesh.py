@@ -17,6 +17,7 @@ def test_minus_one_fills_the_devices():
         "expert": 1,
         "context": 1,
         "model": 1,
+        "stage": 1,
     }
     assert MeshConfig(model=2).resolve(8) == {
         "replica": 1,
@@ -24,6 +25,7 @@ def test_minus_one_fills_the_devices():
         "expert": 1,
         "context": 1,
         "model": 2,
+        "stage": 1,
     }
     assert MeshConfig(replica=2, data=2, model=-1).resolve(8) == {
         "replica": 2,
@@ -31,6 +33,7 @@ def test_minus_one_fills_the_devices():
         "expert": 1,
         "context": 1,
         "model": 2,
+        "stage": 1,
     }
 
 
@@ -67,6 +70,7 @@ def test_context_axis_splits_the_sequence():
         "expert": 1,
         "context": 4,
         "model": 1,
+        "stage": 1,
     }
     assert MeshConfig(context=4).resolve(8)["data"] == 2
     assert MESH_AXES == (
@@ -75,7 +79,8 @@ def test_context_axis_splits_the_sequence():
         "expert",
         "context",
         "model",
-    )  # model innermost, then the ring
+        "stage",
+    )  # model innermost of the batch-parallel axes, then the ring; stage last
     assert "position" not in make_axis_mappings(context_axis=None).compute
     assert "position" not in make_axis_mappings().parameter
     with pytest.raises(ValueError, match=r"trainer.mesh.context must be positive"):
@@ -101,7 +106,7 @@ def test_context_split_checked_before_work():
 
 def test_expert_axis_splits_experts_and_the_batch():
     sizes = MeshConfig(data=2, expert=4).resolve(8)
-    assert sizes == {"replica": 1, "data": 2, "expert": 4, "context": 1, "model": 1}
+    assert sizes == {"replica": 1, "data": 2, "expert": 4, "context": 1, "model": 1, "stage": 1}
     zero2 = make_axis_mappings(shard_params=False)  # experts split even with whole parameters
     assert zero2.parameter["experts"] == zero2.optimizer["experts"] == "expert"
     assert "embed" not in zero2.parameter and "experts" not in zero2.compute

@@ -35,7 +35,7 @@ def test_the_fastest_strategy_is_chosen_said_why_and_cached(tmp_path, monkeypatc
         config("--trainer.mesh.auto", "true"), cache=tmp_path, say=said.append
     )
     assert not chosen.trainer.mesh.auto and chosen.trainer.mesh.resolve(1) == {
-        "replica": 1, "data": 1, "expert": 1, "context": 1, "model": 1,
+        "replica": 1, "data": 1, "expert": 1, "context": 1, "model": 1, "stage": 1,
     }  # fmt: skip
     assert len(said) == 1 and said[0].startswith("trainer.mesh.auto: ")
     assert "est. step" in said[0] and "next " in said[0]  # the winner, and the runner-up
@@ -68,6 +68,7 @@ def test_force_strategy_names_one_without_compiling(monkeypatch, libtpu):
         "expert": 1,
         "context": 1,
         "model": 2,
+        "stage": 1,
     }
     assert chosen.trainer.shard_params is False and chosen.trainer.force_strategy is None
     assert said[0].startswith("trainer.force_strategy: zero2 tp2 2x2 (trainer.mesh=")

@@ -28,7 +28,14 @@ def axes_varied(group) -> int:
 def test_replica_goes_across_slices_and_groups_stay_within_one(topology):
     devices = topology("2xv5p:4x4x4")
     mesh = MeshConfig(replica=2, data=-1, model=4).build(devices)
-    assert dict(mesh.shape) == {"replica": 2, "data": 16, "expert": 1, "context": 1, "model": 4}
+    assert dict(mesh.shape) == {
+        "replica": 2,
+        "data": 16,
+        "expert": 1,
+        "context": 1,
+        "model": 4,
+        "stage": 1,
+    }
     for r in range(2):  # each replica is one slice: its data and model groups use ICI only
         assert {d.slice_index for d in mesh.devices[r].flat} == {r}
     assert all(axes_varied(mesh.devices[r, i]) == 1 for r in range(2) for i in range(16))

@@ -73,7 +73,9 @@ def test_the_blocks_rows_are_what_each_device_of_the_process_holds():
 def test_layouts_whose_rows_do_not_split_into_blocks_are_refused(
     processes, shape, message, monkeypatch
 ):
-    with pytest.raises(ConfigError, match=r"trainer.mesh \(replica, data, expert, context, model"):
+    with pytest.raises(
+        ConfigError, match=r"trainer.mesh \(replica, data, expert, context, model, stage"
+    ):
         row_blocks(grid(processes, shape))
     with pytest.raises(ConfigError, match=message):
         row_blocks(grid(processes, shape))

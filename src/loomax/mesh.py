@@ -2,7 +2,8 @@
 
 Mesh axes are ``replica`` (across slices or hosts), ``data``, ``expert`` (a mixture of
 experts' experts split over devices: expert parallelism), ``context`` (the sequence of every
-batch row split over devices: context parallelism) and ``model``. The parameter mapping says
+batch row split over devices: context parallelism), ``model`` and ``stage`` (the stacked
+layers split into consecutive stages: pipeline parallelism, ``layers -> stage``). The parameter mapping says
 how parameters rest (FSDP: ``embed -> data``, ``experts -> expert``, tensor parallel axes
 ``-> model``); the optimizer mapping how optimizer state rests (as parameters, unless they
 are kept whole: ZeRO-2); the compute mapping says how activations are laid out
@@ -24,7 +25,6 @@ import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import haliax as hax
 import jax
@@ -36,7 +36,7 @@ from loomax.row_blocks import row_blocks
 
 logger = logging.getLogger(__name__)
 
-MESH_AXES = ("replica", "data", "expert", "context", "model")
+MESH_AXES = ("replica", "data", "expert", "context", "model", "stage")
 DATA_AXES = ("replica", "data", "expert")
 EXPERT_AXIS = "expert"
 """The mesh axis a mixture of experts' ``experts`` are split over (and its tokens dispatched across)."""
@@ -60,6 +60,8 @@ class MeshConfig:
     """Context-parallel size: each sequence (the `position` axis) is split this many ways (model.context_parallel picks how attention crosses the split)."""
     expert: int = 1
     """Expert-parallel size: MoE experts split this many ways, tokens sent to their experts' devices (a data-parallel axis elsewhere)."""
+    stage: int = 1
+    """Pipeline stages: the stacked layers split this many ways, a batch's microbatches passed from stage to stage (trainer.pipeline)."""
     auto: bool = False
     """Let `loomax train` choose the mesh and mappings at start: loomax plan's strategies, compiled for the devices present (the sizes above are then ignored)."""
 
@@ -78,6 +80,7 @@ class MeshConfig:
             "expert": self.expert,
             "context": self.context,
             "model": self.model,
+            "stage": self.stage,
         }
 
     def resolve(self, num_devices: int) -> dict[str, int]:
@@ -104,7 +107,7 @@ class MeshConfig:
         return sizes
 
     def build(self, devices: Sequence[jax.Device] | None = None) -> Mesh:
-        """A ``Mesh`` with axes (replica, data, expert, context, model) over ``devices`` (default: all),
+        """A ``Mesh`` with axes (replica, data, expert, context, model, stage) over ``devices`` (default: all),
         laid out by ``device_grid``."""
         devices = list(jax.devices() if devices is None else devices)
         sizes = self.resolve(len(devices))
@@ -260,6 +263,7 @@ def make_axis_mappings(
     tensor_parallel_axes: Sequence[str] = ("mlp", "heads", "kv_heads"),
     expert_axis: str | None = "experts",
     context_axis: str | None = "position",
+    layer_axis: str | None = None,
     axis_resources: AxisResources | None = None,
     parameter_axis_resources: AxisResources | None = None,
     compute_axis_resources: AxisResources | None = None,
@@ -270,7 +274,7 @@ def make_axis_mappings(
     ``shard_params=False`` keeps parameters whole on every device while the optimizer state
     (and the gradients, inside the step) are still split by ``fsdp_axis`` (ZeRO-2).
     ``expert_axis`` (a mixture of experts' experts) is split over the ``expert`` mesh axis in
-    the parameter and optimizer mappings; ``context_axis`` (the sequence of activations) over
+    the parameter and optimizer mappings, as ``layer_axis`` (stacked layers) over ``stage``; ``context_axis`` (the sequence of activations) over
     the ``context`` mesh axis in the compute mapping (a mesh axis of size 1 splits nothing).
 
     Raises ``ValueError`` when a logical axis is given two roles (e.g. both FSDP and
@@ -285,6 +289,7 @@ def make_axis_mappings(
         ("tensor_parallel_axes", tp),
         ("expert_axis", [expert_axis] if expert_axis else []),
         ("context_axis", [context_axis] if context_axis else []),
+        ("layer_axis", [layer_axis] if layer_axis else []),
     ):
         for name in names:
             if name in roles:
@@ -298,7 +303,11 @@ def make_axis_mappings(
     parameter: dict = dict(optimizer) if shard_params else dict(shared)
     if expert_axis:
         optimizer[expert_axis] = parameter[expert_axis] = EXPERT_AXIS
+    if layer_axis:  # stacked layers rest on their stage (pipeline parallelism)
+        optimizer[layer_axis] = parameter[layer_axis] = "stage"
     compute: dict = {**shared, batch_axis: DATA_AXES}
+    if layer_axis:  # outside the staged stack (embedding, head, loss) stages split the batch
+        compute[batch_axis] = (*DATA_AXES, "stage")
     if context_axis:
         compute[context_axis] = CONTEXT_AXIS
     for overrides in (axis_resources, parameter_axis_resources):
@@ -366,35 +375,3 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
-
-
-def replicate_indivisible(shardings: Any, tree: Any) -> tuple[Any, list[str]]:
-    """``shardings`` with every array dimension that does not split evenly over its mesh axes
-    kept whole, and a note per (logical axis, size, mesh axes) that fell back.
-
-    A mapping names logical axes, not sizes, so e.g. ``kv_heads -> model`` is right for a
-    grouped-query model with 8 KV heads on a model axis of 8 and impossible with 1 KV head:
-    the axis is then replicated for that array instead of failing to place it.
-    """
-    notes: dict[str, None] = {}
-
-    def fit(sharding, node):
-        if not isinstance(sharding, NamedSharding):
-            return sharding
-        names = [a.name for a in node.axes] if isinstance(node, hax.NamedArray) else None
-        shape = node.array.shape if isinstance(node, hax.NamedArray) else node.shape
-        spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
-        for i, entry in enumerate(spec):
-            ways = int(np.prod([sharding.mesh.shape[a] for a in _targets(entry)]))
-            if entry is not None and shape[i] % ways:
-                label = repr(names[i]) if names else f"dimension {i}"
-                notes[f"{label} (size {shape[i]}) does not split {ways} ways over {entry}"] = None
-                spec[i] = None
-        return NamedSharding(sharding.mesh, PartitionSpec(*spec))
-
-    fitted = jax.tree.map(fit, shardings, tree, is_leaf=_is_sharding_or_none)
-    return fitted, list(notes)
-
-
-def _is_sharding_or_none(x: Any) -> bool:
-    return x is None or isinstance(x, jax.sharding.Sharding)

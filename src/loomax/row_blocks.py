@@ -19,7 +19,7 @@ import numpy as np
 from loomax.config import ConfigError
 
 DATA_AXES_COUNT = 3
-"""The leading axes of a (replica, data, expert, context, model) grid that split the batch."""
+"""The leading axes of a (replica, data, expert, context, model, stage) grid that split the batch."""
 
 
 class RowBlock(NamedTuple):
@@ -40,7 +40,7 @@ def batch_positions(grid: np.ndarray) -> dict[int, list[int]]:
 
 
 def row_blocks(grid: np.ndarray) -> dict[int, RowBlock]:
-    """Each process's row block of a (replica, data, expert, context, model) device ``grid``.
+    """Each process's row block of a (replica, data, expert, context, model, stage) device ``grid``.
 
     Raises ``ConfigError`` (naming ``trainer.mesh``) when a process's batch positions are
     not contiguous, or two processes' blocks overlap without being equal, or the blocks
@@ -49,7 +49,7 @@ def row_blocks(grid: np.ndarray) -> dict[int, RowBlock]:
     """
     held = batch_positions(grid)
     blocks = sorted({(p[0], p[-1] + 1) for p in held.values()})
-    where = f"trainer.mesh (replica, data, expert, context, model: {tuple(grid.shape)})"
+    where = f"trainer.mesh (replica, data, expert, context, model, stage: {tuple(grid.shape)})"
     for process, positions in held.items():
         if positions != list(range(positions[0], positions[-1] + 1)):
             raise ConfigError(

@@ -26,9 +26,10 @@ from loomax.mesh import (
     compiling_for,
     data_parallel_size,
     device_platform,
-    replicate_indivisible,
 )
+from loomax.mesh_fit import replicate_indivisible
 from loomax.row_blocks import RowBlock, local_rows, row_blocks
+from loomax.stages import PipelineConfig, pipelining
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +37,11 @@ logger = logging.getLogger(__name__)
 class MeshRuntime:
     """A ``Mesh`` and the parameter and compute mappings that place named axes on it."""
 
-    def __init__(self, mesh: Mesh, mappings: AxisMappings):
+    def __init__(self, mesh: Mesh, mappings: AxisMappings, pipeline: PipelineConfig | None = None):
         self.mesh = mesh
         self.mappings = mappings
+        self.pipeline = pipeline
+        """How batches flow through the ``stage`` axis (None: ``PipelineConfig()``'s defaults)."""
         self.platform = device_platform(mesh)
         """The platform compiled for (``tpu``, ``gpu``, ``cpu``): decided here, once, and
         handed to the model code through ``mesh_context`` (``loomax.mesh.target_platform``)."""
@@ -50,9 +53,10 @@ class MeshRuntime:
         mesh: MeshConfig,
         mappings: AxisMappings,
         devices: Sequence[jax.Device] | None = None,
+        pipeline: PipelineConfig | None = None,
     ) -> MeshRuntime:
         """The runtime of ``mesh`` over ``devices`` (default: every device of every process)."""
-        return cls(mesh.build(devices), mappings)
+        return cls(mesh.build(devices), mappings, pipeline)
 
     @property
     def data_parallel_size(self) -> int:
@@ -60,9 +64,10 @@ class MeshRuntime:
         return data_parallel_size(self.mesh)
 
     def mesh_context(self) -> contextlib.ExitStack:
-        """Enter the mesh, the compute mapping and the platform compiled for (what tracing a
-        sharded function needs)."""
+        """Enter the mesh, the compute mapping, the platform compiled for and the pipeline
+        settings (what tracing a sharded function needs)."""
         stack = contextlib.ExitStack()
+        stack.enter_context(pipelining(self.pipeline))
         stack.enter_context(hax.partitioning.set_mesh(self.mesh))
         stack.enter_context(compiling_for(self.platform))
         stack.enter_context(hax.axis_mapping(self.mappings.compute))

@@ -146,7 +146,7 @@ def test_the_per_device_loss_equals_plain(settings):
     def loss(w, h, t, m):
         return per_device_sum(fused, w, h, t, m)
 
-    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1), MESH_AXES)
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1, 1), MESH_AXES)
     with jax.set_mesh(mesh), hax.axis_mapping(make_axis_mappings().compute):
         jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(w, *rows)
         val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, *rows)

@@ -117,7 +117,7 @@ def update_cost(devices: int, layers: int, split: bool) -> dict:
     shape = jax.ShapeDtypeStruct((layers, EMBED, MLP), jnp.float32)
     params = {"up": eqx.tree_at(lambda m: m.weight, linear, hax.NamedArray(shape, (L, E, M)))}
     params = eqx.filter(params, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    grid = np.array(jax.devices()[:devices]).reshape(1, devices, 1, 1, 1)
+    grid = np.array(jax.devices()[:devices]).reshape(1, devices, 1, 1, 1, 1)
     mesh = Mesh(grid, MESH_AXES)
     tx = MuonConfig(split_newton_schulz=split).direction()
     with hax.partitioning.set_mesh(mesh):

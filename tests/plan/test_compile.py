@@ -42,6 +42,7 @@ def test_tiny_models_compile_and_state_bytes_match_hand_count(model, topology, p
         "expert": 1,
         "context": 1,
         "model": 1,
+        "stage": 1,
     }
     assert result.fits is True and result.error is None
     assert 0 < result.total_bytes < result.hbm_bytes

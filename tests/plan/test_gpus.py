@@ -82,6 +82,7 @@ def test_tiny_models_compile_for_eight_h100s(model, plan_runs):
         "expert": 1,
         "context": 1,
         "model": 1,
+        "stage": 1,
     }
     assert result.platform == "gpu" and result.chip == "NVIDIA H100 80GB HBM3"
     assert result.fits is True and result.error is None and result.compiled

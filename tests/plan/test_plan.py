@@ -122,7 +122,7 @@ def test_a_mixture_of_experts_gets_expert_parallel_strategies():
     assert "fsdp ep2 tp2 2x2x2" in labels and not any("ep8" in label for label in labels)
     ep4 = next(c for c in mesh_strategies(8, num_experts=4) if c.label == "fsdp ep4 2x4x1")
     assert ep4.apply(parse_config(TrainLmConfig, None, [])).trainer.mesh.resolve(8) == {
-        "replica": 1, "data": 2, "expert": 4, "context": 1, "model": 1,
+        "replica": 1, "data": 2, "expert": 4, "context": 1, "model": 1, "stage": 1,
     }  # fmt: skip
     assert not any("ep" in c.label for c in mesh_strategies(8))  # dense: none
     config = parse_config(
@@ -274,3 +274,16 @@ def test_plan_tries_offloading_the_best_and_ranks_it_with_the_others(monkeypatch
     assert all(labels[i].startswith(labels[0].split(" offload-")[0]) for i in offloaded)
     n = len(labels)
     assert offloaded == ([0, 1, 2] if not others_fit else [n - 3, n - 2, n - 1])
+
+
+def test_deep_models_try_pipeline_stages():
+    from loomax.plan.candidates import stage_strategies
+
+    assert stage_strategies(128, 1, 32, 512) == []  # shallower than STAGES_FROM_LAYERS
+    staged = stage_strategies(128, 1, 80, 512)
+    assert [c.label for c in staged] == ["fsdp pp2 64x2", "fsdp pp4 32x4", "fsdp pp8 16x8"]
+    assert [c.label for c in stage_strategies(16, 1, 60, 64)] == ["fsdp pp2 8x2", "fsdp pp4 4x4"]
+    assert stage_strategies(16, 1, 80, 16) == []  # no microbatch splits over the data devices
+    applied = staged[1].apply(parse_config(TrainLmConfig, None, []))
+    assert applied.trainer.mesh.resolve(128)["stage"] == 4
+    assert applied.trainer.pipeline.microbatches == 8

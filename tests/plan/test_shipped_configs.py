@@ -70,6 +70,8 @@ def small(config: TrainLmConfig) -> list[str]:
     for axis in ("context", "expert"):  # a long-context or MoE run's split kept, on 4 chips
         if getattr(config.trainer.mesh, axis) > 2:
             flags += [f"--trainer.mesh.{axis}", "2"]
+    if config.trainer.mesh.stage > 1:  # a staged run: 2 stages of 1 layer, 2 microbatches
+        flags += ["--trainer.mesh.stage", "2", "--trainer.pipeline.microbatches", "2"]
     return flags
 
 
@@ -84,7 +86,10 @@ def test_shipped_config_compiles_with_no_extra_flag(name):
     path = str(REPO / "config" / name)
     config = parse_config(TrainLmConfig, path, [])
     vocab_size_of(config)  # no model.vocab_size needed: a known tokenizer or the trained BPE
-    pods = {"llama_8b_128k.yaml": 64, "llama_8b_1m.yaml": 256, "mixtral_8x7b.yaml": 128}
+    pods = {
+        "llama_8b_128k.yaml": 64, "llama_8b_1m.yaml": 256, "mixtral_8x7b.yaml": 128,
+        "llama_70b.yaml": 128,
+    }  # fmt: skip
     chips = pods.get(name, 4)
     config.trainer.mesh.resolve(chips)
     shrunk = parse_config(TrainLmConfig, path, small(config))

@@ -60,14 +60,21 @@ def mesh_runs():
 @pytest.mark.slow
 def test_same_loss_trajectory_on_every_mesh(mesh_runs):
     single = mesh_runs[0]
-    assert single["mesh"] == {"replica": 1, "data": 1, "expert": 1, "context": 1, "model": 1}
+    assert single["mesh"] == {
+        "replica": 1,
+        "data": 1,
+        "expert": 1,
+        "context": 1,
+        "model": 1,
+        "stage": 1,
+    }
     for run in mesh_runs[1:]:
         np.testing.assert_allclose(run["losses"], single["losses"], rtol=MESH_RTOL)
         assert run["final_step"] == 5
     assert [r["mesh"] for r in mesh_runs[1:4]] == [
-        {"replica": 1, "data": 8, "expert": 1, "context": 1, "model": 1},
-        {"replica": 1, "data": 4, "expert": 1, "context": 1, "model": 2},
-        {"replica": 2, "data": 2, "expert": 1, "context": 1, "model": 2},
+        {"replica": 1, "data": 8, "expert": 1, "context": 1, "model": 1, "stage": 1},
+        {"replica": 1, "data": 4, "expert": 1, "context": 1, "model": 2, "stage": 1},
+        {"replica": 2, "data": 2, "expert": 1, "context": 1, "model": 2, "stage": 1},
     ]
 
 
@@ -86,14 +93,14 @@ def test_activation_statistics_are_global_on_every_mesh(mesh_runs):
 @pytest.mark.slow
 def test_parameters_and_optimizer_state_are_sharded_as_declared(mesh_runs):
     by_mesh = {tuple(r["mesh"].values()): r["specs"] for r in mesh_runs}
-    fsdp_tp = by_mesh[(1, 4, 1, 1, 2)]
+    fsdp_tp = by_mesh[(1, 4, 1, 1, 2, 1)]
     assert fsdp_tp["embedding"] == "P(None, 'data')"  # (vocab, embed): FSDP on embed
     assert fsdp_tp["mlp_up_axes"] == ["layers", "mlp", "embed"]
     assert fsdp_tp["mlp_up"] == "P(None, 'model', 'data')"  # TP on mlp, FSDP on embed
     assert fsdp_tp["adam_mu_mlp_up"] == fsdp_tp["mlp_up"]  # optimizer state rests like the params
-    assert by_mesh[(1, 8, 1, 1, 1)]["embedding_shard_shape"] == [64, 32 // 8]
-    assert by_mesh[(1, 4, 1, 1, 2)]["embedding_shard_shape"] == [64, 32 // 4]
-    assert by_mesh[(1, 1, 1, 1, 1)]["embedding_shard_shape"] == [64, 32]
+    assert by_mesh[(1, 8, 1, 1, 1, 1)]["embedding_shard_shape"] == [64, 32 // 8]
+    assert by_mesh[(1, 4, 1, 1, 2, 1)]["embedding_shard_shape"] == [64, 32 // 4]
+    assert by_mesh[(1, 1, 1, 1, 1, 1)]["embedding_shard_shape"] == [64, 32]
 
 
 @pytest.mark.slow
@@ -154,7 +161,14 @@ def two_process_run(tmp_path_factory, processes_support):
 def test_two_processes_match_one_process_with_four_devices(mesh_runs, two_process_run):
     _, results = two_process_run
     four_devices = mesh_runs[4]
-    assert four_devices["mesh"] == {"replica": 1, "data": 4, "expert": 1, "context": 1, "model": 1}
+    assert four_devices["mesh"] == {
+        "replica": 1,
+        "data": 4,
+        "expert": 1,
+        "context": 1,
+        "model": 1,
+        "stage": 1,
+    }
     for i, result in enumerate(results):
         assert (result["process_index"], result["process_count"]) == (i, 2)
         assert result["mesh"] == four_devices["mesh"]
@@ -180,6 +194,7 @@ def test_checkpoint_from_two_processes_reshards_onto_other_meshes(two_process_ru
         "expert": 1,
         "context": 1,
         "model": 1,
+        "stage": 1,
     }
 
     meshes = [[1, 1, 1, 1], [1, 4, 2, 8], [2, 2, 2, 8]]

@@ -112,8 +112,10 @@ def count_step(jaxpr: Any, scope: str = "", *, with_fallbacks: bool = False) -> 
                 times = eqn.params["length"]
             elif name == "while":  # a loop sized at run time: its expected trips, if named
                 times = loop_trips(where)
-            elif name == "shard_map":  # the body's shapes are one device's
-                times = eqn.params["mesh"].size
+            elif name == "shard_map":  # the body's shapes are one device's along its manual axes
+                mesh = eqn.params["mesh"]
+                manual = eqn.params.get("newly_manual_axes") or mesh.axis_names
+                times = math.prod(mesh.shape[a] for a in manual)
             for sub in _subjaxprs(eqn.params):
                 count.add(count_step(sub, where, with_fallbacks=with_fallbacks), times)
     return count

@@ -34,6 +34,7 @@ from loomax.plan.candidates import (
     remat_of,
     remat_variants,
     run_default,
+    stage_strategies,
 )
 from loomax.plan.compile import CompileResult, compile_run
 from loomax.plan.topology import Topology
@@ -158,7 +159,11 @@ def search(
     long = context_strategies(
         topology.num_devices, topology.num_slices, config.model.seq_len, batch=batch
     )
+    staged = stage_strategies(
+        topology.num_devices, topology.num_slices, getattr(config.model, "num_layers", 0), batch
+    )
     for c in [
+        *staged,
         *long,
         *mesh_strategies(topology.num_devices, topology.num_slices, num_experts=experts),
     ]:

@@ -18,6 +18,8 @@ from loomax.config import ConfigError
 from loomax.distributed import DistributedConfig, RayConfig
 from loomax.jax_setup import check_jax_options
 from loomax.mesh import AxisMappings, MeshConfig, make_axis_mappings
+from loomax.models.axes import Layers
+from loomax.stages import PipelineConfig
 from loomax.tracking import JsonlTrackerConfig, NoopTrackerConfig, TrackerConfig
 from loomax.train.averaging import ModelAveragingConfig
 from loomax.train.diloco import WORKERS, DiLoCoConfig
@@ -89,7 +91,9 @@ class TrainerConfig:
     tracker: TrackerConfig | list[TrackerConfig] = field(default_factory=JsonlTrackerConfig)
     """Where metrics go: one tracker config (type: jsonl, wandb, tensorboard, noop) or a list of them."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    """Device mesh sizes: replica, data, expert, context, model (one may be -1 to fill the devices), or {auto: true} to have loomax train choose."""
+    """Device mesh sizes: replica, data, expert, context, model, stage (one may be -1 to fill the devices), or {auto: true} to have loomax train choose."""
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    """Pipeline parallelism over mesh.stage: the schedule, its microbatches, layer chunks per device."""
     force_strategy: str | None = None
     """Train with this one of loomax plan's strategies (e.g. zero2 8x1, fsdp tp2 4x2) instead of trainer.mesh and its mappings; null = as configured."""
     batch_axis: str = "batch"
@@ -226,6 +230,7 @@ class TrainerConfig:
             parameter_axis_resources=self.parameter_axis_resources,
             compute_axis_resources=self.compute_axis_resources,
             shard_params=self.shard_params,
+            layer_axis=Layers if self.mesh.stage > 1 else None,
         )
         if self.diloco is None:
             return mappings

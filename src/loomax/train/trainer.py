@@ -75,7 +75,9 @@ class Trainer(TrainingLoop, JittedSteps):
         pseudo-gradient); None = the config's Nesterov SGD."""
         self.loss_fn = loss_fn
         self.lr_schedule = lr_schedule
-        self.runtime = MeshRuntime.create(config.mesh, config.axis_mappings(), devices)
+        self.runtime = MeshRuntime.create(
+            config.mesh, config.axis_mappings(), devices, config.pipeline
+        )
         chosen_dir = run_dir or config.run_dir
         self.run_id = run_id or config.run_id or local_run_id(chosen_dir)
         self.run_dir = config.run_path(self.run_id, run_dir)

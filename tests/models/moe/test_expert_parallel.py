@@ -81,7 +81,14 @@ def test_receive_buffer_rows_per_sender():
 @pytest.mark.slow
 def test_training_on_expert4_data2_gives_the_losses_of_one_device(runs):
     one, split = runs["one"], runs["expert4_data2"]
-    assert split["mesh"] == {"replica": 1, "data": 2, "expert": 4, "context": 1, "model": 1}
+    assert split["mesh"] == {
+        "replica": 1,
+        "data": 2,
+        "expert": 4,
+        "context": 1,
+        "model": 1,
+        "stage": 1,
+    }
     assert split["gate_spec"] == "P(None, 'expert', 'data', 'model')"  # (layers, experts, ...)
     assert len(one["losses"]) == 5
     np.testing.assert_allclose(split["losses"], one["losses"], rtol=1e-5)

@@ -1,0 +1,182 @@
+"""The layer stack run as a pipeline over the ``stage`` mesh axis, in one SPMD program.
+
+The stacked layers (leading ``layers`` dimension, resting on ``stage``: ``layers -> stage``)
+are cut into ``stages x virtual_stages`` equal chunks; device ``s`` of a stage group holds
+chunks ``s, s + stages, ...`` (one chunk per device for ``gpipe``: the contiguous layers the
+parameter mapping already gives it). The batch is split into the pipeline's microbatches
+(row ``i`` of each ``microbatches`` rows, as the step's accumulation splits it) and a
+``jax.shard_map`` manual over ``stage`` alone (the other axes stay automatic, so data, FSDP
+and tensor parallelism inside a stage keep their shardings) runs a static schedule: at slot
+``t`` stage ``s`` runs work item ``t - s`` (microbatch ``item % m`` through chunk
+``item // m``), then ``jax.lax.ppermute`` passes every stage's output to the next, the last
+stage's back to the first (which keeps it until that microbatch's next chunk is due). Idle
+slots run on zeros whose results nothing reads: the bubble, ``(p - 1) / (v m + p - 1)`` of
+the slots. The backward pass is JAX's transpose of the loop (the cotangents pass the other
+way round the ring), so gradients are those of the unstaged stack and accumulate per stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+from jax.sharding import PartitionSpec as P
+
+from loomax.config import ConfigError
+from loomax.mesh import current_mesh
+from loomax.stages import STAGE_AXIS, PipelineConfig, current_pipeline
+
+
+def stage_count() -> int:
+    """Devices of the ``stage`` axis of the mesh in context (1 without one)."""
+    mesh = current_mesh()
+    if mesh is None or STAGE_AXIS not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[STAGE_AXIS])
+
+
+def pipeline_plan(layers: int, rows: int, stages: int, config: PipelineConfig) -> tuple[int, int]:
+    """``(microbatches, virtual_stages)`` for a stack of ``layers`` over ``stages`` and a batch
+    of ``rows``; a ``ConfigError`` naming the keys when they do not divide."""
+    v, m = config.virtual_stages, config.microbatches_for(stages)
+    if layers % (stages * v):
+        raise ConfigError(
+            f"trainer.mesh.stage ({stages}) x trainer.pipeline.virtual_stages ({v}) must divide "
+            f"the model's {layers} layers"
+        )
+    if rows % m:
+        raise ConfigError(
+            f"trainer.pipeline.microbatches ({m}) must divide the batch's {rows} rows per "
+            "forward pass (train_batch_size / per_device_parallelism microbatches)"
+        )
+    if v > 1 and m < stages:
+        raise ConfigError(
+            f"trainer.pipeline.microbatches ({m}) must be at least trainer.mesh.stage ({stages}) "
+            "for the interleaved schedule"
+        )
+    return m, v
+
+
+def bubble(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The idle share of the staged loop's slots: ``(p - 1) / (v m + p - 1)``."""
+    return (stages - 1) / (virtual_stages * microbatches + stages - 1)
+
+
+def run_stages(
+    blocks: hnn.Stacked,
+    x: NamedArray,
+    segment_ids: NamedArray | None,
+    *,
+    unroll: int | bool = 1,
+    per_layer: dict[str, jax.Array] | None = None,
+) -> NamedArray:
+    """``x`` through every block of ``blocks``, pipelined over the ``stage`` mesh axis."""
+    mesh, p = current_mesh(), stage_count()
+    if not isinstance(x, NamedArray):
+        raise ConfigError(
+            "trainer.mesh.stage > 1: this model's layers carry more than the residual stream "
+            "(a mixture of experts' router statistics); its stack is not staged yet"
+        )
+    Batch = x.axes[0]
+    L = blocks.Block.size
+    m, v = pipeline_plan(L, Batch.size, p, current_pipeline())
+    chunk = L // (p * v)
+    per_layer = per_layer or {}
+
+    leaves, treedef = jax.tree.flatten(blocks.stacked, is_leaf=lambda a: isinstance(a, NamedArray))
+    where = [i for i, a in enumerate(leaves) if isinstance(a, NamedArray) or eqx.is_array(a)]
+    named = [leaves[i] for i in where]
+    names = [tuple(ax.name for ax in a.axes) if isinstance(a, NamedArray) else None for a in named]
+    raw = [a.array if isinstance(a, NamedArray) else a for a in named]
+
+    def by_chunk(a):  # (layers, ...) -> (v, p, chunk, ...): chunk r*p + s on stage s
+        return a.reshape(v, p, chunk, *a.shape[1:])
+
+    stacked_in = [by_chunk(a) for a in raw]
+    layer_in = {k: by_chunk(a) for k, a in per_layer.items()}
+
+    def micro(a):  # (rows, ...) -> (m, rows / m, ...): microbatch i = rows i, i + m, ...
+        return a.reshape(-1, m, *a.shape[1:]).swapaxes(0, 1)
+
+    x_axes = tuple(ax.name for ax in x.axes)
+    x_in = micro(x.array)
+    seg_axes = None if segment_ids is None else tuple(ax.name for ax in segment_ids.axes)
+    seg_in = None if segment_ids is None else micro(segment_ids.array)
+    Micro = Batch.resize(Batch.size // m)
+
+    inner = _without_stage(hax.partitioning.current_thread_local_mapping() or {})
+
+    def stage_chunk(params, extra, inp, seg):
+        local_leaves = list(leaves)
+        for i, a, n in zip(where, params, names, strict=True):
+            local_leaves[i] = a if n is None else hax.named(a, n)
+        local = jax.tree.unflatten(treedef, local_leaves)
+        stack = dataclasses.replace(blocks, stacked=local, Block=blocks.Block.resize(chunk))
+        h = hax.named(inp, (Micro.name, *x_axes[1:]))
+        s_ids = None if seg is None else hax.named(seg, (Micro.name, *seg_axes[1:]))
+        with hax.axis_mapping(inner):  # stage is manual in here: no constraint may name it
+            return stack.fold(h, s_ids, unroll=unroll, **extra).array
+
+    items, slots = v * m, v * m + p - 1
+    ring = [(i, (i + 1) % p) for i in range(p)]
+
+    def body(params, extra, x_mb, seg_mb):
+        s = jax.lax.axis_index(STAGE_AXIS)
+        params = [a[:, 0] for a in params]  # (v, chunk, ...): this stage's chunks
+        extra = {k: a[:, 0] for k, a in extra.items()}
+        zero = jnp.zeros_like(x_mb[0])
+
+        def slot(carry, t):
+            state, kept, outputs = carry
+            item = jnp.clip(t - s, 0, items - 1)
+            mb, r = item % m, item // m
+            first = x_mb[mb] if v == 1 else jnp.where(r == 0, x_mb[mb], kept[mb])
+            inp = jnp.where(s == 0, first, state)
+            chunk_params = [a[r] for a in params]
+            chunk_extra = {k: a[r] for k, a in extra.items()}
+            seg = None if seg_mb is None else seg_mb[mb]
+            y = stage_chunk(chunk_params, chunk_extra, inp, seg)
+            done = (t - s >= 0) & (t - s < items) & (s == p - 1) & (r == v - 1)
+            outputs = outputs.at[mb].set(jnp.where(done, y, outputs[mb]))
+            sent = jax.lax.ppermute(y, STAGE_AXIS, ring)
+            if v > 1:  # stage 0 keeps what comes round the ring for the microbatch's next chunk
+                back = t - (p - 1)
+                keep = (s == 0) & (back >= 0) & (back < items - m)
+                slot_mb = jnp.clip(back, 0, items - 1) % m
+                kept = kept.at[slot_mb].set(jnp.where(keep, sent, kept[slot_mb]))
+            return (sent, kept, outputs), None
+
+        outputs = jnp.zeros_like(x_mb) + zero[None]
+        kept = outputs if v > 1 else None
+        carry = (zero, kept, outputs)
+        (_, _, outputs), _ = jax.lax.scan(slot, carry, jnp.arange(slots))
+        return jax.lax.psum(jnp.where(s == p - 1, outputs, 0), STAGE_AXIS)
+
+    stage_spec = [P(None, STAGE_AXIS)] * len(stacked_in)
+    run = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(stage_spec, {k: P(None, STAGE_AXIS) for k in layer_in}, P(), P()),
+        out_specs=P(),
+        axis_names={STAGE_AXIS},
+        check_vma=False,
+    )
+    out = run(stacked_in, layer_in, x_in, seg_in)
+    out = out.swapaxes(0, 1).reshape(x.array.shape)
+    return hax.auto_sharded(hax.named(out, x_axes))
+
+
+def _without_stage(mapping: dict) -> dict:
+    """``mapping`` with the ``stage`` mesh axis taken out of every target."""
+    out = {}
+    for name, target in mapping.items():
+        targets = (target,) if isinstance(target, str) else tuple(target or ())
+        kept = tuple(t for t in targets if t != STAGE_AXIS)
+        if kept:
+            out[name] = kept[0] if len(kept) == 1 else kept
+    return out

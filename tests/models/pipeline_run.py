@@ -1,0 +1,137 @@
+"""Worker for the pipeline tests: a tiny Llama (8 layers) trained 5 steps on 1 device and on
+8 CPU devices as stage 4 x data 2 under each executed schedule; then a checkpoint written
+at step 3 by the stage-4 run resumed on 4 devices as stage 2 x data 2; prints JSON.
+
+  python pipeline_run.py [SCHEDULE ...] [resume]    (resume needs gpipe)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from loomax.checkpoint import CheckpointerConfig  # noqa: E402
+from loomax.data import BatchLoader, TokenWindows  # noqa: E402
+from loomax.lm import lm_loss  # noqa: E402
+from loomax.mesh import MeshConfig  # noqa: E402
+from loomax.models import LlamaConfig  # noqa: E402
+from loomax.optim import AdamConfig  # noqa: E402
+from loomax.stages import PipelineConfig  # noqa: E402
+from loomax.tracking import NoopTrackerConfig  # noqa: E402
+from loomax.train import Trainer, TrainerConfig  # noqa: E402
+
+MODEL = LlamaConfig(
+    seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=8, num_heads=4, num_kv_heads=2
+)  # fmt: skip
+VOCAB, STEPS, BATCH = 64, 5, 16
+RUNS = {
+    "gpipe": (MeshConfig(data=2, stage=4), PipelineConfig(microbatches=8)),
+    "interleaved": (
+        MeshConfig(data=2, stage=4),
+        PipelineConfig(schedule="interleaved", microbatches=8, virtual_stages=2),
+    ),
+}
+
+
+def loader() -> BatchLoader:
+    tokens = np.random.default_rng(0).integers(0, VOCAB, 40 * MODEL.seq_len, dtype=np.int32)
+    return BatchLoader(TokenWindows(tokens, MODEL.seq_len), BATCH, seed=0)
+
+
+def make_trainer(
+    mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str, **settings
+) -> Trainer:
+    config = TrainerConfig(
+        num_train_steps=STEPS, train_batch_size=BATCH, mesh=mesh, pipeline=pipeline,
+        progress_bar=False, tracker=NoopTrackerConfig(), run_dir=run_dir, **settings,
+    )  # fmt: skip
+    optimizer = AdamConfig(learning_rate=3e-3, warmup=0)
+    return Trainer(config, optimizer.build(STEPS), lm_loss(), devices=devices)
+
+
+def train(mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str | None = None) -> dict:
+    """5 steps; the stage-4 GPipe run (given ``run_dir``) also saves step 3, alone."""
+    saving = CheckpointerConfig(fixed_steps=[3], save_at_end=False, async_save=False)
+    settings = {"checkpointer": saving} if run_dir else {}
+    trainer = make_trainer(mesh, pipeline, devices, run_dir or tempfile.mkdtemp(), **settings)
+    losses: list[float] = []
+    norms: list[float] = []  # Adam hides a gradient's scale from the losses; its norm does not
+    trainer.add_hook(lambda info: losses.append(info.loss))
+    trainer.add_hook(lambda info: norms.append(float(info.metrics["optim/grad_norm"])))
+    state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+    up = state.model.blocks.stacked.mlp.up_proj.weight.array
+    spec, shape = str(up.sharding.spec), list(up.addressable_shards[0].data.shape)
+    batch = next(iter(loader().iter_from(0)))
+    compiled = trainer.compiled_step(state, batch)
+    trips = sorted({int(n) for n in re.findall(r"known_trip_count\D*(\d+)", compiled.as_text())})
+    trainer.train(state, loader().iter_from(0, *trainer.runtime.row_block))
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "mlp_up_spec": spec,
+        "mlp_up_shard_shape": shape,
+        "loop_trip_counts": trips,
+    }
+
+
+def stack_flops() -> dict:
+    """Matmul FLOPs of the layer stack's gradient (``loomax plan``'s count over the traced
+    program, all devices), unstaged and under each executed schedule."""
+    import equinox as eqx
+    import haliax as hax
+
+    from loomax.models.layers import run_layers
+    from loomax.plan.flops import count_step
+    from loomax.runtime import MeshRuntime
+
+    blocks = MODEL.build(VOCAB, key=jax.random.PRNGKey(0)).blocks
+    axes = (hax.Axis("batch", BATCH), hax.Axis("position", MODEL.seq_len), MODEL.Embed)
+    x = hax.random.normal(jax.random.PRNGKey(1), axes)
+    grad = eqx.filter_grad(lambda b, x: hax.sum(run_layers(b, x, None)).array)
+    out = {}
+    for name, (mesh, pipeline) in {"single": (MeshConfig(data=1), None), **RUNS}.items():
+        devices = jax.devices()[:1] if name == "single" else None
+        mappings = TrainerConfig(mesh=mesh).axis_mappings()
+        runtime = MeshRuntime.create(mesh, mappings, devices, pipeline)
+        with runtime.mesh_context():
+            out[name] = count_step(jax.make_jaxpr(grad)(blocks, x)).dot_flops
+    return out
+
+
+def resume(run_dir: str) -> dict:
+    """The stage-4 run's step-3 checkpoint (in ``run_dir``) resumed at stage 2 x data 2 (4
+    devices) for steps 4 and 5."""
+    again = make_trainer(
+        MeshConfig(data=2, stage=2), PipelineConfig(microbatches=8), jax.devices()[:4],
+        tempfile.mkdtemp(), load_checkpoint=True, load_checkpoint_path=f"{run_dir}/checkpoints",
+    )  # fmt: skip
+    resumed: list[float] = []
+    again.add_hook(lambda info: resumed.append(info.loss))
+    state = again.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+    start = int(state.step)
+    up = state.model.blocks.stacked.mlp.up_proj.weight.array
+    shape = list(up.addressable_shards[0].data.shape)
+    again.train(state, loader().iter_from(start, *again.runtime.row_block))
+    return {"start": start, "losses": resumed, "mlp_up_shard_shape": shape}
+
+
+if __name__ == "__main__":
+    out = {"single": train(MeshConfig(data=1), PipelineConfig(), jax.devices()[:1])}
+    saved = tempfile.mkdtemp()
+    for name, (mesh, pipeline) in RUNS.items():
+        if len(sys.argv) < 2 or name in sys.argv[1:]:
+            out[name] = train(mesh, pipeline, None, saved if name == "gpipe" else None)
+    if len(sys.argv) < 2 or "resume" in sys.argv[1:]:
+        out["resume"] = resume(saved)
+    if len(sys.argv) < 2 or "flops" in sys.argv[1:]:
+        out["stack_flops"] = stack_flops()
+    print(json.dumps(out))
