@@ -118,6 +118,9 @@ class MixtralConfig(LlamaConfig):
         "expert_intermediate_dim": (None, "sizes experts by intermediate_size"),
         "first_dense_layers": (0, "routes every layer"),
         "bias_update_rate": (0.0, "has no routing bias"),
+        "routing_bias": (False, "has no routing bias"),
+        "num_groups": (1, "routes over all experts (no groups)"),
+        "routed_scaling_factor": (1.0, "does not scale the routed weights"),
     }
     """What export needs of a ``model.moe`` key, and what the HF class lacks otherwise."""
     hf_expert_names: ClassVar[tuple[str, str, str, str]] = (
@@ -305,13 +308,12 @@ class MixtralLmModel(LlamaLmModel):
         """The routing bias after a step whose mean expert load was ``stats["moe_load"]``
         ``[layers, experts]``: each expert's bias rises by ``bias_update_rate`` when it is
         under the mean load, falls when over (DeepSeek-V3's aux-loss-free balancing)."""
-        bias = self.blocks.stacked.mlp.bias
-        if bias is None or "moe_load" not in stats:
+        bias, rate = self.blocks.stacked.mlp.bias, self.config.moe.bias_update_rate
+        if bias is None or not rate or "moe_load" not in stats:  # a kept bias moves only at a rate
             return self
         load = stats["moe_load"]
         step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
         value = bias.value.rearrange((self.config.Layers.name, Experts))
-        rate = self.config.moe.bias_update_rate
         new = hax.named(value.array + (rate * step).astype(value.dtype), value.axes)
         return eqx.tree_at(lambda m: m.blocks.stacked.mlp.bias.value, self, new)
 
