@@ -19,9 +19,9 @@ from loomax.models import MoeConfig
 from loomax.models.moe.moe import MoeMlp
 from loomax.models.moe.moe_routing import route
 
-D, I, E, T = 16, 8, 8, 24
+D, W, E, T = 16, 8, 8, 24
 MOE = MoeConfig(
-    num_experts=E, num_experts_per_tok=3, expert_intermediate_dim=I, score_function="sigmoid",
+    num_experts=E, num_experts_per_tok=3, expert_intermediate_dim=W, score_function="sigmoid",
     num_shared_experts=1, num_groups=4, topk_groups=2, routed_scaling_factor=2.5,
     routing_bias=True, matmul="blocked", matmul_block=8,
 )  # fmt: skip
@@ -39,7 +39,7 @@ def torch_moe(torch, norm_topk_prob: bool):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     config = DeepseekV3Config(
-        hidden_size=D, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=3,
+        hidden_size=D, moe_intermediate_size=W, n_routed_experts=E, num_experts_per_tok=3,
         n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
         norm_topk_prob=norm_topk_prob,
     )  # fmt: skip
@@ -56,13 +56,13 @@ def torch_moe(torch, norm_topk_prob: bool):
 def loomax_moe(torch_module, moe: MoeConfig) -> MoeMlp:
     """A ``MoeMlp`` holding ``torch_module``'s weights."""
     t = {k: v.detach().numpy() for k, v in torch_module.state_dict().items()}
-    m = MoeMlp.init(moe, hax.Axis("embed", D), I, "silu", 1.0, key=jax.random.PRNGKey(0))
+    m = MoeMlp.init(moe, hax.Axis("embed", D), W, "silu", 1.0, key=jax.random.PRNGKey(0))
     named = lambda a, axes: hax.named(jax.numpy.asarray(a), axes)  # noqa: E731
     gate_up = t["experts.gate_up_proj"]  # [E, 2I, D]
     updates = {
         "router.weight": named(t["gate.weight"], ("experts", "embed")),
-        "gate": named(gate_up[:, :I], ("experts", "mlp", "embed")),
-        "up": named(gate_up[:, I:], ("experts", "mlp", "embed")),
+        "gate": named(gate_up[:, :W], ("experts", "mlp", "embed")),
+        "up": named(gate_up[:, W:], ("experts", "mlp", "embed")),
         "down": named(t["experts.down_proj"], ("experts", "embed", "mlp")),
         "shared_gate.weight": named(t["shared_experts.gate_proj.weight"], ("mlp", "embed")),
         "shared_up.weight": named(t["shared_experts.up_proj.weight"], ("mlp", "embed")),
@@ -93,7 +93,9 @@ def test_equals_transformers_deepseek_v3_moe(torch, norm_topk_prob):
     got, _ = jax.jit(lambda m, x: m(x))(ours, hax.named(x, ("batch", "position", "embed")))
     np.testing.assert_allclose(got.array, want, rtol=1e-5, atol=1e-5)
     # the same experts and weights per token (both sorted by expert)
-    logits = x.reshape(-1, D) @ np.asarray(ours.router.weight.rearrange(("experts", "embed")).array).T
+    logits = (
+        x.reshape(-1, D) @ np.asarray(ours.router.weight.rearrange(("experts", "embed")).array).T
+    )
     bias = ours.bias.value.array
     w, e, _ = route(logits, 3, score="sigmoid", norm_topk_prob=norm_topk_prob, bias=bias,
                     groups=4, topk_groups=2, scale=2.5)  # fmt: skip
