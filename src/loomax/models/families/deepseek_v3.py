@@ -21,7 +21,6 @@ exported.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -34,19 +33,19 @@ from jaxtyping import PRNGKeyArray
 
 from loomax.config import ConfigError
 from loomax.errors import BadFileError
-from loomax.models.attention.mla import MlaAttention, MlaConfig, _deepseek_v3_rope
+from loomax.models.attention.mla import MlaConfig, _deepseek_v3_rope
 from loomax.models.attention.mla_cache import MlaCache
 from loomax.models.attention.rotary import RotaryConfig
+from loomax.models.attention.sequence_layout import context_ways
 from loomax.models.axes import Vocab
 from loomax.models.blocks import taps
-from loomax.models.blocks.decoder import LlamaMlp
-from loomax.models.blocks.dropout import dropout, split
-from loomax.models.blocks.remat import name_activation
-from loomax.models.config import LmConfig
+from loomax.models.blocks.mla_block import MlaDenseBlock, MlaMoeBlock
+from loomax.models.blocks.mtp import MultiTokenPrediction, with_mtp_losses
+from loomax.models.config import AuxOutputs, LmConfig
 from loomax.models.families.llama import LlamaConfig
 from loomax.models.families.mixtral import MixtralConfig, MixtralLmModel
 from loomax.models.io.hf_layout import Param
-from loomax.models.moe.moe import MoeConfig, MoeMlp
+from loomax.models.moe.moe import MoeConfig
 from loomax.models.moe.moe_routing import RouterAux
 
 
@@ -96,6 +95,10 @@ class DeepseekV3Config(MixtralConfig):
     """Rotary pairs are adjacent dims (DeepSeek's checkpoints) rather than the two halves."""
     attention_bias: bool = False
     """Biases on q_a_proj, kv_a_proj and o_proj."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules (DeepSeek-V3: 1), depth d predicting the token d + 1 ahead; trained, logged as mtp/loss_<d>, left out of train/loss and of HF export; 0 = none."""
+    mtp_loss_weights: tuple[float, ...] = ()
+    """Each depth's weight in the training objective; empty = 0.3 / mtp_depth each (DeepSeek-V3's lambda / D)."""
     moe: MoeConfig = field(default_factory=_deepseek_v3_moe)
     """Experts and DeepSeek routing (the `moe` section; V3: 256 experts of 2048, top 8 within 4 of 8 groups, sigmoid, bias, scale 2.5, one shared expert, 3 dense first layers)."""
 
@@ -113,6 +116,18 @@ class DeepseekV3Config(MixtralConfig):
         if self.sliding_window is not None:
             raise ConfigError("model.sliding_window is not supported by model.type deepseek_v3")
         self.mla  # noqa: B018  (checks the attention's sizes)
+        object.__setattr__(self, "mtp_loss_weights", tuple(self.mtp_loss_weights))
+        weights = self.mtp_loss_weights
+        if self.mtp_depth < 0 or (weights and len(weights) != self.mtp_depth) or min(weights, default=0) < 0:  # fmt: skip
+            raise ConfigError(
+                f"model.mtp_depth ({self.mtp_depth}) must be >= 0 and model.mtp_loss_weights "
+                f"({list(weights)}) empty or one weight >= 0 per depth"
+            )
+
+    @property
+    def mtp_weights(self) -> tuple[float, ...]:
+        """Each multi-token prediction depth's loss weight."""
+        return self.mtp_loss_weights or (0.3 / max(self.mtp_depth, 1),) * self.mtp_depth
 
     @property
     def mla(self) -> MlaConfig:
@@ -143,7 +158,8 @@ class DeepseekV3Config(MixtralConfig):
         keys = (s + 1) / 2 if causal else s
         scores = 2 * keys * h * (qk + v)
         layers = (self.num_layers - dense) * routed + dense * 2 * 3 * d * self.intermediate_dim
-        return float(self.num_layers * (attn + scores) + layers + 2 * d * vocab_size)
+        mtp = self.mtp_depth * (attn + scores + routed + 2 * 2 * d * d + 2 * d * vocab_size)
+        return float(self.num_layers * (attn + scores) + layers + 2 * d * vocab_size + mtp)
 
     # Hugging Face (loomax.hf.family.HfFamily) ---------------------------------------------
     hf_model_type: ClassVar[str | None] = "deepseek_v3"
@@ -263,8 +279,7 @@ class DeepseekV3Config(MixtralConfig):
                 "model.moe.routing_bias: true (or bias_update_rate > 0) and num_shared_experts >= 1"
             )
         out = LlamaConfig.hf_config(self, vocab_size)
-        for key in ("head_dim", "mlp_bias"):
-            del out[key]
+        del out["head_dim"], out["mlp_bias"]
         return {
             **out,
             "num_key_value_heads": self.num_heads,
@@ -319,88 +334,14 @@ class DeepseekV3Config(MixtralConfig):
         )  # fmt: skip
 
 
-def _attention(block, x: NamedArray, segment_ids, key) -> NamedArray:
-    """``x`` plus the block's attention of its normed self (residual dropout with ``key``)."""
-    k_probs, k_attn = split(key, 2)
-    attn = taps.tap("attn_out", block.attn(block.input_norm(x), segment_ids, key=k_probs))
-    return x + dropout(attn, block.config.resid_pdrop, k_attn)
-
-
-def _mlp_input(block, x: NamedArray) -> NamedArray:
-    return taps.tap("mlp_in", name_activation(block.post_attn_norm(x), "mlp_in"))
-
-
-class DeepseekV3DenseBlock(eqx.Module):
-    """Pre-norm block with MLA and a dense gated MLP (the first ``moe.first_dense_layers``)."""
-
-    input_norm: hnn.RmsNorm
-    attn: MlaAttention
-    post_attn_norm: hnn.RmsNorm
-    mlp: LlamaMlp
-    config: DeepseekV3Config = eqx.field(static=True)
-
-    @staticmethod
-    def init(config: DeepseekV3Config, *, key: PRNGKeyArray) -> DeepseekV3DenseBlock:
-        k_attn, k_mlp = jax.random.split(key)
-        c = config
-        attn = MlaAttention.init(c.mla, c, key=k_attn, out_scale=1 / math.sqrt(2 * c.num_layers))
-        mlp = LlamaMlp.init(c, key=k_mlp)
-        return DeepseekV3DenseBlock(c.make_norm(c.Embed), attn, c.make_norm(c.Embed), mlp, c)
-
-    def __call__(self, x, segment_ids=None, *, key=None, layer=None) -> NamedArray:
-        """``key`` (training) drives this block's dropout; ``layer`` is not read."""
-        k_attn, k_mlp = split(key, 2)
-        x = _attention(self, x, segment_ids, k_attn)
-        mlp = taps.tap("mlp_out", self.mlp(_mlp_input(self, x)))
-        return hax.auto_sharded(x + dropout(mlp, self.config.resid_pdrop, k_mlp))
-
-    def decode(self, x: NamedArray, cache: MlaCache, start) -> tuple[NamedArray, MlaCache]:
-        attn, cache = self.attn.decode(self.input_norm(x), cache, start)
-        x = x + attn
-        return x + self.mlp(self.post_attn_norm(x)), cache
-
-
-class DeepseekV3MoeBlock(eqx.Module):
-    """Pre-norm block with MLA and the DeepSeek-routed experts; the carry is ``(x, aux)``."""
-
-    input_norm: hnn.RmsNorm
-    attn: MlaAttention
-    post_attn_norm: hnn.RmsNorm
-    mlp: MoeMlp
-    config: DeepseekV3Config = eqx.field(static=True)
-
-    @staticmethod
-    def init(config: DeepseekV3Config, *, key: PRNGKeyArray) -> DeepseekV3MoeBlock:
-        k_attn, k_mlp = jax.random.split(key)
-        c, scale = config, 1 / math.sqrt(2 * config.num_layers)
-        attn = MlaAttention.init(c.mla, c, key=k_attn, out_scale=scale)
-        mlp = MoeMlp.init(c.moe, c.Embed, c.intermediate_dim, c.activation_function, scale, key=k_mlp)  # fmt: skip
-        return DeepseekV3MoeBlock(c.make_norm(c.Embed), attn, c.make_norm(c.Embed), mlp, c)
-
-    def __call__(
-        self, carry: tuple[NamedArray, RouterAux], segment_ids=None, *, key=None, layer=0
-    ) -> tuple[NamedArray, RouterAux]:
-        """``key`` (training) drives this block's dropout; ``layer`` is its row in ``aux``."""
-        x, aux = carry
-        k_attn, k_mlp = split(key, 2)
-        x = _attention(self, x, segment_ids, k_attn)
-        mlp, aux = self.mlp(_mlp_input(self, x), aux, layer)
-        x = x + dropout(taps.tap("mlp_out", mlp), self.config.resid_pdrop, k_mlp)
-        return hax.auto_sharded(x), aux
-
-    def decode(self, x: NamedArray, cache: MlaCache, start) -> tuple[NamedArray, MlaCache]:
-        attn, cache = self.attn.decode(self.input_norm(x), cache, start)
-        x = x + attn
-        return x + self.mlp(self.post_attn_norm(x))[0], cache
-
-
 class DeepseekV3LmModel(MixtralLmModel):
     """The Mixtral model's embedding, stacks, router statistics and head around DeepSeek-V3's
     blocks; decoding caches MLA's latent and rotary key per layer (``MlaCache``)."""
 
     config: DeepseekV3Config = eqx.field(static=True)
-    blocks: hnn.Stacked[DeepseekV3MoeBlock]
-    dense_blocks: hnn.Stacked[DeepseekV3DenseBlock] | None = None
+    blocks: hnn.Stacked[MlaMoeBlock]
+    dense_blocks: hnn.Stacked[MlaDenseBlock] | None = None
+    mtp: MultiTokenPrediction | None = None  # mtp_depth
 
     @staticmethod
     def init(config: DeepseekV3Config, Vocab: Axis, *, key: PRNGKeyArray) -> DeepseekV3LmModel:
@@ -410,19 +351,49 @@ class DeepseekV3LmModel(MixtralLmModel):
             hax.random.normal(k_tok, (Vocab, c.Embed)) * c.initializer_range, Vocab, c.Embed
         )
         keys, remat = jax.random.split(k_blocks, c.num_layers), c.remat_policy
-        blocks = hnn.Stacked.init(c.MoeLayers, DeepseekV3MoeBlock, gradient_checkpointing=remat)(
+        blocks = hnn.Stacked.init(c.MoeLayers, MlaMoeBlock, gradient_checkpointing=remat)(
             c, key=keys[n:]
         )
         dense = None
         if n:
             dense = hnn.Stacked.init(
-                Axis(c.Layers.name, n), DeepseekV3DenseBlock, gradient_checkpointing=remat
+                Axis(c.Layers.name, n), MlaDenseBlock, gradient_checkpointing=remat
             )(c, key=keys[:n])
         head = None
         if not c.tie_word_embeddings:
             head = hnn.Linear.init(c.Embed, Vocab, key=k_head, use_bias=False)
-        norm = c.make_norm(c.Embed)
-        return DeepseekV3LmModel(c, embed, blocks, norm, head, None, dense)
+        norm, mtp = c.make_norm(c.Embed), None
+        if c.mtp_depth:
+            block = lambda k: MlaMoeBlock.init(c, key=k)  # noqa: E731
+            mtp_key = jax.random.fold_in(k_head, 1)
+            mtp = MultiTokenPrediction.init(c.mtp_depth, c.Embed, c.rms_norm_eps, block, key=mtp_key)  # fmt: skip
+        return DeepseekV3LmModel(c, embed, blocks, norm, head, None, dense, mtp)
+
+    def hidden_states(self, tokens, *, segment_ids=None, key=None) -> NamedArray:
+        x, _ = self.residual_and_aux(tokens, segment_ids=segment_ids, key=key)
+        return taps.tap("final", self.norm(x))
+
+    def hidden_states_and_aux(
+        self, tokens, *, segment_ids=None, key=None
+    ) -> tuple[NamedArray, AuxOutputs]:
+        """The Mixtral model's, with the multi-token prediction losses (``mtp_depth``) as
+        side losses (trained, not in the loss's value) and ``mtp/loss_<d>`` metrics."""
+        x, aux = self.residual_and_aux(tokens, segment_ids=segment_ids, key=key)
+        if self.mtp is not None:
+            if context_ways() > 1:
+                raise ConfigError(
+                    "model.mtp_depth > 0 is not supported with trainer.mesh.context > 1 "
+                    "(its targets are shifted along the whole sequence)"
+                )
+            E = self.config.moe.num_experts
+
+            def run_block(block, h):
+                return block((h, RouterAux.zeros(1, E)), segment_ids)[0]
+
+            head, embed = self.lm_head_weight(), self.embed_tokens.embed
+            losses = self.mtp.losses(x, tokens, embed, head, run_block, segment_ids)
+            aux = with_mtp_losses(aux, losses, self.config.mtp_weights)
+        return taps.tap("final", self.norm(x)), aux
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> MlaCache:
         """The latent and rotary key of every layer, ``max_len`` positions."""

@@ -278,6 +278,17 @@ class MixtralLmModel(LlamaLmModel):
         segment_ids: NamedArray | None = None,
         key: PRNGKeyArray | None = None,
     ) -> tuple[NamedArray, AuxOutputs]:
+        x, aux = self.residual_and_aux(tokens, segment_ids=segment_ids, key=key)
+        return taps.tap("final", self.norm(x)), aux
+
+    def residual_and_aux(
+        self,
+        tokens: NamedArray,
+        *,
+        segment_ids: NamedArray | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[NamedArray, AuxOutputs]:
+        """The residual stream after the last block (before the final norm) and the aux outputs."""
         c = self.config
         x = _maybe(self.embed_norm, hax.auto_sharded(self.embed_tokens.embed(tokens)))
         k_embed, k_layers = split(key if c.dropout_active else None, 2)
@@ -298,7 +309,7 @@ class MixtralLmModel(LlamaLmModel):
         if bias is not None:  # aux-loss-free balancing: the step moves the bias from the load
             state["moe_load"] = aux.load
             metrics.update(bias_metrics(bias.value.rearrange((c.Layers.name, Experts)).array))
-        return taps.tap("final", self.norm(x)), AuxOutputs(losses, metrics, state)
+        return x, AuxOutputs(losses, metrics, state)
 
     def decode_stacks(self) -> list[hnn.Stacked]:
         """The dense first layers' blocks (``moe.first_dense_layers``), then the MoE blocks."""
