@@ -1,7 +1,7 @@
 """Multi-token prediction (``model.mtp_depth``, DeepSeek-V3): its losses fall under the real
 train step and are logged as ``mtp/loss_<d>``; they are trained (their gradient reaches the
 modules) but left out of the loss's value, which equals the model without them (1e-6); the
-model with MTP exports to transformers (no MTP tensors) with transformers' logits; depth d's
+model with MTP exports exactly as the model without it (no MTP tensors) and has its logits; depth d's
 inputs and targets are the tokens d and d + 1 ahead; bad weights are refused."""
 
 from __future__ import annotations
@@ -79,20 +79,23 @@ def test_trained_but_left_out_of_the_loss_value(config, run):
         assert float(jnp.abs(depth.proj.weight.array).max()) > 0
 
 
-def test_exported_without_mtp_with_transformers_logits(run, tmp_path):
-    import torch
-    import transformers
-
+def test_exported_as_the_model_without_mtp(config, run, tmp_path):
+    """The export of a model with MTP is the export of the same model without it (tensors
+    and config.json): the family's own HF tests (tests/hf/test_transformers.py, transformers'
+    logits to 1e-5 and greedy tokens) then cover it."""
     _, model, _ = run
-    export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
-    hf_config, tensors = read_hf(tmp_path)
-    assert hf_config["num_nextn_predict_layers"] == 0
-    assert not any("layers.2." in name or "mtp" in name for name in tensors)  # 2 layers only
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = hf(torch.tensor(PATTERN[None], dtype=torch.long)).logits[0].numpy()
-    got = np.asarray(model.logits(hax.named(PATTERN, "position")).array)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    without = dataclasses.replace(model, mtp=None, config=dataclasses.replace(config, mtp_depth=0))
+    export_hf(model, tmp_path / "mtp")
+    export_hf(without, tmp_path / "plain")
+    (c1, t1), (c2, t2) = read_hf(tmp_path / "mtp"), read_hf(tmp_path / "plain")
+    assert c1 == c2 and c1["num_nextn_predict_layers"] == 0
+    assert t1.keys() == t2.keys()
+    for name in t1:
+        np.testing.assert_array_equal(t1[name], t2[name], err_msg=name)
+    np.testing.assert_array_equal(
+        model.logits(hax.named(PATTERN, "position")).array,
+        without.logits(hax.named(PATTERN, "position")).array,
+    )
 
 
 def test_depth_inputs_and_targets_are_the_tokens_ahead():
