@@ -84,7 +84,7 @@ def test_shipped_config_compiles_with_no_extra_flag(name):
     config = parse_config(TrainLmConfig, path, [])
     vocab_size_of(config)  # no model.vocab_size needed: a known tokenizer or the trained BPE
     pods = {"llama_8b_128k.yaml": 64, "llama_8b_1m.yaml": 256, "mixtral_8x7b.yaml": 128}
-    pods["deepseek_v3_671b.yaml"] = 512
+    pods["deepseek_v3_671b.yaml"] = 2048
     chips = pods.get(name, 4)
     config.trainer.mesh.resolve(chips)
     shrunk = parse_config(TrainLmConfig, path, small(config))
