@@ -67,6 +67,8 @@ def small(config: TrainLmConfig) -> list[str]:
     moe = getattr(model, "moe", None)
     if moe is not None and moe.num_experts > 16:  # OLMoE's 64: compiles 3x slower, same code
         flags += ["--model.moe.num_experts", "16"]
+    if moe is not None and moe.first_dense_layers > 1:  # DeepSeek-V3's 3: one dense, one routed
+        flags += ["--model.moe.first_dense_layers", "1"]
     for axis in ("context", "expert"):  # a long-context or MoE run's split kept, on 4 chips
         if getattr(config.trainer.mesh, axis) > 2:
             flags += [f"--trainer.mesh.{axis}", "2"]
@@ -88,7 +90,7 @@ def test_shipped_config_compiles_with_no_extra_flag(name):
     vocab_size_of(config)  # no model.vocab_size needed: a known tokenizer or the trained BPE
     pods = {
         "llama_8b_128k.yaml": 64, "llama_8b_1m.yaml": 256, "mixtral_8x7b.yaml": 128,
-        "llama_70b.yaml": 128,
+        "llama_70b.yaml": 128, "deepseek_v3_671b.yaml": 2048,
     }  # fmt: skip
     chips = pods.get(name, 4)
     config.trainer.mesh.resolve(chips)

@@ -25,6 +25,11 @@ WINDOWS = dict(sliding_window=6)
 """Tiny windows, for the families whose window is on by default (shorter than the sequence)."""
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2)
 """Tiny mixtures of experts, for the families with a ``moe`` section (their routing kept)."""
+GROUPED = dict(num_groups=2, topk_groups=1, first_dense_layers=1, expert_intermediate_dim=16)
+"""For the families whose routing is group-limited (DeepSeek-V3): two groups of the tiny
+experts, tiny experts, and the first layer dense."""
+MLA = dict(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
+"""Tiny latent attention, for the families with its fields (DeepSeek-V3)."""
 
 
 def model_types() -> list[str]:
@@ -64,6 +69,8 @@ def tiny_config(model_type: str, **overrides) -> LmConfig:
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     shape = {k: v for k, v in SHAPE.items() if k in defaults}
     shape |= {k: v for k, v in WINDOWS.items() if defaults.get(k) is not None}
+    shape |= {k: v for k, v in MLA.items() if k in defaults}
     if "moe" in defaults:  # the family's routing, with few experts
-        shape["moe"] = dataclasses.replace(cls().moe, **EXPERTS)
+        grouped = GROUPED if cls().moe.num_groups > 1 else {}
+        shape["moe"] = dataclasses.replace(cls().moe, **EXPERTS, **grouped)
     return cls(**{**shape, **overrides})

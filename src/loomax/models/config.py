@@ -324,12 +324,16 @@ class AuxOutputs(eqx.Module):
     times its coefficient, a per-token mean the objective adds; e.g. MoE balance losses) and
     ``metrics`` (scalars reported under their own names, e.g. ``moe/...``) and ``state``
     (per-token means of any shape from which the step updates the model's buffers after
-    the optimizer, ``models/blocks/buffers.py``; e.g. MoE expert load). Empty for a dense model,
+    the optimizer, ``models/blocks/buffers.py``; e.g. MoE expert load) and ``side_losses``
+    (weighted per-token means trained but left out of the loss's value: the objective adds
+    ``term - stop_gradient(term)``, so their gradient joins and the reported loss is the
+    model's own; e.g. multi-token prediction, reported as metrics). Empty for a dense model,
     so the loss and the step treat every model alike."""
 
     losses: dict[str, jax.Array] = eqx.field(default_factory=dict)
     metrics: dict[str, jax.Array] = eqx.field(default_factory=dict)
     state: dict[str, jax.Array] = eqx.field(default_factory=dict)
+    side_losses: dict[str, jax.Array] = eqx.field(default_factory=dict)
 
 
 class KvCache(eqx.Module):

@@ -126,6 +126,9 @@ def next_token_loss_and_metrics(
     if aux_losses:
         for term in aux.losses.values():
             total = total + count * term.astype(total.dtype)
+        for term in aux.side_losses.values():  # the gradient only: the value adds exactly 0
+            term = term.astype(total.dtype)
+            total = total + count * (term - jax.lax.stop_gradient(term))
     state = {f"{STATE_PREFIX}{k}": (v * count, count) for k, v in aux.state.items()}
     return (total, count), {**aux.metrics, **state}
 

@@ -123,7 +123,7 @@ def trainable_params(model: Any, freeze: Sequence[str] = ()) -> Any:
     return without_buffers(eqx.filter(model, trainable_mask(model, freeze)))
 
 
-KEEP_NAMES = ("activations/", "moe/", "dpo/", "rl/", "sft/")
+KEEP_NAMES = ("activations/", "moe/", "dpo/", "rl/", "sft/", "mtp/")
 """Prefixes of loss metrics the step reports under their own name (not ``train/<name>``)."""
 
 

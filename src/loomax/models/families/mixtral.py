@@ -118,6 +118,9 @@ class MixtralConfig(LlamaConfig):
         "expert_intermediate_dim": (None, "sizes experts by intermediate_size"),
         "first_dense_layers": (0, "routes every layer"),
         "bias_update_rate": (0.0, "has no routing bias"),
+        "routing_bias": (False, "has no routing bias"),
+        "num_groups": (1, "routes over all experts (no groups)"),
+        "routed_scaling_factor": (1.0, "does not scale the routed weights"),
     }
     """What export needs of a ``model.moe`` key, and what the HF class lacks otherwise."""
     hf_expert_names: ClassVar[tuple[str, str, str, str]] = (
@@ -277,6 +280,17 @@ class MixtralLmModel(LlamaLmModel):
         segment_ids: NamedArray | None = None,
         key: PRNGKeyArray | None = None,
     ) -> tuple[NamedArray, AuxOutputs]:
+        x, aux = self.residual_and_aux(tokens, segment_ids=segment_ids, key=key)
+        return taps.tap("final", self.norm(x)), aux
+
+    def residual_and_aux(
+        self,
+        tokens: NamedArray,
+        *,
+        segment_ids: NamedArray | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> tuple[NamedArray, AuxOutputs]:
+        """The residual stream after the last block (before the final norm) and the aux outputs."""
         c = self.config
         x = _maybe(self.embed_norm, hax.auto_sharded(self.embed_tokens.embed(tokens)))
         k_embed, k_layers = split(key if c.dropout_active else None, 2)
@@ -297,7 +311,7 @@ class MixtralLmModel(LlamaLmModel):
         if bias is not None:  # aux-loss-free balancing: the step moves the bias from the load
             state["moe_load"] = aux.load
             metrics.update(bias_metrics(bias.value.rearrange((c.Layers.name, Experts)).array))
-        return taps.tap("final", self.norm(x)), AuxOutputs(losses, metrics, state)
+        return x, AuxOutputs(losses, metrics, state)
 
     def decode_stacks(self) -> list[hnn.Stacked]:
         """The dense first layers' blocks (``moe.first_dense_layers``), then the MoE blocks."""
@@ -307,13 +321,12 @@ class MixtralLmModel(LlamaLmModel):
         """The routing bias after a step whose mean expert load was ``stats["moe_load"]``
         ``[layers, experts]``: each expert's bias rises by ``bias_update_rate`` when it is
         under the mean load, falls when over (DeepSeek-V3's aux-loss-free balancing)."""
-        bias = self.blocks.stacked.mlp.bias
-        if bias is None or "moe_load" not in stats:
+        bias, rate = self.blocks.stacked.mlp.bias, self.config.moe.bias_update_rate
+        if bias is None or not rate or "moe_load" not in stats:  # a kept bias moves only at a rate
             return self
         load = stats["moe_load"]
         step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
         value = bias.value.rearrange((self.config.Layers.name, Experts))
-        rate = self.config.moe.bias_update_rate
         new = hax.named(value.array + (rate * step).astype(value.dtype), value.axes)
         return eqx.tree_at(lambda m: m.blocks.stacked.mlp.bias.value, self, new)
 

@@ -33,6 +33,8 @@ class Param:
     dims: Dims
     rows: tuple[int, int] | None = None
     """``(start, stop)`` along the HF tensor's first dimension: this weight is that part of it."""
+    first_layer: int = 0
+    """HF's layer number ``{i}`` of this stack's first block (a stack after dense first layers)."""
 
     @property
     def per_layer(self) -> bool:
@@ -50,10 +52,14 @@ class Param:
         """``(index into the stacked axes, HF name)`` of every tensor of this weight."""
         sizes = [named.resolve_axis(a).size for a in self._stacked()]
         keys = ("i", "e") if self.per_layer else ("e",)
-        return [
-            (index, self.hf_name.format(**dict(zip(keys, index, strict=False))))
-            for index in np.ndindex(*sizes)
-        ]
+
+        def name(index: tuple[int, ...]) -> str:
+            numbers = list(index)
+            if self.per_layer:
+                numbers[0] += self.first_layer
+            return self.hf_name.format(**dict(zip(keys, numbers, strict=False)))
+
+        return [(index, name(index)) for index in np.ndindex(*sizes)]
 
     def _order(self) -> tuple[str, ...]:
         return tuple(n for d in self.dims for n in ((d,) if isinstance(d, str) else d))

@@ -10,7 +10,7 @@ inverse, exact both ways), then summed with the routing weights. With ``capacity
 ``ceil(capacity_factor * T * k / E)`` assignments (first come, first served in token
 order); the rest are dropped (their weight 0, counted in ``moe/dropped_fraction``).
 Shared experts (DeepSeek-MoE) are one dense gated MLP every token also goes through.
-With ``bias_update_rate`` > 0 the router holds a per-expert ``bias`` (a ``Buffer``: no
+With ``bias_update_rate`` > 0 (or ``routing_bias``) the router holds a per-expert ``bias`` (a ``Buffer``: no
 gradient, no optimizer) added to the scores for the choice of experts only; the model
 moves it after each step from that step's load (``MixtralLmModel.update_state``).
 With ``trainer.mesh.expert`` > 1 the experts are split over devices and the tokens sent to
@@ -60,6 +60,14 @@ class MoeConfig:
     """Coefficient of the load-balance loss (normalised to 1 at perfect balance, any k); 0 = off."""
     router_z_loss_weight: float = 0.001
     """Coefficient of the router z-loss, mean logsumexp(router logits)^2; 0 = off."""
+    num_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): the experts split into this many equal groups, a token's k chosen within its topk_groups best groups (each scored by its two best scores); 1 = off."""
+    topk_groups: int = 1
+    """Groups a token's experts are chosen from (DeepSeek-V3's topk_group); read with num_groups > 1."""
+    routed_scaling_factor: float = 1.0
+    """The routed experts' weights times this, after any renormalisation (DeepSeek-V3: 2.5)."""
+    routing_bias: bool = False
+    """Keep the per-expert routing bias (choice only) even with bias_update_rate 0, e.g. one imported from DeepSeek-V3's e_score_correction_bias; on whenever bias_update_rate > 0."""
     bias_update_rate: float = 0.0
     """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the top-k choice only, moved this much per step toward balance (bias += rate * sign(mean load - load)); 0 = off."""
     first_dense_layers: int = 0
@@ -89,6 +97,7 @@ class MoeConfig:
                 f"model.moe.num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
                 f"model.moe.num_experts ({self.num_experts})"
             )
+        self._check_groups()
         if self.score_function not in SCORE_FUNCTIONS:
             raise ConfigError(
                 f"model.moe.score_function must be one of {SCORE_FUNCTIONS}, got {self.score_function!r}"
@@ -128,6 +137,27 @@ class MoeConfig:
         for key in ("load_balance_loss_weight", "router_z_loss_weight", "bias_update_rate"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model.moe.{key} must be >= 0, got {getattr(self, key)}")
+
+    def _check_groups(self) -> None:
+        g, top, e, k = self.num_groups, self.topk_groups, self.num_experts, self.num_experts_per_tok
+        if g < 1 or e % g:
+            raise ConfigError(
+                f"model.moe.num_groups ({g}) must be >= 1 and divide model.moe.num_experts ({e})"
+            )
+        if g > 1 and not (1 <= top <= g and top * (e // g) >= k):
+            raise ConfigError(
+                f"model.moe.topk_groups ({top}) must be in 1..num_groups ({g}) and its groups "
+                f"hold at least num_experts_per_tok ({k}) experts ({e // g} a group)"
+            )
+        if self.routed_scaling_factor <= 0:
+            raise ConfigError(
+                f"model.moe.routed_scaling_factor must be positive, got {self.routed_scaling_factor}"
+            )
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the router holds the per-expert routing bias (a ``Buffer``)."""
+        return self.routing_bias or self.bias_update_rate > 0
 
     def kept_rows(self, routed: int, buffer: int) -> int:
         """Rows of a ``buffer``-row receive buffer whose gate/up projections a layer keeps
@@ -203,7 +233,7 @@ class MoeMlp(eqx.Module):
                 hnn.Linear.init(Embed_, S, key=k_su, use_bias=False),
                 hnn.Linear.init(S, Embed_, key=k_sd, use_bias=False, init_scale=down_scale),
             )
-        bias = Buffer(hax.zeros(E)) if moe.bias_update_rate else None
+        bias = Buffer(hax.zeros(E)) if moe.has_bias else None
         biases = (hax.zeros((E, M)), hax.zeros((E, M)), hax.zeros((E, Embed_)))
         return MoeMlp(router, gate, up, down, *shared, bias, moe, act,
                       *(biases if moe.expert_bias else ()))  # fmt: skip
@@ -227,6 +257,9 @@ class MoeMlp(eqx.Module):
             score=self.moe.score_function,
             norm_topk_prob=self.moe.norm_topk_prob,
             bias=None if self.bias is None else self.bias.value.rearrange((Experts,)).array,
+            groups=self.moe.num_groups,
+            topk_groups=self.moe.topk_groups,
+            scale=self.moe.routed_scaling_factor,
         )
         # per device: each device's own tokens, sorted, multiplied and combined where they are
         y, sizes, dropped, recomputed = routed_experts(self, t, weights, experts, lead)

@@ -4,7 +4,10 @@
 softmax over all experts (Mixtral, OLMoE, Qwen3-MoE) or per-expert sigmoids (DeepSeek-V3);
 the k highest are chosen (with an optional per-expert ``bias`` added for the choice only:
 aux-loss-free balancing), and their weights are the chosen scores, renormalised to sum 1
-when ``norm_topk_prob``.
+when ``norm_topk_prob``, times ``scale`` (DeepSeek-V3's ``routed_scaling_factor``).
+Group-limited routing (DeepSeek-V3's ``n_group``, ``topk_group``): the experts are split
+into ``groups`` equal groups in order, each group scored by the sum of its two best
+(biased) scores, and a token's k experts are chosen among its ``topk_groups`` best groups.
 
 ``RouterAux`` travels through the layer stack with the residual stream and gathers, per
 MoE layer, the two balance losses and what the metrics report:
@@ -37,11 +40,15 @@ def route(
     score: str = "softmax",
     norm_topk_prob: bool = True,
     bias: jax.Array | None = None,
+    groups: int = 1,
+    topk_groups: int = 1,
+    scale: float = 1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(weights [T, k], experts [T, k], probs [T, E])`` for router ``logits [T, E]``.
 
     ``probs`` are the scores as a distribution over experts (what the load-balance loss and
-    the entropy use). ``bias [E]`` shifts the choice only, never the weights.
+    the entropy use). ``bias [E]`` shifts the choice only, never the weights. With
+    ``groups`` > 1 the choice is limited to each token's ``topk_groups`` best groups.
     """
     logits = logits.astype(jnp.float32)
     if score == "softmax":
@@ -53,11 +60,26 @@ def route(
     else:
         raise ValueError(f"router score must be one of {SCORE_FUNCTIONS}, got {score!r}")
     choice = scores if bias is None else scores + jax.lax.stop_gradient(bias)
+    if groups > 1:
+        choice = _within_best_groups(jax.lax.stop_gradient(choice), groups, topk_groups)
     _, experts = jax.lax.top_k(choice, k)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    if scale != 1.0:
+        weights = weights * scale
     return weights, experts, probs
+
+
+def _within_best_groups(choice: jax.Array, groups: int, topk_groups: int) -> jax.Array:
+    """``choice [T, E]`` with the experts outside each token's ``topk_groups`` best groups
+    set to -inf; a group's score is the sum of its two best entries."""
+    grouped = choice.reshape(*choice.shape[:-1], groups, choice.shape[-1] // groups)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], axis=-1)
+    _, best = jax.lax.top_k(group_scores, topk_groups)
+    keep = jnp.any(best[..., :, None] == jnp.arange(groups), axis=-2)  # [T, groups]
+    masked = jnp.where(keep[..., None], grouped, -jnp.inf)
+    return masked.reshape(choice.shape)
 
 
 def load_balance_loss(group_sizes: jax.Array, probs: jax.Array) -> jax.Array:
