@@ -278,6 +278,8 @@ def _cached_steps(temperature, top_k, top_p, repetition_penalty) -> _Steps:
 
     def start(model, tokens, length):
         width = prompt_bucket(length, tokens.shape[0])
+        if getattr(model, "recurrent_state", False):  # a state would absorb the padding
+            width = length
         return prefill(model, tokens[:width], jnp.asarray(length), tokens.shape[0])
 
     return _Steps(start, next_token, prefill)

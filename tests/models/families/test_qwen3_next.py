@@ -1,0 +1,119 @@
+"""Qwen3-Next (``model.type: qwen3_next``): a model transformers built (random weights, a
+linear and a full layer) imports with its logits (f32, 1e-5) and greedy tokens (our
+hybrid cache: KV for the full layer, conv + recurrent state for the linear one); our
+model exports to transformers with the same logits and tokens; context parallelism is refused."""
+
+from __future__ import annotations
+
+import haliax as hax
+import jax
+import numpy as np
+import pytest
+
+from loomax.config import ConfigError
+from loomax.hf import export_hf, load_hf
+from loomax.models import LmConfig
+from loomax.models.decoding.generate import sample_tokens
+from loomax.models.moe.moe import MoeConfig
+
+VOCAB = 37
+KEY = jax.random.PRNGKey(0)
+IDS = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (16,), 0, VOCAB))
+PROMPT = [3, 1, 4, 1, 5]
+Qwen3Next = LmConfig.get_choice_class("qwen3_next")
+TINY = Qwen3Next(
+    seq_len=16, hidden_dim=16, num_layers=2, layer_types=("linear_attention", "full_attention"),
+    num_heads=4, num_kv_heads=2, head_dim=8, linear_key_heads=2, linear_value_heads=4,
+    linear_key_dim=8, linear_value_dim=8, linear_chunk=4, expert_dim=16, shared_expert_dim=24,
+    moe=MoeConfig(num_experts=4, num_experts_per_tok=2),
+)  # fmt: skip
+
+
+def logits(model) -> np.ndarray:
+    return np.asarray(model.logits(hax.named(IDS, "position")).array)
+
+
+def hf_logits(torch, hf) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor(IDS[None], dtype=torch.long)).logits[0].numpy()
+
+
+def hf_greedy(torch, hf, steps: int) -> list[int]:
+    with torch.no_grad():
+        return hf.generate(
+            torch.tensor([PROMPT]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
+            pad_token_id=0, min_new_tokens=steps,
+        )[0].tolist()  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    import torch
+    import transformers
+
+    config = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        layer_types=["linear_attention", "full_attention"], max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("qwen3_next")
+    hf.save_pretrained(path)
+    return path, hf
+
+
+def test_a_model_transformers_built_imports_with_its_logits_and_greedy_tokens(hf_dir):
+    import torch
+
+    path, hf = hf_dir
+    loaded = load_hf(path)
+    assert loaded.config.layer_kinds == ("linear_attention", "full_attention")
+    assert loaded.config.rotary_dim == 2  # partial rotary: a quarter of 8
+    np.testing.assert_allclose(logits(loaded), hf_logits(torch, hf), rtol=1e-5, atol=1e-5)
+    ours = sample_tokens(loaded, PROMPT, seq_len=16, max_new_tokens=8, temperature=0.0, key=KEY)
+    assert ours == hf_greedy(torch, hf, 8)
+
+
+def test_our_export_gives_transformers_logits_and_greedy_tokens(tmp_path):
+    import torch
+    import transformers
+
+    model = TINY.build(VOCAB, key=KEY)
+    model = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(KEY, x.shape), model)
+    export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3NextForCausalLM"
+    np.testing.assert_allclose(logits(model), hf_logits(torch, hf), rtol=1e-5, atol=1e-5)
+    ours = sample_tokens(model, PROMPT, seq_len=16, max_new_tokens=8, temperature=0.0, key=KEY)
+    assert ours == hf_greedy(torch, hf, 8)
+    assert load_hf(tmp_path).config.hf_config(VOCAB) == TINY.hf_config(VOCAB)
+
+
+def test_decoding_equals_the_training_forward():
+    model = TINY.build(VOCAB, key=KEY)
+    model = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(KEY, x.shape), model)
+    cache = model.init_cache((), 16, np.float32)
+    first, cache = model.decode(hax.named(IDS[:10], "position"), cache, 0)
+    rest = []
+    for t in range(10, 16):
+        h, cache = model.decode(hax.named(IDS[t : t + 1], "position"), cache, t)
+        rest.append(h.array)
+    got = np.concatenate([first.array, *rest])
+    want = model.hidden_states(hax.named(IDS, "position")).array
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_context_parallelism_is_refused_naming_the_key():
+    from loomax.lm.config import TrainLmConfig
+    from loomax.mesh import MeshConfig
+    from loomax.train.config import TrainerConfig
+
+    trainer = TrainerConfig(mesh=MeshConfig(context=2))
+    with pytest.raises(ConfigError, match="model.layer_types.*trainer.mesh.context"):
+        TrainLmConfig(model=TINY, trainer=trainer)
