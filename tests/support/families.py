@@ -23,6 +23,17 @@ SHAPE = dict(
 """The tiny shape; each key is used by the families that have that field."""
 WINDOWS = dict(sliding_window=6)
 """Tiny windows, for the families whose window is on by default (shorter than the sequence)."""
+HYBRID = dict(
+    layer_types=("linear_attention", "full_attention"), head_dim=8, linear_key_heads=2,
+    linear_value_heads=4, linear_key_dim=8, linear_value_dim=8, linear_chunk=8, expert_dim=16,
+    shared_expert_dim=16,
+)  # fmt: skip
+"""Tiny Gated DeltaNet hybrids, for the families with linear_attention layers (one of each
+kind: transformers' generate needs a full-attention layer)."""
+NO_REFERENCE: dict[str, str] = {
+    "qwen3_next": "Gated DeltaNet layers: held to transformers instead (tests/hf/test_transformers.py)",
+}
+"""HF families that tests/hf/hf_reference.py's numpy forward does not compute, with the reason."""
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2)
 """Tiny mixtures of experts, for the families with a ``moe`` section (their routing kept)."""
 
@@ -64,6 +75,8 @@ def tiny_config(model_type: str, **overrides) -> LmConfig:
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     shape = {k: v for k, v in SHAPE.items() if k in defaults}
     shape |= {k: v for k, v in WINDOWS.items() if defaults.get(k) is not None}
+    if "linear_attention" in (defaults.get("layer_types") or ()):
+        shape |= HYBRID
     if "moe" in defaults:  # the family's routing, with few experts
         shape["moe"] = dataclasses.replace(cls().moe, **EXPERTS)
     return cls(**{**shape, **overrides})

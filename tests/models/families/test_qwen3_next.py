@@ -117,3 +117,24 @@ def test_context_parallelism_is_refused_naming_the_key():
     trainer = TrainerConfig(mesh=MeshConfig(context=2))
     with pytest.raises(ConfigError, match="model.layer_types.*trainer.mesh.context"):
         TrainLmConfig(model=TINY, trainer=trainer)
+
+
+def test_packed_documents_never_see_each_other():
+    """The second of two packed documents computes as it would alone (rotary is relative;
+    the DeltaNet's state and convolution restart at the boundary)."""
+    model = TINY.build(VOCAB, key=KEY)
+    model = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(KEY, x.shape), model)
+    seg = hax.named(np.repeat([0, 1], [6, 10]), "position")
+    packed = model.hidden_states(hax.named(IDS, "position"), segment_ids=seg).array
+    alone = model.hidden_states(hax.named(IDS[6:], "position")).array
+    np.testing.assert_allclose(packed[6:], alone, rtol=1e-5, atol=1e-5)
+    mixed = model.hidden_states(hax.named(IDS, "position")).array
+    assert not np.allclose(mixed[6:], alone, atol=1e-3)
+
+
+@pytest.mark.parametrize("key,value", [("fp8", "emulate"), ("resid_pdrop", 0.1)])
+def test_options_the_model_lacks_are_refused_naming_the_key(key, value):
+    import dataclasses
+
+    with pytest.raises(ConfigError, match=f"model.{key}"):
+        dataclasses.replace(TINY, **{key: value})

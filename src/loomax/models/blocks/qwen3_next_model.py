@@ -184,11 +184,14 @@ class Qwen3NextLmModel(LmModel):
             p = f"model.layers.{i}."
             h = zc_norm(x, self._p(p + "input_layernorm.weight"), c.rms_norm_eps)
             if kind == "linear_attention":
-                net, state, outs = self._delta(i), cache.layers[i], []
-                for t in range(T):
-                    o, state = net.decode(h[:, t : t + 1], state)
-                    outs.append(o)
-                h = jnp.concatenate(outs, 1)
+                net = self._delta(i)
+
+                def step(state, xt, net=net):
+                    out, state = net.decode(xt[:, None], state)
+                    return state, out[:, 0]
+
+                state, outs = jax.lax.scan(step, cache.layers[i], jnp.moveaxis(h, 1, 0))
+                h = jnp.moveaxis(outs, 0, 1)
                 new.append(DeltaCache(*state))
             else:
                 q, k, v, gate = self._qkv(i, h, pos)

@@ -109,6 +109,15 @@ class Qwen3NextConfig(LmConfig):
         if self.num_heads % self.num_kv_heads or self.linear_value_heads % self.linear_key_heads:
             raise ConfigError("model.num_kv_heads must divide model.num_heads and "
                               "model.linear_key_heads model.linear_value_heads")  # fmt: skip
+        unsupported = {
+            "fp8": self.fp8 != "off", "lora": self.lora is not None,
+            "document_positions": bool(self.document_positions),
+            "embed_pdrop": self.embed_pdrop > 0, "resid_pdrop": self.resid_pdrop > 0,
+            "attn_pdrop": self.attn_pdrop > 0,
+        }  # fmt: skip
+        for key, used in unsupported.items():
+            if used:
+                raise ConfigError(f"model.{key} is not supported by model.type qwen3_next")
         if self.rotary_dim % 2 or not 0 < self.partial_rotary_factor <= 1:
             raise ConfigError(f"model.partial_rotary_factor {self.partial_rotary_factor} must "
                               "rotate an even number of dims of head_dim")  # fmt: skip
