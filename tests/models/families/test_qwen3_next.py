@@ -5,6 +5,7 @@ model exports to transformers with the same logits and tokens; context paralleli
 
 from __future__ import annotations
 
+import equinox as eqx
 import haliax as hax
 import jax
 import numpy as np
@@ -30,7 +31,7 @@ TINY = Qwen3Next(
 
 
 def logits(model) -> np.ndarray:
-    return np.asarray(model.logits(hax.named(IDS, "position")).array)
+    return np.asarray(eqx.filter_jit(lambda m: m.logits(hax.named(IDS, "position")).array)(model))
 
 
 def hf_logits(torch, hf) -> np.ndarray:
@@ -99,10 +100,11 @@ def test_decoding_equals_the_training_forward():
     model = TINY.build(VOCAB, key=KEY)
     model = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(KEY, x.shape), model)
     cache = model.init_cache((), 16, np.float32)
-    first, cache = model.decode(hax.named(IDS[:10], "position"), cache, 0)
+    decode = eqx.filter_jit(lambda m, ids, cache, t: m.decode(hax.named(ids, "position"), cache, t))
+    first, cache = decode(model, IDS[:10], cache, 0)
     rest = []
     for t in range(10, 16):
-        h, cache = model.decode(hax.named(IDS[t : t + 1], "position"), cache, t)
+        h, cache = decode(model, IDS[t : t + 1], cache, t)
         rest.append(h.array)
     got = np.concatenate([first.array, *rest])
     want = model.hidden_states(hax.named(IDS, "position")).array
@@ -124,11 +126,12 @@ def test_packed_documents_never_see_each_other():
     the DeltaNet's state and convolution restart at the boundary)."""
     model = TINY.build(VOCAB, key=KEY)
     model = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(KEY, x.shape), model)
+    hidden = eqx.filter_jit(lambda m, ids, seg: m.hidden_states(ids, segment_ids=seg).array)
     seg = hax.named(np.repeat([0, 1], [6, 10]), "position")
-    packed = model.hidden_states(hax.named(IDS, "position"), segment_ids=seg).array
-    alone = model.hidden_states(hax.named(IDS[6:], "position")).array
+    packed = hidden(model, hax.named(IDS, "position"), seg)
+    alone = hidden(model, hax.named(IDS[6:], "position"), None)
     np.testing.assert_allclose(packed[6:], alone, rtol=1e-5, atol=1e-5)
-    mixed = model.hidden_states(hax.named(IDS, "position")).array
+    mixed = hidden(model, hax.named(IDS, "position"), None)
     assert not np.allclose(mixed[6:], alone, atol=1e-3)
 
 

@@ -3,14 +3,14 @@
 experts with a sigmoid-gated shared expert.
 
 Parameters are plain arrays in a dict keyed by the Hugging Face tensor names (HF's
-``[out, in]`` layouts), so import and export are name for name. The layers run one after
+``[out, in]`` layouts), so import and export are name for name; the routed experts are
+stacked per layer (``...mlp.experts.{gate,up,down}_proj``, ``[experts, in, out]``). The layers run one after
 another in Python (their kinds differ: no layer scan, no remat policy). Full-attention layers:
 ``q_proj`` gives the queries and an output gate per head (``sigmoid``, times the attention's
 output), per-head zero-centred RMSNorm (``1 + w``) on queries and keys, rotary on the first
 ``partial_rotary_factor`` of each head. Every RMSNorm of the model is zero-centred; the gated
-norm inside the DeltaNet layer is not (as transformers has it). The routed experts are a
-dense fallback: every expert computes every token, weighted by the top-k router weights (a
-tiny-model path, not a grouped matmul).
+norm inside the DeltaNet layer is not (as transformers has it). The routed experts run through ``models/moe`` (dropless grouped matmul, router statistics and
+balance losses as the other MoE families).
 
 Decoding carries a ``HybridCache``: keys and values for the full layers (``max_len``
 positions) and the conv + recurrent state for the linear ones (constant in the position).
@@ -23,12 +23,16 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import haliax as hax
+import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
 
+from loomax.models.axes import Embed, Experts, Mlp
 from loomax.models.blocks.gated_deltanet import DeltaCache, GatedDeltaNet
-from loomax.models.config import LmModel
+from loomax.models.config import AuxOutputs, LmModel
+from loomax.models.moe.moe import MoeMlp
+from loomax.models.moe.moe_routing import RouterAux
 
 
 class HybridCache(NamedTuple):
@@ -109,18 +113,22 @@ class Qwen3NextLmModel(LmModel):
         o = o.reshape(*o.shape[:2], -1) * jax.nn.sigmoid(gate)
         return o @ self._p(f"model.layers.{i}.self_attn.o_proj.weight").T
 
-    def _moe(self, i: int, x):
+    def _moe(self, i: int, x, aux=None, row: int = 0):
+        """The routed experts (``models/moe``: dropless grouped matmul) plus the shared
+        expert times ``sigmoid(shared_expert_gate(x))``; ``aux`` gets router row ``row``."""
         c, p = self.config, f"model.layers.{i}.mlp."
-        probs = jax.nn.softmax((x @ self._p(p + "gate.weight").T).astype(jnp.float32), -1)
-        top, idx = jax.lax.top_k(probs, c.moe.num_experts_per_tok)
-        if c.moe.norm_topk_prob:
-            top = top / jnp.sum(top, -1, keepdims=True)
-        weights = jnp.sum(jax.nn.one_hot(idx, c.moe.num_experts) * top[..., None], -2)
-        out = jnp.zeros_like(x)
-        for e in range(c.moe.num_experts):  # the dense fallback: every expert, every token
-            out = out + self._mlp(p + f"experts.{e}.", x) * weights[..., e : e + 1].astype(x.dtype)
+        E = Axis(Experts, c.moe.num_experts)
+        D, M = Axis(Embed, x.shape[-1]), Axis(Mlp, c.expert_dim)
+        router = hnn.Linear(hax.named(self._p(p + "gate.weight"), (E, D)), None, E, D)
+        stacked = [self._p(f"{p}experts.{n}") for n in ("gate_proj", "up_proj", "down_proj")]
+        gate, up = (hax.named(w, (E, D, M)) for w in stacked[:2])
+        down = hax.named(stacked[2], (E, M, D))
+        moe = MoeMlp(router, gate, up, down, None, None, None, None, c.moe, "silu")
+        lead = tuple(Axis(f"lead{n}", s) for n, s in enumerate(x.shape[:-1]))
+        out, aux = moe(hax.named(x, (*lead, D)), aux, row)
         shared = self._mlp(p + "shared_expert.", x)
-        return out + jax.nn.sigmoid(x @ self._p(p + "shared_expert_gate.weight").T) * shared
+        gated = jax.nn.sigmoid(x @ self._p(p + "shared_expert_gate.weight").T) * shared
+        return out.rearrange((*lead, D)).array + gated, aux
 
     def _mlp(self, p: str, x):
         gate, up = x @ self._p(p + "gate_proj.weight").T, x @ self._p(p + "up_proj.weight").T
@@ -135,7 +143,14 @@ class Qwen3NextLmModel(LmModel):
         return hax.named(out, (*tokens.axes, Axis("embed", h.shape[-1])))
 
     def hidden_states(self, tokens, *, segment_ids=None, key=None) -> NamedArray:
+        return self.hidden_states_and_aux(tokens, segment_ids=segment_ids, key=key)[0]
+
+    def hidden_states_and_aux(
+        self, tokens, *, segment_ids=None, key=None
+    ) -> tuple[NamedArray, AuxOutputs]:
+        """Final activations and the routers' balance losses and metrics (``RouterAux``)."""
         c = self.config
+        aux = RouterAux.zeros(c.num_layers, c.moe.num_experts)
         ids = self._flat(tokens)
         B, T = ids.shape
         seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else self._flat(segment_ids)
@@ -151,11 +166,12 @@ class Qwen3NextLmModel(LmModel):
                 q, k, v, gate = self._qkv(i, h, pos)
                 h = self._attend(i, q, k, v, gate, causal)
             x = x + h
-            x = x + self._moe(
-                i, zc_norm(x, self._p(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
-            )
+            mlp_in = zc_norm(x, self._p(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
+            mlp, aux = self._moe(i, mlp_in, aux, i)
+            x = x + mlp
         x = zc_norm(x, self._p("model.norm.weight"), c.rms_norm_eps)
-        return self._unflat(x, tokens)
+        losses = aux.losses(c.moe.load_balance_loss_weight, c.moe.router_z_loss_weight)
+        return self._unflat(x, tokens), AuxOutputs(losses, aux.metrics(), {})
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> HybridCache:
         c = self.config
@@ -203,8 +219,11 @@ class Qwen3NextLmModel(LmModel):
                 h = self._attend(i, q, ck.astype(q.dtype), cv.astype(q.dtype), gate, mask)
                 new.append((ck, cv))
             x = x + h
-            x = x + self._moe(
-                i, zc_norm(x, self._p(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
+            x = (
+                x
+                + self._moe(
+                    i, zc_norm(x, self._p(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
+                )[0]
             )
         x = zc_norm(x, self._p("model.norm.weight"), c.rms_norm_eps)
         return self._unflat(x, tokens), HybridCache(tuple(new))

@@ -31,6 +31,16 @@ from loomax.models.moe.moe import MoeConfig
 KINDS = ("linear_attention", "full_attention")
 
 
+def _param(name: str) -> Param:
+    """The HF side of the model's ``params[name]`` (the stacked experts: one tensor each)."""
+    where = lambda m: m.params[name]  # noqa: E731
+    if ".mlp.experts." in name:
+        return _Experts(
+            f"{name.rsplit('.', 1)[0]}.{{e}}.{name.rsplit('.', 1)[1]}.weight", where, (), key=name
+        )
+    return _Tensor(name, where, ())
+
+
 def _moe() -> MoeConfig:
     return MoeConfig(num_experts=512, num_experts_per_tok=10, norm_topk_prob=True)
 
@@ -48,6 +58,28 @@ class _Tensor(Param):
         if tuple(array.shape) != tuple(like.shape):
             raise BadFileError(
                 f"HF tensor {self.hf_name} has shape {array.shape}; expected {like.shape}"
+            )
+        return jnp.asarray(array, like.dtype)
+
+
+@dataclass(frozen=True)
+class _Experts(Param):
+    """Every expert's HF tensor (``{e}`` in ``hf_name``, ``[out, in]``), held stacked under
+    ``key`` in the model's ``params`` in ``models/moe``'s ``[experts, in, out]`` layout."""
+
+    key: str = ""
+
+    def export(self, model) -> dict[str, np.ndarray]:
+        stacked = np.asarray(jax.device_get(model.params[self.key]))
+        return {self.hf_name.format(e=e): w.T for e, w in enumerate(stacked)}
+
+    def load(self, skeleton, tensors: dict[str, np.ndarray]):
+        like = skeleton.params[self.key]
+        names = [self.hf_name.format(e=e) for e in range(like.shape[0])]
+        array = np.stack([self._take(tensors, n).T for n in names])
+        if tuple(array.shape) != tuple(like.shape):
+            raise BadFileError(
+                f"HF tensors {self.hf_name} have shape {array.shape[1:]}; expected {like.shape[1:]}"
             )
         return jnp.asarray(array, like.dtype)
 
@@ -133,7 +165,7 @@ class Qwen3NextConfig(LmConfig):
         return int(self.head_dim * self.partial_rotary_factor)
 
     def build(self, vocab_size: int, *, key) -> Qwen3NextLmModel:
-        names = [(p.hf_name, shape) for p, shape in self._shapes(vocab_size)]
+        names = [(getattr(p, "key", "") or p.hf_name, s) for p, s in self._shapes(vocab_size)]
         keys = jax.random.split(key, len(names))
         params = {}
         for k, (name, shape) in zip(keys, names, strict=True):
@@ -148,7 +180,7 @@ class Qwen3NextConfig(LmConfig):
             elif name.endswith("embed_tokens.weight"):
                 params[name] = jax.random.normal(k, shape) * self.initializer_range
             else:
-                fan = math.prod(shape[1:])
+                fan = shape[-2] if ".experts." in name else math.prod(shape[1:])
                 params[name] = jax.random.normal(k, shape) / math.sqrt(fan)
         return Qwen3NextLmModel(self, params, vocab_size)
 
@@ -189,12 +221,12 @@ class Qwen3NextConfig(LmConfig):
                 ]  # fmt: skip
             m = p + "mlp."
             out += [(m + "gate.weight", (E, d)), (m + "shared_expert_gate.weight", (1, d))]
-            for pre, w in [(f"{m}experts.{e}.", self.expert_dim) for e in range(E)] + [
-                (m + "shared_expert.", self.shared_expert_dim)
-            ]:
-                out += [(pre + "gate_proj.weight", (w, d)), (pre + "up_proj.weight", (w, d)),
-                        (pre + "down_proj.weight", (d, w))]  # fmt: skip
-        return [(_Tensor(n, lambda m, n=n: m.params[n], ()), s) for n, s in out]
+            w, ws = self.expert_dim, self.shared_expert_dim
+            out += [(m + "experts.gate_proj", (E, d, w)), (m + "experts.up_proj", (E, d, w)),
+                    (m + "experts.down_proj", (E, w, d)), (m + "shared_expert.gate_proj.weight", (ws, d)),
+                    (m + "shared_expert.up_proj.weight", (ws, d)),
+                    (m + "shared_expert.down_proj.weight", (d, ws))]  # fmt: skip
+        return [(_param(n), s) for n, s in out]
 
     def flops_per_token(self, vocab_size: int, *, causal: bool = True) -> float:
         """Forward FLOPs of the active parameters (k experts and the shared one; the dense
