@@ -141,3 +141,21 @@ def test_options_the_model_lacks_are_refused_naming_the_key(key, value):
 
     with pytest.raises(ConfigError, match=f"model.{key}"):
         dataclasses.replace(TINY, **{key: value})
+
+
+def test_batched_decoding_gives_each_prompt_its_own_greedy_tokens(hf_dir):
+    """Prompts of unequal lengths (padding would enter the DeltaNet state) and of equal ones."""
+    from loomax.models.decoding.generate import sample_batch
+
+    model = load_hf(hf_dir[0])
+    prompts = [PROMPT, PROMPT[:3], [2, 7, 1, 8, 2]]
+    alone = [
+        sample_tokens(model, p, seq_len=16, max_new_tokens=4, temperature=0.0, key=KEY)
+        for p in prompts
+    ]
+    keys = jax.random.split(KEY, 3)
+    got = sample_batch(model, prompts, seq_len=16, max_new_tokens=4, keys=keys, temperature=0.0)
+    assert got == alone
+    same = [prompts[0], prompts[2]]
+    got = sample_batch(model, same, seq_len=16, max_new_tokens=4, keys=keys[:2], temperature=0.0)
+    assert got == [alone[0], alone[2]]
