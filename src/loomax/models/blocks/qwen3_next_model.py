@@ -113,9 +113,10 @@ class Qwen3NextLmModel(LmModel):
         o = o.reshape(*o.shape[:2], -1) * jax.nn.sigmoid(gate)
         return o @ self._p(f"model.layers.{i}.self_attn.o_proj.weight").T
 
-    def _moe(self, i: int, x, aux=None, row: int = 0):
-        """The routed experts (``models/moe``: dropless grouped matmul) plus the shared
-        expert times ``sigmoid(shared_expert_gate(x))``; ``aux`` gets router row ``row``."""
+    def _moe(self, i: int, x, lead: tuple[Axis, Axis], aux=None, row: int = 0):
+        """The routed experts (``models/moe``: dropless grouped matmul, each device its own
+        tokens, split as ``lead``, the tokens' axes, are) plus the shared expert times
+        ``sigmoid(shared_expert_gate(x))``; ``aux`` gets router row ``row``."""
         c, p = self.config, f"model.layers.{i}.mlp."
         E = Axis(Experts, c.moe.num_experts)
         D, M = Axis(Embed, x.shape[-1]), Axis(Mlp, c.expert_dim)
@@ -124,7 +125,6 @@ class Qwen3NextLmModel(LmModel):
         gate, up = (hax.named(w, (E, D, M)) for w in stacked[:2])
         down = hax.named(stacked[2], (E, M, D))
         moe = MoeMlp(router, gate, up, down, None, None, None, None, c.moe, "silu")
-        lead = tuple(Axis(f"lead{n}", s) for n, s in enumerate(x.shape[:-1]))
         out, aux = moe(hax.named(x, (*lead, D)), aux, row)
         shared = self._mlp(p + "shared_expert.", x)
         gated = jax.nn.sigmoid(x @ self._p(p + "shared_expert_gate.weight").T) * shared
@@ -133,6 +133,11 @@ class Qwen3NextLmModel(LmModel):
     def _mlp(self, p: str, x):
         gate, up = x @ self._p(p + "gate_proj.weight").T, x @ self._p(p + "up_proj.weight").T
         return (jax.nn.silu(gate) * up) @ self._p(p + "down_proj.weight").T
+
+    @staticmethod
+    def _lead(tokens: NamedArray, rows: int) -> tuple[Axis, Axis]:
+        """The ``[rows, positions]`` axes: the tokens' own when they are ``(batch, position)``."""
+        return tokens.axes if tokens.ndim == 2 else (Axis("rows", rows), tokens.axes[-1])
 
     def _flat(self, tokens: NamedArray):
         T = tokens.axes[-1].size
@@ -167,7 +172,7 @@ class Qwen3NextLmModel(LmModel):
                 h = self._attend(i, q, k, v, gate, causal)
             x = x + h
             mlp_in = zc_norm(x, self._p(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
-            mlp, aux = self._moe(i, mlp_in, aux, i)
+            mlp, aux = self._moe(i, mlp_in, self._lead(tokens, B), aux, i)
             x = x + mlp
         x = zc_norm(x, self._p("model.norm.weight"), c.rms_norm_eps)
         losses = aux.losses(c.moe.load_balance_loss_weight, c.moe.router_z_loss_weight)
@@ -219,12 +224,8 @@ class Qwen3NextLmModel(LmModel):
                 h = self._attend(i, q, ck.astype(q.dtype), cv.astype(q.dtype), gate, mask)
                 new.append((ck, cv))
             x = x + h
-            x = (
-                x
-                + self._moe(
-                    i, zc_norm(x, self._p(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
-                )[0]
-            )
+            mlp_in = zc_norm(x, self._p(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
+            x = x + self._moe(i, mlp_in, self._lead(tokens, B))[0]
         x = zc_norm(x, self._p("model.norm.weight"), c.rms_norm_eps)
         return self._unflat(x, tokens), HybridCache(tuple(new))
 
