@@ -1,7 +1,9 @@
 """Qwen3-Next (``model.type: qwen3_next``): a model transformers built (random weights, a
 linear and a full layer) imports with its logits (f32, 1e-5) and greedy tokens (our
 hybrid cache: KV for the full layer, conv + recurrent state for the linear one); our
-model exports to transformers with the same logits and tokens; context parallelism is refused."""
+model, trained a few steps, exports to transformers with the same logits and tokens; packed
+documents stay apart; batched decoding; context parallelism and options the model lacks are
+refused."""
 
 from __future__ import annotations
 
@@ -81,17 +83,47 @@ def test_a_model_transformers_built_imports_with_its_logits_and_greedy_tokens(hf
     assert ours == hf_greedy(torch, hf, 8)
 
 
-def test_our_export_gives_transformers_logits_and_greedy_tokens(tmp_path):
+def trained(config, steps: int = 12):
+    import optax
+
+    from loomax.models import next_token_loss
+
+    model = config.build(VOCAB, key=KEY)
+    pattern = np.tile([3, 1, 4, 1, 5, 9, 2, 6, 7], 2)[:16]
+    batch = hax.named(np.stack([pattern, np.roll(pattern, 2)]), ("batch", "position"))
+    opt = optax.adam(3e-2)
+
+    @eqx.filter_jit
+    def step(m, state):
+        def loss_fn(m):
+            total, count = next_token_loss(m, batch, block_size=8)
+            return total / count
+
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(m)
+        updates, state = opt.update(grads, state, m)
+        return eqx.apply_updates(m, updates), state, loss
+
+    state, losses = opt.init(eqx.filter(model, eqx.is_inexact_array)), []
+    for _ in range(steps):
+        model, state, loss = step(model, state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] / 2, losses
+    return model
+
+
+def test_trained_export_gives_transformers_logits_and_greedy_tokens(tmp_path):
+    """Trained 12 Adam steps on a repeating sequence, exported: transformers' logits (f32,
+    1e-5) and greedy tokens; the config.json comes back as the config."""
     import torch
     import transformers
 
-    model = TINY.build(VOCAB, key=KEY)
-    model = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(KEY, x.shape), model)
+    model = trained(TINY)
     export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(hf).__name__ == "Qwen3NextForCausalLM"
     np.testing.assert_allclose(logits(model), hf_logits(torch, hf), rtol=1e-5, atol=1e-5)
     ours = sample_tokens(model, PROMPT, seq_len=16, max_new_tokens=8, temperature=0.0, key=KEY)
+    assert ours[5:7] == [9, 2]  # it learned the sequence
     assert ours == hf_greedy(torch, hf, 8)
     assert load_hf(tmp_path).config.hf_config(VOCAB) == TINY.hf_config(VOCAB)
 
