@@ -191,3 +191,13 @@ def test_batched_decoding_gives_each_prompt_its_own_greedy_tokens(hf_dir):
     same = [prompts[0], prompts[2]]
     got = sample_batch(model, same, seq_len=16, max_new_tokens=4, keys=keys[:2], temperature=0.0)
     assert got == [alone[0], alone[2]]
+
+
+def test_parameters_name_their_hidden_and_expert_axes_for_the_mesh():
+    """FSDP splits ``embed`` and expert parallelism ``experts``: every matrix names one."""
+    shapes = jax.eval_shape(lambda: TINY.build(VOCAB, key=KEY))
+    for name, p in shapes.params.items():
+        names = [a.name for a in p.axes]
+        if len(names) >= 2 and "conv1d" not in name:
+            assert "embed" in names, name
+        assert ("experts" in names) == (".mlp.experts." in name), name

@@ -64,7 +64,7 @@ class Qwen3NextLmModel(LmModel):
     """Embeddings, the hybrid layers, the final norm and the LM head (see the module docstring)."""
 
     config: Any = eqx.field(static=True)
-    params: dict[str, jax.Array]
+    params: dict[str, NamedArray]  # axes: embed on the hidden dimension, experts
     vocab_size: int = eqx.field(static=True)
     recurrent_state: bool = eqx.field(static=True, default=True)  # prefill the prompt exactly
 
@@ -73,7 +73,7 @@ class Qwen3NextLmModel(LmModel):
         return Axis("vocab", self.vocab_size)
 
     def _p(self, name: str) -> jax.Array:
-        return self.params[name]
+        return self.params[name].array
 
     def _delta(self, i: int) -> GatedDeltaNet:
         c, p = self.config, f"model.layers.{i}.linear_attn."

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,6 +42,18 @@ def _param(name: str) -> Param:
     return _Tensor(name, where, ())
 
 
+def _axes(name: str, shape: tuple[int, ...], hidden: int) -> tuple[str, ...]:
+    """A parameter's axis names: ``embed`` on its hidden dimension (FSDP splits it),
+    ``experts`` on the stacked experts' first; the rest unnamed roles (kept whole)."""
+    names = [f"dim{k}" for k in range(len(shape))]
+    if ".mlp.experts." in name:
+        names[0] = "experts"
+    embed = [k for k in range(len(shape)) if shape[k] == hidden and names[k] != "experts"]
+    if embed:
+        names[embed[-1]] = "embed"
+    return tuple(names)
+
+
 def _moe() -> MoeConfig:
     return MoeConfig(num_experts=512, num_experts_per_tok=10, norm_topk_prob=True)
 
@@ -50,16 +63,14 @@ class _Tensor(Param):
     """One HF tensor, held under its own name in the model's ``params``."""
 
     def export(self, model) -> dict[str, np.ndarray]:
-        return {self.hf_name: np.asarray(jax.device_get(model.params[self.hf_name]))}
+        return {self.hf_name: np.asarray(jax.device_get(model.params[self.hf_name].array))}
 
     def load(self, skeleton, tensors: dict[str, np.ndarray]):
         like = skeleton.params[self.hf_name]
-        array = self._take(tensors, self.hf_name)
-        if tuple(array.shape) != tuple(like.shape):
-            raise BadFileError(
-                f"HF tensor {self.hf_name} has shape {array.shape}; expected {like.shape}"
-            )
-        return jnp.asarray(array, like.dtype)
+        array, want = self._take(tensors, self.hf_name), like.array.shape
+        if tuple(array.shape) != tuple(want):
+            raise BadFileError(f"HF tensor {self.hf_name} has shape {array.shape}; expected {want}")
+        return hax.named(jnp.asarray(array, like.dtype), like.axes)
 
 
 @dataclass(frozen=True)
@@ -70,18 +81,18 @@ class _Experts(Param):
     key: str = ""
 
     def export(self, model) -> dict[str, np.ndarray]:
-        stacked = np.asarray(jax.device_get(model.params[self.key]))
+        stacked = np.asarray(jax.device_get(model.params[self.key].array))
         return {self.hf_name.format(e=e): w.T for e, w in enumerate(stacked)}
 
     def load(self, skeleton, tensors: dict[str, np.ndarray]):
         like = skeleton.params[self.key]
-        names = [self.hf_name.format(e=e) for e in range(like.shape[0])]
+        names = [self.hf_name.format(e=e) for e in range(like.array.shape[0])]
         array = np.stack([self._take(tensors, n).T for n in names])
-        if tuple(array.shape) != tuple(like.shape):
+        if tuple(array.shape) != tuple(like.array.shape):
             raise BadFileError(
-                f"HF tensors {self.hf_name} have shape {array.shape[1:]}; expected {like.shape[1:]}"
+                f"HF tensors {self.hf_name} have shape {array.shape[1:]}; expected {like.array.shape[1:]}"
             )
-        return jnp.asarray(array, like.dtype)
+        return hax.named(jnp.asarray(array, like.dtype), like.axes)
 
 
 @LmConfig.register_subclass("qwen3_next")
@@ -182,7 +193,8 @@ class Qwen3NextConfig(LmConfig):
             else:
                 fan = shape[-2] if ".experts." in name else math.prod(shape[1:])
                 params[name] = jax.random.normal(k, shape) / math.sqrt(fan)
-        return Qwen3NextLmModel(self, params, vocab_size)
+        named = {n: hax.named(a, _axes(n, a.shape, self.hidden_dim)) for n, a in params.items()}
+        return Qwen3NextLmModel(self, named, vocab_size)
 
     def _shapes(self, vocab: int) -> list[tuple[Param, tuple[int, ...]]]:
         """Every HF tensor with its shape."""
