@@ -105,10 +105,6 @@ def test_a_family_missing_an_hf_member_is_named_not_dropped(families, monkeypatc
     assert problem is not None and "model.type gpt2" in problem and member in problem
 
 
-NO_NUMPY_REFERENCE = {"deepseek_v3": "MLA and DeepSeek routing: against transformers only"}
-"""Families whose logits hf_reference.py does not compute (test_transformers checks them)."""
-
-
 @pytest.mark.parametrize("model_type", HF_TYPES)
 def test_every_family_exports_what_the_reference_computes(tmp_path, model_type, families):
     config = families.tiny_config(model_type, seq_len=32)
@@ -128,9 +124,9 @@ def test_every_family_exports_what_the_reference_computes(tmp_path, model_type, 
         }
     assert set(tensors) == names
     ids = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (32,), 0, VOCAB))
-    got = model.logits(hax.named(ids, "position")).array
-    if model_type not in NO_NUMPY_REFERENCE:
+    if model_type not in families.NO_REFERENCE:
         reference = gpt2_logits if model_type == "gpt2" else llama_logits
+        got = model.logits(hax.named(ids, "position")).array
         np.testing.assert_allclose(got, reference(hf, tensors, ids), rtol=1e-4, atol=1e-4)
     assert load_hf(tmp_path).config.hf_config(VOCAB) == config.hf_config(VOCAB)
     load_hf(tmp_path, config)  # the same architecture

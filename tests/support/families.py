@@ -23,6 +23,18 @@ SHAPE = dict(
 """The tiny shape; each key is used by the families that have that field."""
 WINDOWS = dict(sliding_window=6)
 """Tiny windows, for the families whose window is on by default (shorter than the sequence)."""
+HYBRID = dict(
+    layer_types=("linear_attention", "full_attention"), head_dim=8, linear_key_heads=2,
+    linear_value_heads=4, linear_key_dim=8, linear_value_dim=8, linear_chunk=8, expert_dim=16,
+    shared_expert_dim=16,
+)  # fmt: skip
+"""Tiny Gated DeltaNet hybrids, for the families with linear_attention layers (one of each
+kind: transformers' generate needs a full-attention layer)."""
+NO_REFERENCE: dict[str, str] = {
+    "qwen3_next": "Gated DeltaNet layers: held to transformers instead (tests/hf/test_transformers.py)",
+    "deepseek_v3": "MLA and DeepSeek routing: held to transformers instead (tests/hf/test_transformers.py)",
+}
+"""HF families that tests/hf/hf_reference.py's numpy forward does not compute, with the reason."""
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2)
 """Tiny mixtures of experts, for the families with a ``moe`` section (their routing kept)."""
 GROUPED = dict(num_groups=2, topk_groups=1, first_dense_layers=1, expert_intermediate_dim=16)
@@ -70,6 +82,8 @@ def tiny_config(model_type: str, **overrides) -> LmConfig:
     shape = {k: v for k, v in SHAPE.items() if k in defaults}
     shape |= {k: v for k, v in WINDOWS.items() if defaults.get(k) is not None}
     shape |= {k: v for k, v in MLA.items() if k in defaults}
+    if "linear_attention" in (defaults.get("layer_types") or ()):
+        shape |= HYBRID
     if "moe" in defaults:  # the family's routing, with few experts
         grouped = GROUPED if cls().moe.num_groups > 1 else {}
         shape["moe"] = dataclasses.replace(cls().moe, **EXPERTS, **grouped)

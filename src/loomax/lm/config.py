@@ -53,6 +53,11 @@ class TrainLmConfig:
                     "model.attn_pdrop > 0 is not supported with trainer.mesh.context > 1 "
                     f"(got {context}): attention dropout needs the vanilla backend"
                 )
+            if "linear_attention" in getattr(self.model, "layer_types", ()):
+                raise ConfigError(
+                    "model.layer_types has linear_attention (Gated DeltaNet) layers: not "
+                    f"supported with trainer.mesh.context > 1 (got {context})"
+                )
             if getattr(self.model, "sliding_window", None) is not None:
                 raise ConfigError(
                     f"model.sliding_window ({self.model.sliding_window}) is not supported with "

@@ -143,19 +143,31 @@ def sample_batch(
     """``sample_tokens`` of each prompt (row ``i`` with ``keys[i]``), decoded together: one
     prefill and one step per new token for all rows, each row at its own position and
     stopping on its own. ``rows`` pads the batch to a fixed size (one compile for batches
-    of any size up to it)."""
+    of any size up to it). A model with a recurrent state (``recurrent_state``: Qwen3-Next's
+    DeltaNet layers) prefills at the prompts' exact length; prompts of unequal lengths then
+    decode one at a time (``sample_tokens``), as padding would enter the state."""
     if not prompts or not all(prompts):
         raise ValueError("sample_batch needs non-empty prompts")
     _check_options(temperature, top_k, top_p, repetition_penalty)
     rows = max(rows or len(prompts), len(prompts))
     prompts = [list(p)[-(seq_len - 1) :] for p in prompts]
+    recurrent = getattr(model, "recurrent_state", False)  # padding would enter its state
+    if recurrent and len({len(p) for p in prompts}) > 1:  # prompts of unequal length: one by one
+        options = dict(temperature=temperature, stop_token=stop_token, top_k=top_k, top_p=top_p,
+                       repetition_penalty=repetition_penalty)  # fmt: skip
+        return [
+            sample_tokens(
+                model, p, seq_len=seq_len, max_new_tokens=max_new_tokens, key=k, **options
+            )
+            for p, k in zip(prompts, keys, strict=False)
+        ]
     buffer = np.zeros((rows, seq_len), np.int32)
     length = np.ones(rows, np.int32)  # padding rows: a one-token prompt, results dropped
     for i, prompt in enumerate(prompts):
         buffer[i, : len(prompt)], length[i] = prompt, len(prompt)
     keys = jnp.concatenate([keys, jnp.repeat(keys[:1], rows - len(prompts), axis=0)])
     start, next_token = _batched_steps(temperature, top_k, top_p, repetition_penalty, seq_len)
-    width = prompt_bucket(int(length.max()), seq_len)
+    width = int(length.max()) if recurrent else prompt_bucket(int(length.max()), seq_len)
     with hax.axis_mapping({}):  # rows decoded whole (no context split here)
         state = start(model, jnp.asarray(buffer[:, :width]), jnp.asarray(length))
     out = [list(p) for p in prompts]
@@ -278,6 +290,8 @@ def _cached_steps(temperature, top_k, top_p, repetition_penalty) -> _Steps:
 
     def start(model, tokens, length):
         width = prompt_bucket(length, tokens.shape[0])
+        if getattr(model, "recurrent_state", False):  # a state would absorb the padding
+            width = length
         return prefill(model, tokens[:width], jnp.asarray(length), tokens.shape[0])
 
     return _Steps(start, next_token, prefill)

@@ -1,0 +1,203 @@
+"""Qwen3-Next (``model.type: qwen3_next``): a model transformers built (random weights, a
+linear and a full layer) imports with its logits (f32, 1e-5) and greedy tokens (our
+hybrid cache: KV for the full layer, conv + recurrent state for the linear one); our
+model, trained a few steps, exports to transformers with the same logits and tokens; packed
+documents stay apart; batched decoding; context parallelism and options the model lacks are
+refused."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import haliax as hax
+import jax
+import numpy as np
+import pytest
+
+from loomax.config import ConfigError
+from loomax.hf import export_hf, load_hf
+from loomax.models import LmConfig
+from loomax.models.decoding.generate import sample_tokens
+from loomax.models.moe.moe import MoeConfig
+
+VOCAB = 37
+KEY = jax.random.PRNGKey(0)
+IDS = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (16,), 0, VOCAB))
+PROMPT = [3, 1, 4, 1, 5]
+Qwen3Next = LmConfig.get_choice_class("qwen3_next")
+TINY = Qwen3Next(
+    seq_len=16, hidden_dim=16, num_layers=2, layer_types=("linear_attention", "full_attention"),
+    num_heads=4, num_kv_heads=2, head_dim=8, linear_key_heads=2, linear_value_heads=4,
+    linear_key_dim=8, linear_value_dim=8, linear_chunk=4, expert_dim=16, shared_expert_dim=24,
+    moe=MoeConfig(num_experts=4, num_experts_per_tok=2),
+)  # fmt: skip
+
+
+def logits(model) -> np.ndarray:
+    return np.asarray(eqx.filter_jit(lambda m: m.logits(hax.named(IDS, "position")).array)(model))
+
+
+def hf_logits(torch, hf) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor(IDS[None], dtype=torch.long)).logits[0].numpy()
+
+
+def hf_greedy(torch, hf, steps: int) -> list[int]:
+    with torch.no_grad():
+        return hf.generate(
+            torch.tensor([PROMPT]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
+            pad_token_id=0, min_new_tokens=steps,
+        )[0].tolist()  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    import torch
+    import transformers
+
+    config = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        layer_types=["linear_attention", "full_attention"], max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("qwen3_next")
+    hf.save_pretrained(path)
+    return path, hf
+
+
+def test_a_model_transformers_built_imports_with_its_logits_and_greedy_tokens(hf_dir):
+    import torch
+
+    path, hf = hf_dir
+    loaded = load_hf(path)
+    assert loaded.config.layer_kinds == ("linear_attention", "full_attention")
+    assert loaded.config.rotary_dim == 2  # partial rotary: a quarter of 8
+    np.testing.assert_allclose(logits(loaded), hf_logits(torch, hf), rtol=1e-5, atol=1e-5)
+    ours = sample_tokens(loaded, PROMPT, seq_len=16, max_new_tokens=8, temperature=0.0, key=KEY)
+    assert ours == hf_greedy(torch, hf, 8)
+
+
+def trained(config, steps: int = 12):
+    import optax
+
+    from loomax.models import next_token_loss
+
+    model = config.build(VOCAB, key=KEY)
+    pattern = np.tile([3, 1, 4, 1, 5, 9, 2, 6, 7], 2)[:16]
+    batch = hax.named(np.stack([pattern, np.roll(pattern, 2)]), ("batch", "position"))
+    opt = optax.adam(3e-2)
+
+    @eqx.filter_jit
+    def step(m, state):
+        def loss_fn(m):
+            total, count = next_token_loss(m, batch, block_size=8)
+            return total / count
+
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(m)
+        updates, state = opt.update(grads, state, m)
+        return eqx.apply_updates(m, updates), state, loss
+
+    state, losses = opt.init(eqx.filter(model, eqx.is_inexact_array)), []
+    for _ in range(steps):
+        model, state, loss = step(model, state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] / 2, losses
+    return model
+
+
+def test_trained_export_gives_transformers_logits_and_greedy_tokens(tmp_path):
+    """Trained 12 Adam steps on a repeating sequence, exported: transformers' logits (f32,
+    1e-5) and greedy tokens; the config.json comes back as the config."""
+    import torch
+    import transformers
+
+    model = trained(TINY)
+    export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3NextForCausalLM"
+    np.testing.assert_allclose(logits(model), hf_logits(torch, hf), rtol=1e-5, atol=1e-5)
+    ours = sample_tokens(model, PROMPT, seq_len=16, max_new_tokens=8, temperature=0.0, key=KEY)
+    assert ours[5:7] == [9, 2]  # it learned the sequence
+    assert ours == hf_greedy(torch, hf, 8)
+    assert load_hf(tmp_path).config.hf_config(VOCAB) == TINY.hf_config(VOCAB)
+
+
+def test_decoding_equals_the_training_forward():
+    model = TINY.build(VOCAB, key=KEY)
+    model = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(KEY, x.shape), model)
+    cache = model.init_cache((), 16, np.float32)
+    decode = eqx.filter_jit(lambda m, ids, cache, t: m.decode(hax.named(ids, "position"), cache, t))
+    first, cache = decode(model, IDS[:10], cache, 0)
+    rest = []
+    for t in range(10, 16):
+        h, cache = decode(model, IDS[t : t + 1], cache, t)
+        rest.append(h.array)
+    got = np.concatenate([first.array, *rest])
+    want = model.hidden_states(hax.named(IDS, "position")).array
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_context_parallelism_is_refused_naming_the_key():
+    from loomax.lm.config import TrainLmConfig
+    from loomax.mesh import MeshConfig
+    from loomax.train.config import TrainerConfig
+
+    trainer = TrainerConfig(mesh=MeshConfig(context=2))
+    with pytest.raises(ConfigError, match="model.layer_types.*trainer.mesh.context"):
+        TrainLmConfig(model=TINY, trainer=trainer)
+
+
+def test_packed_documents_never_see_each_other():
+    """The second of two packed documents computes as it would alone (rotary is relative;
+    the DeltaNet's state and convolution restart at the boundary)."""
+    model = TINY.build(VOCAB, key=KEY)
+    model = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(KEY, x.shape), model)
+    hidden = eqx.filter_jit(lambda m, ids, seg: m.hidden_states(ids, segment_ids=seg).array)
+    seg = hax.named(np.repeat([0, 1], [6, 10]), "position")
+    packed = hidden(model, hax.named(IDS, "position"), seg)
+    alone = hidden(model, hax.named(IDS[6:], "position"), None)
+    np.testing.assert_allclose(packed[6:], alone, rtol=1e-5, atol=1e-5)
+    mixed = hidden(model, hax.named(IDS, "position"), None)
+    assert not np.allclose(mixed[6:], alone, atol=1e-3)
+
+
+@pytest.mark.parametrize("key,value", [("fp8", "emulate"), ("resid_pdrop", 0.1)])
+def test_options_the_model_lacks_are_refused_naming_the_key(key, value):
+    import dataclasses
+
+    with pytest.raises(ConfigError, match=f"model.{key}"):
+        dataclasses.replace(TINY, **{key: value})
+
+
+def test_batched_decoding_gives_each_prompt_its_own_greedy_tokens(hf_dir):
+    """Prompts of unequal lengths (padding would enter the DeltaNet state) and of equal ones."""
+    from loomax.models.decoding.generate import sample_batch
+
+    model = load_hf(hf_dir[0])
+    prompts = [PROMPT, PROMPT[:3], [2, 7, 1, 8, 2]]
+    alone = [
+        sample_tokens(model, p, seq_len=16, max_new_tokens=4, temperature=0.0, key=KEY)
+        for p in prompts
+    ]
+    keys = jax.random.split(KEY, 3)
+    got = sample_batch(model, prompts, seq_len=16, max_new_tokens=4, keys=keys, temperature=0.0)
+    assert got == alone
+    same = [prompts[0], prompts[2]]
+    got = sample_batch(model, same, seq_len=16, max_new_tokens=4, keys=keys[:2], temperature=0.0)
+    assert got == [alone[0], alone[2]]
+
+
+def test_parameters_name_their_hidden_and_expert_axes_for_the_mesh():
+    """FSDP splits ``embed`` and expert parallelism ``experts``: every matrix names one."""
+    shapes = jax.eval_shape(lambda: TINY.build(VOCAB, key=KEY))
+    for name, p in shapes.params.items():
+        names = [a.name for a in p.axes]
+        if len(names) >= 2 and "conv1d" not in name:
+            assert "embed" in names, name
+        assert ("experts" in names) == (".mlp.experts." in name), name
