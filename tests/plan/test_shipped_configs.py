@@ -28,23 +28,24 @@ from loomax.config import parse_config, to_yaml  # noqa: E402
 from loomax.lm.config import TrainLmConfig  # noqa: E402
 from loomax.plan.build import vocab_size_of  # noqa: E402
 from loomax.plan.compile import compile_run  # noqa: E402
+from loomax.plan.rl import compile_rl, is_rl_config, rl_vocab_size  # noqa: E402
 from loomax.plan.topology import get_topology  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 NOT_PLANNED = {
     "dpo_tiny.yaml": "a `loomax dpo` run: `loomax compile` plans the language-model step only; "
     "the DPO step (chosen and rejected rows, the cached reference) is not planned yet",
-    "rl_tiny.yaml": "a `loomax rl` run: `loomax compile` plans the language-model step only; "
-    "the rollout program and the GRPO update (rollout rows, old and reference log-probs) are "
-    "not planned yet",
 }
 """Shipped configs of other tasks than ``loomax train``'s, each with why it is not compiled
 here (tests/models/test_configs.py parses each as its own task's config)."""
-RUN_CONFIGS = sorted(
+_SHIPPED = sorted(
     name
     for p in [*REPO.glob("config/*.yaml"), *REPO.glob("config/bench/*.yaml")]
     if (name := p.relative_to(REPO / "config").as_posix()) not in NOT_PLANNED
 )
+RL_CONFIGS = [name for name in _SHIPPED if is_rl_config(str(REPO / "config" / name))]
+"""``loomax rl`` runs: compiled through ``plan.rl`` (the rollout and the GRPO update)."""
+RUN_CONFIGS = [name for name in _SHIPPED if name not in RL_CONFIGS]
 TOPOLOGY = "v5p:2x2x1"
 topology = functools.cache(get_topology)  # libtpu makes the devices once per process
 _COMPILED: dict[str, object] = {}
@@ -81,6 +82,32 @@ def test_the_run_configs_are_found():
     assert {"llama_8b.yaml", "llama_1b.yaml", "quickstart.yaml", "bench/gpt2_tiny.yaml"} <= set(
         RUN_CONFIGS
     )
+    assert {"rl_tiny.yaml", "rl_1b.yaml"} <= set(RL_CONFIGS)
+
+
+def small_rl(config) -> list[str]:
+    """Flags that shrink an RL run to a quick compile: ``small``'s, at most 64 positions and
+    16 new tokens (a tiny config is compiled as shipped)."""
+    if config.model.hidden_dim <= 256 and config.model.seq_len <= 64:
+        return []
+    flags = small(config)  # its --model.seq_len overridden: the last flag wins
+    return flags + ["--model.seq_len", "64", "--rl.max_new_tokens", "16"]
+
+
+@pytest.mark.parametrize("name", RL_CONFIGS)
+def test_shipped_rl_config_compiles_both_programs(name):
+    """An RL run's rollout and GRPO update compile for the topology, each with its memory."""
+    from loomax.rl.command import rl_config
+
+    path = str(REPO / "config" / name)
+    config = rl_config(path, [])
+    rl_vocab_size(config)  # known without a flag
+    result = compile_rl(rl_config(path, small_rl(config)), topology(TOPOLOGY))
+    for program in (result.rollout, result.update):
+        assert program.error is None and program.fits, (program.error, program.notes)
+        assert program.total_bytes > program.temp_bytes > 0
+        assert program.mesh["data"] == 4
+    assert result.fits
 
 
 @pytest.mark.parametrize("name", RUN_CONFIGS)

@@ -109,6 +109,10 @@ def compile_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: 
         "--out", default=None, help="JSON report path (default: compile-TOPOLOGY.json)"
     )
     args, rest = parser.parse_known_args(list(argv))
+    from loomax.plan.rl import is_rl_config
+
+    if is_rl_config(args.config_path):
+        return _compile_rl(args, rest)
     config, topology = _prepare(args, rest, load)
     from loomax.plan.compile import compile_run
     from loomax.plan.report import compile_text
@@ -133,6 +137,49 @@ def compile_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: 
         raise SystemExit(1)
 
 
+def _compile_rl(args: argparse.Namespace, rest: list[str]) -> None:
+    """``loomax compile`` of a ``loomax rl`` run (its YAML has an ``rl`` section): the rollout
+    and the GRPO update compiled, memory per device for each (``loomax.plan.rl``)."""
+    from loomax.plan.topology import TopologyError, check_topology_name, get_topology
+
+    if args.measure or args.load_max is not None:
+        raise UserError("--measure and --load_max are for language-model runs, not loomax rl's")
+    try:
+        check_topology_name(args.topology)
+    except TopologyError as e:
+        raise UserError(str(e)) from e
+    from loomax.plan.worker import setup_compile_only
+
+    setup_compile_only(args.topology)
+    from loomax.plan.rl import compile_rl, rl_text, rl_vocab_size
+    from loomax.plan.worker import CompileCrash, compile_isolated
+    from loomax.rl.command import rl_config
+
+    config = rl_config(args.config_path, list(rest))
+    rl_vocab_size(config)  # a ConfigError before anything compiles
+    try:
+        topology = get_topology(args.topology)
+    except TopologyError as e:
+        raise UserError(str(e)) from e
+    try:
+        config.trainer.mesh.resolve(topology.num_devices)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (topology {args.topology})") from e
+    try:
+        if args.topology == "local":
+            result = compile_rl(config, topology)
+        else:  # in a child process: XLA's TPU or GPU compiler may abort on a program
+            result = compile_isolated(_config_args(args, rest), args.topology)
+    except CompileCrash as e:
+        raise UserError(str(e)) from e
+    print(rl_text(result))
+    out = Path(args.out or f"compile-{_slug(args.topology)}.json")
+    out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    print(f"report: {out}")
+    if result.fits is False:
+        raise SystemExit(1)
+
+
 def plan_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: Callable) -> None:
     """``loomax plan``: compile candidate strategies, rank them, write the best as an overlay."""
     from loomax.plan.search import default_jobs
@@ -145,6 +192,14 @@ def plan_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: Cal
     )
     parser.add_argument("--max_candidates", type=int, default=24, help="compile at most this many")
     args, rest = parser.parse_known_args(list(argv))
+    from loomax.plan.rl import is_rl_config
+
+    if is_rl_config(args.config_path):
+        raise UserError(
+            f"{args.config_path} is a loomax rl run: `loomax plan` searches language-model "
+            "strategies only; `loomax compile` compiles its rollout and update and reports "
+            "the memory of each"
+        )
     config, topology = _prepare(args, rest, load)
     from loomax.plan.compile import compile_run
     from loomax.plan.report import best, estimate_note, overlay_yaml, plan_json, plan_table

@@ -45,7 +45,8 @@ def compile_isolated(
     load_max: float | None = None,
 ) -> CompileResult:
     """``compile_run`` of the config ``config_args`` (``--config_path F --key value ...``) in a
-    child process; raises ``CompileCrash`` with the child's last error line if it fails."""
+    child process (an RL run's: ``plan.rl.compile_rl``, an ``RlCompileResult``); raises
+    ``CompileCrash`` with the child's last error line if it fails."""
     load = "" if load_max is None else repr(float(load_max))
     command = [
         sys.executable, "-m", "loomax.plan.worker", topology, str(measure), load, *config_args
@@ -56,7 +57,12 @@ def compile_isolated(
         raise CompileCrash(f"compile took longer than {timeout:.0f} s") from e
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(_MARK):
-            return CompileResult(**json.loads(line[len(_MARK) :]))
+            found = json.loads(line[len(_MARK) :])
+            if set(found) == {"rollout", "update"}:  # an RL run's two programs (plan/rl.py)
+                from loomax.plan.rl import RlCompileResult
+
+                return RlCompileResult(*(CompileResult(**found[k]) for k in ("rollout", "update")))
+            return CompileResult(**found)
     raise CompileCrash(_reason(done.returncode, done.stderr))
 
 
@@ -82,6 +88,15 @@ def main(argv: Sequence[str]) -> None:
     path = None
     if config_args[:1] == ["--config_path"]:
         path, config_args = config_args[1], config_args[2:]
+    from loomax.plan.rl import is_rl_config
+
+    if is_rl_config(path):
+        from loomax.plan.rl import compile_rl
+        from loomax.rl.command import rl_config
+
+        result = compile_rl(rl_config(path, config_args), get_topology(topology))
+        print(_MARK + json.dumps(result.to_json()), flush=True)
+        return
     config = parse_config(TrainLmConfig, path, config_args)
     result = compile_run(
         config,
