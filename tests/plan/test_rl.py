@@ -1,6 +1,6 @@
 """``loomax compile`` of a ``loomax rl`` run: its YAML recognised, the rollout and the GRPO update
-compiled in the compile child, memory per device for each (rl_tiny's as shipped and rl_1b's,
-shrunk: tests/plan/test_shipped_configs.py)."""
+compiled in the compile child, memory per device for each (rl_tiny here, as shipped; the other
+shipped RL configs shrunk in tests/plan/test_shipped_configs.py)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,11 @@ def test_plan_refuses_an_rl_run_and_points_to_compile(repo_root, capsys):
 def test_compile_reports_the_rollout_and_the_update(repo_root, tmp_path, capsys):
     """The command line's path: the config told apart, both programs compiled in the child."""
     out = tmp_path / "report.json"
-    shrink = ["--model.num_layers", "1", "--rl.max_new_tokens", "2", "--rl.kl_beta", "0.1"]
+    with_ref = ["--rl.kl_beta", "0.1"]  # as shipped, with a reference: its log-probs in the batch
     path = str(repo_root / "config" / "rl_tiny.yaml")
-    main(["compile", "--config_path", path, "--topology", "v5p:2x2x1", "--out", str(out), *shrink])
+    main(
+        ["compile", "--config_path", path, "--topology", "v5p:2x2x1", "--out", str(out), *with_ref]
+    )
     text = capsys.readouterr().out
     assert "rollout: " in text and "update: " in text and "DOES NOT FIT" not in text
     assert "16 prompts × 8 samples" in text and "old and reference log-probs" in text

@@ -214,7 +214,7 @@ def rl_text(result: RlCompileResult) -> str:
         verdict = {True: "FITS", False: "DOES NOT FIT", None: "fit unknown"}[r.fits]
         lines.append(
             f"{name}: {r.total_bytes / 2**30:.3f} GiB per device{hbm}: {verdict} "
-            f"(state {r.state_bytes / 2**30:.3f}, inputs {r.batch_bytes / 2**30:.3f}, "
+            f"(state {r.state_bytes / 2**30:.3f} GiB, inputs {r.batch_bytes / 2**20:.2f} MiB, "
             f"temporaries {r.temp_bytes / 2**30:.3f} GiB; compiled in {r.compile_s:.1f} s)"
         )
         lines += [f"  - {n}" for n in r.notes]
