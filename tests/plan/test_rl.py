@@ -54,3 +54,17 @@ def test_compile_reports_the_rollout_and_the_update(repo_root, tmp_path, capsys)
         assert report[program]["fits"] is True
         assert report[program]["total_bytes"] > report[program]["temp_bytes"] > 0
         assert report[program]["mesh"]["data"] == 4
+
+
+def test_the_1b_record_agrees_with_the_docs(repo_root):
+    """docs/post_training.md's v5p:2x2x2 figures for config/rl_1b.yaml are its results file's."""
+    name = "compile_rl_1b_v5p-2x2x2_2026-11-29.json"
+    record = json.loads((repo_root / "bench" / "results" / name).read_text())
+    docs = (repo_root / "docs" / "post_training.md").read_text()
+    assert name in docs
+    for program in ("rollout", "update"):
+        r = record[program]
+        assert r["fits"] is True and r["topology"] == "v5p:2x2x2" and r["mesh"]["data"] == 8
+        assert f"{program}: {r['total_bytes'] / 2**30:.3f} GiB per device" in docs
+        assert f"state {r['state_bytes'] / 2**30:.3f} GiB" in docs
+        assert f"temporaries {r['temp_bytes'] / 2**30:.3f} GiB" in docs
