@@ -88,3 +88,37 @@ def tiny_config(model_type: str, **overrides) -> LmConfig:
         grouped = GROUPED if cls().moe.num_groups > 1 else {}
         shape["moe"] = dataclasses.replace(cls().moe, **EXPERTS, **grouped)
     return cls(**{**shape, **overrides})
+
+
+def trained(config: LmConfig, vocab: int, key, steps: int = 12):
+    """``config``'s model trained ``steps`` Adam steps on a repeating sequence (the blocked
+    loss); its loss must halve. The family tests export it and compare transformers' greedy
+    tokens against ours."""
+    import equinox as eqx
+    import haliax as hax
+    import numpy as np
+    import optax
+
+    from loomax.models import next_token_loss
+
+    model = config.build(vocab, key=key)
+    pattern = np.tile([3, 1, 4, 1, 5, 9, 2, 6, 7], 2)[:16]
+    batch = hax.named(np.stack([pattern, np.roll(pattern, 2)]), ("batch", "position"))
+    opt = optax.adam(3e-2)
+
+    @eqx.filter_jit
+    def step(m, state):
+        def loss_fn(m):
+            total, count = next_token_loss(m, batch, block_size=8)
+            return total / count
+
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(m)
+        updates, state = opt.update(grads, state, m)
+        return eqx.apply_updates(m, updates), state, loss
+
+    state, losses = opt.init(eqx.filter(model, eqx.is_inexact_array)), []
+    for _ in range(steps):
+        model, state, loss = step(model, state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] / 2, losses
+    return model

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import equinox as eqx
 import haliax as hax
 import jax
 import numpy as np
-import optax
 import pytest
 
 from loomax.errors import BadFileError
 from loomax.hf import export_hf, load_hf
-from loomax.models import LmConfig, next_token_loss
+from loomax.models import LmConfig
 from loomax.models.attention.rotary import DefaultRotary, LinearRotary
 from loomax.models.decoding.generate import sample_tokens
 
@@ -61,32 +59,9 @@ def hf_logits(torch, hf) -> np.ndarray:
         return hf(torch.tensor(IDS[None], dtype=torch.long)).logits[0].numpy()
 
 
-def trained(config, steps: int = 12):
-    """``config`` trained ``steps`` Adam steps on a repeating sequence (the blocked loss)."""
-    model = config.build(VOCAB, key=KEY)
-    pattern = np.tile([3, 1, 4, 1, 5, 9, 2, 6, 7], 2)[:16]
-    batch = hax.named(np.stack([pattern, np.roll(pattern, 2)]), ("batch", "position"))
-    opt = optax.adam(3e-2)
-
-    @eqx.filter_jit
-    def step(m, state):
-        def loss_fn(m):
-            total, count = next_token_loss(m, batch, block_size=8)
-            return total / count
-
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(m)
-        updates, state = opt.update(grads, state, m)
-        return eqx.apply_updates(m, updates), state, loss
-
-    state, losses = opt.init(eqx.filter(model, eqx.is_inexact_array)), []
-    for _ in range(steps):
-        model, state, loss = step(model, state)
-        losses.append(float(loss))
-    assert losses[-1] < losses[0] / 2, losses
-    return model
-
-
-def test_a_local_and_a_global_layer_match_transformers_trained_with_greedy_tokens(tmp_path):
+def test_a_local_and_a_global_layer_match_transformers_trained_with_greedy_tokens(
+    tmp_path, families
+):
     """Random weights: our export's logits are transformers'; trained a few steps: transformers'
     greedy ``generate`` gives the tokens ``loomax generate`` (``sample_tokens``) gives."""
     import torch
@@ -99,7 +74,7 @@ def test_a_local_and_a_global_layer_match_transformers_trained_with_greedy_token
     assert hf.config.layer_types == ["sliding_attention", "full_attention"]
     assert hf.config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
     np.testing.assert_allclose(logits(model), hf_logits(torch, hf.eval()), rtol=1e-5, atol=1e-5)
-    model = trained(MIXED)
+    model = families.trained(MIXED, VOCAB, KEY)
     export_hf(model, tmp_path / "trained", special_tokens={"eos_token_id": 0})
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "trained", dtype=torch.float32

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import equinox as eqx
 import haliax as hax
 import jax
 import numpy as np
-import optax
 import pytest
 
 from loomax.errors import BadFileError
 from loomax.hf import export_hf, load_hf
-from loomax.models import LmConfig, next_token_loss
+from loomax.models import LmConfig
 from loomax.models.attention.rotary import YarnRotary
 from loomax.models.decoding.generate import sample_tokens
 from loomax.models.moe.moe import MoeConfig
@@ -53,35 +51,11 @@ def hf_greedy(torch, hf, steps: int) -> list[int]:
         )[0].tolist()  # fmt: skip
 
 
-def trained(config, steps: int = 12):
-    model = config.build(VOCAB, key=KEY)
-    pattern = np.tile([3, 1, 4, 1, 5, 9, 2, 6, 7], 2)[:16]
-    batch = hax.named(np.stack([pattern, np.roll(pattern, 2)]), ("batch", "position"))
-    opt = optax.adam(3e-2)
-
-    @eqx.filter_jit
-    def step(m, state):
-        def loss_fn(m):
-            total, count = next_token_loss(m, batch, block_size=8)
-            return total / count
-
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(m)
-        updates, state = opt.update(grads, state, m)
-        return eqx.apply_updates(m, updates), state, loss
-
-    state, losses = opt.init(eqx.filter(model, eqx.is_inexact_array)), []
-    for _ in range(steps):
-        model, state, loss = step(model, state)
-        losses.append(float(loss))
-    assert losses[-1] < losses[0] / 2, losses
-    return model
-
-
-def test_trained_export_gives_transformers_greedy_tokens_past_the_window(tmp_path):
+def test_trained_export_gives_transformers_greedy_tokens_past_the_window(tmp_path, families):
     import torch
     import transformers
 
-    model = trained(TINY)
+    model = families.trained(TINY, VOCAB, KEY)
     sinks = model.blocks.stacked.attn.sinks.array
     assert float(np.abs(sinks).max()) > 0.01  # the sinks were trained
     export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})

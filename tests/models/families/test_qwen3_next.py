@@ -83,41 +83,13 @@ def test_a_model_transformers_built_imports_with_its_logits_and_greedy_tokens(hf
     assert ours == hf_greedy(torch, hf, 8)
 
 
-def trained(config, steps: int = 12):
-    import optax
-
-    from loomax.models import next_token_loss
-
-    model = config.build(VOCAB, key=KEY)
-    pattern = np.tile([3, 1, 4, 1, 5, 9, 2, 6, 7], 2)[:16]
-    batch = hax.named(np.stack([pattern, np.roll(pattern, 2)]), ("batch", "position"))
-    opt = optax.adam(3e-2)
-
-    @eqx.filter_jit
-    def step(m, state):
-        def loss_fn(m):
-            total, count = next_token_loss(m, batch, block_size=8)
-            return total / count
-
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(m)
-        updates, state = opt.update(grads, state, m)
-        return eqx.apply_updates(m, updates), state, loss
-
-    state, losses = opt.init(eqx.filter(model, eqx.is_inexact_array)), []
-    for _ in range(steps):
-        model, state, loss = step(model, state)
-        losses.append(float(loss))
-    assert losses[-1] < losses[0] / 2, losses
-    return model
-
-
-def test_trained_export_gives_transformers_logits_and_greedy_tokens(tmp_path):
+def test_trained_export_gives_transformers_logits_and_greedy_tokens(tmp_path, families):
     """Trained 12 Adam steps on a repeating sequence, exported: transformers' logits (f32,
     1e-5) and greedy tokens; the config.json comes back as the config."""
     import torch
     import transformers
 
-    model = trained(TINY)
+    model = families.trained(TINY, VOCAB, KEY)
     export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(hf).__name__ == "Qwen3NextForCausalLM"
