@@ -41,7 +41,7 @@ def test_each_misspelled_flag_names_the_nearest_flag():
         (
             "model:\n  type: gtp2\n",
             1,
-            "did you mean `gpt2`? model.type is one of: gemma2, gemma3_text, gpt2,",
+            "did you mean `gpt2`? model.type is one of: deepseek_v3, gemma2, gemma3_text, gpt2,",
         ),
         (
             "trainer:\n  hooks:\n    - {type: divergnce, patience: 3}\n",

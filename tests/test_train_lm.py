@@ -277,7 +277,7 @@ def test_eval_only_cli_prints_the_eval_and_trains_nothing(tmp_path, tiny_corpus,
     # the run's first line says where it runs
     assert out.splitlines()[0] == (
         "devices: 1 x cpu in 1 process; mesh replica=1 data=1 expert=1 context=1 model=1 "
-        "(trainer.mesh)"
+        "stage=1 (trainer.mesh)"
     )
     assert "eval loss: step 0:" in out and "-> step 0:" in out
     assert out.splitlines()[-1] == "steps: 0 of 40 (trainer.eval_only: evaluated, not trained)"
