@@ -4,7 +4,7 @@ The ``stage`` mesh axis (``trainer.mesh.stage``) splits a model's stacked layers
 consecutive stages, one per device of a ``stage`` group; ``PipelineConfig`` says how the
 batch flows through them (the schedule, the pipeline's microbatches, the layer chunks per
 device). ``MeshRuntime.mesh_context`` enters ``pipelining`` with the run's settings, and the
-layer stack (``loomax.models.pipeline``) reads them with ``current_pipeline`` while tracing.
+layer stack (``loomax.models.blocks.pipeline``) reads them with ``current_pipeline`` while tracing.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ STAGE_AXIS = "stage"
 """The mesh axis a model's layers are split over (pipeline parallelism)."""
 
 EXECUTED_SCHEDULES = ("gpipe", "interleaved")
-"""Schedules the staged step runs (``loomax.models.pipeline``)."""
+"""Schedules the staged step runs (``loomax.models.blocks.pipeline``)."""
 TABLE_SCHEDULES = ("1f1b", "zero_bubble")
 """Schedules with a table and a bubble (``loomax.pipeline_schedules``) but no executor yet."""
 

@@ -24,9 +24,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import PRNGKeyArray
 
 from loomax.config import ConfigError
-from loomax.models import pipeline
 from loomax.models.axes import Layers
-from loomax.models.blocks import offload, taps
+from loomax.models.blocks import offload, pipeline, taps
 
 CARRY = f"scan({Layers})__carry"
 """The checkpoint name of a layer's input (as Haliax's layer scan names it)."""
@@ -63,7 +62,7 @@ def run_layers(
     unrolled when ``scan`` is false), since taps records them as scan outputs. A stack in
     host memory is scanned by ``offload.scan`` (not unrolled: a ``ConfigError``). Over a
     ``stage`` mesh axis of more than one device the stack runs as a pipeline
-    (``loomax.models.pipeline``)."""
+    (``loomax.models.blocks.pipeline``)."""
     per_layer = per_layer or {}
     if pipeline.stage_count() > 1:
         if taps.active() or offload.any_on_host(blocks.stacked):

@@ -11,7 +11,7 @@ import pytest
 
 from loomax.config import ConfigError
 from loomax.mesh import MeshConfig
-from loomax.models.pipeline import bubble, pipeline_plan
+from loomax.models.blocks.pipeline import bubble, pipeline_plan
 from loomax.pipeline_schedules import table
 from loomax.stages import PipelineConfig
 from loomax.train import TrainerConfig
