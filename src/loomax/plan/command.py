@@ -49,7 +49,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def _prepare(args: argparse.Namespace, rest: list[str], load: Callable):
     """The run config and the topology, checked before any compile."""
-    from loomax.plan.topology import TopologyError, check_topology_name, get_topology
+    from loomax.plan.topology import TopologyError, check_topology_name
 
     try:
         check_topology_name(args.topology)
@@ -70,14 +70,7 @@ def _prepare(args: argparse.Namespace, rest: list[str], load: Callable):
     from loomax.plan.build import vocab_size_of
 
     vocab_size_of(config)  # a ConfigError without model.vocab_size and a local tokenizer
-    try:
-        topology = get_topology(args.topology)
-    except TopologyError as e:
-        raise UserError(str(e)) from e
-    try:
-        config.trainer.mesh.resolve(topology.num_devices)
-    except ConfigError as e:
-        raise ConfigError(f"{e} (topology {args.topology})") from e
+    topology = _topology_for(config, args.topology)
     return config, topology
 
 
@@ -140,7 +133,7 @@ def compile_command(argv: Sequence[str], parser: argparse.ArgumentParser, load: 
 def _compile_rl(args: argparse.Namespace, rest: list[str]) -> None:
     """``loomax compile`` of a ``loomax rl`` run (its YAML has an ``rl`` section): the rollout
     and the GRPO update compiled, memory per device for each (``loomax.plan.rl``)."""
-    from loomax.plan.topology import TopologyError, check_topology_name, get_topology
+    from loomax.plan.topology import TopologyError, check_topology_name
 
     if args.measure or args.load_max is not None:
         raise UserError("--measure and --load_max are for language-model runs, not loomax rl's")
@@ -157,14 +150,7 @@ def _compile_rl(args: argparse.Namespace, rest: list[str]) -> None:
 
     config = rl_config(args.config_path, list(rest))
     rl_vocab_size(config)  # a ConfigError before anything compiles
-    try:
-        topology = get_topology(args.topology)
-    except TopologyError as e:
-        raise UserError(str(e)) from e
-    try:
-        config.trainer.mesh.resolve(topology.num_devices)
-    except ConfigError as e:
-        raise ConfigError(f"{e} (topology {args.topology})") from e
+    topology = _topology_for(config, args.topology)
     try:
         if args.topology == "local":
             result = compile_rl(config, topology)
@@ -250,3 +236,19 @@ def _config_args(args: argparse.Namespace, rest: list[str]) -> list[str]:
 
 def _slug(name: str) -> str:
     return name.replace(":", "-")
+
+
+def _topology_for(config, name: str):
+    """The topology ``name`` (a UserError if unknown) with ``config``'s mesh resolved over its
+    devices (a ConfigError naming the topology if it does not fit)."""
+    from loomax.plan.topology import TopologyError, get_topology
+
+    try:
+        topology = get_topology(name)
+    except TopologyError as e:
+        raise UserError(str(e)) from e
+    try:
+        config.trainer.mesh.resolve(topology.num_devices)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (topology {name})") from e
+    return topology
