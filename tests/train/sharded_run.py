@@ -1,16 +1,19 @@
 """Worker for the sharding tests: train a tiny GPT-2 for 5 steps on given meshes, print JSON.
 
 Run as a subprocess (the device count is fixed when JAX starts):
-  python sharded_run.py meshes '[[1,1,1,1], [1,8,1,8], ...]'     # replica, data, model, devices
-  python sharded_run.py process ID COUNT PORT RUN_DIR [STEP]         # one of COUNT processes, mesh data=4;
-                                                                     # the last process gets SIGTERM at STEP
-  python sharded_run.py load CHECKPOINTS '[[1,1,1,1], ...]'         # load the final checkpoint on meshes
-  python sharded_run.py llama '[[KV_HEADS, 1,2,2,4], ...]'          # a grouped-query Llama on meshes
-  python sharded_run.py mixtral '[[1,4,2,8], ...]'                  # a tiny Mixtral (MoE) on meshes
-  python sharded_run.py context [ID COUNT PORT RUN_DIR]             # a Llama, data 2 x context 4 over
-                                                                     # 8 devices (of 1 or COUNT processes)
+  python sharded_run.py suite '{"meshes": [[1,1,1,1], ...], ...}'  # one process, every case named:
+      meshes: [[replica, data, model, devices], ...]     a GPT-2 on each mesh
+      llama: [[kv_heads, replica, data, model, devices], ...]  a grouped-query Llama on meshes
+      mixtral: [[replica, data, model, devices], ...]    a tiny Mixtral (MoE) on meshes
+      context: true                                      a Llama, data 2 x context 4 over 8 devices
+      load: [CHECKPOINTS, [[replica, data, model, devices], ...]]  the checkpoint loaded on meshes
+  python sharded_run.py process ID COUNT PORT RUN_DIR STEP   # one of COUNT processes of 4 devices:
+      the GPT-2 on data=4 over the first 2 devices of each (RUN_DIR), the Llama of `context`
+      (RUN_DIR-context), then the GPT-2 again with a SIGTERM to the last process after STEP
+      (RUN_DIR-sigterm)
 
-The training modes save a final checkpoint under RUN_DIR (or a temporary directory).
+The training modes save a final checkpoint under their run dir (or a temporary directory).
+One process runs its cases in a row (a start and the imports once, not once per case).
 """
 
 from __future__ import annotations
@@ -66,17 +69,24 @@ def make_trainer(mesh: MeshConfig, run_dir: str, devices=None, **settings) -> Tr
 
 
 def digest(state) -> dict:
-    """Per leaf, the wrapping sum of its elements' bit patterns: exact, and independent of layout."""
+    """Per leaf, the wrapping sum of its elements' bit patterns: exact, and independent of
+    layout (one program for the whole state)."""
     unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
     @jax.jit
-    def bitsum(x):
-        bits = jax.lax.bitcast_convert_type(x, unsigned[x.dtype.itemsize])
-        return bits.astype(jnp.uint32).sum(dtype=jnp.uint32)
+    def bitsums(leaves):
+        return [
+            jax.lax.bitcast_convert_type(x, unsigned[x.dtype.itemsize])
+            .astype(jnp.uint32)
+            .sum(dtype=jnp.uint32)
+            for x in leaves
+        ]
 
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(state)[0], strict=True)
+    sums = bitsums(list(leaves))
     return {
-        jax.tree_util.keystr(path): int(np.asarray(bitsum(leaf).addressable_data(0)))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+        jax.tree_util.keystr(path): int(np.asarray(total.addressable_data(0)))
+        for path, total in zip(paths, sums, strict=True)
     }
 
 
@@ -230,49 +240,54 @@ def run_context(distributed: DistributedConfig | None = None, run_dir=None) -> d
     }
 
 
+def two_per_process() -> list:
+    """The first 2 devices of each process, in process order (4 devices of 2 processes)."""
+    return [d for p in range(jax.process_count()) for d in jax.local_devices(p)[:2]]
+
+
+def suite(cases: dict) -> dict:
+    """Every case of ``cases`` (see the module's docstring), on this process's devices."""
+    out: dict = {}
+    meshes = [(MeshConfig(r, d, m), jax.devices()[:n]) for r, d, m, n in cases.get("meshes", [])]
+    out["meshes"] = [run(mesh, devices=devices) for mesh, devices in meshes]
+    out["llama"] = [
+        run_llama(kv_heads, MeshConfig(r, d, m), jax.devices()[:n])
+        for kv_heads, r, d, m, n in cases.get("llama", [])
+    ]
+    out["mixtral"] = [
+        run_mixtral(MeshConfig(r, d, m), jax.devices()[:n])
+        for r, d, m, n in cases.get("mixtral", [])
+    ]
+    if cases.get("context"):
+        out["context"] = run_context()
+    if "load" in cases:
+        path, load_meshes = cases["load"]
+        out["load"] = [
+            load(path, MeshConfig(r, d, m), jax.devices()[:n]) for r, d, m, n in load_meshes
+        ]
+    return out
+
+
 def main() -> None:
     mode = sys.argv[1]
-    if mode == "meshes":
-        out = []
-        for replica, data, model, n in json.loads(sys.argv[2]):
-            out.append(run(MeshConfig(replica, data, model), devices=jax.devices()[:n]))
-        print(json.dumps(out))
+    if mode == "suite":
+        print(json.dumps(suite(json.loads(sys.argv[2]))))
     elif mode == "process":
         pid, count, port = map(int, sys.argv[2:5])
+        run_dir, sigterm_at = sys.argv[5], int(sys.argv[6])
         dist = DistributedConfig(
             coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid
         )
-        sigterm_at = int(sys.argv[6]) if len(sys.argv) > 6 else None
-        result = run(
-            MeshConfig(1, -1, 1), distributed=dist, run_dir=sys.argv[5], sigterm_at=sigterm_at
-        )
-        result["process_index"], result["process_count"] = jax.process_index(), jax.process_count()
+        where = {"process_index": jax.process_index, "process_count": jax.process_count}
+        result = run(MeshConfig(1, -1, 1), two_per_process, distributed=dist, run_dir=run_dir)
+        result.update({k: f() for k, f in where.items()})
+        result["context"] = {**run_context(dist, run_dir + "-context"), **{
+            k: f() for k, f in where.items()}}  # fmt: skip
+        result["sigterm"] = run(
+            MeshConfig(1, -1, 1), two_per_process, distributed=dist,
+            run_dir=run_dir + "-sigterm", sigterm_at=sigterm_at,
+        )  # fmt: skip
         print(json.dumps(result))
-    elif mode == "load":
-        out = []
-        for replica, data, model, n in json.loads(sys.argv[3]):
-            out.append(load(sys.argv[2], MeshConfig(replica, data, model), jax.devices()[:n]))
-        print(json.dumps(out))
-    elif mode == "llama":
-        out = []
-        for kv_heads, replica, data, model, n in json.loads(sys.argv[2]):
-            mesh = MeshConfig(replica, data, model)
-            out.append(run_llama(kv_heads, mesh, jax.devices()[:n]))
-        print(json.dumps(out))
-    elif mode == "context":
-        dist, run_dir = None, None
-        if len(sys.argv) > 2:
-            run_dir = sys.argv[5]
-            pid, count, port = map(int, sys.argv[2:5])
-            dist = DistributedConfig(
-                coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid
-            )
-        print(json.dumps({**run_context(dist, run_dir), "process_index": jax.process_index()}))
-    elif mode == "mixtral":
-        out = []
-        for replica, data, model, n in json.loads(sys.argv[2]):
-            out.append(run_mixtral(MeshConfig(replica, data, model), jax.devices()[:n]))
-        print(json.dumps(out))
 
 
 if __name__ == "__main__":

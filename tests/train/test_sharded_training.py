@@ -1,7 +1,9 @@
 """Sharded training on real multi-device and multi-process JAX (CPU), via subprocesses.
 
-The device count is fixed when JAX starts, so each case runs `sharded_run.py` in a fresh
-process with `--xla_force_host_platform_device_count`.
+The device count is fixed when JAX starts, so the cases run `sharded_run.py` in fresh
+processes with `--xla_force_host_platform_device_count`: one pair of processes (4 devices
+each) for every multi-process case, then one process of 8 devices for every one-process case
+(the reload of the pair's checkpoint among them), each started once for the whole file.
 """
 
 from __future__ import annotations
@@ -51,10 +53,38 @@ def result_of(proc, timeout=600):
     return json.loads(out.strip().splitlines()[-1])
 
 
+MESHES = [[1, 1, 1, 1], [1, 8, 1, 8], [1, 4, 2, 8], [2, 2, 2, 8], [1, 4, 1, 4]]
+"""The GPT-2's meshes (replica, data, model, devices): one device, FSDP, FSDP x TP, all three,
+and the four devices the two processes hold."""
+SIGTERM_AT = 3
+"""The pair's third run sends SIGTERM to process 1 alone, after this step (of 5)."""
+
+
 @pytest.fixture(scope="module")
-def mesh_runs():
-    meshes = [[1, 1, 1, 1], [1, 8, 1, 8], [1, 4, 2, 8], [2, 2, 2, 8], [1, 4, 1, 4]]
-    return result_of(run_worker(["meshes", json.dumps(meshes)], devices=8))
+def two_process_run(tmp_path_factory, processes_support):
+    """The pair's runs (see `sharded_run.py process`): their run dir and results."""
+    return run_two_processes(
+        tmp_path_factory.mktemp("two-processes"), processes_support, str(SIGTERM_AT), devices=4
+    )
+
+
+@pytest.fixture(scope="module")
+def one_process(two_process_run):
+    """The one-process cases, the reload of the pair's final checkpoint on other meshes last."""
+    run_dir, _ = two_process_run
+    cases = {
+        "meshes": MESHES,
+        "llama": [[2, 1, 1, 1, 1], [2, 1, 2, 2, 4], [1, 1, 1, 1, 1], [1, 1, 2, 2, 4]],
+        "mixtral": [[1, 1, 1, 1], [1, 4, 2, 8]],
+        "context": True,
+        "load": [str(run_dir / "checkpoints"), [[1, 1, 1, 1], [1, 4, 2, 8], [2, 2, 2, 8]]],
+    }
+    return result_of(run_worker(["suite", json.dumps(cases)], devices=8))
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(one_process):
+    return one_process["meshes"]
 
 
 @pytest.mark.slow
@@ -104,9 +134,10 @@ def test_parameters_and_optimizer_state_are_sharded_as_declared(mesh_runs):
 
 
 @pytest.mark.slow
-def test_grouped_query_llama_splits_kv_heads_when_they_divide_and_keeps_them_whole_otherwise():
-    cases = [[2, 1, 1, 1, 1], [2, 1, 2, 2, 4], [1, 1, 1, 1, 1], [1, 1, 2, 2, 4]]
-    gqa_1, gqa_tp, mqa_1, mqa_tp = result_of(run_worker(["llama", json.dumps(cases)], devices=4))
+def test_grouped_query_llama_splits_kv_heads_when_they_divide_and_keeps_them_whole_otherwise(
+    one_process,
+):
+    gqa_1, gqa_tp, mqa_1, mqa_tp = one_process["llama"]
     assert gqa_tp["k_proj_axes"] == ["layers", "kv_heads", "head_size", "embed"]
     assert gqa_tp["k_proj_spec"] == "P(None, 'model', None, 'data')"  # 2 KV heads over model=2
     assert mqa_tp["k_proj_spec"] == "P(None, None, None, 'data')"  # 1 KV head: kept whole
@@ -119,11 +150,10 @@ def test_grouped_query_llama_splits_kv_heads_when_they_divide_and_keeps_them_who
 
 
 @pytest.mark.slow
-def test_mixtral_on_fsdp_and_tensor_parallel_meshes_gives_the_losses_of_one_device():
+def test_mixtral_on_fsdp_and_tensor_parallel_meshes_gives_the_losses_of_one_device(one_process):
     """A mixture of experts (global sort by expert, grouped matmuls) under data=4 x model=2:
     XLA partitions it, with the same losses and balance losses as one device."""
-    meshes = json.dumps([[1, 1, 1, 1], [1, 4, 2, 8]])
-    one, sharded = result_of(run_worker(["mixtral", meshes], devices=8))
+    one, sharded = one_process["mixtral"]
     np.testing.assert_allclose(sharded["losses"], one["losses"], rtol=MESH_RTOL)
     np.testing.assert_allclose(sharded["load_balance"], one["load_balance"], rtol=MESH_RTOL)
     assert len(one["losses"]) == 5
@@ -152,11 +182,6 @@ def run_two_processes(
     return support.run_scenario(directory, scenario)
 
 
-@pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory, processes_support):
-    return run_two_processes(tmp_path_factory.mktemp("two-processes"), processes_support)
-
-
 @pytest.mark.slow
 def test_two_processes_match_one_process_with_four_devices(mesh_runs, two_process_run):
     _, results = two_process_run
@@ -177,7 +202,7 @@ def test_two_processes_match_one_process_with_four_devices(mesh_runs, two_proces
 
 
 @pytest.mark.slow
-def test_checkpoint_from_two_processes_reshards_onto_other_meshes(two_process_run):
+def test_checkpoint_from_two_processes_reshards_onto_other_meshes(two_process_run, one_process):
     run_dir, results = two_process_run
     checkpoints = run_dir / "checkpoints"
     meta = json.loads((checkpoints / "step-5" / "metadata.json").read_text())
@@ -197,8 +222,7 @@ def test_checkpoint_from_two_processes_reshards_onto_other_meshes(two_process_ru
         "stage": 1,
     }
 
-    meshes = [[1, 1, 1, 1], [1, 4, 2, 8], [2, 2, 2, 8]]
-    loads = result_of(run_worker(["load", str(checkpoints), json.dumps(meshes)], devices=8))
+    loads = one_process["load"]
     one_device = loads[0]
     assert one_device["step"] == 5 and one_device["mlp_up_shard_shape"] == [2, 128, 32]
     assert loads[1]["mlp_up_spec"] == "P(None, 'model', 'data')"
@@ -209,20 +233,20 @@ def test_checkpoint_from_two_processes_reshards_onto_other_meshes(two_process_ru
 
 
 @pytest.mark.slow
-def test_sigterm_on_one_process_stops_all_at_the_same_step(tmp_path, processes_support):
-    run_dir, results = run_two_processes(
-        tmp_path, processes_support, "3"
-    )  # SIGTERM to process 1 alone, after step 3
+def test_sigterm_on_one_process_stops_all_at_the_same_step(two_process_run):
+    run_dir, pair = two_process_run  # the pair's third run: SIGTERM to process 1 after step 3
+    results = [r["sigterm"] for r in pair]
     steps = {r["final_step"] for r in results}
     assert len(steps) == 1 and steps <= {3, 4}  # process 0 learns of it at step 3 or 4
     stopped = steps.pop()
     assert all("signal SIGTERM (process 1)" in r["stop_reason"] for r in results)
-    meta = json.loads((run_dir / "checkpoints" / f"step-{stopped}" / "metadata.json").read_text())
+    checkpoints = run_dir.with_name(run_dir.name + "-sigterm") / "checkpoints"
+    meta = json.loads((checkpoints / f"step-{stopped}" / "metadata.json").read_text())
     assert meta["permanent"] is False and sum(r["saved_bytes"] for r in results) > 0
 
 
 @pytest.mark.slow
-def test_context_groups_spanning_two_processes_train_as_one_process(tmp_path, processes_support):
+def test_context_groups_spanning_two_processes_train_as_one_process(two_process_run, one_process):
     """Data 2 x context 4 over two processes of 4 devices, interleaved: every context group
     holds devices of both, at every other place along the ring, so both load the same rows
     (row block 0 of 1) and each device takes its batch position's. Five steps and an eval
@@ -230,9 +254,8 @@ def test_context_groups_spanning_two_processes_train_as_one_process(tmp_path, pr
     for bit, the eval loss to 1.1e-7; the weights differ in their last bits, as the
     processes' all-reduces go through gloo, which sums in another order); the two processes
     agree exactly."""
-    one = run_worker(["context"], devices=8)  # meanwhile, one process of 8 devices
-    _, results = run_two_processes(tmp_path, processes_support, mode="context", devices=4)
-    single = result_of(one)
+    results = [r["context"] for r in two_process_run[1]]
+    single = one_process["context"]
     assert single["row_block"] == [0, 1] and not single["spans_processes"]
     assert len(single["losses"]) == 5
     for i, result in enumerate(results):
