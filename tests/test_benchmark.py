@@ -55,15 +55,15 @@ def test_bench_prints_json_line(tmp_path):
     assert result["flops_per_token_full_attention"] == 3 * (dense + 4 * 32 * 32)
 
 
-def test_bench_needs_vocab_size(tmp_path):
+def test_bench_needs_vocab_size(tmp_path, capsys):
+    import pytest
+
+    from loomax.cli import main
+
     config = tmp_path / "bench.yaml"
     config.write_text(
         "model:\n  type: gpt2\n  seq_len: 32\n  hidden_dim: 32\n  num_layers: 1\n  num_heads: 2\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "loomax.cli", "bench", "--config_path", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2 and "model.vocab_size" in proc.stderr
+    with pytest.raises(SystemExit) as exit:  # the CLI's own exit, in this process
+        main(["bench", "--config_path", str(config)])
+    assert exit.value.code == 2 and "model.vocab_size" in capsys.readouterr().err

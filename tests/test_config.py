@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from datetime import timedelta
 
 import pytest
@@ -205,28 +203,30 @@ def test_invalid_yaml(tmp_path):
         parse_config(TrainLmConfig, path)
 
 
-def test_cli_unknown_flag_exits_2_before_work(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "loomax.cli", "train", "--trainer.num_train_step", "5"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "--trainer.num_train_step 5 (did you mean --trainer.num_train_steps?)" in proc.stderr
+def cli_exit(args: list[str], capsys) -> tuple[int, str]:
+    """`loomax ARGS` run by the CLI's main in this process: its exit code and stderr."""
+    from loomax.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        main(args)
+    return exit.value.code, capsys.readouterr().err
 
 
-def test_cli_bad_value_exits_2_with_message(tmp_path):
+def test_cli_unknown_flag_exits_2_before_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = cli_exit(["train", "--trainer.num_train_step", "5"], capsys)
+    assert code == 2
+    assert "--trainer.num_train_step 5 (did you mean --trainer.num_train_steps?)" in err
+    assert not list(tmp_path.iterdir())  # stopped before any work
+
+
+def test_cli_bad_value_exits_2_with_message(tmp_path, capsys, monkeypatch):
     path = write(tmp_path / "run.yaml", "model:\n  type: gpt2\n  num_layers: two\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "loomax.cli", "train", "--config_path", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 2
-    assert "model.num_layers" in proc.stderr and "run.yaml, line 3" in proc.stderr
+    monkeypatch.chdir(tmp_path)
+    code, err = cli_exit(["train", "--config_path", str(path)], capsys)
+    assert code == 2
+    assert "model.num_layers" in err and "run.yaml, line 3" in err
     assert not (tmp_path / "runs").exists()  # stopped before any work
 
 

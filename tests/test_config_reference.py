@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loomax.config_reference import field_docs, render, render_reference, undocumented
 from loomax.dpo.config import TrainDpoConfig
 from loomax.lm import TrainLmConfig
@@ -19,14 +21,20 @@ def test_docs_come_from_the_string_below_each_field():
     assert docs["seq_len"].startswith("Tokens per training sequence")  # inherited from LmConfig
 
 
-def test_committed_reference_is_current(repo_root):
+@pytest.fixture(scope="module")
+def reference() -> str:
+    """The whole generated reference (rendered once for the tests that read it)."""
+    return render_reference()
+
+
+def test_committed_reference_is_current(repo_root, reference):
     committed = (repo_root / "docs" / "reference" / "config.md").read_text()
-    assert committed == render_reference(), (
+    assert committed == reference, (
         "run `make docs` (python -m loomax.config_reference docs/reference/config.md)"
     )
 
 
-def test_reference_lists_sections_and_choices():
+def test_reference_lists_sections_and_choices(reference):
     text = render(TrainLmConfig)
     for heading in (
         "## `model` (`type: gpt2`)",
@@ -36,7 +44,7 @@ def test_reference_lists_sections_and_choices():
     ):
         assert heading in text
     assert "| `num_train_steps` | `int` | `1000` |" in text
-    assert "## `dpo`" in render_reference()  # loomax dpo's own section
+    assert "## `dpo`" in reference  # loomax dpo's own section
 
 
 def test_configuration_page_lists_every_choice(repo_root):

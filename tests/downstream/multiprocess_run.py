@@ -65,6 +65,7 @@ def run(tasks_dir: str, tokenizer_path: str, run_dir: str, distributed: Distribu
         "processes": jax.process_count(),
         "devices": jax.device_count(),
         "mlp_up_spec": str(up.sharding.spec),
+        "torch_imported": "torch" in sys.modules,  # lm-eval's env report and torch seed
     }
 
 

@@ -45,6 +45,8 @@ def test_two_processes_score_as_one(tasks_dir, tokenizer_path, tmp_path, process
 
     got = processes_support.run_scenario(tmp_path / "two", scenario)
     assert want["processes"] == 1 and want["devices"] == 4
+    # a JAX run's evaluation imports no torch (lm-eval's env report, its torch seed)
+    assert not any(r["torch_imported"] for r in [want, *got])
     assert "model" in want["mlp_up_spec"]  # the weights are split over the model axis
     for result in got:
         assert result["processes"] == 2 and result["devices"] == 4

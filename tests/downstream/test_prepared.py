@@ -128,12 +128,14 @@ def test_builtin_task_without_a_prepared_set_names_the_command():
         task_manager(["arc_easy"], where="--tasks")
 
 
-def test_missing_or_damaged_prepared_task_names_the_task_and_the_command(prepared, tmp_path):
+def test_missing_or_damaged_prepared_task_names_the_task_and_the_command(
+    prepared, tasks_dir, tmp_path
+):
     source, out = prepared
     with pytest.raises(
-        UserError, match=r"arc_easy not prepared in .*eval prepare --tasks arc_easy"
-    ):
-        task_manager(["arc_easy", "tiny_mc"], source, prepared=out)
+        UserError, match=r"arc_easy not prepared in .*eval prepare --tasks arc_easy --out"
+    ):  # tasks_dir's tiny_mc (prepared) is not named; the index is the prepare command test's
+        task_manager(["arc_easy", "tiny_mc"], tasks_dir, prepared=out)
     damaged = tmp_path / "damaged"
     shutil.copytree(out, damaged)
     with (damaged / "tiny_mc" / "test.jsonl").open("a") as f:

@@ -131,39 +131,53 @@ def test_save_and_stop_over_http(tiny, tmp_path):
     assert not control_file.exists()  # removed when the server stops
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("command", ["save_and_stop", "abort"])
-def test_only_process_0_serves_and_the_stop_reaches_every_process(
-    command, tmp_path, processes_support
-):
+COMMANDS = ("save_and_stop", "abort")
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory, processes_support) -> dict[str, list[dict]]:
+    """One pair of JAX processes (process 0 serves HTTP) trains a run per command, one after
+    the other, each stopped by its command over HTTP at step 3 or later: each process's
+    result of each run, by command. (One JAX start of the pair serves both commands.)"""
     worker = Path(__file__).with_name("control_worker.py")
     env = {
         **os.environ,
         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1",
     }
 
-    def scenario(processes) -> list[dict]:
+    def scenario(processes) -> dict[str, list[dict]]:
         port = free_port("")  # the JAX coordinator's: retried once if taken meanwhile
         run_dir = processes.directory / "run"
         for i in range(2):
-            args = [sys.executable, str(worker), str(i), "2", str(port), str(run_dir)]
+            args = [sys.executable, str(worker), str(i), "2", str(port), str(run_dir), *COMMANDS]
             processes.start(f"worker{i}", args, env=env)
-        control_file = run_dir / "control.json"
-        deadline = time.monotonic() + 240
-        while not control_file.exists():
-            processes.check_running()
-            assert time.monotonic() < deadline, "no control.json after 240s"
-            time.sleep(0.1)
-        served = json.loads(control_file.read_text())
-        while (call(served["url"] + "/status", token=served["token"])[1].get("step") or 0) < 3:
-            processes.check_running()
-            assert time.monotonic() < deadline, "not at step 3 after 240s"
-            time.sleep(0.05)
-        assert call(served["url"] + f"/{command}", "POST", token=served["token"])[0] == 202
+        for command in COMMANDS:
+            control_file = run_dir / command / "control.json"
+            deadline = time.monotonic() + 240
+            while not control_file.exists():
+                processes.check_running()
+                assert time.monotonic() < deadline, f"no {control_file} after 240s"
+                time.sleep(0.1)
+            served = json.loads(control_file.read_text())
+            url, token = served["url"], served["token"]
+            while (call(url + "/status", token=token)[1].get("step") or 0) < 3:
+                processes.check_running()
+                assert time.monotonic() < deadline, f"{command} run not at step 3 after 240s"
+                time.sleep(0.05)
+            assert call(url + f"/{command}", "POST", token=token)[0] == 202
         outputs = processes.wait(timeout=240)
-        return [json.loads(outputs[f"worker{i}"].strip().splitlines()[-1]) for i in range(2)]
+        lines = [[json.loads(x) for x in outputs[f"worker{i}"].split("\n") if x.startswith("{")]
+                 for i in range(2)]  # fmt: skip
+        return {c: [lines[i][n] for i in range(2)] for n, c in enumerate(COMMANDS)}
 
-    results = processes_support.run_scenario(tmp_path, scenario)
+    return processes_support.run_scenario(tmp_path_factory.mktemp("control"), scenario)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", COMMANDS)
+def test_only_process_0_serves_and_the_stop_reaches_every_process(command, two_process_runs):
+    results = two_process_runs[command]
+    assert [r["command"] for r in results] == [command, command]
     assert [r["process_index"] for r in results] == [0, 1]
     if command == "abort":  # every process fails at the same step, and none saved
         assert results[0]["aborted"] == results[1]["aborted"]

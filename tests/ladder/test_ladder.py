@@ -144,7 +144,7 @@ def tiny_ladder(tmp_path_factory, tiny_corpus) -> Path:
         "model": {"type": "gpt2", "seq_len": 32, "aspect_ratio": 16, "head_dim": 16},
         "run": {
             "type": "chinchilla",
-            "tokens_per_param": 0.5,
+            "tokens_per_param": 0.25,  # 13, 19 and 42 steps of batches of 16 rows
             "batch_size_tokens": 512,
             "learning_rate": 0.01,
             "decay_fraction": 0.2,

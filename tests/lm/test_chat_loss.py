@@ -53,13 +53,19 @@ def rows_of(setup, template_name):
 
 def token_losses(model, rows: np.ndarray) -> np.ndarray:
     """Each position's next-token loss, from full logits (the reference)."""
-    named = [hax.named(jnp.asarray(rows[:, c]), (Batch, Position)) for c in (TOKENS, SEGMENTS)]
+    return np.asarray(_token_losses(model, jnp.asarray(rows)))
+
+
+@eqx.filter_jit
+def _token_losses(model, rows: jax.Array) -> jax.Array:
+    """(One compile per model and row count, instead of each op dispatched on its own.)"""
+    named = [hax.named(rows[:, c], (Batch, Position)) for c in (TOKENS, SEGMENTS)]
     hidden, _ = model.hidden_states_and_aux(named[0], segment_ids=named[1])
     w = model.lm_head_weight().rearrange((Vocab, ...)).array
     logits = jnp.einsum("bpe,ve->bpv", hidden.rearrange((Batch, Position, ...)).array, w)
-    targets = np.roll(rows[:, TOKENS], -1, axis=1)
-    picked = jnp.take_along_axis(logits, jnp.asarray(targets)[..., None], axis=-1)[..., 0]
-    return np.asarray(jax.nn.logsumexp(logits, axis=-1) - picked)
+    targets = jnp.roll(rows[:, TOKENS], -1, axis=1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
 
 
 def largest_difference(model, setup, template_name) -> float:
@@ -110,7 +116,7 @@ def test_the_trainers_loss_is_the_same_packed_or_not(setup, template_name):
     )
     convs, _, _, packed, alone = rows_of(setup, template_name)
     assert largest_difference(model, setup, template_name) < 2e-6
-    loss = chat_lm_loss(64, vocab_multiple=128)
+    loss = eqx.filter_jit(chat_lm_loss(64, vocab_multiple=128))  # one compile, not op by op
     (sp, cp), _ = loss(model, jnp.asarray(packed))
     (sa, ca), _ = loss(model, jnp.asarray(alone))
     assert (

@@ -10,9 +10,11 @@ needs it. See docs/downstream.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +167,10 @@ def run_tasks(
     caller), with every seed set to ``seed``, offline (``serve_prepared``: the tasks of the
     ``prepared`` set from its files, the hub switched off)."""
     lm_eval = require_lm_eval()
-    with serve_prepared(prepared):
+    # torch's generator is seeded only where torch is already in use (lm-eval's hf backend):
+    # seeding it would import torch (~1.8 CPU-s) into a JAX run that never calls it
+    torch_seed = seed if "torch" in sys.modules else None
+    with serve_prepared(prepared), _env_info_without_torch():
         results = lm_eval.simple_evaluate(
             model=lm,
             tasks=list(tasks),
@@ -175,11 +180,47 @@ def run_tasks(
             log_samples=log_samples,
             random_seed=seed,
             numpy_random_seed=seed,
-            torch_random_seed=seed,
+            torch_random_seed=torch_seed,
             fewshot_random_seed=seed,
             bootstrap_iters=bootstrap_iters,
         )
     return dict(results or {})
+
+
+@contextlib.contextmanager
+def _env_info_without_torch() -> Iterator[None]:
+    """lm-eval's results carry the versions of lm-eval and transformers as always, but not
+    torch's ``collect_env`` report, which imports torch and runs ``pip list`` and other
+    commands (~2.5 CPU-s) on every evaluation, and describes a torch install the JAX model
+    does not use; ``pretty_env_info`` names the JAX backend instead."""
+    import lm_eval.evaluator
+
+    original = lm_eval.evaluator.add_env_info
+
+    def add_env_info(storage: dict[str, Any]) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        import jax
+
+        def installed(name: str) -> str:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return "N/A"
+
+        storage.update(
+            pretty_env_info=f"jax {jax.__version__} on {jax.default_backend()}: "
+            f"{jax.device_count()} devices in {jax.process_count()} processes",
+            transformers_version=installed("transformers"),
+            lm_eval_version=installed("lm_eval"),
+            upper_git_hash=None,
+        )
+
+    lm_eval.evaluator.add_env_info = add_env_info
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.add_env_info = original
 
 
 def write_results(results: dict[str, Any], path: str | Path) -> Path:
