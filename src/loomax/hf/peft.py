@@ -8,6 +8,8 @@ weight, and its adapter written under PEFT's names,
 (out x rank), per layer, its axes laid out as the HF weight's in and out dimensions. A layer
 that is one part of a fused HF tensor (Phi 3's ``qkv_proj``, ``gate_up_proj``) has no PEFT
 equivalent and is refused; merge the adapters (``merge_lora``) and export the whole model.
+Adapters on a mixture of experts' weights go as PEFT ``target_parameters`` on transformers'
+fused expert parameters (``peft_experts``: the export's rank then doubled, zero-padded).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from safetensors.numpy import save_file
 from loomax.errors import UserError
 from loomax.hf.convert import export_hf
 from loomax.hf.family import family_of
+from loomax.hf.peft_experts import expert_tensors, pad_rank
 from loomax.models.io.hf_layout import Param
 from loomax.models.lora.linear import RANK, LoraLinear, adapter_layers, without_adapters
 
@@ -39,10 +42,9 @@ def _axis_names(spec) -> set[str]:
 
 
 def adapter_params(model: Any) -> list[tuple[Param, Param, LoraLinear]]:
-    """``(A, B, layer)`` tables of every adapted layer of ``model`` under PEFT's names."""
-    layers = adapter_layers(model)
-    if not layers:
-        raise UserError("the model has no LoRA adapters (model.lora) to export")
+    """``(A, B, layer)`` tables of every adapted linear layer of ``model`` under PEFT's names
+    (the expert adapters: ``peft_experts``)."""
+    layers = {n: x for n, x in adapter_layers(model).items() if isinstance(x, LoraLinear)}
     by_weight = {id(layer.weight): (name, layer) for name, layer in layers.items()}
     out, seen = [], set()
     for p in family_of(model.config).hf_params():
@@ -81,6 +83,13 @@ def export_peft(
         tensors.update(a.export(model))
         tensors.update(b.export(model))
     modules = sorted({n.removeprefix(PREFIX).rsplit(".lora_", 1)[0] for n in tensors})
+    experts, parameters = expert_tensors(model, PREFIX, lora.rank)
+    if not tensors and not experts:
+        raise UserError("the model has no LoRA adapters (model.lora) to export")
+    widen = 2 if experts else 1  # the fused gate_up_proj's rank 2r (peft_experts): all at 2r
+    if widen > 1:
+        tensors = {k: pad_rank(k, v, widen * lora.rank) for k, v in tensors.items()}
+    tensors.update(experts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v.astype(np.float32)) for k, v in tensors.items()}
@@ -88,10 +97,11 @@ def export_peft(
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
+        "r": widen * lora.rank,
+        "lora_alpha": widen * lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": modules,
+        "target_modules": modules or None,
+        "target_parameters": parameters or None,
         "bias": "none",
         "fan_in_fan_out": family_of(model.config).hf_model_type == "gpt2",
         "use_rslora": False,

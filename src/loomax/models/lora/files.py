@@ -1,4 +1,5 @@
-"""A model's adapters saved alone (``adapters.safetensors``: ``<layer>.lora_a`` / ``.lora_b``
+"""A model's adapters saved alone (``adapters.safetensors``: ``<layer>.lora_a`` / ``.lora_b``,
+an expert weight's ``<moe layer>.gate_lora.lora_a`` and so on,
 in the arrays' own axis order, the axis names in the metadata) and loaded onto a model with
 adapters of the same shapes (the base from anywhere: a checkpoint, a Hugging Face import)."""
 
@@ -19,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 from loomax.errors import BadFileError, UserError
 from loomax.models.lora.config import ADAPTER_LEAVES
 from loomax.models.lora.linear import LoraLinear, adapter_layers
+from loomax.models.moe.expert_adapter import ExpertAdapter
 
 FILE = "adapters.safetensors"
 
@@ -54,7 +56,7 @@ def load_adapters(model: Any, path: str | os.PathLike) -> Any:
             f"{path}: its adapters {sorted(set(tensors) ^ wanted)} do not match the model's"
         )
 
-    def fill(layer: LoraLinear, name: str) -> LoraLinear:
+    def fill(layer: LoraLinear | ExpertAdapter, name: str) -> LoraLinear | ExpertAdapter:
         for leaf in ADAPTER_LEAVES:
             like = getattr(layer, leaf)
             array = tensors[f"{name}.{leaf}"]
@@ -67,7 +69,7 @@ def load_adapters(model: Any, path: str | os.PathLike) -> Any:
         return layer
 
     by_id = {id(layer): name for name, layer in layers.items()}
-    is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
+    is_lora = lambda x: isinstance(x, (LoraLinear, ExpertAdapter))  # noqa: E731
     return jax.tree.map(
         lambda n: fill(n, by_id[id(n)]) if is_lora(n) else n, model, is_leaf=is_lora
     )

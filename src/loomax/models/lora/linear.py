@@ -29,8 +29,10 @@ from haliax import Axis, NamedArray
 
 from loomax.config import ConfigError
 from loomax.models.blocks.dropout import dropout
+from loomax.models.lora import experts
 from loomax.models.lora.config import LoraConfig
 from loomax.models.lora.quantized import BlockQuantized, quantize
+from loomax.models.moe.expert_adapter import ExpertAdapter
 from loomax.tree_paths import path_name
 
 RANK = "lora_r"
@@ -134,15 +136,17 @@ def add_adapter(linear: hnn.Linear, config: LoraConfig, key: jax.Array) -> LoraL
 
 
 def apply_lora(model: Any, config: LoraConfig) -> Any:
-    """``model`` with an adapter on every linear layer whose dotted name matches one of
-    ``config.targets`` (MoE routers excepted); a target matching none is a ``ConfigError`` naming the key."""
+    """``model`` with an adapter on every linear layer and expert weight (``experts``) whose
+    dotted name matches one of ``config.targets`` (MoE routers excepted); a target matching
+    none is a ``ConfigError`` naming the key."""
     names = [n for n in linear_names(model) if "router" not in n]  # routers get none
+    names += experts.expert_weight_names(model)
     compiled = [re.compile(p) for p in config.targets]
     for pattern, regex in zip(config.targets, compiled, strict=True):
         if not any(regex.search(n) for n in names):
             raise ConfigError(
-                f"model.lora.targets: {pattern!r} matches no linear layer of "
-                f"{type(model).__name__}; its linear layers: {', '.join(names)}"
+                f"model.lora.targets: {pattern!r} matches no linear layer or expert weight "
+                f"of {type(model).__name__}; its names: {', '.join(names)}"
             )
     root = jax.random.PRNGKey(config.seed)
 
@@ -154,28 +158,37 @@ def apply_lora(model: Any, config: LoraConfig) -> Any:
             return node
         return add_adapter(node, config, jax.random.fold_in(root, zlib.crc32(name.encode())))
 
-    return jax.tree_util.tree_map_with_path(convert, model, is_leaf=_is_linear)
+    def convert_experts(path, node):
+        if not experts.is_moe(node):
+            return node
+        return experts.adapt_experts(node, path_name(path, "."), compiled, config, root)
+
+    model = jax.tree_util.tree_map_with_path(convert, model, is_leaf=_is_linear)
+    return jax.tree_util.tree_map_with_path(convert_experts, model, is_leaf=experts.is_moe)
 
 
-def _replace(model: Any, how) -> Any:
+def _replace(model: Any, how, how_experts) -> Any:
     is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
-    return jax.tree.map(lambda n: how(n) if is_lora(n) else n, model, is_leaf=is_lora)
+    model = jax.tree.map(lambda n: how(n) if is_lora(n) else n, model, is_leaf=is_lora)
+    on_moe = lambda n: how_experts(n) if experts.is_moe(n) else n  # noqa: E731
+    return jax.tree.map(on_moe, model, is_leaf=experts.is_moe)
 
 
 def merge_lora(model: Any) -> Any:
-    """``model`` with every adapter folded into its weight: plain ``Linear`` layers, the same
-    outputs (up to rounding), the layout any export reads."""
-    return _replace(model, LoraLinear.merged)
+    """``model`` with every adapter folded into its weight: plain ``Linear`` layers and bare
+    expert weights, the same outputs (up to rounding), the layout any export reads."""
+    return _replace(model, LoraLinear.merged, experts.merge_experts)
 
 
 def without_adapters(model: Any) -> Any:
     """``model`` with every adapter dropped: the base model."""
-    return _replace(model, LoraLinear.base)
+    return _replace(model, LoraLinear.base, experts.drop_experts)
 
 
-def adapter_layers(model: Any) -> dict[str, LoraLinear]:
-    """``{dotted name: layer}`` of every ``LoraLinear`` in ``model``."""
-    found: dict[str, LoraLinear] = {}
+def adapter_layers(model: Any) -> dict[str, LoraLinear | ExpertAdapter]:
+    """``{dotted name: layer}`` of every ``LoraLinear`` in ``model``, and every expert
+    adapter (``<moe layer>.gate_lora``: ``models/lora/experts.py``)."""
+    found: dict[str, LoraLinear | ExpertAdapter] = dict(experts.expert_adapters(model))
     is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
 
     def visit(path, node):
