@@ -105,7 +105,7 @@ def expert_tensors(model: Any, prefix: str, rank: int) -> tuple[dict[str, np.nda
         offset = first.get(id(mlp.gate), 0)
         for i in range(shape[Layers]):
             module = f"{prefix}model.layers.{offset + i}.mlp.experts."
-            for k, (name, (a, b)) in enumerate(parts.items()):
+            for k, (a, b) in enumerate(parts.values()):
                 nested = "base_layer." * (len(parts) - 1 - k)  # the first one is innermost
                 lora_a, lora_b = _peft(a[i], b[i])
                 tensors[f"{module}{nested}lora_A.weight"] = lora_a.astype(np.float32)

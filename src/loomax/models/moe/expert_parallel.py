@@ -183,9 +183,7 @@ class _Local:
             exchange = _Exchange(per_shard, me, cap, self.form)
             dropped = exchange.dropped
             recv = exchange.there(xs)  # [ways * cap, D], grouped by local expert
-            out = self._matmuls(
-                recv, exchange.group_sizes, gate, up, down, n, biases, adapters
-            )
+            out = self._matmuls(recv, exchange.group_sizes, gate, up, down, n, biases, adapters)
             ys = exchange.back(out, n)  # [n, D], in ``order``
             over = jnp.sum(exchange.group_sizes) > self.moe.kept_rows(n, recv.shape[0])
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
