@@ -41,9 +41,9 @@ def _axis_names(spec) -> set[str]:
     return {spec.name} if hasattr(spec, "name") else {a.name for a in spec}
 
 
-def adapter_params(model: Any) -> list[tuple[Param, Param, LoraLinear]]:
-    """``(A, B, layer)`` tables of every adapted linear layer of ``model`` under PEFT's names
-    (the expert adapters: ``peft_experts``)."""
+def adapter_params(model: Any) -> list[tuple[Param, ...]]:
+    """The tables of every adapted linear layer of ``model`` under PEFT's names: A, B and
+    (DoRA) the magnitude ``lora_magnitude_vector`` (the expert adapters: ``peft_experts``)."""
     layers = {n: x for n, x in adapter_layers(model).items() if isinstance(x, LoraLinear)}
     by_weight = {id(layer.weight): (name, layer) for name, layer in layers.items()}
     out, seen = [], set()
@@ -63,7 +63,10 @@ def adapter_params(model: Any) -> list[tuple[Param, Param, LoraLinear]]:
         module = PREFIX + p.hf_name.removesuffix(".weight")
         a = Param(f"{module}.lora_A.weight", lambda _, x=layer.lora_a: x, (RANK, *in_dims))
         b = Param(f"{module}.lora_B.weight", lambda _, x=layer.lora_b: x, (*out_dims, RANK))
-        out.append((a, b, layer))
+        m = ()
+        if layer.lora_m is not None:  # DoRA: one magnitude per HF output row
+            m = (Param(f"{module}.lora_magnitude_vector", lambda _, x=layer.lora_m: x, out_dims),)
+        out.append((a, b, *m))
         seen.add(name)
     missing = sorted(set(layers) - seen)
     if missing:
@@ -79,9 +82,9 @@ def export_peft(
     if lora is None:
         raise UserError("the model has no LoRA adapters (model.lora) to export")
     tensors: dict[str, np.ndarray] = {}
-    for a, b, _ in adapter_params(model):
-        tensors.update(a.export(model))
-        tensors.update(b.export(model))
+    for params in adapter_params(model):
+        for p in params:
+            tensors.update(p.export(model))
     modules = sorted({n.removeprefix(PREFIX).rsplit(".lora_", 1)[0] for n in tensors})
     experts, parameters = expert_tensors(model, PREFIX, lora.rank)
     if not tensors and not experts:
@@ -105,7 +108,7 @@ def export_peft(
         "bias": "none",
         "fan_in_fan_out": family_of(model.config).hf_model_type == "gpt2",
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": lora.dora,
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,

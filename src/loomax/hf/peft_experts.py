@@ -118,4 +118,6 @@ def pad_rank(name: str, array: np.ndarray, rank: int) -> np.ndarray:
     zeros to rank ``rank``."""
     if name.endswith("lora_A.weight"):
         return np.pad(array, ((0, rank - array.shape[0]), (0, 0)))
-    return np.pad(array, ((0, 0), (0, rank - array.shape[1])))
+    if name.endswith("lora_B.weight"):
+        return np.pad(array, ((0, 0), (0, rank - array.shape[1])))
+    return array

@@ -6,8 +6,8 @@ names as it selects linear layers. Each selected weight gets an ``ExpertAdapter`
 (``models/moe/expert_adapter.py``: per-expert A and B, batched over the expert axis) beside
 it, in the layer's ``gate_lora`` / ``up_lora`` / ``down_lora``; its arrays are named
 ``<layer>.gate_lora.lora_a`` / ``.lora_b``, so ``model.lora``'s freeze pattern trains them
-and nothing of the base. Expert adapters take no dropout and no quantised base: a config
-asking for either on them is refused.
+and nothing of the base. Expert adapters take no dropout, no quantised base and no DoRA: a
+config asking for one of them on experts is refused.
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ def adapt_experts(mlp: MoeMlp, name: str, compiled: list[re.Pattern], config: Lo
             raise ConfigError(
                 f"model.lora.dropout ({config.dropout}) is not applied to expert weights "
                 f"({full} matches model.lora.targets): set it to 0 or leave the experts out"
+            )
+        if config.dora:
+            raise ConfigError(
+                f"model.lora.dora decomposes linear layers' weights, not expert weights "
+                f"({full} matches model.lora.targets): leave the experts out of the targets"
             )
         if config.quantize_base != "none":
             raise ConfigError(

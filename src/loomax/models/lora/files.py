@@ -25,6 +25,11 @@ from loomax.models.moe.expert_adapter import ExpertAdapter
 FILE = "adapters.safetensors"
 
 
+def _leaves(layer) -> list[str]:
+    """The adapter arrays ``layer`` holds: A, B and (DoRA) the magnitude."""
+    return [leaf for leaf in ADAPTER_LEAVES if getattr(layer, leaf, None) is not None]
+
+
 def save_adapters(model: Any, out_dir: str | os.PathLike) -> Path:
     """Write ``model``'s adapters (and nothing of the base) to ``out_dir/adapters.safetensors``."""
     layers = adapter_layers(model)
@@ -32,7 +37,7 @@ def save_adapters(model: Any, out_dir: str | os.PathLike) -> Path:
         raise UserError("the model has no LoRA adapters (model.lora) to save")
     tensors, axes = {}, {}
     for name, layer in layers.items():
-        for leaf in ADAPTER_LEAVES:
+        for leaf in _leaves(layer):
             array = getattr(layer, leaf)
             tensors[f"{name}.{leaf}"] = np.asarray(jax.device_get(array.array))
             axes[f"{name}.{leaf}"] = [a.name for a in array.axes]
@@ -50,14 +55,14 @@ def load_adapters(model: Any, path: str | os.PathLike) -> Any:
         raise BadFileError(f"{path}: no such adapters file")
     tensors = load_file(str(path))
     layers = adapter_layers(model)
-    wanted = {f"{n}.{leaf}" for n in layers for leaf in ADAPTER_LEAVES}
+    wanted = {f"{n}.{leaf}" for n, layer in layers.items() for leaf in _leaves(layer)}
     if set(tensors) != wanted:
         raise BadFileError(
             f"{path}: its adapters {sorted(set(tensors) ^ wanted)} do not match the model's"
         )
 
     def fill(layer: LoraLinear | ExpertAdapter, name: str) -> LoraLinear | ExpertAdapter:
-        for leaf in ADAPTER_LEAVES:
+        for leaf in _leaves(layer):
             like = getattr(layer, leaf)
             array = tensors[f"{name}.{leaf}"]
             if array.shape != like.array.shape:

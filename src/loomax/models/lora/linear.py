@@ -29,7 +29,7 @@ from haliax import Axis, NamedArray
 
 from loomax.config import ConfigError
 from loomax.models.blocks.dropout import dropout
-from loomax.models.lora import experts
+from loomax.models.lora import dora, experts
 from loomax.models.lora.config import LoraConfig
 from loomax.models.lora.quantized import BlockQuantized, quantize
 from loomax.models.moe.expert_adapter import ExpertAdapter
@@ -47,18 +47,32 @@ class LoraLinear(hnn.Linear):
     scale: float = eqx.field(static=True, default=1.0)
     dropout_rate: float = eqx.field(static=True, default=0.0)
     quantized: BlockQuantized | None = None  # QLoRA: the frozen weight (``weight`` is None)
+    lora_m: NamedArray | None = None  # DoRA: the magnitude per output unit (``dora``)
 
     def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
+        x = dropout(inputs, self.dropout_rate, key)
+        low = x.dot(self.lora_a.astype(x.dtype), axis=self.In)
+        delta = low.dot(self.lora_b.astype(x.dtype), axis=RANK)
+        delta = delta * jnp.asarray(self.scale, delta.dtype)
+        if self.lora_m is not None:  # DoRA: the magnitude times the adapted direction
+            weight = self.base_weight(inputs.dtype if self.quantized is not None else None)
+            plain = hnn.Linear(weight, None, self.In, self.Out, self.dot_general,
+                               self._reparam_cls)  # fmt: skip
+            out = plain(inputs)
+            scale = dora.ratio(self.lora_m, self.adapted_weight(), self.In).astype(out.dtype)
+            out = (out + delta.astype(out.dtype)) * scale
+            if self.bias is not None:
+                out = out + self.bias.astype(out.dtype)
+            return hax.auto_sharded(out)
         if self.quantized is None:
             out = super().__call__(inputs)
         else:  # dequantised for this matmul, in the compute dtype
             out = self.base(inputs.dtype)(inputs)
-        x = dropout(inputs, self.dropout_rate, key)
-        low = x.dot(self.lora_a.astype(x.dtype), axis=self.In)
-        delta = low.dot(self.lora_b.astype(x.dtype), axis=RANK)
-        return hax.auto_sharded(
-            out + (delta * jnp.asarray(self.scale, delta.dtype)).astype(out.dtype)
-        )
+        return hax.auto_sharded(out + delta.astype(out.dtype))
+
+    def adapted_weight(self) -> NamedArray:
+        """``W + scale * B A`` in float32, laid out as the weight."""
+        return self.base_weight(jnp.float32) + self.delta().astype(jnp.float32)
 
     def delta(self) -> NamedArray:
         """``scale * B A`` laid out as the weight (what merging adds to it)."""
@@ -74,9 +88,14 @@ class LoraLinear(hnn.Linear):
         return self.quantized.dequantize(dtype or jnp.float32)
 
     def merged(self) -> hnn.Linear:
-        """The plain ``Linear`` computing what this layer computes: W + scale * B A."""
+        """The plain ``Linear`` computing what this layer computes: W + scale * B A (DoRA:
+        that times ``m / ||W + scale * B A||`` per output unit)."""
         base = self.base_weight()
         weight = (base + self.delta()).astype(base.dtype)
+        if self.lora_m is not None:
+            adapted = self.adapted_weight()
+            weight = adapted * dora.ratio(self.lora_m, adapted, self.In)
+            weight = weight.rearrange(base.axes).astype(base.dtype)
         return hnn.Linear(weight, self.bias, self.In, self.Out, self.dot_general, self._reparam_cls)
 
     def base(self, dtype=None) -> hnn.Linear:
@@ -125,6 +144,10 @@ def add_adapter(linear: hnn.Linear, config: LoraConfig, key: jax.Array) -> LoraL
     if config.quantize_base != "none":  # QLoRA: the frozen weight kept as codes and scales
         quantized = quantize(linear.weight, linear.In, config.quantize_base, config.quantize_block)
         fields["weight"] = None
+    magnitude = None
+    if config.dora:  # the base weight's norm per output unit: the first step is the base
+        weight = linear.weight if quantized is None else quantized.dequantize(jnp.float32)
+        magnitude = dora.norm_per_output(weight, linear.In).astype(dtype)
     return LoraLinear(
         **fields,
         lora_a=a.astype(dtype),
@@ -132,7 +155,24 @@ def add_adapter(linear: hnn.Linear, config: LoraConfig, key: jax.Array) -> LoraL
         scale=config.scale,
         dropout_rate=config.dropout,
         quantized=quantized,
+        lora_m=magnitude,
     )
+
+
+def fresh_magnitudes(model: Any, names: set[str]) -> Any:
+    """``model`` with the DoRA magnitudes of the layers ``names`` reset to their adapted
+    weight's norm (a base checkpoint's weights under new adapters, B = 0: the base)."""
+
+    def reset(path, node):
+        if not isinstance(node, LoraLinear) or node.lora_m is None:
+            return node
+        if path_name(path, ".") not in names:
+            return node
+        norm = dora.norm_per_output(node.adapted_weight(), node.In)
+        return eqx.tree_at(lambda m: m.lora_m, node, norm.astype(node.lora_m.dtype))
+
+    is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
+    return jax.tree_util.tree_map_with_path(reset, model, is_leaf=is_lora)
 
 
 def apply_lora(model: Any, config: LoraConfig) -> Any:
