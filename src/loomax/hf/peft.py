@@ -65,7 +65,8 @@ def adapter_params(model: Any) -> list[tuple[Param, ...]]:
         b = Param(f"{module}.lora_B.weight", lambda _, x=layer.lora_b: x, (*out_dims, RANK))
         m = ()
         if layer.lora_m is not None:  # DoRA: one magnitude per HF output row
-            m = (Param(f"{module}.lora_magnitude_vector", lambda _, x=layer.lora_m: x, out_dims),)
+            magnitude = lambda _, x=layer: x.magnitude()  # noqa: E731
+            m = (Param(f"{module}.lora_magnitude_vector", magnitude, out_dims),)
         out.append((a, b, *m))
         seen.add(name)
     missing = sorted(set(layers) - seen)

@@ -2,14 +2,19 @@
 
 With ``model.lora.dora`` an adapted linear layer's weight is split into a direction,
 ``W + scale * B A`` divided by its norm per output unit (over the input axes), and a learned
-magnitude ``m`` per output unit (``lora_m``: the weight's axes less its input axes), which
-starts at the base weight's norm, so that the first step's layer is the base:
+magnitude ``m`` per output unit, so that
 
     y = (m / ||W + scale B A||) * (W x + scale * B (A dropout(x))) + bias
 
-The norm is held constant in the backward pass (``stop_gradient``), as the paper's section
-4.3 suggests and PEFT does (``use_dora``), so a step's gradients are PEFT's too. Merging
-gives ``W' = m (W + scale B A) / ||W + scale B A||``.
+computed as PEFT does, ``W x + (ratio - 1) W x + ratio * scale * B A x``, ``ratio - 1``
+itself computed from the norms' difference (``excess``). The layer keeps
+``m - ||W||`` (``lora_m``: the weight's axes less its input axes), which starts at zero:
+the first step's ``ratio - 1`` is then exactly 0 and the layer exactly the base
+(``excess``; a magnitude stored as ``||W||`` itself, computed once outside the step,
+differs from the step's own norm in the last bits).
+The norms are held constant in the backward pass (``stop_gradient``), as the paper's
+section 4.3 suggests and PEFT does (``use_dora``). Merging gives ``W' = ratio (W + scale
+B A)``; the PEFT export writes ``m`` itself (``lora_magnitude_vector``).
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
-MAGNITUDE = "lora_m"
-"""A DoRA adapter's magnitude array inside a ``LoraLinear``."""
+PAIR = "dora_pair"
+"""The axis stacking the base and adapted weights for one reduction of both."""
 
 
 def norm_per_output(weight: NamedArray, In) -> NamedArray:
@@ -29,8 +34,29 @@ def norm_per_output(weight: NamedArray, In) -> NamedArray:
     return hax.sqrt(hax.sum(hax.square(weight.astype(jnp.float32)), axis=ins))
 
 
-def ratio(magnitude: NamedArray, adapted_weight: NamedArray, In) -> NamedArray:
-    """``m / ||W + scale B A||`` (the norm a constant to the gradient), float32."""
-    norm = norm_per_output(adapted_weight, In)
-    norm = hax.named(jax.lax.stop_gradient(norm.array), norm.axes)
-    return magnitude.astype(jnp.float32) / norm
+def norms(weight: NamedArray, adapted: NamedArray, In) -> tuple[NamedArray, NamedArray]:
+    """``(||W||, ||W + scale B A||)`` per output unit, from one reduction, constant to the
+    gradient."""
+    pair = hax.stack(PAIR, [weight.astype(jnp.float32), adapted.astype(jnp.float32)])
+    both = norm_per_output(pair, In)
+    both = hax.named(jax.lax.stop_gradient(both.array), both.axes)
+    return both[PAIR, 0], both[PAIR, 1]
+
+
+def magnitude(offset: NamedArray, weight: NamedArray, In) -> NamedArray:
+    """The magnitude ``m = ||W|| + offset`` (float32; PEFT's ``lora_magnitude_vector``)."""
+    return norm_per_output(weight, In) + offset.astype(jnp.float32)
+
+
+def excess(offset: NamedArray, weight: NamedArray, delta: NamedArray, In) -> NamedArray:
+    """``m / ||W + delta|| - 1`` with ``m = ||W|| + offset`` (float32), computed as
+    ``(||W|| - ||W + delta|| + offset) / ||W + delta||``, the norms' difference taken as 0
+    on the output units whose ``delta`` row is 0 (where it is 0 in exact arithmetic, while a
+    compiled step may sum the two norms in different orders), so that a fresh adapter's
+    layer is the base exactly."""
+    weight = weight.astype(jnp.float32)
+    base, new = norms(weight, weight + delta.astype(jnp.float32), In)
+    ins = (In,) if isinstance(In, hax.Axis) else tuple(In)
+    unchanged = hax.all(delta == 0, axis=ins)
+    gap = hax.where(unchanged, hax.zeros_like(base), base - new)
+    return (gap + offset.astype(jnp.float32)) / new

@@ -47,7 +47,7 @@ class LoraLinear(hnn.Linear):
     scale: float = eqx.field(static=True, default=1.0)
     dropout_rate: float = eqx.field(static=True, default=0.0)
     quantized: BlockQuantized | None = None  # QLoRA: the frozen weight (``weight`` is None)
-    lora_m: NamedArray | None = None  # DoRA: the magnitude per output unit (``dora``)
+    lora_m: NamedArray | None = None  # DoRA: magnitude - ||W|| per output unit (``dora``)
 
     def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
         x = dropout(inputs, self.dropout_rate, key)
@@ -59,8 +59,9 @@ class LoraLinear(hnn.Linear):
             plain = hnn.Linear(weight, None, self.In, self.Out, self.dot_general,
                                self._reparam_cls)  # fmt: skip
             out = plain(inputs)
-            scale = dora.ratio(self.lora_m, self.adapted_weight(), self.In).astype(out.dtype)
-            out = (out + delta.astype(out.dtype)) * scale
+            more = self.dora_excess().astype(out.dtype)  # ratio - 1: 0 at the first step
+            # PEFT's form: W x + (ratio - 1) W x + ratio * delta, W x itself at ratio 1
+            out = out + (more * out + (1 + more) * delta.astype(out.dtype))
             if self.bias is not None:
                 out = out + self.bias.astype(out.dtype)
             return hax.auto_sharded(out)
@@ -73,6 +74,15 @@ class LoraLinear(hnn.Linear):
     def adapted_weight(self) -> NamedArray:
         """``W + scale * B A`` in float32, laid out as the weight."""
         return self.base_weight(jnp.float32) + self.delta().astype(jnp.float32)
+
+    def dora_excess(self) -> NamedArray:
+        """DoRA's ``m / ||W + scale * B A|| - 1`` per output unit (float32; ``dora``)."""
+        base = self.base_weight(jnp.float32)
+        return dora.excess(self.lora_m, base, self.delta(), self.In)
+
+    def magnitude(self) -> NamedArray:
+        """DoRA's magnitude ``m`` per output unit (float32): ``||W|| + lora_m``."""
+        return dora.magnitude(self.lora_m, self.base_weight(jnp.float32), self.In)
 
     def delta(self) -> NamedArray:
         """``scale * B A`` laid out as the weight (what merging adds to it)."""
@@ -93,8 +103,7 @@ class LoraLinear(hnn.Linear):
         base = self.base_weight()
         weight = (base + self.delta()).astype(base.dtype)
         if self.lora_m is not None:
-            adapted = self.adapted_weight()
-            weight = adapted * dora.ratio(self.lora_m, adapted, self.In)
+            weight = self.adapted_weight() * (1 + self.dora_excess())
             weight = weight.rearrange(base.axes).astype(base.dtype)
         return hnn.Linear(weight, self.bias, self.In, self.Out, self.dot_general, self._reparam_cls)
 
@@ -145,9 +154,9 @@ def add_adapter(linear: hnn.Linear, config: LoraConfig, key: jax.Array) -> LoraL
         quantized = quantize(linear.weight, linear.In, config.quantize_base, config.quantize_block)
         fields["weight"] = None
     magnitude = None
-    if config.dora:  # the base weight's norm per output unit: the first step is the base
-        weight = linear.weight if quantized is None else quantized.dequantize(jnp.float32)
-        magnitude = dora.norm_per_output(weight, linear.In).astype(dtype)
+    if config.dora:  # m - ||W|| per output unit: 0, so the first step is the base
+        norm = dora.norm_per_output(linear.weight, linear.In)
+        magnitude = hax.zeros(norm.axes, dtype=dtype)
     return LoraLinear(
         **fields,
         lora_a=a.astype(dtype),
@@ -157,22 +166,6 @@ def add_adapter(linear: hnn.Linear, config: LoraConfig, key: jax.Array) -> LoraL
         quantized=quantized,
         lora_m=magnitude,
     )
-
-
-def fresh_magnitudes(model: Any, names: set[str]) -> Any:
-    """``model`` with the DoRA magnitudes of the layers ``names`` reset to their adapted
-    weight's norm (a base checkpoint's weights under new adapters, B = 0: the base)."""
-
-    def reset(path, node):
-        if not isinstance(node, LoraLinear) or node.lora_m is None:
-            return node
-        if path_name(path, ".") not in names:
-            return node
-        norm = dora.norm_per_output(node.adapted_weight(), node.In)
-        return eqx.tree_at(lambda m: m.lora_m, node, norm.astype(node.lora_m.dtype))
-
-    is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
-    return jax.tree_util.tree_map_with_path(reset, model, is_leaf=is_lora)
 
 
 def apply_lora(model: Any, config: LoraConfig) -> Any:
