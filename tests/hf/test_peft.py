@@ -1,8 +1,8 @@
 """LoRA's PEFT export (loomax.hf.peft) against peft itself (the `test` extra): the base
 exported by export_hf, the adapter by export_peft, loaded with PeftModel.from_pretrained
 onto the transformers model, give the Loomax model's logits (1e-5 in f32) for a Llama, a
-GPT-2 (Conv1D, fan_in_fan_out) and a Mixtral with adapters on its experts (PEFT's
-target_parameters); with the adapter off, the base's; gpt-oss's experts are refused by name. Offline: every model is
+GPT-2 (Conv1D, fan_in_fan_out), a Llama with DoRA (use_dora) and a Mixtral with adapters
+on its experts (PEFT's target_parameters); with the adapter off, the base's; gpt-oss's experts are refused by name. Offline: every model is
 built here (conftest sets HF_HUB_OFFLINE)."""
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ CASES = {
         seq_len=16, hidden_dim=32, num_layers=2, num_heads=4,
         lora=LoraConfig(targets=("attn.qkv", "mlp"), rank=2, alpha=3.0),
     ),
+    # DoRA: the magnitudes as PEFT's lora_magnitude_vector, use_dora
+    "llama_dora": LlamaConfig(
+        seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, lora=LoraConfig(targets=("attn", "mlp"), rank=4, alpha=8.0, dora=True),
+    ),
     # LoRA on the experts: PEFT target_parameters on transformers' fused expert tensors
     "mixtral": MixtralConfig(
         seq_len=16, hidden_dim=32, intermediate_dim=32, num_layers=2, num_heads=4,
@@ -48,7 +53,11 @@ def trained(config):
 
     def bump(layer):
         b = hax.random.normal(jax.random.PRNGKey(1), layer.lora_b.axes) * 0.1
-        return eqx.tree_at(lambda m: m.lora_b, layer, b)
+        layer = eqx.tree_at(lambda m: m.lora_b, layer, b)
+        if getattr(layer, "lora_m", None) is None:
+            return layer
+        m = hax.random.normal(jax.random.PRNGKey(2), layer.lora_m.axes) * 0.2  # DoRA's
+        return eqx.tree_at(lambda x: x.lora_m, layer, m)
 
     is_lora = lambda x: isinstance(x, (LoraLinear, ExpertAdapter))  # noqa: E731
     return jax.tree.map(lambda n: bump(n) if is_lora(n) else n, model, is_leaf=is_lora)
@@ -69,6 +78,7 @@ def test_peft_loads_the_adapter_with_the_same_logits(tmp_path, case, needs_peft)
     assert (config["peft_type"], config["r"], config["base_model_name_or_path"]) == (
         "LORA", CASES[case].lora.rank * (2 if experts else 1), str(base_dir),
     )  # fmt: skip
+    assert config["use_dora"] == (case == "llama_dora")
     if experts:
         assert config["target_parameters"] == [
             "mlp.experts.gate_up_proj", "mlp.experts.down_proj",

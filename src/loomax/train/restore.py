@@ -33,7 +33,7 @@ from loomax.checkpoint import (
 )
 from loomax.errors import MissingFileError, UserError
 from loomax.models.lora.config import ADAPTER_LEAVES
-from loomax.models.lora.linear import adapter_layers, fresh_magnitudes
+from loomax.models.lora.linear import adapter_layers
 from loomax.runtime import MeshRuntime
 from loomax.storage import to_url
 from loomax.train.config import TrainerConfig
@@ -330,8 +330,7 @@ def _new_adapters(model: Any, missing: list[str], fresh: Any) -> tuple[Any, list
         return model, missing
     logger.info("%d LoRA adapter(s) start fresh (the checkpoint has none)", len(new))
     rest = [n for n in missing if n.rsplit("/", 1)[-1] not in ADAPTER_LEAVES]
-    # DoRA's magnitudes start at the norm of the checkpoint's weights, not the fresh ones'
-    return fresh_magnitudes(_fill(model, fresh), set(new)), rest
+    return _fill(model, fresh), rest
 
 
 def _fill(tree: Any, source: Any) -> Any:
