@@ -8,6 +8,8 @@ weight, and its adapter written under PEFT's names,
 (out x rank), per layer, its axes laid out as the HF weight's in and out dimensions. A layer
 that is one part of a fused HF tensor (Phi 3's ``qkv_proj``, ``gate_up_proj``) has no PEFT
 equivalent and is refused; merge the adapters (``merge_lora``) and export the whole model.
+Adapters on a mixture of experts' weights go as PEFT ``target_parameters`` on transformers'
+fused expert parameters (``peft_experts``: the export's rank then doubled, zero-padded).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from safetensors.numpy import save_file
 from loomax.errors import UserError
 from loomax.hf.convert import export_hf
 from loomax.hf.family import family_of
+from loomax.hf.peft_experts import expert_tensors, pad_rank
 from loomax.models.io.hf_layout import Param
 from loomax.models.lora.linear import RANK, LoraLinear, adapter_layers, without_adapters
 
@@ -38,11 +41,10 @@ def _axis_names(spec) -> set[str]:
     return {spec.name} if hasattr(spec, "name") else {a.name for a in spec}
 
 
-def adapter_params(model: Any) -> list[tuple[Param, Param, LoraLinear]]:
-    """``(A, B, layer)`` tables of every adapted layer of ``model`` under PEFT's names."""
-    layers = adapter_layers(model)
-    if not layers:
-        raise UserError("the model has no LoRA adapters (model.lora) to export")
+def adapter_params(model: Any) -> list[tuple[Param, ...]]:
+    """The tables of every adapted linear layer of ``model`` under PEFT's names: A, B and
+    (DoRA) the magnitude ``lora_magnitude_vector`` (the expert adapters: ``peft_experts``)."""
+    layers = {n: x for n, x in adapter_layers(model).items() if isinstance(x, LoraLinear)}
     by_weight = {id(layer.weight): (name, layer) for name, layer in layers.items()}
     out, seen = [], set()
     for p in family_of(model.config).hf_params():
@@ -61,7 +63,11 @@ def adapter_params(model: Any) -> list[tuple[Param, Param, LoraLinear]]:
         module = PREFIX + p.hf_name.removesuffix(".weight")
         a = Param(f"{module}.lora_A.weight", lambda _, x=layer.lora_a: x, (RANK, *in_dims))
         b = Param(f"{module}.lora_B.weight", lambda _, x=layer.lora_b: x, (*out_dims, RANK))
-        out.append((a, b, layer))
+        m = ()
+        if layer.lora_m is not None:  # DoRA: one magnitude per HF output row
+            magnitude = lambda _, x=layer: x.magnitude()  # noqa: E731
+            m = (Param(f"{module}.lora_magnitude_vector", magnitude, out_dims),)
+        out.append((a, b, *m))
         seen.add(name)
     missing = sorted(set(layers) - seen)
     if missing:
@@ -77,10 +83,17 @@ def export_peft(
     if lora is None:
         raise UserError("the model has no LoRA adapters (model.lora) to export")
     tensors: dict[str, np.ndarray] = {}
-    for a, b, _ in adapter_params(model):
-        tensors.update(a.export(model))
-        tensors.update(b.export(model))
+    for params in adapter_params(model):
+        for p in params:
+            tensors.update(p.export(model))
     modules = sorted({n.removeprefix(PREFIX).rsplit(".lora_", 1)[0] for n in tensors})
+    experts, parameters = expert_tensors(model, PREFIX, lora.rank)
+    if not tensors and not experts:
+        raise UserError("the model has no LoRA adapters (model.lora) to export")
+    widen = 2 if experts else 1  # the fused gate_up_proj's rank 2r (peft_experts): all at 2r
+    if widen > 1:
+        tensors = {k: pad_rank(k, v, widen * lora.rank) for k, v in tensors.items()}
+    tensors.update(experts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v.astype(np.float32)) for k, v in tensors.items()}
@@ -88,14 +101,15 @@ def export_peft(
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
+        "r": widen * lora.rank,
+        "lora_alpha": widen * lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": modules,
+        "target_modules": modules or None,
+        "target_parameters": parameters or None,
         "bias": "none",
         "fan_in_fan_out": family_of(model.config).hf_model_type == "gpt2",
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": lora.dora,
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,

@@ -104,7 +104,9 @@ def test_bad_settings_name_the_key(models, families):
         config.for_training(models[1])
     # MoE routers never get adapters: a target naming only them matches nothing
     moe = families.tiny_config("mixtral", lora=LoraConfig(targets=("router",)))
-    with pytest.raises(ConfigError, match=r"'router' matches no linear layer of MixtralLmModel"):
+    with pytest.raises(
+        ConfigError, match=r"'router' matches no linear layer or expert weight of MixtralLmModel"
+    ):
         moe.for_training(moe.build(VOCAB, key=jax.random.PRNGKey(0)))
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from loomax.config import ConfigError
 
-ADAPTER_LEAVES = ("lora_a", "lora_b")
-"""The names of an adapter's two arrays inside a ``LoraLinear``."""
+ADAPTER_LEAVES = ("lora_a", "lora_b", "lora_m")
+"""The names of an adapter's arrays inside a ``LoraLinear``: A, B and (DoRA) the magnitude."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class LoraConfig:
     """QLoRA: the adapted layers' frozen weights stored quantised in blocks, dequantised per matmul: none, int8 or nf4."""
     quantize_block: int = 64
     """Entries per block (one scale each) along a quantised weight's last input axis."""
+    dora: bool = False
+    """DoRA: a learned magnitude per output unit times the adapted weight's direction (linear layers; not expert weights)."""
 
     def __post_init__(self):
         for key in ("targets", "extra"):  # a list from YAML: hashable, as the model config is
@@ -73,5 +75,5 @@ class LoraConfig:
         """The ``trainer.freeze`` regexes that leave the adapters (and ``extra``) trained."""
         if self.train_base:
             return []
-        keep = [r"\.lora_[ab]$", *self.extra]
+        keep = [r"\.lora_[abm]$", *self.extra]
         return [f"^(?!.*(?:{'|'.join(f'(?:{k})' for k in keep)}))"]

@@ -29,8 +29,10 @@ from haliax import Axis, NamedArray
 
 from loomax.config import ConfigError
 from loomax.models.blocks.dropout import dropout
+from loomax.models.lora import dora, experts
 from loomax.models.lora.config import LoraConfig
 from loomax.models.lora.quantized import BlockQuantized, quantize
+from loomax.models.moe.expert_adapter import ExpertAdapter
 from loomax.tree_paths import path_name
 
 RANK = "lora_r"
@@ -45,18 +47,42 @@ class LoraLinear(hnn.Linear):
     scale: float = eqx.field(static=True, default=1.0)
     dropout_rate: float = eqx.field(static=True, default=0.0)
     quantized: BlockQuantized | None = None  # QLoRA: the frozen weight (``weight`` is None)
+    lora_m: NamedArray | None = None  # DoRA: magnitude - ||W|| per output unit (``dora``)
 
     def __call__(self, inputs: NamedArray, *, key=None) -> NamedArray:
+        x = dropout(inputs, self.dropout_rate, key)
+        low = x.dot(self.lora_a.astype(x.dtype), axis=self.In)
+        delta = low.dot(self.lora_b.astype(x.dtype), axis=RANK)
+        delta = delta * jnp.asarray(self.scale, delta.dtype)
+        if self.lora_m is not None:  # DoRA: the magnitude times the adapted direction
+            weight = self.base_weight(inputs.dtype if self.quantized is not None else None)
+            plain = hnn.Linear(weight, None, self.In, self.Out, self.dot_general,
+                               self._reparam_cls)  # fmt: skip
+            out = plain(inputs)
+            more = self.dora_excess().astype(out.dtype)  # ratio - 1: 0 at the first step
+            # PEFT's form: W x + (ratio - 1) W x + ratio * delta, W x itself at ratio 1
+            out = out + (more * out + (1 + more) * delta.astype(out.dtype))
+            if self.bias is not None:
+                out = out + self.bias.astype(out.dtype)
+            return hax.auto_sharded(out)
         if self.quantized is None:
             out = super().__call__(inputs)
         else:  # dequantised for this matmul, in the compute dtype
             out = self.base(inputs.dtype)(inputs)
-        x = dropout(inputs, self.dropout_rate, key)
-        low = x.dot(self.lora_a.astype(x.dtype), axis=self.In)
-        delta = low.dot(self.lora_b.astype(x.dtype), axis=RANK)
-        return hax.auto_sharded(
-            out + (delta * jnp.asarray(self.scale, delta.dtype)).astype(out.dtype)
-        )
+        return hax.auto_sharded(out + delta.astype(out.dtype))
+
+    def adapted_weight(self) -> NamedArray:
+        """``W + scale * B A`` in float32, laid out as the weight."""
+        return self.base_weight(jnp.float32) + self.delta().astype(jnp.float32)
+
+    def dora_excess(self) -> NamedArray:
+        """DoRA's ``m / ||W + scale * B A|| - 1`` per output unit (float32; ``dora``)."""
+        base = self.base_weight(jnp.float32)
+        return dora.excess(self.lora_m, base, self.delta(), self.In)
+
+    def magnitude(self) -> NamedArray:
+        """DoRA's magnitude ``m`` per output unit (float32): ``||W|| + lora_m``."""
+        return dora.magnitude(self.lora_m, self.base_weight(jnp.float32), self.In)
 
     def delta(self) -> NamedArray:
         """``scale * B A`` laid out as the weight (what merging adds to it)."""
@@ -72,9 +98,13 @@ class LoraLinear(hnn.Linear):
         return self.quantized.dequantize(dtype or jnp.float32)
 
     def merged(self) -> hnn.Linear:
-        """The plain ``Linear`` computing what this layer computes: W + scale * B A."""
+        """The plain ``Linear`` computing what this layer computes: W + scale * B A (DoRA:
+        that times ``m / ||W + scale * B A||`` per output unit)."""
         base = self.base_weight()
         weight = (base + self.delta()).astype(base.dtype)
+        if self.lora_m is not None:
+            weight = self.adapted_weight() * (1 + self.dora_excess())
+            weight = weight.rearrange(base.axes).astype(base.dtype)
         return hnn.Linear(weight, self.bias, self.In, self.Out, self.dot_general, self._reparam_cls)
 
     def base(self, dtype=None) -> hnn.Linear:
@@ -123,6 +153,10 @@ def add_adapter(linear: hnn.Linear, config: LoraConfig, key: jax.Array) -> LoraL
     if config.quantize_base != "none":  # QLoRA: the frozen weight kept as codes and scales
         quantized = quantize(linear.weight, linear.In, config.quantize_base, config.quantize_block)
         fields["weight"] = None
+    magnitude = None
+    if config.dora:  # m - ||W|| per output unit: 0, so the first step is the base
+        norm = dora.norm_per_output(linear.weight, linear.In)
+        magnitude = hax.zeros(norm.axes, dtype=dtype)
     return LoraLinear(
         **fields,
         lora_a=a.astype(dtype),
@@ -130,19 +164,22 @@ def add_adapter(linear: hnn.Linear, config: LoraConfig, key: jax.Array) -> LoraL
         scale=config.scale,
         dropout_rate=config.dropout,
         quantized=quantized,
+        lora_m=magnitude,
     )
 
 
 def apply_lora(model: Any, config: LoraConfig) -> Any:
-    """``model`` with an adapter on every linear layer whose dotted name matches one of
-    ``config.targets`` (MoE routers excepted); a target matching none is a ``ConfigError`` naming the key."""
+    """``model`` with an adapter on every linear layer and expert weight (``experts``) whose
+    dotted name matches one of ``config.targets`` (MoE routers excepted); a target matching
+    none is a ``ConfigError`` naming the key."""
     names = [n for n in linear_names(model) if "router" not in n]  # routers get none
+    names += experts.expert_weight_names(model)
     compiled = [re.compile(p) for p in config.targets]
     for pattern, regex in zip(config.targets, compiled, strict=True):
         if not any(regex.search(n) for n in names):
             raise ConfigError(
-                f"model.lora.targets: {pattern!r} matches no linear layer of "
-                f"{type(model).__name__}; its linear layers: {', '.join(names)}"
+                f"model.lora.targets: {pattern!r} matches no linear layer or expert weight "
+                f"of {type(model).__name__}; its names: {', '.join(names)}"
             )
     root = jax.random.PRNGKey(config.seed)
 
@@ -154,28 +191,37 @@ def apply_lora(model: Any, config: LoraConfig) -> Any:
             return node
         return add_adapter(node, config, jax.random.fold_in(root, zlib.crc32(name.encode())))
 
-    return jax.tree_util.tree_map_with_path(convert, model, is_leaf=_is_linear)
+    def convert_experts(path, node):
+        if not experts.is_moe(node):
+            return node
+        return experts.adapt_experts(node, path_name(path, "."), compiled, config, root)
+
+    model = jax.tree_util.tree_map_with_path(convert, model, is_leaf=_is_linear)
+    return jax.tree_util.tree_map_with_path(convert_experts, model, is_leaf=experts.is_moe)
 
 
-def _replace(model: Any, how) -> Any:
+def _replace(model: Any, how, how_experts) -> Any:
     is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
-    return jax.tree.map(lambda n: how(n) if is_lora(n) else n, model, is_leaf=is_lora)
+    model = jax.tree.map(lambda n: how(n) if is_lora(n) else n, model, is_leaf=is_lora)
+    on_moe = lambda n: how_experts(n) if experts.is_moe(n) else n  # noqa: E731
+    return jax.tree.map(on_moe, model, is_leaf=experts.is_moe)
 
 
 def merge_lora(model: Any) -> Any:
-    """``model`` with every adapter folded into its weight: plain ``Linear`` layers, the same
-    outputs (up to rounding), the layout any export reads."""
-    return _replace(model, LoraLinear.merged)
+    """``model`` with every adapter folded into its weight: plain ``Linear`` layers and bare
+    expert weights, the same outputs (up to rounding), the layout any export reads."""
+    return _replace(model, LoraLinear.merged, experts.merge_experts)
 
 
 def without_adapters(model: Any) -> Any:
     """``model`` with every adapter dropped: the base model."""
-    return _replace(model, LoraLinear.base)
+    return _replace(model, LoraLinear.base, experts.drop_experts)
 
 
-def adapter_layers(model: Any) -> dict[str, LoraLinear]:
-    """``{dotted name: layer}`` of every ``LoraLinear`` in ``model``."""
-    found: dict[str, LoraLinear] = {}
+def adapter_layers(model: Any) -> dict[str, LoraLinear | ExpertAdapter]:
+    """``{dotted name: layer}`` of every ``LoraLinear`` in ``model``, and every expert
+    adapter (``<moe layer>.gate_lora``: ``models/lora/experts.py``)."""
+    found: dict[str, LoraLinear | ExpertAdapter] = dict(experts.expert_adapters(model))
     is_lora = lambda x: isinstance(x, LoraLinear)  # noqa: E731
 
     def visit(path, node):

@@ -32,6 +32,9 @@ KEPT_ROWS_FALLBACK = "kept_rows_fallback"
 
 Matmul = Callable[[jax.Array, jax.Array], jax.Array]
 """``(rows, weights [G, k, n]) -> rows @ weights`` per group (the groups bound in)."""
+Adapters = tuple[tuple[jax.Array, jax.Array] | None, ...]
+"""LoRA on the experts: for the gate, up and down weights each ``(A [G, in, r], B [G, r,
+out])`` (B times the adapter's scale) or None; a projection is ``mm(x, w) + mm(mm(x, A), B)``."""
 MatmulGrads = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 """``(rows, weights, cotangent) -> (d rows, d weights)`` of a ``Matmul``."""
 
@@ -48,12 +51,17 @@ def expert_ffn(
     glu: Callable[[jax.Array, jax.Array], jax.Array],
     keep: int,
     biases: tuple[jax.Array, jax.Array] | None = None,
+    adapters: Adapters | None = None,
 ) -> jax.Array:
     """``[R, D]``: the experts' gated MLP of the buffer ``x`` (rows grouped by local expert,
     ``group_sizes`` of them). ``mm(x, w, group_sizes)`` is the grouped matmul and
     ``mm_grads(x, w, group_sizes, dy)`` its ``(dx, dw)``; ``glu(g, u)`` the gated unit;
     ``biases`` the gate's and up's ``[experts, M]`` biases or None. The backward uses the
-    first ``keep`` rows of the gate and up projections (see the module docstring)."""
+    first ``keep`` rows of the gate and up projections (see the module docstring).
+    ``adapters``: LoRA on the experts (``Adapters``), differentiated by JAX through the
+    grouped matmuls (no kept rows: the whole buffer's projections are saved or recomputed)."""
+    if adapters is not None:
+        return _adapted_forward(mm, glu, x, group_sizes, gate, up, down, biases, adapters)
     keep = min(keep, x.shape[0])
     return _ffn(mm, mm_grads, glu, keep, x, group_sizes, gate, up, down, biases)
 
@@ -64,12 +72,32 @@ def row_experts(group_sizes: jax.Array, rows: int) -> jax.Array:
 
 
 def _projections(mm, x, group_sizes, gate, up, biases):
-    g, u = mm(x, gate, group_sizes), mm(x, up, group_sizes)
+    return _biased(mm(x, gate, group_sizes), mm(x, up, group_sizes), group_sizes, biases)
+
+
+def _biased(g, u, group_sizes, biases):
     if biases is not None:  # rows past the groups take a zero bias (their rows are unread)
-        ids = row_experts(group_sizes, x.shape[0])
+        ids = row_experts(group_sizes, g.shape[0])
         g, u = (a + jnp.take(b, ids, axis=0, mode="fill", fill_value=0).astype(a.dtype)
                 for a, b in zip((g, u), biases, strict=True))  # fmt: skip
     return g, u
+
+
+def _adapted_forward(mm, glu, x, group_sizes, gate, up, down, biases, adapters):
+    """The forward with low-rank adapters: each weight's grouped matmul plus the two grouped
+    matmuls of its adapter, over the same rows and groups (``Adapters``)."""
+
+    def with_adapter(rows, w, sizes, pair):
+        out = mm(rows, w, sizes)
+        if pair is None:
+            return out
+        a, b = pair
+        return out + mm(mm(rows, a, sizes), b, sizes)
+
+    g_ad, u_ad, d_ad = adapters
+    g, u = with_adapter(x, gate, group_sizes, g_ad), with_adapter(x, up, group_sizes, u_ad)
+    g, u = _biased(g, u, group_sizes, biases)
+    return with_adapter(glu(g, u), down, group_sizes, d_ad)
 
 
 def _forward(mm, glu, x, group_sizes, gate, up, down, biases):

@@ -110,9 +110,10 @@ def routed_experts(
     if mlp.gate_bias is not None:
         in_b = tuple(b.rearrange((Experts, Mlp)).array for b in (mlp.gate_bias, mlp.up_bias))
         biases = (*in_b, mlp.down_bias.rearrange((Experts, Embed)).array)
+    adapters = expert_adapters(mlp, x.dtype)
     if mesh is None:  # no mesh: one device, no collective
         local = _Local(mlp, 1, "padded", None, ())
-        y, sizes, _, over = local(x, weights, experts, chosen, gate, up, down, biases)
+        y, sizes, _, over = local(x, weights, experts, chosen, gate, up, down, biases, adapters)
         return y, sizes, dropped, over[0]
     specs = tuple(mapped_axes(mesh, a.name, a.size) for a in lead)
     token_axes = tuple(
@@ -124,14 +125,29 @@ def routed_experts(
     w_in, w_out = P(on_experts, None, tp), P(on_experts, tp, None)
     tokens = P(*specs, None)
     b_specs = P() if biases is None else (P(on_experts, tp), P(on_experts, tp), P())
+    a_specs = P()  # the adapters' A [E, in, r] and B [E, r, out]: split as their weight's
+    if adapters is not None:
+        pairs = ((P(on_experts), w_in), (P(on_experts), w_in), (w_out, P(on_experts)))
+        a_specs = tuple(
+            P() if pair is None else specs for pair, specs in zip(adapters, pairs, strict=True)
+        )
     y, sizes, unreceived, over = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(tokens, tokens, tokens, tokens, w_in, w_in, w_out, b_specs),
+        in_specs=(tokens, tokens, tokens, tokens, w_in, w_in, w_out, b_specs, a_specs),
         out_specs=(tokens, P(), P(), P(mesh.axis_names)),
         check_vma=False,  # the TPU's megablox kernel (Pallas) declares no varying axes
-    )(x, weights, experts, chosen, gate, up, down, biases)
+    )(x, weights, experts, chosen, gate, up, down, biases, adapters)
     return y, sizes, dropped + unreceived, jnp.mean(over)
+
+
+def expert_adapters(mlp, dtype):
+    """The experts' LoRA factors (``expert_ffn.Adapters``) of ``MoeMlp`` ``mlp`` in
+    ``dtype``, or None when it has none."""
+    found = (mlp.gate_lora, mlp.up_lora, mlp.down_lora)
+    if all(a is None for a in found):
+        return None
+    return tuple(None if a is None else a.factors(dtype) for a in found)
 
 
 class _Local:
@@ -143,7 +159,7 @@ class _Local:
         self.moe, self.act, self.ways, self.form, self.tp = mlp.moe, mlp.act, ways, form, tp
         self.token_axes = token_axes
 
-    def __call__(self, x, weights, experts, chosen, gate, up, down, biases=None):
+    def __call__(self, x, weights, experts, chosen, gate, up, down, biases=None, adapters=None):
         lead, D = x.shape[:-1], x.shape[-1]
         k = experts.shape[-1]
         t, experts, weights = x.reshape(-1, D), experts.reshape(-1, k), weights.reshape(-1, k)
@@ -155,7 +171,7 @@ class _Local:
         xs = t[order // k]
         dropped = jnp.zeros((), jnp.int32)
         if ways == 1:  # every expert here: the sorted rows are the buffer
-            out = self._matmuls(xs, sizes, gate, up, down, n, biases)
+            out = self._matmuls(xs, sizes, gate, up, down, n, biases, adapters)
             kept = jnp.sum(sizes)
             ys = out if self.moe.capacity_factor is None else _first(out, kept)
             over = kept > self.moe.kept_rows(n, n)
@@ -167,7 +183,7 @@ class _Local:
             exchange = _Exchange(per_shard, me, cap, self.form)
             dropped = exchange.dropped
             recv = exchange.there(xs)  # [ways * cap, D], grouped by local expert
-            out = self._matmuls(recv, exchange.group_sizes, gate, up, down, n, biases)
+            out = self._matmuls(recv, exchange.group_sizes, gate, up, down, n, biases, adapters)
             ys = exchange.back(out, n)  # [n, D], in ``order``
             over = jnp.sum(exchange.group_sizes) > self.moe.kept_rows(n, recv.shape[0])
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n, dtype=order.dtype))
@@ -184,10 +200,11 @@ class _Local:
         y = combined.astype(t.dtype).reshape(*lead, D)
         return y, chosen, dropped, over.astype(jnp.float32)[None]
 
-    def _matmuls(self, xs, group_sizes, gate, up, down, routed: int, biases=None):
+    def _matmuls(self, xs, group_sizes, gate, up, down, routed: int, biases=None, adapters=None):
         """The experts' matmuls over the receive buffer, of which ``routed`` rows (``T * k``,
         the mean over the expert axis: every device sends as many) are routed rows;
-        ``biases``: the local experts' gate and up biases first (or None)."""
+        ``biases``: the local experts' gate and up biases first (or None); ``adapters``: the
+        local experts' LoRA factors (``expert_ffn.Adapters``) or None."""
         settings = {"impl": self.moe.matmul, "block": self.moe.matmul_block}
         # the buffer's rows past the groups are never read: not sent home, skipped by the
         # next grouped matmul and by the weight gradients (megablox's tgmm masks by group)
@@ -202,8 +219,9 @@ class _Local:
         keep = self.moe.kept_rows(routed, xs.shape[0])
         in_b = None if biases is None else biases[:2]
         return expert_ffn(
-            xs, group_sizes, *weights, mm=mm, mm_grads=mm_grads, glu=glu, keep=keep, biases=in_b
-        )
+            xs, group_sizes, *weights, mm=mm, mm_grads=mm_grads, glu=glu, keep=keep, biases=in_b,
+            adapters=adapters,
+        )  # fmt: skip
 
 
 def _first(rows: jax.Array, count: jax.Array) -> jax.Array:

@@ -33,6 +33,7 @@ from loomax.config import ConfigError
 from loomax.models.axes import Embed, Experts, Mlp
 from loomax.models.blocks.buffers import Buffer
 from loomax.models.blocks.mlp_activations import activation
+from loomax.models.moe.expert_adapter import ExpertAdapter
 from loomax.models.moe.expert_parallel import routed_experts
 from loomax.models.moe.grouped_matmul import IMPLEMENTATIONS
 from loomax.models.moe.moe_routing import SCORE_FUNCTIONS, RouterAux, route
@@ -197,7 +198,8 @@ class MoeMlp(eqx.Module):
     ``down`` ``(experts, mlp, embed)``, the shared experts' gated MLP (or None), and the
     aux-loss-free routing bias ``(experts,)`` (a ``Buffer``; None when off); with
     ``expert_bias`` the experts' learned biases (``(experts, mlp)`` twice, ``(experts,
-    embed)``) and a router bias."""
+    embed)``) and a router bias; with LoRA on the experts, per-expert low-rank adapters on
+    ``gate``, ``up`` and ``down`` (``expert_adapter``; None where off)."""
 
     router: hnn.Linear
     gate: NamedArray
@@ -212,6 +214,9 @@ class MoeMlp(eqx.Module):
     gate_bias: NamedArray | None = None
     up_bias: NamedArray | None = None
     down_bias: NamedArray | None = None
+    gate_lora: ExpertAdapter | None = None  # LoRA on the experts (models/lora/experts.py)
+    up_lora: ExpertAdapter | None = None
+    down_lora: ExpertAdapter | None = None
 
     @staticmethod
     def init(
