@@ -24,6 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import PRNGKeyArray
 
 from loomax.config import ConfigError
+from loomax.models.attention import max_logits
 from loomax.models.axes import Layers
 from loomax.models.blocks import offload, pipeline, taps
 
@@ -65,13 +66,13 @@ def run_layers(
     (``loomax.models.blocks.pipeline``)."""
     per_layer = per_layer or {}
     if pipeline.stage_count() > 1:
-        if taps.active() or offload.any_on_host(blocks.stacked):
+        if taps.active() or max_logits.active() or offload.any_on_host(blocks.stacked):
             raise ConfigError(
-                "trainer.mesh.stage > 1: not with activation statistics or "
+                "trainer.mesh.stage > 1: not with activation statistics, QK-clip or "
                 "trainer.offload_params (a staged stack is neither tapped nor streamed yet)"
             )
         return pipeline.run_stages(blocks, x, segment_ids, unroll=unroll, per_layer=per_layer)
-    if taps.active():
+    if taps.active() or max_logits.active():  # per-layer outputs of the scan
         unroll = unroll if scan else True
         return taps.scan_layers(
             blocks, x, segment_ids, unroll=unroll, first_layer=first_layer, **per_layer

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
 
+from loomax.models.attention import max_logits
 from loomax.models.axes import Embed, Position
 from loomax.models.blocks.norms import rms_norm
 from loomax.models.config import AuxOutputs
@@ -94,7 +95,7 @@ class MultiTokenPrediction(eqx.Module):
             target, valid = shifted(tokens, d + 1)
             parts = [depth.hidden_norm(h), depth.embed_norm(embed(ahead))]
             both = hax.concatenate(MtpIn, [p.rename({Embed: MtpIn}) for p in parts])
-            h = run_block(depth.block, depth.proj(both))
+            h = _run_recorded(f"mtp_{d}", run_block, depth.block, depth.proj(both))
             x = depth.norm(h).rearrange((*order, Embed)).array
             logits = jnp.einsum(
                 "...d,vd->...v", x, w.astype(x.dtype), preferred_element_type=jnp.float32
@@ -108,6 +109,21 @@ class MultiTokenPrediction(eqx.Module):
                 m = m * (same.rearrange(order).array == segment_ids.rearrange(order).array)
             out.append(jnp.sum((lse - picked) * m) / jnp.maximum(jnp.sum(m), 1.0))
         return out
+
+    def qk_clip_attention(self, get: Callable) -> dict[str, Callable]:
+        """``{mtp_<d>: getter of depth d's attention}`` (QK-clip), ``get(model)`` being this."""
+        return {f"mtp_{d}": lambda m, i=d - 1: get(m).depths[i].block.attn for d in range(1, len(self.depths) + 1)}  # fmt: skip
+
+
+def _run_recorded(name: str, run_block: Callable, block: eqx.Module, x: NamedArray) -> NamedArray:
+    """``run_block(block, x)``, its attention's maximum logits (QK-clip) recorded as ``name``."""
+    if not max_logits.active():
+        return run_block(block, x)
+    with max_logits.collecting() as seen:
+        out = run_block(block, x)
+    if max_logits.ATTN in seen:
+        max_logits.record(name, seen[max_logits.ATTN])
+    return out
 
 
 def with_mtp_losses(

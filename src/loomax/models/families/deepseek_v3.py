@@ -1,13 +1,11 @@
 """DeepSeek-V3: multi-head latent attention, DeepSeek routing, dense first layers (DeepSeek-AI 2024).
 
-``model.type: deepseek_v3`` is the Mixtral model's layout with two other parts: every
-block's attention is ``models.attention.mla.MlaAttention`` (low-rank query, one compressed
-key/value latent, a shared rotary key; decoding caches the latent only), and its MoE MLP
-routes as DeepSeek-V3 does (``models.moe``: sigmoid scores, the routing bias for the choice
-only, group-limited top-k, ``routed_scaling_factor``, renormalised weights, one shared
-expert). The first ``moe.first_dense_layers`` blocks have a dense gated MLP of
-``intermediate_dim``. The router statistics, balance losses and the aux-loss-free bias
-update are the Mixtral model's (``MixtralLmModel``); the defaults are the 671B model's.
+``model.type: deepseek_v3`` is the Mixtral model's layout with every block's attention
+``models.attention.mla.MlaAttention`` (low-rank query, one compressed key/value latent, a
+shared rotary key; decoding caches the latent only), its MoE MLP routed as DeepSeek-V3 (sigmoid
+scores, the bias for the choice only, group-limited top-k, ``routed_scaling_factor``, one
+shared expert), dense first ``moe.first_dense_layers``; router statistics, balance losses
+and the bias update are ``MixtralLmModel``'s; the defaults are the 671B model's.
 
 Its HF side (``DeepseekV3ForCausalLM``, transformers >= 4.57): per layer
 ``self_attn.{q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa,
@@ -151,10 +149,9 @@ class DeepseekV3Config(MixtralConfig):
         q = d * h * qk if self.q_lora_rank is None else self.q_lora_rank * (d + h * qk)
         kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * h * (nope + v)
         attn = 2 * (q + kv + h * v * d)
-        experts = moe.num_experts_per_tok + moe.num_shared_experts
-        routed = 2 * 3 * d * self.expert_dim * experts + 2 * d * moe.num_experts
-        dense = moe.first_dense_layers
-        s = self.seq_len
+        routed = 2 * 3 * d * self.expert_dim * (moe.num_experts_per_tok + moe.num_shared_experts)
+        routed += 2 * d * moe.num_experts
+        dense, s = moe.first_dense_layers, self.seq_len
         keys = (s + 1) / 2 if causal else s
         scores = 2 * keys * h * (qk + v)
         layers = (self.num_layers - dense) * routed + dense * 2 * 3 * d * self.intermediate_dim
@@ -394,6 +391,9 @@ class DeepseekV3LmModel(MixtralLmModel):
             losses = self.mtp.losses(x, tokens, embed, head, run_block, segment_ids)
             aux = with_mtp_losses(aux, losses, self.config.mtp_weights)
         return taps.tap("final", self.norm(x)), aux
+
+    def qk_clip_attention(self) -> dict[str, Any]:  # the Mixtral model's and each MTP depth's
+        return {**super().qk_clip_attention(), **(self.mtp.qk_clip_attention(lambda m: m.mtp) if self.mtp is not None else {})}  # fmt: skip
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> MlaCache:
         """The latent and rotary key of every layer, ``max_len`` positions."""
