@@ -4,6 +4,7 @@ wired into the train step for a Llama and a DeepSeek-V3 (MLA, MTP)."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import haliax as hax
 import jax
@@ -158,3 +159,14 @@ def test_a_threshold_no_head_reaches_keeps_the_trajectory_bitwise():
     assert float(m_off["train/loss"]) == float(m_far["train/loss"])
     for a, b in zip(jax.tree.leaves(off), jax.tree.leaves(far), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_sharded_clip_gives_one_devices_trajectory(json_worker):
+    """FSDP and tensor parallel (data 4 x model 2, 8 fake CPU devices): the clipped q/k
+    projections are split; the losses, maxima and final weights are one device's."""
+    out = json_worker(Path(__file__).with_name("qk_clip_run.py"), devices=8)
+    one, split = out["one"], out["split"]
+    assert "model" in split["q_spec"] and "data" in split["q_spec"], split["q_spec"]
+    assert all(m[2] > 0 for m in one["metrics"])  # heads are clipped every step
+    np.testing.assert_allclose(split["metrics"], one["metrics"], rtol=2e-5)
+    np.testing.assert_allclose(split["q_final"], one["q_final"], rtol=1e-4, atol=1e-6)
