@@ -59,7 +59,7 @@ def run_layers(
 ) -> NamedArray:
     """``x`` through every block in order; ``per_layer`` (from ``layer_inputs``) is sliced
     per block; ``first_layer`` is the model index of the stack's first block (how the
-    activation statistics name its layers). With activation statistics asked for (``taps``) the blocks are scanned (all
+    activation statistics name its layers). With activation statistics or QK-clip's maxima asked for (``taps``, ``max_logits``) the blocks are scanned (all
     unrolled when ``scan`` is false), since taps records them as scan outputs. A stack in
     host memory is scanned by ``offload.scan`` (not unrolled: a ``ConfigError``). Over a
     ``stage`` mesh axis of more than one device the stack runs as a pipeline

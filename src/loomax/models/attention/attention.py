@@ -2,9 +2,9 @@
 
 Backends (``attn_backend``):
 
-- ``vanilla``: queries in blocks of ``QUERY_BLOCK``, each block against the keys up to its
-  own end (the fully masked part of the causal square is never computed); fast at short
-  sequence lengths.
+- ``vanilla`` (``vanilla.py``): queries in blocks of ``QUERY_BLOCK``, each block against the
+  keys up to its own end (the fully masked part of the causal square is never computed);
+  fast at short sequence lengths.
 - ``blockwise``: flash-style, pure JAX (``loomax.models.attention.flash``): O(seq) memory.
 - ``splash``: the Pallas TPU splash-attention kernel, run per device under ``shard_map``
   (``splash.py``); blocks of ``splash_block_q`` x ``splash_block_kv``. Off TPU it runs in
@@ -31,7 +31,8 @@ positions back (itself included), as Mistral; ``vanilla`` and ``blockwise`` skip
 blocks wholly outside it, splash uses its local mask, ``xla``/``cudnn`` their local window.
 Keys may have fewer heads than queries (grouped-query attention: a ``kv_heads`` axis).
 Attention sinks (one logit per head in the softmax's denominator: ``sinks.py``) run on
-``vanilla``, ``blockwise``, ``splash``, the blockwise ring and decoding.
+``vanilla``, ``blockwise``, ``splash``, the blockwise ring and decoding. While QK-clip collects
+them (``max_logits.py``), ``vanilla`` and ``blockwise`` report each head's largest logit.
 """
 
 from __future__ import annotations
