@@ -34,17 +34,15 @@ from loomax.errors import BadFileError
 from loomax.models.attention.mla import MlaConfig, _deepseek_v3_rope
 from loomax.models.attention.mla_cache import MlaCache
 from loomax.models.attention.rotary import RotaryConfig
-from loomax.models.attention.sequence_layout import context_ways
 from loomax.models.axes import Vocab
 from loomax.models.blocks import taps
 from loomax.models.blocks.mla_block import MlaDenseBlock, MlaMoeBlock
-from loomax.models.blocks.mtp import MultiTokenPrediction, with_mtp_losses
+from loomax.models.blocks.mtp import MTP_LOAD, MultiTokenPrediction, moe_runner, with_mtp_losses
 from loomax.models.config import AuxOutputs, LmConfig
 from loomax.models.families.llama import LlamaConfig
 from loomax.models.families.mixtral import MixtralConfig, MixtralLmModel
 from loomax.models.io.hf_layout import Param
 from loomax.models.moe.moe import MoeConfig
-from loomax.models.moe.moe_routing import RouterAux
 
 
 def _deepseek_v3_moe() -> MoeConfig:
@@ -376,21 +374,19 @@ class DeepseekV3LmModel(MixtralLmModel):
         """The Mixtral model's, with the multi-token prediction losses (``mtp_depth``) as
         side losses (trained, not in the loss's value) and ``mtp/loss_<d>`` metrics."""
         x, aux = self.residual_and_aux(tokens, segment_ids=segment_ids, key=key)
-        if self.mtp is not None:
-            if context_ways() > 1:
-                raise ConfigError(
-                    "model.mtp_depth > 0 is not supported with trainer.mesh.context > 1 "
-                    "(its targets are shifted along the whole sequence)"
-                )
-            E = self.config.moe.num_experts
-
-            def run_block(block, h):
-                return block((h, RouterAux.zeros(1, E)), segment_ids)[0]
-
+        if self.mtp is not None:  # each depth's expert load moves its routing bias
+            run_block, loads = moe_runner(self.config.moe.num_experts, segment_ids)
             head, embed = self.lm_head_weight(), self.embed_tokens.embed
             losses = self.mtp.losses(x, tokens, embed, head, run_block, segment_ids)
-            aux = with_mtp_losses(aux, losses, self.config.mtp_weights)
+            aux = with_mtp_losses(aux, losses, self.config.mtp_weights, loads)
         return taps.tap("final", self.norm(x)), aux
+
+    def update_state(self, stats: dict[str, jax.Array]) -> DeepseekV3LmModel:
+        """The Mixtral model's routing bias update, and the MTP depths' (``MTP_LOAD``)."""
+        model, rate = super().update_state(stats), self.config.moe.bias_update_rate
+        if self.mtp is None or not rate or MTP_LOAD not in stats:
+            return model
+        return eqx.tree_at(lambda m: m.mtp, model, model.mtp.with_bias_moved(stats[MTP_LOAD], rate))
 
     def qk_clip_attention(self) -> dict[str, Any]:  # the Mixtral model's and each MTP depth's
         return {**super().qk_clip_attention(), **(self.mtp.qk_clip_attention(lambda m: m.mtp) if self.mtp is not None else {})}  # fmt: skip
