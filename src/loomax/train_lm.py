@@ -123,6 +123,7 @@ def _train_on(config: TrainLmConfig, run_id: str, data: LmDatasets) -> TrainLmRe
         run_id=run_id,
         lr_schedule=config.optimizer.lr_scheduler(steps, batch_sizes),
         epoch_size=epoch_size,
+        qk_clip_tau=config.optimizer.qk_clip_tau,
     )
     vocab_size = resolve_vocab_size(model_config, data.vocab_size)
     rows = trainer.runtime.row_block  # the rows of each batch this process loads

@@ -118,7 +118,7 @@ def test_shipped_config_compiles_with_no_extra_flag(name):
     vocab_size_of(config)  # no model.vocab_size needed: a known tokenizer or the trained BPE
     pods = {
         "llama_8b_128k.yaml": 64, "llama_8b_1m.yaml": 256, "mixtral_8x7b.yaml": 128,
-        "llama_70b.yaml": 128, "deepseek_v3_671b.yaml": 2048,
+        "llama_70b.yaml": 128, "deepseek_v3_671b.yaml": 2048, "kimi_k2_1t.yaml": 2048,
     }  # fmt: skip
     chips = pods.get(name, 4)
     config.trainer.mesh.resolve(chips)

@@ -94,6 +94,7 @@ def train_dpo(config: TrainDpoConfig) -> TrainDpoResult:
         run_id=run_id,
         lr_schedule=config.optimizer.lr_scheduler(steps, schedule),
         epoch_size=len(sets["train"]),
+        qk_clip_tau=config.optimizer.qk_clip_tau,
     )
     try:
         return _train(config, trainer, sets, tokenizer, vocab_size)

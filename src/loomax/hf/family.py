@@ -69,9 +69,14 @@ def family_of(config: LmConfig) -> HfFamily:
     return config
 
 
+HF_ALIASES = {"kimi_k2": "deepseek_v3"}
+"""config.json model types that are another family's architecture at other sizes (Kimi K2's
+checkpoints say ``kimi_k2``; transformers reads them as ``DeepseekV3Config``)."""
+
+
 def family_for(hf: dict[str, Any]) -> type[LmConfig]:
-    """The config class of a config.json dict, by its ``model_type``."""
-    kind = hf.get("model_type")
+    """The config class of a config.json dict, by its ``model_type`` (or ``HF_ALIASES``'s)."""
+    kind = HF_ALIASES.get(hf.get("model_type"), hf.get("model_type"))
     known = families()
     if kind not in known:
         raise BadFileError(

@@ -105,6 +105,8 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
     """Clip the update norm against the history of update norms; null = off."""
     skip_bad_steps: SkipBadStepsConfig | bool | int = False
     """Skip steps whose loss or grad norm spikes: true, a window length, or {rolling_interval_length, sigma_factor, min_history}."""
+    qk_clip_tau: float | None = None
+    """QK-clip (Kimi K2's MuonClip, any optimizer): after each step, rescale the query/key projections of every attention head whose largest pre-softmax logit on the step's batch passed this (Kimi K2: 100), logged as optim/max_logit; null = off. Needs attn_backend vanilla or blockwise (auto picks them)."""
 
     def __post_init__(self):
         if self.learning_rate <= 0:
@@ -133,6 +135,8 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
             raise ValueError(
                 f"optimizer.update_rms_clipping must be > 0 or null, got {self.update_rms_clipping}"
             )
+        if self.qk_clip_tau is not None and self.qk_clip_tau <= 0:
+            raise ValueError(f"optimizer.qk_clip_tau must be > 0 or null, got {self.qk_clip_tau}")
         if self.timescale is not None and self.timescale <= 0:
             raise ValueError(f"optimizer.timescale must be > 0 or null, got {self.timescale}")
         for name in ("warmup", "rewarmup"):

@@ -133,6 +133,7 @@ def built_step(config: TrainLmConfig, devices: Sequence[jax.Device]) -> Iterator
             run_id="compile",
             lr_schedule=config.optimizer.lr_scheduler(steps, batches),
             devices=devices,
+            qk_clip_tau=config.optimizer.qk_clip_tau,
         )
         if context_spans_processes(trainer.mesh.devices):
             notes.append(SPANS_HOSTS_NOTE)

@@ -99,6 +99,7 @@ def compile_rl(config: TrainRlConfig, topology: Topology) -> RlCompileResult:
             run_id="compile",
             lr_schedule=config.optimizer.lr_scheduler(steps, schedule),
             devices=topology.devices,
+            qk_clip_tau=config.optimizer.qk_clip_tau,
         )
         state = trainer.abstract_state(initial_model(config, vocab_size))
         rows, seq_len = schedule.sizes[0], config.model.seq_len

@@ -117,6 +117,7 @@ def train_rl(config: TrainRlConfig) -> TrainRlResult:
         loss,
         run_id=run_id,
         lr_schedule=config.optimizer.lr_scheduler(steps, schedule),
+        qk_clip_tau=config.optimizer.qk_clip_tau,
     )
     try:
         return _train(config, trainer, prompts, held_out, encode, decode, stop, vocab_size,

@@ -15,6 +15,7 @@ import jmp
 import optax
 from jax.experimental.compute_on import compute_on
 
+from loomax.models.attention import max_logits
 from loomax.models.blocks import offload, taps
 from loomax.models.blocks.buffers import (
     buffer_mask,
@@ -23,6 +24,7 @@ from loomax.models.blocks.buffers import (
     update_state,
     without_buffers,
 )
+from loomax.optim.qk_clip import clip_model
 from loomax.train.loss_metrics import add_sums, metric_values, split_loss, zero_sums
 from loomax.train.state import TrainerState
 
@@ -142,6 +144,7 @@ def make_train_step(
     update_on_host: bool = False,
     offload_params: bool = False,
     activation_stats: bool = False,
+    qk_clip_tau: float | None = None,
 ) -> Callable[[TrainerState, Any], tuple[TrainerState, Metrics]]:
     """Build the pure step. Gradients are of the mean loss over the whole batch.
 
@@ -162,8 +165,13 @@ def make_train_step(
     or, streamed, on the devices (the jit's output shardings put them back); microbatches'
     gradients are accumulated on the devices. With
     ``activation_stats`` the forward pass's activation statistics (``loomax.models.blocks.taps``)
-    join the metrics as ``activations/<where>/<stat>`` (averaged over microbatches).
+    join the metrics as ``activations/<where>/<stat>`` (averaged over microbatches). With
+    ``qk_clip_tau`` (QK-clip, ``loomax.optim.qk_clip``) the attention's per-head maximum logits
+    of the batch (the largest over microbatches) rescale the query and key projections after
+    the update (``clip_model``), logged as ``optim/max_logit`` and ``optim/qk_clipped_heads``.
     """
+    if qk_clip_tau is not None and offload_params:
+        raise ValueError("optimizer.qk_clip_tau is not supported with trainer.offload_params")
 
     def cast_for_compute(model):
         if not offload_params:
@@ -175,14 +183,12 @@ def make_train_step(
 
     def loss_sum(trained, frozen, batch, key):
         model, fetching = cast_for_compute(eqx.combine(trained, frozen))
-        if not activation_stats:
-            with fetching:
-                total, weight, sums = split_loss(loss_fn(model, batch, key=key))
-            return total, (weight, sums)
-        with fetching, taps.collect() as recorded:
+        tapping = taps.collect() if activation_stats else contextlib.nullcontext({})
+        peaks = max_logits.collecting() if qk_clip_tau else contextlib.nullcontext({})
+        with fetching, tapping as recorded, peaks as seen:
             total, weight, sums = split_loss(loss_fn(model, batch, key=key))
         stats = {k: (v * weight, weight) for k, v in taps.flatten(recorded).items()}
-        return total, (weight, {**sums, **stats})
+        return total, (weight, {**sums, **stats}, dict(seen))
 
     value_and_grad = eqx.filter_value_and_grad(loss_sum, has_aux=True)  # w.r.t. ``trained``
 
@@ -196,8 +202,8 @@ def make_train_step(
         trained, frozen = eqx.partition(model, trainable_mask(model, freeze))
         trained = without_buffers(trained)
         if num_microbatches == 1:
-            (total, (weight, sums)), grads = grad_fn(trained, frozen, batch, key)
-            return total, weight, sums, grads
+            (total, (weight, sums, peaks)), grads = grad_fn(trained, frozen, batch, key)
+            return total, weight, sums, grads, peaks
 
         # microbatch i = rows i, i + n, i + 2n, ...: every device's contiguous rows hold an
         # equal share of each microbatch, so splitting moves no data between devices
@@ -209,22 +215,26 @@ def make_train_step(
         zeros = zeros if grad_mapping is None else hax.shard(zeros, grad_mapping)
 
         first = jax.tree.map(lambda x: x[0], micro)
-        _, (_, sum_shapes) = eqx.filter_eval_shape(loss_sum, trained, frozen, first, keys[0])
+        _, (_, sum_shapes, peak_shapes) = eqx.filter_eval_shape(
+            loss_sum, trained, frozen, first, keys[0]
+        )
 
         def body(carry, xs):
-            total, weight, sums, grads = carry
-            (t, (w, s)), g = grad_fn(trained, frozen, *xs)
+            total, weight, sums, grads, peaks = carry
+            (t, (w, s, p)), g = grad_fn(trained, frozen, *xs)
             g = _on_device(g) if offload_params else g  # accumulated on the devices
-            return (total + t, weight + w, add_sums(sums, s), jax.tree.map(jnp.add, grads, g)), None
+            grads, peaks = jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.maximum, peaks, p)
+            return (total + t, weight + w, add_sums(sums, s), grads, peaks), None
 
         f32 = jnp.zeros((), jnp.float32)
-        init = (f32, f32, zero_sums(sum_shapes), zeros)
-        (total, weight, sums, grads), _ = jax.lax.scan(body, init, (micro, keys))
-        return total, weight, sums, grads
+        lowest = jax.tree.map(lambda x: jnp.full(x.shape, -jnp.inf, x.dtype), peak_shapes)
+        init = (f32, f32, zero_sums(sum_shapes), zeros, lowest)
+        (total, weight, sums, grads, peaks), _ = jax.lax.scan(body, init, (micro, keys))
+        return total, weight, sums, grads, peaks
 
     def train_step(state: TrainerState, batch) -> tuple[TrainerState, Metrics]:
         key, step_key = jax.random.split(state.key)
-        total, weight, sums, grads = sum_and_grads(state.model, batch, step_key)
+        total, weight, sums, grads, peaks = sum_and_grads(state.model, batch, step_key)
         loss = total / weight
         before, opt_state = state.model, state.opt_state
         if offload_params and update_on_host:  # parameters updated where they rest
@@ -250,6 +260,9 @@ def make_train_step(
         values, state_stats = split_state(metric_values(sums))
         model = update_state(model, state_stats)  # buffers: outside the optimizer
         metrics: Metrics = {"train/loss": loss, "optim/grad_norm": grad_norm}
+        if qk_clip_tau:  # MuonClip's QK-clip: after the update, from this batch's logits
+            model, clipped = clip_model(model, peaks, qk_clip_tau)
+            metrics.update(clipped)
         for name, value in values.items():  # activations/..., moe/... keep their name
             metrics[name if name.startswith(KEEP_NAMES) else f"train/{name}"] = value
         reported = optimizer_state_metrics(opt_state)

@@ -74,6 +74,8 @@ class JittedSteps:
         if diloco is not None:
             if activation_stats:
                 raise ConfigError("activation statistics are not taken under trainer.diloco")
+            if self.qk_clip_tau is not None:
+                raise ConfigError("optimizer.qk_clip_tau is not supported under trainer.diloco")
             step = diloco.make_step(
                 self.loss_fn,
                 mp=self.config.policy,
@@ -108,6 +110,7 @@ class JittedSteps:
                 update_on_host=self.config.offload_optimizer_update,
                 offload_params=self.config.offload_params,
                 activation_stats=activation_stats,
+                qk_clip_tau=self.qk_clip_tau,
             )
             metrics = replicated(mesh)
         shardings = state_shardings(

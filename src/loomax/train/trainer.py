@@ -43,7 +43,8 @@ class Trainer(TrainingLoop, JittedSteps):
     ``loss_fn(model, batch, *, key) -> (loss_sum, weight)`` (or ``((loss_sum, weight),
     metrics)``, see ``loomax.train.loss_metrics``) defines the objective; ``optimizer`` is
     any optax transformation. ``epoch_size`` (sequences in one pass over the data) turns on
-    epoch events and lets ``trainer.num_train_epochs`` set the number of steps. Hooks are added with ``add_hook`` (also as
+    epoch events and lets ``trainer.num_train_epochs`` set the number of steps;
+    ``qk_clip_tau`` turns on QK-clip after each update (``loomax.optim.qk_clip``). Hooks are added with ``add_hook`` (also as
     a decorator) and run on the host, by priority then registration order, after the
     steps they are due.
 
@@ -65,6 +66,7 @@ class Trainer(TrainingLoop, JittedSteps):
         devices: Sequence[jax.Device] | None = None,
         outer_optimizer: optax.GradientTransformation | None = None,
         epoch_size: int | None = None,
+        qk_clip_tau: float | None = None,
     ):
         check_accelerator(config)
         config = config.with_epoch_size(epoch_size)  # trainer.num_train_epochs -> steps
@@ -74,6 +76,8 @@ class Trainer(TrainingLoop, JittedSteps):
         """Under ``trainer.diloco``: the outer optimizer (any optax transformation of the
         pseudo-gradient); None = the config's Nesterov SGD."""
         self.loss_fn = loss_fn
+        self.qk_clip_tau = qk_clip_tau
+        """QK-clip's threshold (``optimizer.qk_clip_tau``; ``loomax.optim.qk_clip``), or None."""
         self.lr_schedule = lr_schedule
         self.runtime = MeshRuntime.create(
             config.mesh, config.axis_mappings(), devices, config.pipeline

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loomax.models.attention import attention
+from loomax.models.attention import attention, vanilla
 from loomax.models.attention.attention import causal_attention, segment_ids_from_eos
 
 B, T, H, KV, D = 2, 40, 4, 2, 8
@@ -71,7 +71,7 @@ def test_segment_ids_from_eos():
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks smaller than the sequence (and not dividing it) so every block path runs."""
-    monkeypatch.setattr(attention, "QUERY_BLOCK", 16)
+    monkeypatch.setattr(vanilla, "QUERY_BLOCK", 16)
     monkeypatch.setattr(attention, "FLASH_BLOCK", 16)
 
 
@@ -129,7 +129,7 @@ def _padded(q, k, v, segments, length):
 def test_blocks_outside_the_window_are_skipped_not_masked(monkeypatch, backend):
     """Values of NaN at position 0: a masked-but-computed block would carry them (0 * NaN) to
     every query of its blocks; skipped, the queries whose blocks are past the window stay finite."""
-    monkeypatch.setattr(attention, "QUERY_BLOCK", 8)
+    monkeypatch.setattr(vanilla, "QUERY_BLOCK", 8)
     q, k, v = qkv()
     v = hax.named(v.array.at[:, 0].set(jnp.nan), v.axes)
     out = np.asarray(attend(q, k, v, backend=backend, window=4, flash_block=8).array)

@@ -110,3 +110,16 @@ def test_weights_must_match_the_depth(config):
     with pytest.raises(ConfigError, match="model.mtp_loss_weights"):
         dataclasses.replace(config, mtp_loss_weights=(0.1,))
     assert eqx.is_array(config.build(VOCAB, key=KEY).mtp.depths[1].proj.weight.array)
+
+
+def test_the_depths_routing_bias_moves_with_their_load(config, run):
+    """Aux-loss-free balancing reaches the MTP depths' MoE blocks: each step moves each
+    depth's bias by +-rate per expert (from that depth's own load), as the main stack's."""
+    first, trained, _ = run
+    rate = config.moe.bias_update_rate
+    assert rate > 0
+    for before, after in zip(first.mtp.depths, trained.mtp.depths, strict=True):
+        moved = np.asarray(after.block.mlp.bias.value.array - before.block.mlp.bias.value.array)
+        assert np.abs(moved).max() >= rate * 0.999
+        np.testing.assert_allclose(moved / rate, np.round(moved / rate), atol=1e-3)
+        assert np.abs(moved).max() <= STEPS * rate * 1.001

@@ -2,9 +2,9 @@
 
 Backends (``attn_backend``):
 
-- ``vanilla``: queries in blocks of ``QUERY_BLOCK``, each block against the keys up to its
-  own end (the fully masked part of the causal square is never computed); fast at short
-  sequence lengths.
+- ``vanilla`` (``vanilla.py``): queries in blocks of ``QUERY_BLOCK``, each block against the
+  keys up to its own end (the fully masked part of the causal square is never computed);
+  fast at short sequence lengths.
 - ``blockwise``: flash-style, pure JAX (``loomax.models.attention.flash``): O(seq) memory.
 - ``splash``: the Pallas TPU splash-attention kernel, run per device under ``shard_map``
   (``splash.py``); blocks of ``splash_block_q`` x ``splash_block_kv``. Off TPU it runs in
@@ -31,7 +31,8 @@ positions back (itself included), as Mistral; ``vanilla`` and ``blockwise`` skip
 blocks wholly outside it, splash uses its local mask, ``xla``/``cudnn`` their local window.
 Keys may have fewer heads than queries (grouped-query attention: a ``kv_heads`` axis).
 Attention sinks (one logit per head in the softmax's denominator: ``sinks.py``) run on
-``vanilla``, ``blockwise``, ``splash``, the blockwise ring and decoding.
+``vanilla``, ``blockwise``, ``splash``, the blockwise ring and decoding. While QK-clip collects
+them (``max_logits.py``), ``vanilla`` and ``blockwise`` report each head's largest logit.
 """
 
 from __future__ import annotations
@@ -46,27 +47,29 @@ from haliax import NamedArray
 
 from loomax.config import ConfigError
 from loomax.mesh import target_platform
+from loomax.models.attention import max_logits
 from loomax.models.attention.cudnn_packed import jax_attention
-from loomax.models.attention.flash import acc_dtype, flash_attention, visible_mask
+from loomax.models.attention.flash import flash_attention, flash_attention_with_max
 from loomax.models.attention.ring_attention import context_parallel_attention
 from loomax.models.attention.sequence_layout import context_ways
-from loomax.models.attention.sinks import refuse_sinks, sink_array, sink_softmax
+from loomax.models.attention.sinks import refuse_sinks, sink_array
 from loomax.models.attention.splash import splash_attention, splash_unsupported_reason
+from loomax.models.attention.vanilla import (  # noqa: F401 (re-exported)
+    BLOCKWISE_FROM,
+    CAPPING_BACKENDS,
+    QUERY_BLOCK,
+    attend,
+    blocked_causal,
+    softcap_backend,
+)
 from loomax.models.axes import Heads, HeadSize, KeyPosition, KvHeads, Position
-from loomax.models.blocks.dropout import dropout
 
 BACKENDS = ("auto", "vanilla", "blockwise", "splash", "xla", "cudnn")
-QUERY_BLOCK = 128
-"""Query block of the ``vanilla`` backend."""
 FLASH_BLOCK = 256
 """Default query and key block of ``blockwise`` (``model.flash_attention_block_size``): on
 CPU a Llama step at 4,096-8,192 positions ran 1.3-1.4x faster than with 128, 512 slower."""
 SPLASH_BLOCKS = (512, 512)
 """Default query and key blocks of the ``splash`` backend (``model.splash_block_q/kv``)."""
-CAPPING_BACKENDS = ("vanilla", "blockwise")
-"""The backends that soft-cap attention scores (Gemma 2); splash, xla and cudnn do not here."""
-BLOCKWISE_FROM = 2048
-"""``auto`` picks ``blockwise`` (on CPU/TPU) for sequences longer than this."""
 
 
 def segment_ids_from_eos(tokens: NamedArray, eos_id: int) -> NamedArray:
@@ -257,7 +260,15 @@ def causal_attention(
     if sink is not None:
         refuse_sinks(backend)
     if softcap is not None:
-        backend = _softcap_backend(backend, T)
+        backend = softcap_backend(backend, T)
+    peak = max_logits.active()
+    if peak:
+        backend = softcap_backend(backend, T, "QK-clip (optimizer.qk_clip_tau)")
+        why = max_logits.refuse_reason(
+            backend, context=context_ways() > 1, softcap=softcap is not None, sinks=sink is not None
+        )
+        if why:
+            raise ConfigError(f"QK-clip (optimizer.qk_clip_tau) cannot read the logits of {why}")
     if context_ways() > 1:
         if softcap is not None:
             raise ConfigError(
@@ -280,17 +291,25 @@ def causal_attention(
     )  # fmt: skip
     if backend == "vanilla":
         qs = qa * jnp.asarray(scale, qa.dtype)
-        out = _blocked_causal(qs, ka, va, seg, drop, window, softcap, sink)
+        out = blocked_causal(qs, ka, va, seg, drop, window, softcap, sink, peak)
     elif backend == "blockwise":
         if seg is None:
             seg = jnp.zeros((B, T), jnp.int32)
-        out = flash_attention(qa, ka, va, seg, scale, min(flash_block, T), window, softcap, sink)
+        if peak:
+            out = flash_attention_with_max(qa, ka, va, seg, scale, min(flash_block, T), window)
+        else:
+            out = flash_attention(
+                qa, ka, va, seg, scale, min(flash_block, T), window, softcap, sink
+            )
     elif backend == "splash":
         out = splash_attention(qa, ka, va, seg, scale, *splash_blocks, window=window, sink=sink)
     elif backend in ("xla", "cudnn"):
         out = jax_attention(qa, ka, va, seg, backend, cudnn_documents, window, scale)
     else:
         raise ValueError(f"model.attn_backend must be one of {BACKENDS}, got {backend!r}")
+    if peak:
+        out, most = out
+        max_logits.report(hax.named(jnp.max(most, axis=0).reshape(-1), (q.resolve_axis(Heads),)))
     return _from_array(out, q, batch_axes)
 
 
@@ -321,7 +340,7 @@ def cached_attention(
     qa, ka, va, batch_axes = _to_arrays(q, cache_k, cache_v)
     scale = jnp.asarray(1 / math.sqrt(qa.shape[-1]) if scale is None else scale, qa.dtype)
     sink = sink_array(sinks, ka.shape[1])
-    out = _attend(qa * scale, ka, va, start, None, None, None, 0, window, softcap, sink)
+    out = attend(qa * scale, ka, va, start, None, None, None, 0, window, softcap, sink)
     return _from_array(out, q, batch_axes), cache_k, cache_v
 
 
@@ -347,50 +366,3 @@ def _from_array(out: jax.Array, q: NamedArray, batch_axes) -> NamedArray:
     order = (*batch_axes, q.resolve_axis(Heads), q.resolve_axis(Position), q.resolve_axis(HeadSize))
     out = out.reshape(tuple(a.size for a in order))
     return hax.named(out, order).rearrange(q.axes)
-
-
-# ------------------------------------------------------------------ vanilla
-def _softcap_backend(backend: str, seq_len: int) -> str:
-    """The backend for soft-capped scores: ``vanilla`` or ``blockwise`` (those that cap them;
-    ``auto``: by length as off the kernels)."""
-    if backend == "auto":
-        return "blockwise" if seq_len > BLOCKWISE_FROM else "vanilla"
-    if backend not in CAPPING_BACKENDS:
-        raise ConfigError(
-            f"attention soft-capping (Gemma 2) needs model.attn_backend auto, vanilla or "
-            f"blockwise, got {backend!r}"
-        )
-    return backend
-
-
-def _blocked_causal(q, k, v, seg, drop=None, window=None, softcap=None, sink=None):
-    seq = q.shape[-2]
-    block = min(QUERY_BLOCK, seq)
-    outs = []
-    for start in range(0, seq, block):
-        stop = min(start + block, seq)
-        first = 0 if window is None else max(0, start - window + 1)  # the block's first key
-        q_seg = None if seg is None else seg[:, start:stop]
-        k_seg = None if seg is None else seg[:, first:stop]
-        block_drop = None if drop is None else (drop[0], jax.random.fold_in(drop[1], start))
-        qkv = (q[..., start:stop, :], k[..., first:stop, :], v[..., first:stop, :])
-        outs.append(_attend(*qkv, start, q_seg, k_seg, block_drop, first, window, softcap, sink))
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-2)
-
-
-def _attend(
-    q, k, v, q_start, q_seg, k_seg, drop=None, k_start=0, window=None, softcap=None, sink=None
-):
-    """Softmax attention of (pre-scaled) ``q`` at positions ``q_start + i`` over keys at
-    ``k_start + j``; ``drop`` = ``(rate, key)`` drops out probabilities; ``sink [K, G]``."""
-    acc = acc_dtype(q.dtype)
-    scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=acc)
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    q_pos = q_start + jnp.arange(q.shape[-2])
-    visible = visible_mask(q_pos, k_start + jnp.arange(k.shape[-2]), q_seg, k_seg, window)
-    scores = jnp.where(visible, scores, jnp.finfo(acc).min)
-    weights = sink_softmax(scores, sink).astype(v.dtype)
-    if drop is not None:
-        weights = dropout(weights, *drop)
-    return jnp.einsum("bkgqs,bksd->bkgqd", weights, v)

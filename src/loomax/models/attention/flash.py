@@ -346,3 +346,31 @@ def _flash_bwd(scale, block, window, softcap, residuals, g):
 
 
 flash_attention_at.defvjp(_flash_fwd, _flash_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def flash_attention_with_max(q, k, v, seg, scale: float, block: int, window=None):
+    """``(flash_attention(...), peak)``: the output and each head's largest visible score
+    ``[B, K, G]`` (the online softmax's running max, read at the end; no gradient flows
+    through it), for QK-clip (``models/attention/max_logits.py``)."""
+    return _with_max_fwd(q, k, v, seg, scale, block, window)[0]
+
+
+def _with_max_fwd(q, k, v, seg, scale, block, window):
+    Tq = q.shape[-2]
+    pos = jnp.arange(Tq, dtype=jnp.int32)
+    queries = query_blocks(q, pos, seg, min(block, Tq))
+    keys = key_blocks(k, v, pos, seg, min(block, Tq))
+    state = forward_blocks(queries, forward_state(queries), keys, scale, window)
+    out, lse = finish(state)
+    out, lse = merge_blocks(out, 3)[..., :Tq, :].astype(q.dtype), merge_blocks(lse, 3)[..., :Tq]
+    peak = jnp.max(state[0], axis=(0, -1))  # running max [blocks, B, K, G, block]
+    return (out, peak), (q, k, v, pos, pos, seg, seg, out, lse, None)
+
+
+def _with_max_bwd(scale, block, window, residuals, g):
+    dq, dk, dv, *_ = _flash_bwd(scale, block, window, None, residuals, g[0])
+    return dq, dk, dv, None
+
+
+flash_attention_with_max.defvjp(_with_max_fwd, _with_max_bwd)

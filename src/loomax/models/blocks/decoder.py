@@ -31,6 +31,7 @@ from jaxtyping import PRNGKeyArray
 
 from loomax.config import ConfigError
 from loomax.models.attention.attention import cached_attention, model_attention
+from loomax.models.attention.max_logits import stack_key
 from loomax.models.attention.rotary import apply_rotary
 from loomax.models.attention.sequence_layout import context_ways, layout_positions, token_positions
 from loomax.models.axes import KeyPosition, Position
@@ -347,14 +348,8 @@ class LlamaLmModel(LmModel):
         x = dropout(x, c.embed_pdrop, k_embed)
         mixed = len(set(c.layer_windows)) > 1
         per_layer = layer_inputs(c.num_layers, key=k_layers, layer_index=mixed)
-        x = run_layers(
-            self.blocks,
-            x,
-            segment_ids,
-            scan=c.scan_layers,
-            unroll=c.scan_unroll,
-            per_layer=per_layer,
-        )
+        run = dict(scan=c.scan_layers, unroll=c.scan_unroll, per_layer=per_layer)
+        x = run_layers(self.blocks, x, segment_ids, **run)
         return taps.tap("final", self._final(x))
 
     def cache_window(self) -> int | None:
@@ -375,6 +370,10 @@ class LlamaLmModel(LmModel):
     def decode_stacks(self) -> list[hnn.Stacked]:
         """The stacks of blocks a decode step runs through, in order."""
         return [self.blocks]
+
+    def qk_clip_attention(self) -> dict[str, Any]:
+        """``{stack_key: getter of the stack's attention}`` for QK-clip (``optim/qk_clip.py``)."""
+        return {stack_key(0): lambda m: m.blocks.stacked.attn}
 
     def _embed(self, tokens: NamedArray) -> NamedArray:
         """Token embeddings, times ``embed_scale`` (or sqrt(hidden) with ``scale_embeddings``)

@@ -22,6 +22,7 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 
+from loomax.models.attention import max_logits
 from loomax.models.blocks import offload
 
 STATS = ("mean", "std", "absmax", "rms", "near_zero")
@@ -95,20 +96,27 @@ def scan_layers(
 ):
     """``blocks.fold(x, *args)`` that also records, per layer, what the blocks tap and the
     residual stream after each block (``layer_<i>/<name>/<stat>``, ``i`` counted from
-    ``first_layer``: a model with two stacks names them in model order). Same remat policy; a
-    stack in host memory is fetched a layer at a time (``offload.scan``)."""
+    ``first_layer``: a model with two stacks names them in model order), when a ``collect()``
+    is open, and the attention's per-head maximum logits (``(layers, heads)`` under
+    ``max_logits.stack_key(first_layer)``), when a ``max_logits.collecting()`` is. Same remat
+    policy; a stack in host memory is fetched a layer at a time (``offload.scan``)."""
+    tapping, peaks = active(), max_logits.active()
 
     def layer(carry, block, *extra, **kw):
-        with collect() as recorded:
+        frame = collect() if tapping else contextlib.nullcontext({})
+        peak_frame = max_logits.collecting() if peaks else contextlib.nullcontext({})
+        with frame as recorded, peak_frame as seen:
             out = block(carry, *extra, **kw)
             tap("residual", out[0] if isinstance(out, tuple) else out)  # (x, aux): MoE
-        return out, recorded
+        return out, (recorded, seen)
 
     size = blocks.Block.size
     steps = size if unroll is True else 1 if unroll in (None, False) else int(unroll)
-    out, per_layer = offload.scan(
+    out, (per_layer, seen) = offload.scan(
         layer, blocks.Block, remat=blocks.gradient_checkpointing, unroll=steps
     )(x, blocks.stacked, *args, **kwargs)
+    if max_logits.ATTN in seen:
+        max_logits.record(max_logits.stack_key(first_layer), seen[max_logits.ATTN])
     stack = _stack()
     if stack:
         width = len(str(first_layer + size - 1))

@@ -1,13 +1,11 @@
 """DeepSeek-V3: multi-head latent attention, DeepSeek routing, dense first layers (DeepSeek-AI 2024).
 
-``model.type: deepseek_v3`` is the Mixtral model's layout with two other parts: every
-block's attention is ``models.attention.mla.MlaAttention`` (low-rank query, one compressed
-key/value latent, a shared rotary key; decoding caches the latent only), and its MoE MLP
-routes as DeepSeek-V3 does (``models.moe``: sigmoid scores, the routing bias for the choice
-only, group-limited top-k, ``routed_scaling_factor``, renormalised weights, one shared
-expert). The first ``moe.first_dense_layers`` blocks have a dense gated MLP of
-``intermediate_dim``. The router statistics, balance losses and the aux-loss-free bias
-update are the Mixtral model's (``MixtralLmModel``); the defaults are the 671B model's.
+``model.type: deepseek_v3`` is the Mixtral model's layout with every block's attention
+``models.attention.mla.MlaAttention`` (low-rank query, one compressed key/value latent, a
+shared rotary key; decoding caches the latent only), its MoE MLP routed as DeepSeek-V3 (sigmoid
+scores, the bias for the choice only, group-limited top-k, ``routed_scaling_factor``, one
+shared expert), dense first ``moe.first_dense_layers``; router statistics, balance losses
+and the bias update are ``MixtralLmModel``'s; the defaults are the 671B model's.
 
 Its HF side (``DeepseekV3ForCausalLM``, transformers >= 4.57): per layer
 ``self_attn.{q_a_proj, q_a_layernorm, q_b_proj | q_proj, kv_a_proj_with_mqa,
@@ -36,17 +34,15 @@ from loomax.errors import BadFileError
 from loomax.models.attention.mla import MlaConfig, _deepseek_v3_rope
 from loomax.models.attention.mla_cache import MlaCache
 from loomax.models.attention.rotary import RotaryConfig
-from loomax.models.attention.sequence_layout import context_ways
 from loomax.models.axes import Vocab
 from loomax.models.blocks import taps
 from loomax.models.blocks.mla_block import MlaDenseBlock, MlaMoeBlock
-from loomax.models.blocks.mtp import MultiTokenPrediction, with_mtp_losses
+from loomax.models.blocks.mtp import MTP_LOAD, MultiTokenPrediction, moe_runner, with_mtp_losses
 from loomax.models.config import AuxOutputs, LmConfig
 from loomax.models.families.llama import LlamaConfig
 from loomax.models.families.mixtral import MixtralConfig, MixtralLmModel
 from loomax.models.io.hf_layout import Param
 from loomax.models.moe.moe import MoeConfig
-from loomax.models.moe.moe_routing import RouterAux
 
 
 def _deepseek_v3_moe() -> MoeConfig:
@@ -151,10 +147,9 @@ class DeepseekV3Config(MixtralConfig):
         q = d * h * qk if self.q_lora_rank is None else self.q_lora_rank * (d + h * qk)
         kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * h * (nope + v)
         attn = 2 * (q + kv + h * v * d)
-        experts = moe.num_experts_per_tok + moe.num_shared_experts
-        routed = 2 * 3 * d * self.expert_dim * experts + 2 * d * moe.num_experts
-        dense = moe.first_dense_layers
-        s = self.seq_len
+        routed = 2 * 3 * d * self.expert_dim * (moe.num_experts_per_tok + moe.num_shared_experts)
+        routed += 2 * d * moe.num_experts
+        dense, s = moe.first_dense_layers, self.seq_len
         keys = (s + 1) / 2 if causal else s
         scores = 2 * keys * h * (qk + v)
         layers = (self.num_layers - dense) * routed + dense * 2 * 3 * d * self.intermediate_dim
@@ -379,21 +374,22 @@ class DeepseekV3LmModel(MixtralLmModel):
         """The Mixtral model's, with the multi-token prediction losses (``mtp_depth``) as
         side losses (trained, not in the loss's value) and ``mtp/loss_<d>`` metrics."""
         x, aux = self.residual_and_aux(tokens, segment_ids=segment_ids, key=key)
-        if self.mtp is not None:
-            if context_ways() > 1:
-                raise ConfigError(
-                    "model.mtp_depth > 0 is not supported with trainer.mesh.context > 1 "
-                    "(its targets are shifted along the whole sequence)"
-                )
-            E = self.config.moe.num_experts
-
-            def run_block(block, h):
-                return block((h, RouterAux.zeros(1, E)), segment_ids)[0]
-
+        if self.mtp is not None:  # each depth's expert load moves its routing bias
+            run_block, loads = moe_runner(self.config.moe.num_experts, segment_ids)
             head, embed = self.lm_head_weight(), self.embed_tokens.embed
             losses = self.mtp.losses(x, tokens, embed, head, run_block, segment_ids)
-            aux = with_mtp_losses(aux, losses, self.config.mtp_weights)
+            aux = with_mtp_losses(aux, losses, self.config.mtp_weights, loads)
         return taps.tap("final", self.norm(x)), aux
+
+    def update_state(self, stats: dict[str, jax.Array]) -> DeepseekV3LmModel:
+        """The Mixtral model's routing bias update, and the MTP depths' (``MTP_LOAD``)."""
+        model, rate = super().update_state(stats), self.config.moe.bias_update_rate
+        if self.mtp is None or not rate or MTP_LOAD not in stats:
+            return model
+        return eqx.tree_at(lambda m: m.mtp, model, model.mtp.with_bias_moved(stats[MTP_LOAD], rate))
+
+    def qk_clip_attention(self) -> dict[str, Any]:  # the Mixtral model's and each MTP depth's
+        return {**super().qk_clip_attention(), **(self.mtp.qk_clip_attention(lambda m: m.mtp) if self.mtp is not None else {})}  # fmt: skip
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> MlaCache:
         """The latent and rotary key of every layer, ``max_len`` positions."""

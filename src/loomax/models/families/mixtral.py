@@ -31,6 +31,7 @@ from haliax import Axis, NamedArray
 from jaxtyping import PRNGKeyArray
 
 from loomax.config import ConfigError
+from loomax.models.attention.max_logits import stack_key
 from loomax.models.axes import Experts, Vocab
 from loomax.models.blocks import taps
 from loomax.models.blocks.decoder import LlamaAttention, LlamaBlock, LlamaLmModel, _maybe
@@ -316,6 +317,14 @@ class MixtralLmModel(LlamaLmModel):
     def decode_stacks(self) -> list[hnn.Stacked]:
         """The dense first layers' blocks (``moe.first_dense_layers``), then the MoE blocks."""
         return [self.blocks] if self.dense_blocks is None else [self.dense_blocks, self.blocks]
+
+    def qk_clip_attention(self) -> dict[str, Any]:
+        """The dense first layers' attention and the MoE blocks' (``LlamaLmModel``'s)."""
+        n = self.config.moe.first_dense_layers
+        where = {stack_key(n): lambda m: m.blocks.stacked.attn}
+        if self.dense_blocks is not None:
+            where[stack_key(0)] = lambda m: m.dense_blocks.stacked.attn
+        return where
 
     def update_state(self, stats: dict[str, jax.Array]) -> MixtralLmModel:
         """The routing bias after a step whose mean expert load was ``stats["moe_load"]``
