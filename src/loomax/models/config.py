@@ -270,7 +270,13 @@ class LmModel(eqx.Module):
     def cache_window(self) -> int | None:
         """The attention window every layer shares, if any: decoding then needs only that
         many cached positions (``models.rolling_cache``); None = every position."""
-        return None
+        windows = self.layer_windows()
+        return windows[0] if windows and len(set(windows)) == 1 else None
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: every position) where decoding may keep a
+        cache per kind of layer (``models/decoding/kind_cache.py``); () = one cache for all."""
+        return ()
 
     @abc.abstractmethod
     def decode(

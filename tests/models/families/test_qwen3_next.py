@@ -10,6 +10,7 @@ from __future__ import annotations
 import equinox as eqx
 import haliax as hax
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -173,3 +174,27 @@ def test_parameters_name_their_hidden_and_expert_axes_for_the_mesh():
         if len(names) >= 2 and "conv1d" not in name:
             assert "embed" in names, name
         assert ("experts" in names) == (".mlp.experts." in name), name
+
+
+def test_each_layer_is_rematerialised_under_the_remat_policy():
+    """``gradient_checkpointing`` true (the default) or recompute: each layer's forward is
+    checkpointed (recomputed in the backward pass), false: none; the gradients agree."""
+    import dataclasses
+
+    ids = hax.named(IDS, "position")
+
+    def grad(policy, values: bool = True):
+        model = dataclasses.replace(TINY, gradient_checkpointing=policy).build(VOCAB, key=KEY)
+        loss = lambda m: jnp.sum(m.hidden_states(ids).array ** 2)  # noqa: E731
+        eqns = jax.make_jaxpr(jax.grad(loss))(model).jaxpr.eqns
+        remats = sum("remat" in e.primitive.name or "checkpoint" in e.primitive.name for e in eqns)
+        return remats, jax.tree.leaves(eqx.filter_jit(jax.grad(loss))(model)) if values else []
+
+    assert grad("recompute", False)[0] == TINY.num_layers
+    with jax.enable_x64(True):  # float64: f32's rounding, fused otherwise, moves small terms
+        (on, with_remat), (off, without) = grad(True), grad(False)
+    assert (on, off) == (TINY.num_layers, 0)
+    for a, b in zip(with_remat, without, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ConfigError, match="model.gradient_checkpointing"):
+        dataclasses.replace(TINY, gradient_checkpointing="nested")

@@ -40,7 +40,7 @@ from loomax.models.blocks.dropout import adapter_keys, dropout, split
 from loomax.models.blocks.mlp_activations import activation
 from loomax.models.blocks.remat import name_activation
 from loomax.models.config import KvCache, LmModel
-from loomax.models.decoding.rolling_cache import rolling_attention, shared_window, uses_rolling
+from loomax.models.decoding.rolling_cache import rolling_attention, uses_rolling
 from loomax.models.decoding.split_prefill import split_prefill_attention
 from loomax.models.decoding.stack import decode_layers
 from loomax.models.layers import layer_inputs, run_layers
@@ -168,21 +168,22 @@ class LlamaAttention(eqx.Module):
             out = jax.lax.switch(kind, [attend(w) for w in kinds], q, k, v)
         return self.o_proj(name_activation(out, "attn_out"), key=k_o)
 
-    def decode(self, x: NamedArray, cache_k, cache_v, start, layer=None):
+    def decode(self, x: NamedArray, cache_k, cache_v, start, layer=None, window="by_layer"):
         """Attention over the cache for new positions from ``start``; returns the new cache too.
         With ``position`` split over the context axis, a prefill of the whole cache from 0
-        with the tokens zig-zag laid out (``models/decoding/split_prefill.py``)."""
+        with the tokens zig-zag laid out (``models/decoding/split_prefill.py``). ``window``:
+        the layer's, static (a cache per kind of layer, ``models/decoding/kind_cache.py``)."""
         c = self.config
         q, k, v = self._qkv(x, layout_positions(x.resolve_axis(Position)) + start, layer)
-        window = c.layer_windows[0]
         if context_ways() > 1:  # any layer's window: refused there (full causal only)
             window = next((w for w in c.layer_windows if w is not None), None)
             scores = (window, c.attn_scale, c.attn_logit_softcap, self.sinks)
             out, cache_k, cache_v = split_prefill_attention(c, q, k, v, cache_k, cache_v, *scores)
             return self.o_proj(out), cache_k, cache_v
-        if len(set(c.layer_windows)) > 1:  # a traced window: a mask here, nothing to skip
-            full = jnp.iinfo(jnp.int32).max
-            window = jnp.asarray([full if w is None else w for w in c.layer_windows])[layer]
+        if window == "by_layer":  # with windows that differ, a traced one: a mask only
+            full, windows = jnp.iinfo(jnp.int32).max, c.layer_windows
+            window = windows[0] if len(set(windows)) == 1 else jnp.asarray(
+                [full if w is None else w for w in windows])[layer]  # fmt: skip
         attend = rolling_attention if uses_rolling(cache_k, window) else cached_attention
         scores = (window, c.attn_scale, c.attn_logit_softcap, self.sinks)
         out, cache_k, cache_v = attend(q, k, v, cache_k, cache_v, start, *scores)
@@ -265,10 +266,10 @@ class LlamaBlock(eqx.Module):
         x = x + dropout(self._branch(self.mlp_out_norm, mlp), rate, k_mlp)
         return hax.auto_sharded(x)
 
-    def decode(
-        self, x: NamedArray, cache: KvCache, start, layer=None
-    ) -> tuple[NamedArray, KvCache]:
-        attn, k, v = self.attn.decode(_maybe(self.input_norm, x), cache.k, cache.v, start, layer)
+    def decode(self, x: NamedArray, cache: KvCache, start, layer=None, **window):
+        """One decode step (``window``: ``LlamaAttention.decode``'s)."""
+        attn_in = _maybe(self.input_norm, x)
+        attn, k, v = self.attn.decode(attn_in, cache.k, cache.v, start, layer, **window)
         x = x + self._branch(self.attn_out_norm, attn)
         mlp = self.mlp(_maybe(self.post_attn_norm, x))
         return x + self._branch(self.mlp_out_norm, mlp), KvCache(k, v)
@@ -352,8 +353,8 @@ class LlamaLmModel(LmModel):
         x = run_layers(self.blocks, x, segment_ids, **run)
         return taps.tap("final", self._final(x))
 
-    def cache_window(self) -> int | None:
-        return shared_window(tuple(self.config.layer_windows))
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.config.layer_windows)
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
         c = self.config

@@ -5,7 +5,9 @@ experts with a sigmoid-gated shared expert.
 Parameters are plain arrays in a dict keyed by the Hugging Face tensor names (HF's
 ``[out, in]`` layouts), so import and export are name for name; the routed experts are
 stacked per layer (``...mlp.experts.{gate,up,down}_proj``, ``[experts, in, out]``). The layers run one after
-another in Python (their kinds differ: no layer scan, no remat policy). Full-attention layers:
+another in Python (their kinds differ: no layer scan), each under the model's remat policy
+(``gradient_checkpointing`` as the layer scan's; not ``nested``; of the
+named activations only the experts' are marked). Full-attention layers:
 ``q_proj`` gives the queries and an output gate per head (``sigmoid``, times the attention's
 output), per-head zero-centred RMSNorm (``1 + w``) on queries and keys, rotary on the first
 ``partial_rotary_factor`` of each head. Every RMSNorm of the model is zero-centred; the gated
@@ -27,10 +29,12 @@ import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
+from jax.ad_checkpoint import checkpoint_name
 
 from loomax.models.axes import Embed, Experts, Mlp
 from loomax.models.blocks.gated_deltanet import DeltaCache, GatedDeltaNet
 from loomax.models.config import AuxOutputs, LmModel
+from loomax.models.layers import CARRY, INPUT
 from loomax.models.moe.moe import MoeMlp
 from loomax.models.moe.moe_routing import RouterAux
 
@@ -40,6 +44,11 @@ class HybridCache(NamedTuple):
     ``DeltaCache`` for a linear one."""
 
     layers: tuple
+
+
+def _layer(model, carry, i: int, seg, pos, causal, lead):
+    """``model._layer`` as a plain function (checkpointed with ``model`` an input)."""
+    return model._layer(carry, i, seg, pos, causal, lead)
 
 
 def zc_norm(x, w, eps):
@@ -162,21 +171,28 @@ class Qwen3NextLmModel(LmModel):
         x = self._p("model.embed_tokens.weight")[ids]
         pos = jnp.broadcast_to(jnp.arange(T), (B, T))
         causal = jnp.tril(jnp.ones((T, T), bool))[None] & (seg[:, :, None] == seg[:, None, :])
-        for i, kind in enumerate(c.layer_kinds):
-            p = f"model.layers.{i}."
-            h = zc_norm(x, self._p(p + "input_layernorm.weight"), c.rms_norm_eps)
-            if kind == "linear_attention":
-                h = self._delta(i)(h, None if segment_ids is None else seg)
-            else:
-                q, k, v, gate = self._qkv(i, h, pos)
-                h = self._attend(i, q, k, v, gate, causal)
-            x = x + h
-            mlp_in = zc_norm(x, self._p(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
-            mlp, aux = self._moe(i, mlp_in, self._lead(tokens, B), aux, i)
-            x = x + mlp
+        seg = None if segment_ids is None else seg
+        layer = c.remat_policy.checkpoint(CARRY, INPUT, _layer)  # remat: as the layer scan's
+        for i in range(c.num_layers):
+            x, aux = layer(self, (x, aux), i, seg, pos, causal, self._lead(tokens, B))
         x = zc_norm(x, self._p("model.norm.weight"), c.rms_norm_eps)
         losses = aux.losses(c.moe.load_balance_loss_weight, c.moe.router_z_loss_weight)
         return self._unflat(x, tokens), AuxOutputs(losses, aux.metrics(), {})
+
+    def _layer(self, carry, i: int, seg, pos, causal, lead):
+        """Layer ``i`` of the training forward: ``(x, aux)`` in and out."""
+        c, p = self.config, f"model.layers.{i}."
+        x, aux = jax.tree.map(lambda a: checkpoint_name(a, CARRY), carry)
+        h = zc_norm(x, self._p(p + "input_layernorm.weight"), c.rms_norm_eps)
+        if c.layer_kinds[i] == "linear_attention":
+            h = self._delta(i)(h, seg)
+        else:
+            q, k, v, gate = self._qkv(i, h, pos)
+            h = self._attend(i, q, k, v, gate, causal)
+        x = x + h
+        mlp_in = zc_norm(x, self._p(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
+        mlp, aux = self._moe(i, mlp_in, lead, aux, i)
+        return x + mlp, aux
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> HybridCache:
         c = self.config

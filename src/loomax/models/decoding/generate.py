@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from loomax.models.axes import Position, Vocab
 from loomax.models.config import LmModel, soft_cap
+from loomax.models.decoding.kind_cache import KindCache, init_kind_cache, rolled, uses_kinds
 from loomax.models.decoding.rolling_cache import to_rolling
 from loomax.models.decoding.split_prefill import (
     check_splittable,
@@ -264,20 +265,27 @@ def prompt_bucket(length: int, seq_len: int) -> int:
 def _cached_steps(temperature, top_k, top_p, repetition_penalty) -> _Steps:
     """KV cache: ``state`` is ``(cache, logits of the last position, tokens seen)``; one
     prefill call over the prompt's bucket (``prompt_bucket``) into a cache of the buffer's
-    length, or of the window when every layer shares one."""
+    length, or of the window when every layer shares one, or per kind of layer where the
+    windows differ (``models/decoding/kind_cache.py``)."""
     options = _options(temperature, top_k, top_p, repetition_penalty)
 
     @functools.partial(jax.jit, static_argnums=3)
     def prefill(model, tokens, length, cache_len):
         # a window all layers share: the prompt into a cache of its bucket, then its last
-        # window of positions into a window-sized rolling cache (models.rolling_cache)
-        window = model.cache_window()
+        # window of positions into a window-sized rolling cache (models.rolling_cache);
+        # windows that differ: so for each windowed kind of layer (models.kind_cache)
+        window, dtype = model.cache_window(), model.lm_head_weight().dtype
         rolling = window is not None and window < cache_len
         size = tokens.shape[0] if rolling else cache_len
-        cache = model.init_cache((), size, model.lm_head_weight().dtype)
+        if uses_kinds(model, cache_len):
+            cache = init_kind_cache(model, (), cache_len, dtype, local_len=tokens.shape[0])
+        else:
+            cache = model.init_cache((), size, dtype)
         hidden, cache = model.decode(hax.named(tokens, Position), cache, jnp.asarray(0))
         if rolling:
             cache = to_rolling(cache, length, window)
+        elif isinstance(cache, KindCache):
+            cache = rolled(cache, length)
         seen = _seen(tokens, length, model.Vocab.size)
         return cache, _logits_at(model, hidden, length - 1), seen
 

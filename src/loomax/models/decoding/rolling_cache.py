@@ -28,11 +28,6 @@ EMPTY = jnp.iinfo(jnp.int32).max
 """The position of a slot nothing was written to: after every query, so never visible."""
 
 
-def shared_window(windows: tuple[int | None, ...]) -> int | None:
-    """The window every layer has (None when some layer has none or they differ)."""
-    return windows[0] if len(set(windows)) == 1 else None
-
-
 def uses_rolling(cache_k: NamedArray, window) -> bool:
     """Whether decoding with this cache takes the rolling form: a static window at least
     the cache's length."""

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from loomax.models.blocks import offload
+from loomax.models.decoding.kind_cache import KindCache, decode_by_kind
 
 Cache = TypeVar("Cache")
 
@@ -39,7 +40,10 @@ def decode_layers(
     """``x`` through every block of ``stacks`` in order, each block reading and updating its
     layer of ``cache`` from position ``start``; ``layer_index``: each block is also given its
     model layer number (an int32 scalar: per-layer windows, GPT-2's inverse-layer scaling).
-    Returns the last block's output and the updated cache."""
+    Returns the last block's output and the updated cache. A ``KindCache`` (a cache per
+    kind of layer) goes through ``kind_cache.decode_by_kind``."""
+    if isinstance(cache, KindCache):
+        return decode_by_kind(x, stacks, cache, start)
     name = jax.tree.leaves(cache, is_leaf=_named)[0].axes[0].name
     first, parts = 0, []
     for blocks in stacks:

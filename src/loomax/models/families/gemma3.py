@@ -10,8 +10,9 @@ caps by default.
 finds the family by it); ``gemma3`` there is the multimodal ``Gemma3ForConditionalGeneration``,
 whose config.json import refuses. The pattern repeats over the layers; one longer than the
 stack keeps its first ``num_layers`` entries, which is what it means there (transformers'
-default of six entries on a two-layer model: both local). Decoding keeps a full-length cache
-on every layer (no rolling cache for the local layers).
+default of six entries on a two-layer model: both local). Decoding keeps a window-sized
+rolling cache for the local layers and a full one for the global layers
+(``models/decoding/kind_cache.py``).
 """
 
 from __future__ import annotations

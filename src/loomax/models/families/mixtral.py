@@ -228,9 +228,10 @@ class MixtralBlock(eqx.Module):
         return hax.auto_sharded(x), aux
 
     def decode(
-        self, x: NamedArray, cache: KvCache, start, layer=None
+        self, x: NamedArray, cache: KvCache, start, layer=None, **window
     ) -> tuple[NamedArray, KvCache]:
-        attn, k, v = self.attn.decode(self.input_norm(x), cache.k, cache.v, start, layer)
+        """One decode step (``window``: ``LlamaAttention.decode``'s)."""
+        attn, k, v = self.attn.decode(self.input_norm(x), cache.k, cache.v, start, layer, **window)
         x = x + attn
         return x + self.mlp(self.post_attn_norm(x))[0], KvCache(k, v)
 

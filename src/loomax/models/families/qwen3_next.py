@@ -157,6 +157,7 @@ class Qwen3NextConfig(LmConfig):
             "document_positions": bool(self.document_positions),
             "embed_pdrop": self.embed_pdrop > 0, "resid_pdrop": self.resid_pdrop > 0,
             "attn_pdrop": self.attn_pdrop > 0,
+            "gradient_checkpointing": self.gradient_checkpointing == "nested",
         }  # fmt: skip
         for key, used in unsupported.items():
             if used:
