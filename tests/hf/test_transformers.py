@@ -16,6 +16,7 @@ import json
 import logging
 
 import draccus
+import equinox as eqx
 import haliax as hax
 import jax
 import numpy as np
@@ -169,9 +170,16 @@ def test_a_model_saved_by_transformers_imports_with_the_same_logits(
 
 
 def _logits(torch, hf, model, ids) -> tuple[np.ndarray, np.ndarray]:
+    """``(ours, transformers')`` logits of ``ids``; ours as one compiled forward (op by op,
+    a mixture of experts or a linear-attention layer compiles hundreds of small programs)."""
     with torch.no_grad():
         want = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
-    return np.asarray(model.logits(hax.named(ids, "position")).array), want
+    return np.asarray(_jit_logits(model, ids)), want
+
+
+@eqx.filter_jit
+def _jit_logits(model, ids):
+    return model.logits(hax.named(ids, "position")).array
 
 
 @pytest.mark.parametrize("model_type", HF_TYPES)
@@ -222,7 +230,6 @@ def test_a_trained_family_generates_the_same_greedy_tokens_in_transformers(
     """Train a few Adam steps (on a repeating sequence, through the blocked loss), export, and
     transformers' greedy ``generate`` gives the tokens ``sample_tokens`` (``loomax generate``)
     gives, past the window of the windowed families."""
-    import equinox as eqx
     import optax
 
     from loomax.models import next_token_loss
@@ -357,7 +364,7 @@ def same_greedy_tokens(torch, transformers, path, prompt, n=8):
             torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
             eos_token_id=None, pad_token_id=0,
         )[0].tolist()  # fmt: skip
-    logits = load_hf(path).logits(hax.named(np.asarray(theirs), "position")).array
+    logits = _jit_logits(load_hf(path), np.asarray(theirs))
     ours = prompt + np.asarray(logits).argmax(-1)[len(prompt) - 1 : -1].tolist()
     return ours, theirs
 

@@ -66,7 +66,7 @@ def test_a_plan_notes_a_context_group_across_hosts():
 
 
 @pytest.mark.parametrize("expert,kept", [(2, False), (1, False), (2, True)])
-def test_a_mixture_of_experts_for_a_tpu_slice_runs_the_megablox_kernel(expert, kept):
+def test_a_mixture_of_experts_for_a_tpu_slice_runs_the_megablox_kernel(expert, kept, monkeypatch):
     """``moe.matmul: auto`` follows the devices compiled for, not this CPU host: every device
     multiplies its own routed rows inside ``shard_map``, with expert parallelism or without
     (issue 59: no global sort), so the step for a TPU slice calls megablox's gmm (compiled
@@ -79,15 +79,21 @@ def test_a_mixture_of_experts_for_a_tpu_slice_runs_the_megablox_kernel(expert, k
     if kept:
         flags += ["--model.moe.saved_rows", "1.5", "--model.remat_save", "[moe_up, moe_out]"]
     config = parse_config(TrainLmConfig, None, flags)
-    with built_step(config, topology("v5p:2x2x1").devices) as built:
-        jaxpr = built.trace().jaxpr
+    traced = []  # the step compile_run traces, counts and compiles (no second trace here)
+
+    def count_and_keep(jaxpr, **kwargs):
+        traced.append(jaxpr)
+        return count_step(jaxpr, **kwargs)
+
+    monkeypatch.setattr("loomax.plan.compile.count_step", count_and_keep)
+    result = compile_run(config, topology("v5p:2x2x1"))
+    jaxpr = traced[0]
     kernels = [k for k in count_step(jaxpr).kernels.values() if not k.name.startswith("splash")]
     calls = [e for e in _eqns(jaxpr) if e.primitive.name == "pallas_call"]
     gmm = [e for e in calls if not str(e.params.get("name") or "").startswith("splash")]
     # 2 layers: 3 forward, (3 again unless kept) + 6 backward, on each of the 4 chips
     assert sum(k.calls for k in kernels) == (18 if kept else 24) * 4
     assert gmm and all(not e.params.get("interpret") for e in gmm)
-    result = compile_run(config, topology("v5p:2x2x1"))
     assert result.fits and result.error is None
     fallback = [n for n in result.notes if "model.moe.saved_rows" in n]
     assert len(fallback) == kept

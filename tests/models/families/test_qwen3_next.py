@@ -106,10 +106,11 @@ def test_decoding_equals_the_training_forward():
     model = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(KEY, x.shape), model)
     cache = model.init_cache((), 16, np.float32)
     decode = eqx.filter_jit(lambda m, ids, cache, t: m.decode(hax.named(ids, "position"), cache, t))
-    first, cache = decode(model, IDS[:10], cache, 0)
+    # the position traced, as generation passes it: one compile for the prefill, one a token
+    first, cache = decode(model, IDS[:10], cache, jnp.asarray(0, jnp.int32))
     rest = []
     for t in range(10, 16):
-        h, cache = decode(model, IDS[t : t + 1], cache, t)
+        h, cache = decode(model, IDS[t : t + 1], cache, jnp.asarray(t, jnp.int32))
         rest.append(h.array)
     got = np.concatenate([first.array, *rest])
     want = model.hidden_states(hax.named(IDS, "position")).array
