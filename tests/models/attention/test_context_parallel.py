@@ -21,8 +21,14 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def attention_runs(json_worker):
-    return json_worker(WORKER, "attention")
+def runs(json_worker):
+    """Every mode of the worker in one process on 8 fake devices (JAX starts once)."""
+    return json_worker(WORKER, "attention", "memory", "train")
+
+
+@pytest.fixture(scope="module")
+def attention_runs(runs):
+    return runs["attention"]
 
 
 @pytest.mark.parametrize(
@@ -70,8 +76,8 @@ def test_saving_ring_residuals_spares_the_forward_rerun(attention_runs):
 
 
 @pytest.fixture(scope="module")
-def memory_runs(json_worker):
-    return json_worker(WORKER, "memory")
+def memory_runs(runs):
+    return runs["memory"]
 
 
 def test_ring_attention_memory_per_device_falls_with_context(memory_runs):
@@ -123,8 +129,8 @@ def test_zigzag_layout():
 
 
 @pytest.fixture(scope="module")
-def train_runs(json_worker):
-    return json_worker(WORKER, "train")
+def train_runs(runs):
+    return runs["train"]
 
 
 def test_split_training_gives_the_losses_of_one_device(train_runs):

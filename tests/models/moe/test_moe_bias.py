@@ -7,6 +7,7 @@ uninterrupted one bitwise."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import haliax as hax
@@ -51,7 +52,9 @@ def state_of(model):
     return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, jax.random.PRNGKey(0))
 
 
+@functools.cache
 def step_fn():
+    """The jitted train step (one object: each model config's step is traced and compiled once)."""
     return jax.jit(make_train_step(lm_loss(block_size=None), OPTIMIZER, mp=jmp.get_policy("f32")))
 
 
@@ -74,14 +77,14 @@ def test_the_bias_is_a_buffer_outside_the_optimizer():
     model = skewed(TINY)
     assert isinstance(model.blocks.stacked.mlp.bias, Buffer)
     assert jax.tree.leaves(trainable_params(model).blocks.stacked.mlp.bias) == []  # not trained
-    grads = jax.grad(lambda m: next_token_loss_and_metrics(m, hax.named(IDS, ("batch", "position")), block_size=None)[0][0])(model)  # fmt: skip
+    grads = eqx.filter_jit(jax.grad(lambda m: next_token_loss_and_metrics(m, hax.named(IDS, ("batch", "position")), block_size=None)[0][0]))(model)  # fmt: skip
     assert not np.any(grads.blocks.stacked.mlp.bias.value.array)  # the choice only: no gradient
     assert skewed(dataclasses.replace(TINY, moe=dataclasses.replace(MOE, bias_update_rate=0.0))).blocks.stacked.mlp.bias is None  # fmt: skip
 
 
 def test_one_step_moves_the_bias_by_rate_times_sign_of_the_load_gap(runs):
     first = runs[RATE][0]
-    _, aux = first.model.hidden_states_and_aux(hax.named(IDS, ("batch", "position")))
+    _, aux = eqx.filter_jit(lambda m: m.hidden_states_and_aux(hax.named(IDS, ("batch", "position"))))(first.model)  # fmt: skip
     load = np.asarray(aux.state["moe_load"])
     want = RATE * np.sign(load.mean(-1, keepdims=True) - load)
     after, _ = step_fn()(first, IDS)

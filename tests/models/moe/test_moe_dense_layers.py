@@ -47,15 +47,18 @@ def named(ids=IDS):
 def test_the_first_layers_are_dense_blocks_run_before_the_routed_ones(model):
     assert model.dense_blocks.Block.size == 1 and model.blocks.Block.size == 2
     assert model.dense_blocks.stacked.mlp.gate_proj.weight.axis_size("mlp") == 24
-    # the stack by hand: embed, the dense block, the routed blocks, the final norm
-    x = model.embed_tokens.embed(named())
-    x = model.dense_blocks.unstacked()[0](x, layer=jnp.int32(0))
-    carry = (x, RouterAux.zeros(2, 4))
-    for i, block in enumerate(model.blocks.unstacked()):
-        carry = block(carry, layer=i)
-    np.testing.assert_allclose(
-        model.norm(carry[0]).array, model.hidden_states(named()).array, rtol=1e-5, atol=1e-6
-    )
+
+    @eqx.filter_jit  # each side one program, not op by op
+    def by_hand(model):  # the stack by hand: embed, the dense block, the routed blocks, the norm
+        x = model.embed_tokens.embed(named())
+        x = model.dense_blocks.unstacked()[0](x, layer=jnp.int32(0))
+        carry = (x, RouterAux.zeros(2, 4))
+        for i, block in enumerate(model.blocks.unstacked()):
+            carry = block(carry, layer=i)
+        return model.norm(carry[0]).array
+
+    whole = eqx.filter_jit(lambda m: m.hidden_states(named()).array)
+    np.testing.assert_allclose(by_hand(model), whole(model), rtol=1e-5, atol=1e-6)
 
 
 def test_router_statistics_and_taps_follow_the_layers(model):
