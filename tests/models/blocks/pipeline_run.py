@@ -1,8 +1,9 @@
 """Worker for the pipeline tests: a tiny Llama (8 layers) trained 5 steps on 1 device and on
 8 CPU devices as stage 4 x data 2 under each executed schedule; then a checkpoint written
-at step 3 by the stage-4 run resumed on 4 devices as stage 2 x data 2; prints JSON.
+at step 3 by the stage-4 run resumed on 4 devices as stage 2 x data 2; the stack's FLOPs;
+the compiled steps' temporaries (GPipe and 1F1B, 8 and 16 microbatches); prints JSON.
 
-  python pipeline_run.py [SCHEDULE ...] [resume]    (resume needs gpipe)
+  python pipeline_run.py [SCHEDULE ...] [resume] [flops] [memory]    (resume needs gpipe)
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ RUNS = {
         MeshConfig(data=2, stage=4),
         PipelineConfig(schedule="interleaved", microbatches=8, virtual_stages=2),
     ),
+    "1f1b": (MeshConfig(data=2, stage=4), PipelineConfig(schedule="1f1b", microbatches=8)),
+    "interleaved_1f1b": (
+        MeshConfig(data=2, stage=4),
+        PipelineConfig(schedule="interleaved_1f1b", microbatches=8, virtual_stages=2),
+    ),
+    "zero_bubble": (
+        MeshConfig(data=2, stage=4),
+        PipelineConfig(schedule="zero_bubble", microbatches=8),
+    ),
 }
 
 
@@ -48,10 +58,10 @@ def loader() -> BatchLoader:
 
 
 def make_trainer(
-    mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str, **settings
+    mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str, batch=BATCH, **settings
 ) -> Trainer:
     config = TrainerConfig(
-        num_train_steps=STEPS, train_batch_size=BATCH, mesh=mesh, pipeline=pipeline,
+        num_train_steps=STEPS, train_batch_size=batch, mesh=mesh, pipeline=pipeline,
         progress_bar=False, tracker=NoopTrackerConfig(), run_dir=run_dir, **settings,
     )  # fmt: skip
     optimizer = AdamConfig(learning_rate=3e-3, warmup=0)
@@ -107,6 +117,21 @@ def stack_flops() -> dict:
     return out
 
 
+def memory() -> dict:
+    """Temporaries of the compiled step per device (XLA's memory analysis, compile only) on
+    stage 4 x data 2 with 8 and 16 microbatches of 2 rows each (batch 16, 32)."""
+    out = {}
+    for schedule in ("gpipe", "1f1b"):
+        for m in (8, 16):
+            pipeline = PipelineConfig(schedule=schedule, microbatches=m)
+            trainer = make_trainer(RUNS["gpipe"][0], pipeline, None, tempfile.mkdtemp(), 2 * m)
+            state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+            tokens = np.zeros((2 * m, MODEL.seq_len), np.int32)
+            analysis = trainer.compiled_step(state, tokens).memory_analysis()
+            out[f"{schedule}_{m}"] = int(analysis.temp_size_in_bytes)
+    return out
+
+
 def resume(run_dir: str) -> dict:
     """The stage-4 run's step-3 checkpoint (in ``run_dir``) resumed at stage 2 x data 2 (4
     devices) for steps 4 and 5."""
@@ -134,4 +159,6 @@ if __name__ == "__main__":
         out["resume"] = resume(saved)
     if len(sys.argv) < 2 or "flops" in sys.argv[1:]:
         out["stack_flops"] = stack_flops()
+    if len(sys.argv) < 2 or "memory" in sys.argv[1:]:
+        out["temp_bytes"] = memory()
     print(json.dumps(out))

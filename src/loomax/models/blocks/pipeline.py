@@ -29,7 +29,13 @@ from jax.sharding import PartitionSpec as P
 
 from loomax.config import ConfigError
 from loomax.mesh import current_mesh
-from loomax.stages import STAGE_AXIS, PipelineConfig, current_pipeline
+from loomax.models.blocks import pipeline_explicit, pipeline_tail
+from loomax.stages import (
+    LOSS_IN_LOOP_SCHEDULES,
+    STAGE_AXIS,
+    PipelineConfig,
+    current_pipeline,
+)
 
 
 def stage_count() -> int:
@@ -58,6 +64,11 @@ def pipeline_plan(layers: int, rows: int, stages: int, config: PipelineConfig) -
         raise ConfigError(
             f"trainer.pipeline.microbatches ({m}) must be at least trainer.mesh.stage ({stages}) "
             "for the interleaved schedule"
+        )
+    if config.schedule == "interleaved_1f1b" and m % stages:
+        raise ConfigError(
+            f"trainer.pipeline.microbatches ({m}) must be a multiple of trainer.mesh.stage "
+            f"({stages}) for interleaved_1f1b"
         )
     return m, v
 
@@ -121,6 +132,21 @@ def run_stages(
         s_ids = None if seg is None else hax.named(seg, (Micro.name, *seg_axes[1:]))
         with hax.axis_mapping(inner):  # stage is manual in here: no constraint may name it
             return stack.fold(h, s_ids, unroll=unroll, **extra).array
+
+    tail = pipeline_tail.current_tail()
+    if tail is not None and current_pipeline().schedule in LOSS_IN_LOOP_SCHEDULES:
+        staged = pipeline_explicit.Staged(
+            mesh, p, m, v, stage_chunk, stacked_in, layer_in, x_in, seg_in, inner,
+            lambda a: hax.named(a, (Micro.name, *x_axes[1:])),
+        )  # fmt: skip
+        loss, g_stack, g_x, g_tail = pipeline_explicit.run(
+            staged, current_pipeline().schedule, tail, [micro(tail.targets), micro(tail.weights)]
+        )
+        g_stack = [g.reshape(a.shape) for g, a in zip(g_stack, raw, strict=True)]
+        g_x = g_x.swapaxes(0, 1).reshape(x.array.shape)
+        pairs = [(raw, g_stack), (x.array, g_x), (tail.params, g_tail)]
+        tail.loss = pipeline_tail.surrogate(loss, pairs)
+        return x  # the model's forward pass goes on to hidden states the loss does not read
 
     items, slots = v * m, v * m + p - 1
     ring = [(i, (i + 1) % p) for i in range(p)]
