@@ -132,6 +132,25 @@ def memory() -> dict:
     return out
 
 
+def moe() -> str:
+    """What stage 2 x expert 2 x data 2 says to a tiny mixture of experts: the refusal."""
+    from loomax.config import ConfigError
+    from loomax.models import MixtralConfig, MoeConfig
+
+    config = MixtralConfig(
+        seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, moe=MoeConfig(num_experts=4, num_experts_per_tok=2),
+    )  # fmt: skip
+    mesh = MeshConfig(data=2, expert=2, stage=2)
+    trainer = make_trainer(mesh, PipelineConfig(microbatches=4), None, tempfile.mkdtemp())
+    state = trainer.initial_state(lambda key: config.build(VOCAB, key=key))
+    try:
+        trainer.compiled_step(state, np.zeros((BATCH, MODEL.seq_len), np.int32))
+    except ConfigError as e:
+        return str(e)
+    return "compiled"
+
+
 def resume(run_dir: str) -> dict:
     """The stage-4 run's step-3 checkpoint (in ``run_dir``) resumed at stage 2 x data 2 (4
     devices) for steps 4 and 5."""
@@ -159,6 +178,8 @@ if __name__ == "__main__":
         out["resume"] = resume(saved)
     if len(sys.argv) < 2 or "flops" in sys.argv[1:]:
         out["stack_flops"] = stack_flops()
+    if len(sys.argv) < 2 or "moe" in sys.argv[1:]:
+        out["moe"] = moe()
     if len(sys.argv) < 2 or "memory" in sys.argv[1:]:
         out["temp_bytes"] = memory()
     print(json.dumps(out))

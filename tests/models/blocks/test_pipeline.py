@@ -90,6 +90,12 @@ def test_layers_and_their_optimizer_state_rest_on_their_stage(runs):
 
 
 @pytest.mark.slow
+def test_a_mixture_of_experts_on_stage_2_x_expert_2_x_data_2_is_refused_by_name(runs):
+    # router statistics ride with the residual stream: not staged yet (a ConfigError at trace)
+    assert "router statistics" in runs["moe"] and "not staged yet" in runs["moe"]
+
+
+@pytest.mark.slow
 def test_a_checkpoint_of_4_stages_resumes_on_2_with_equal_losses(runs):
     resumed = runs["resume"]
     assert resumed["start"] == 3
