@@ -124,11 +124,16 @@ def routed_experts(
     w_in, w_out = P(on_experts, None, tp), P(on_experts, tp, None)
     tokens = P(*specs, None)
     b_specs = P() if biases is None else (P(on_experts, tp), P(on_experts, tp), P())
+    # inside a shard_map already manual over some axes (a pipeline's stage): over the others
+    context = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(context, "manual_axes", ()) or ())
+    free = tuple(a for a in mesh.axis_names if a not in manual)
     y, sizes, unreceived, over = jax.shard_map(
         local,
-        mesh=mesh,
+        mesh=context if manual else mesh,
         in_specs=(tokens, tokens, tokens, tokens, w_in, w_in, w_out, b_specs),
-        out_specs=(tokens, P(), P(), P(mesh.axis_names)),
+        out_specs=(tokens, P(), P(), P(free)),
+        axis_names=set(free),
         check_vma=False,  # the TPU's megablox kernel (Pallas) declares no varying axes
     )(x, weights, experts, chosen, gate, up, down, biases)
     return y, sizes, dropped + unreceived, jnp.mean(over)
