@@ -117,6 +117,9 @@ def run(staged: Staged, name: str, tail: StageTail, rows: list[jax.Array]):
     ``(v, p, chunk, ...)``, the stack input's ``(m, rows / m, ...)`` and the tail's params."""
     p, m, v = staged.stages, staged.microbatches, staged.virtual
     ctrl, n_in, n_cot = control(name, p, m, v)
+    codes = sorted(set(ctrl[..., 0].ravel().tolist()))  # only these branches are compiled
+    branch_of = np.zeros(WGT_TAIL + 1, np.int32)
+    branch_of[codes] = np.arange(len(codes))
     fwd_ring = [(i, (i + 1) % p) for i in range(p)]
     bwd_ring = [(i, (i - 1) % p) for i in range(p)]
 
@@ -186,7 +189,9 @@ def run(staged: Staged, name: str, tail: StageTail, rows: list[jax.Array]):
 
             branches = [idle, forward, backward, backward_tail, input_grad, input_grad_tail]
             branches += [weight_grad, weight_grad_tail]
-            send_f, send_b, dp, dt, loss_mb = jax.lax.switch(code, branches)
+            index = jnp.asarray(branch_of)[code]
+            used = [branches[c] for c in codes]
+            send_f, send_b, dp, dt, loss_mb = jax.lax.switch(index, used)
             g_params = [g.at[c].add(d.astype(g.dtype)) for g, d in zip(g_params, dp, strict=True)]
             g_tail = jax.tree.map(lambda g, d: g + d.astype(g.dtype), g_tail, dt)
             first = (s == 0) & (c == 0) & ((code == BWD) | (code == BIN))
