@@ -1,8 +1,10 @@
 """Pipeline parallelism (``trainer.mesh.stage``): a tiny Llama trained on 8 CPU devices as
 stage 4 x data 2 under each executed schedule (GPipe, circular, 1F1B, interleaved 1F1B,
 zero-bubble) equals 1 device's losses and gradient norms, as does a tiny mixture of experts
-on stage 2 x expert 2 x data 2 (GPipe), its checkpoint resumes at stage 2,
-and 1F1B's temporaries do not grow with the microbatches as GPipe's do (one subprocess)."""
+on stage 2 x expert 2 x data 2 (GPipe), and its checkpoint resumes at stage 2 (one
+subprocess). That 1F1B holds about ``p`` microbatches whatever ``m`` is checked on its
+buffers in ``test_pipeline_explicit.py``; the compiled temporaries of GPipe against 1F1B
+are measured by ``bench/pipeline_memory.py`` (docs/pipeline.md)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ SCHEDULES = ["gpipe", "interleaved", "1f1b", "interleaved_1f1b", "zero_bubble"]
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_staged_losses_equal_one_device(runs, schedule):
-    assert len(runs["single"]["losses"]) == 5
+    assert len(runs["single"]["losses"]) == 3
     np.testing.assert_allclose(runs[schedule]["losses"], runs["single"]["losses"], rtol=1e-5)
     single, staged = runs["single"]["grad_norms"], runs[schedule]["grad_norms"]
     np.testing.assert_allclose(staged, single, rtol=1e-5)  # Adam alone would hide a scale
@@ -63,17 +65,6 @@ def test_the_explicit_loop_runs_its_table_and_idles_its_bubble(runs, schedule, v
 
 
 @pytest.mark.slow
-def test_1f1b_temporaries_stay_flat_as_gpipe_s_grow_with_the_microbatches(runs):
-    # microbatches of 2 rows, 8 then 16 of them: GPipe keeps every microbatch's activations
-    # until the backward; 1F1B at most p stage inputs (its growth: the stack's input and its
-    # gradient, m microbatches each, which GPipe holds as well)
-    mem = runs["temp_bytes"]
-    gpipe, one_f_one_b = mem["gpipe_16"] - mem["gpipe_8"], mem["1f1b_16"] - mem["1f1b_8"]
-    assert one_f_one_b < 0.25 * gpipe
-    assert mem["1f1b_16"] < mem["gpipe_16"]
-
-
-@pytest.mark.slow
 def test_the_counted_flops_carry_the_bubble(runs):
     # loomax plan's count of the stack's gradient: every slot computes, idle ones on zeros,
     # so staged / unstaged = (v m + p - 1) / (v m): 1F1B/GPipe's 3/11 bubble, 3/19 at v = 2
@@ -95,17 +86,18 @@ def test_a_mixture_of_experts_on_stage_2_x_expert_2_x_data_2_equals_one_device(r
     # the router statistics go round the ring with each microbatch; the experts' all-to-all
     # runs inside the stage (a shard_map manual over the axes but stage)
     moe = runs["moe"]
-    assert len(moe["single"]) == 5
+    assert len(moe["single"]) == 3
     np.testing.assert_allclose(moe["staged"], moe["single"], rtol=1e-5)
 
 
 @pytest.mark.slow
 def test_a_checkpoint_of_4_stages_resumes_on_2_with_equal_losses(runs):
     resumed = runs["resume"]
-    assert resumed["start"] == 3
-    # not bitwise: the loss's batch splits over data x stage, 8 devices then 4 (summed in
+    assert resumed["start"] == 1  # steps 2 and 3 again: step 3's loss follows the restored Adam
+    # state's update; not bitwise: the loss's batch splits over data x stage, 8 devices then 4 (summed in
     # another order); the layers' arithmetic is the same at either stage count
-    np.testing.assert_allclose(resumed["losses"], runs["gpipe"]["losses"][3:], rtol=1e-6)
+    assert len(resumed["losses"]) == 2
+    np.testing.assert_allclose(resumed["losses"], runs["gpipe"]["losses"][1:], rtol=1e-6)
     assert resumed["mlp_up_shard_shape"] == [4, 64, 16]  # 8 layers over 2 stages
 
 
