@@ -10,7 +10,8 @@ chunks go round the ring), with a chunk's ``F`` one slot, its ``B`` two (one plu
 under ``zero_bubble``). Schedules: ``gpipe`` and ``circular`` (every forward, then every
 backward; ``circular`` with ``v`` chunks per device, the order ``trainer.pipeline.schedule:
 interleaved`` runs), ``1f1b``, ``interleaved_1f1b`` (Megatron's order, ``m`` a multiple of
-``p``) and ``zero_bubble`` (1F1B with the backward split, ZB-H1-like).
+``p``) and ``zero_bubble`` (1F1B with the backward split, ZB-H1: a stage runs a pending ``W``
+before a forward that would hold more than ``p`` microbatches, 1F1B's peak).
 """
 
 from __future__ import annotations
@@ -48,14 +49,16 @@ class ScheduleTable:
     @property
     def peak_in_flight(self) -> float:
         """The most microbatches' activations a stage holds at once (forwards begun, backwards
-        not): ``m`` for GPipe, at most ``p`` for 1F1B (chunks count ``1 / v`` each)."""
+        not; ``zero_bubble``: weight gradients not): ``m`` for GPipe, at most ``p`` for 1F1B
+        (chunks count ``1 / v`` each)."""
+        release = "W" if self.name == "zero_bubble" else "B"
         peak = 0.0
         for s in range(self.stages):
             held, last = 0, None
             for row in self.slots:
                 action = row[s]
                 if action is not None and action != last:
-                    held += {"F": 1, "B": -1}.get(action.kind, 0)
+                    held += {"F": 1, release: -1}.get(action.kind, 0)
                     peak = max(peak, held / self.virtual_stages)
                 last = action
         return peak
@@ -104,15 +107,20 @@ def orders(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     return out
 
 
-def table(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> ScheduleTable:
-    """``name``'s slots for ``stages`` stages, ``microbatches`` and ``virtual_stages`` chunks per stage."""
+def table(
+    name: str, stages: int, microbatches: int, virtual_stages: int = 1, backward_slots: int = 2
+) -> ScheduleTable:
+    """``name``'s slots for ``stages`` stages, ``microbatches`` and ``virtual_stages`` chunks per
+    stage; a whole backward (input and weight gradients) takes ``backward_slots`` slots (1: the
+    executor's lockstep table, every action one slot)."""
     p, m, v = stages, microbatches, virtual_stages
     split = name == "zero_bubble"
     todo = orders(name, p, m, v)
-    cost = {"F": 1, "B": 1 if split else 2, "W": 1}
+    cost = {"F": 1, "B": 1 if split else backward_slots, "W": 1}
     done: dict[tuple[str, int, int, int], int] = {}  # (kind, stage, mb, chunk) -> end slot
     free = [0] * p
     pending: list[list[Action]] = [[] for _ in range(p)]
+    held = [0] * p  # zero_bubble: forwards begun whose W has not run
     slots: list[list[Action | None]] = []
     t = 0
     while any(todo) or any(pending) or max(free) > t:
@@ -124,6 +132,9 @@ def table(name: str, stages: int, microbatches: int, virtual_stages: int = 1) ->
                 row[s] = slots[-1][s] if slots else None
                 continue
             action = todo[s][0] if todo[s] else None
+            # ZB-H1: a W first when a forward would hold more than 1F1B's peak, p microbatches
+            if split and pending[s] and action is not None and action.kind == "F":
+                action = None if held[s] >= p else action
             if action is not None and _ready(action, s, p, v, done, t):
                 todo[s].pop(0)
             elif split and pending[s]:
@@ -134,6 +145,7 @@ def table(name: str, stages: int, microbatches: int, virtual_stages: int = 1) ->
             done[(action.kind, s, action.microbatch, action.chunk)] = free[s]
             if split and action.kind == "B":
                 pending[s].append(Action("W", action.microbatch, action.chunk))
+            held[s] += {"F": 1, "W": -1}.get(action.kind, 0)
             row[s] = action
         slots.append(row)
         t += 1

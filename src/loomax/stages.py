@@ -17,10 +17,13 @@ from dataclasses import dataclass
 STAGE_AXIS = "stage"
 """The mesh axis a model's layers are split over (pipeline parallelism)."""
 
-EXECUTED_SCHEDULES = ("gpipe", "interleaved")
+LOSS_IN_LOOP_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
+"""Schedules that run each microbatch's loss and backward inside the loop, slot by slot
+(``loomax.models.blocks.pipeline_explicit``, following ``loomax.pipeline_schedules``' table)."""
+EXECUTED_SCHEDULES = ("gpipe", "interleaved", *LOSS_IN_LOOP_SCHEDULES)
 """Schedules the staged step runs (``loomax.models.blocks.pipeline``)."""
-TABLE_SCHEDULES = ("1f1b", "zero_bubble")
-"""Schedules with a table and a bubble (``loomax.pipeline_schedules``) but no executor yet."""
+INTERLEAVED_SCHEDULES = ("interleaved", "interleaved_1f1b")
+"""Schedules with ``virtual_stages`` layer chunks per device."""
 
 
 @dataclass(frozen=True)
@@ -28,19 +31,13 @@ class PipelineConfig:
     """How a batch flows through the ``stage`` mesh axis (used when trainer.mesh.stage > 1)."""
 
     schedule: str = "gpipe"
-    """gpipe (all forwards, then the backward by autodiff) or interleaved (virtual_stages layer chunks per device, a circular layout)."""
+    """gpipe (all forwards, then the backward by autodiff), interleaved (gpipe with virtual_stages chunks per device, circular), 1f1b, interleaved_1f1b or zero_bubble (the loss and an explicit backward per slot)."""
     microbatches: int = -1
     """Pipeline microbatches each (per-device-parallelism) batch is split into; -1 = twice the stages."""
     virtual_stages: int = 1
-    """Layer chunks per device (interleaved only): device s holds chunks s, s + stages, s + 2 x stages, ..."""
+    """Layer chunks per device (interleaved, interleaved_1f1b): device s holds chunks s, s + stages, s + 2 x stages, ..."""
 
     def __post_init__(self):
-        if self.schedule in TABLE_SCHEDULES:
-            raise ValueError(
-                f"trainer.pipeline.schedule: {self.schedule!r} has a schedule table "
-                "(loomax.pipeline_schedules) but no executor yet; use one of "
-                f"{EXECUTED_SCHEDULES}"
-            )
         if self.schedule not in EXECUTED_SCHEDULES:
             raise ValueError(
                 f"trainer.pipeline.schedule must be one of {EXECUTED_SCHEDULES}, got {self.schedule!r}"
@@ -53,9 +50,10 @@ class PipelineConfig:
             raise ValueError(
                 f"trainer.pipeline.virtual_stages must be >= 1, got {self.virtual_stages}"
             )
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        if self.virtual_stages > 1 and self.schedule not in INTERLEAVED_SCHEDULES:
             raise ValueError(
-                "trainer.pipeline.virtual_stages > 1 needs trainer.pipeline.schedule: interleaved"
+                "trainer.pipeline.virtual_stages > 1 needs trainer.pipeline.schedule: "
+                "interleaved or interleaved_1f1b"
             )
 
     def microbatches_for(self, stages: int) -> int:

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from loomax.mesh import current_mesh, mapped_axes
 from loomax.models.attention.sequence_layout import context_axes, context_ways, to_layout
 from loomax.models.axes import Embed, Position, Vocab
-from loomax.models.blocks import taps
+from loomax.models.blocks import pipeline, pipeline_tail, taps
 from loomax.models.blocks.buffers import STATE_PREFIX
 from loomax.models.blocks.logits_stats import logits_stats, row_blocks
 from loomax.models.config import LmModel, soft_cap
@@ -98,15 +98,6 @@ def next_token_loss_and_metrics(
     tokens, targets, weights = to_layout(tokens), to_layout(targets), to_layout(weights)
     if segment_ids is not None:
         segment_ids = to_layout(segment_ids)
-    hidden, aux = model.hidden_states_and_aux(tokens, segment_ids=segment_ids, key=key)
-    w = model.lm_head_weight().rearrange((Vocab, Embed)).array
-    hidden = hidden.rearrange((..., Position, Embed))
-    h = hidden.array.reshape(-1, w.shape[1])
-    t = targets.array.reshape(-1)
-    m = weights.rearrange(targets.axes).array.reshape(-1)
-    if taps.active():
-        taps.record("logits", logits_stats(h, w, block_size or h.shape[0]))
-
     cap = model.final_logit_softcap
 
     def fused(h, w, t, m):
@@ -115,13 +106,27 @@ def next_token_loss_and_metrics(
         settings = (block_size, z_loss_weight, vocab_block_size, vocab_multiple)
         return fused_cross_entropy_sum(h, w, t, m, *settings)
 
-    if block_size is None:
-        total = plain_cross_entropy_sum(h, w, t, m, z_loss_weight, cap)
-    elif context_ways() > 1 or _rows_split(hidden.array.shape[0]):
+    def plain(h, w, t, m):
+        return plain_cross_entropy_sum(h, w, t, m, z_loss_weight, cap)
+
+    ce = plain if block_size is None else fused
+    tail = pipeline_tail.loss_tail(model, ce, targets, weights, pipeline.stage_count())
+    with pipeline_tail.tail_context(tail):  # 1F1B & co: the stack runs the loss per microbatch
+        hidden, aux = model.hidden_states_and_aux(tokens, segment_ids=segment_ids, key=key)
+    w = model.lm_head_weight().rearrange((Vocab, Embed)).array
+    hidden = hidden.rearrange((..., Position, Embed))
+    h = hidden.array.reshape(-1, w.shape[1])
+    t = targets.array.reshape(-1)
+    m = weights.rearrange(targets.axes).array.reshape(-1)
+    if taps.active():
+        taps.record("logits", logits_stats(h, w, block_size or h.shape[0]))
+    if tail is not None:
+        total = pipeline_tail.loss_of(tail)
+    elif block_size is not None and (context_ways() > 1 or _rows_split(hidden.array.shape[0])):
         rows = [x.reshape(-1, hidden.resolve_axis(Position).size, *x.shape[1:]) for x in (h, t, m)]
         total = per_device_sum(fused, w.astype(h.dtype), *rows)
     else:
-        total = fused(h, w.astype(h.dtype), t, m)
+        total = ce(h, w.astype(h.dtype), t, m)
     count = jnp.sum(m)
     if aux_losses:
         for term in aux.losses.values():

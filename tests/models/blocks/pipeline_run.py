@@ -1,8 +1,13 @@
-"""Worker for the pipeline tests: a tiny Llama (8 layers) trained 5 steps on 1 device and on
-8 CPU devices as stage 4 x data 2 under each executed schedule; then a checkpoint written
-at step 3 by the stage-4 run resumed on 4 devices as stage 2 x data 2; prints JSON.
+"""Worker for the pipeline tests: a tiny Llama (8 layers) trained 3 steps on 1 device (the
+one reference every schedule is compared with) and on 8 CPU devices as stage 4 x data 2
+under each executed schedule (each step compiled once, ahead of time: its loop's trip
+counts read off that program); then a checkpoint written at step 1 by the stage-4 run
+resumed on 4 devices as stage 2 x data 2 for steps 2 and 3; the stack's FLOPs; a tiny
+mixture of experts on stage 2 x expert 2 x data 2; prints JSON. (The temporaries of GPipe
+against 1F1B, four more compiles, are ``bench/pipeline_memory.py``'s.)
 
-  python pipeline_run.py [SCHEDULE ...] [resume]    (resume needs gpipe)
+  python pipeline_run.py [SCHEDULE ...] [resume] [flops] [moe] [moe_balance]
+  (resume needs gpipe)
 """
 
 from __future__ import annotations
@@ -32,12 +37,21 @@ from loomax.train import Trainer, TrainerConfig  # noqa: E402
 MODEL = LlamaConfig(
     seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=8, num_heads=4, num_kv_heads=2
 )  # fmt: skip
-VOCAB, STEPS, BATCH = 64, 5, 16
+VOCAB, STEPS, BATCH, SAVED_AT = 64, 3, 16, 1  # 2 steps after the save: its Adam state counts
 RUNS = {
     "gpipe": (MeshConfig(data=2, stage=4), PipelineConfig(microbatches=8)),
     "interleaved": (
         MeshConfig(data=2, stage=4),
         PipelineConfig(schedule="interleaved", microbatches=8, virtual_stages=2),
+    ),
+    "1f1b": (MeshConfig(data=2, stage=4), PipelineConfig(schedule="1f1b", microbatches=8)),
+    "interleaved_1f1b": (
+        MeshConfig(data=2, stage=4),
+        PipelineConfig(schedule="interleaved_1f1b", microbatches=8, virtual_stages=2),
+    ),
+    "zero_bubble": (
+        MeshConfig(data=2, stage=4),
+        PipelineConfig(schedule="zero_bubble", microbatches=8),
     ),
 }
 
@@ -59,8 +73,8 @@ def make_trainer(
 
 
 def train(mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str | None = None) -> dict:
-    """5 steps; the stage-4 GPipe run (given ``run_dir``) also saves step 3, alone."""
-    saving = CheckpointerConfig(fixed_steps=[3], save_at_end=False, async_save=False)
+    """``STEPS`` steps; the stage-4 GPipe run (given ``run_dir``) also saves step ``SAVED_AT``."""
+    saving = CheckpointerConfig(fixed_steps=[SAVED_AT], save_at_end=False, async_save=False)
     settings = {"checkpointer": saving} if run_dir else {}
     trainer = make_trainer(mesh, pipeline, devices, run_dir or tempfile.mkdtemp(), **settings)
     losses: list[float] = []
@@ -70,8 +84,8 @@ def train(mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str | No
     state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
     up = state.model.blocks.stacked.mlp.up_proj.weight.array
     spec, shape = str(up.sharding.spec), list(up.addressable_shards[0].data.shape)
-    batch = next(iter(loader().iter_from(0)))
-    compiled = trainer.compiled_step(state, batch)
+    batch = trainer.place_batch(next(iter(loader().iter_from(0))))
+    compiled = trainer.precompile(state, batch)  # the program the steps then run
     trips = sorted({int(n) for n in re.findall(r"known_trip_count\D*(\d+)", compiled.as_text())})
     trainer.train(state, loader().iter_from(0, *trainer.runtime.row_block))
     return {
@@ -85,7 +99,8 @@ def train(mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str | No
 
 def stack_flops() -> dict:
     """Matmul FLOPs of the layer stack's gradient (``loomax plan``'s count over the traced
-    program, all devices), unstaged and under each executed schedule."""
+    program, all devices), unstaged, under GPipe and interleaved (without a loss tail in
+    context the other schedules run GPipe's forward loop too)."""
     import equinox as eqx
     import haliax as hax
 
@@ -98,7 +113,8 @@ def stack_flops() -> dict:
     x = hax.random.normal(jax.random.PRNGKey(1), axes)
     grad = eqx.filter_grad(lambda b, x: hax.sum(run_layers(b, x, None)).array)
     out = {}
-    for name, (mesh, pipeline) in {"single": (MeshConfig(data=1), None), **RUNS}.items():
+    runs = {"single": (MeshConfig(data=1), None), **{k: RUNS[k] for k in ("gpipe", "interleaved")}}
+    for name, (mesh, pipeline) in runs.items():
         devices = jax.devices()[:1] if name == "single" else None
         mappings = TrainerConfig(mesh=mesh).axis_mappings()
         runtime = MeshRuntime.create(mesh, mappings, devices, pipeline)
@@ -107,9 +123,37 @@ def stack_flops() -> dict:
     return out
 
 
+def moe(balance: float = 0.0) -> dict:
+    """A tiny mixture of experts (moe_tiny's routing: 16 experts, top 4, z-loss 1e-3 and the
+    aux-loss-free bias at rate 1e-3; 2 layers of width 32) trained 3 steps on 1 device and on
+    stage 2 x expert 2 x data 2 (GPipe, 4 microbatches); ``balance``: the load-balance
+    loss's weight (moe_tiny's is 1e-3; a product of batch shares, per microbatch staged)."""
+    from loomax.models import MixtralConfig, MoeConfig
+
+    config = MixtralConfig(
+        seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
+        num_kv_heads=2, moe=MoeConfig(
+            num_experts=16, num_experts_per_tok=4, expert_intermediate_dim=16,
+            load_balance_loss_weight=balance, router_z_loss_weight=1e-3, bias_update_rate=1e-3,
+        ),
+    )  # fmt: skip
+    out = {}
+    for name, mesh, devices in (
+        ("single", MeshConfig(data=1), jax.devices()[:1]),
+        ("staged", MeshConfig(data=2, expert=2, stage=2), None),
+    ):
+        trainer = make_trainer(mesh, PipelineConfig(microbatches=4), devices, tempfile.mkdtemp())
+        losses: list[float] = []
+        trainer.add_hook(lambda info, losses=losses: losses.append(info.loss))
+        state = trainer.initial_state(lambda key: config.build(VOCAB, key=key))
+        trainer.train(state, loader().iter_from(0, *trainer.runtime.row_block))
+        out[name] = losses
+    return out
+
+
 def resume(run_dir: str) -> dict:
-    """The stage-4 run's step-3 checkpoint (in ``run_dir``) resumed at stage 2 x data 2 (4
-    devices) for steps 4 and 5."""
+    """The stage-4 run's checkpoint of step ``SAVED_AT`` (in ``run_dir``) resumed at stage 2 x
+    data 2 (4 devices) for the steps after it."""
     again = make_trainer(
         MeshConfig(data=2, stage=2), PipelineConfig(microbatches=8), jax.devices()[:4],
         tempfile.mkdtemp(), load_checkpoint=True, load_checkpoint_path=f"{run_dir}/checkpoints",
@@ -134,4 +178,8 @@ if __name__ == "__main__":
         out["resume"] = resume(saved)
     if len(sys.argv) < 2 or "flops" in sys.argv[1:]:
         out["stack_flops"] = stack_flops()
+    if len(sys.argv) < 2 or "moe" in sys.argv[1:]:
+        out["moe"] = moe()
+    if "moe_balance" in sys.argv[1:]:
+        out["moe_balance"] = moe(1e-3)
     print(json.dumps(out))

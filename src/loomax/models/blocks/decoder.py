@@ -351,7 +351,7 @@ class LlamaLmModel(LmModel):
         per_layer = layer_inputs(c.num_layers, key=k_layers, layer_index=mixed)
         run = dict(scan=c.scan_layers, unroll=c.scan_unroll, per_layer=per_layer)
         x = run_layers(self.blocks, x, segment_ids, **run)
-        return taps.tap("final", self._final(x))
+        return taps.tap("final", self.final_hidden(x))
 
     def layer_windows(self) -> tuple[int | None, ...]:
         return tuple(self.config.layer_windows)
@@ -366,7 +366,7 @@ class LlamaLmModel(LmModel):
         x = _maybe(self.embed_norm, self._embed(tokens))
         by_layer = len(set(c.layer_windows)) > 1  # the layers' windows differ
         x, cache = decode_layers(x, self.decode_stacks(), cache, start, layer_index=by_layer)
-        return self._final(x), cache
+        return self.final_hidden(x), cache
 
     def decode_stacks(self) -> list[hnn.Stacked]:
         """The stacks of blocks a decode step runs through, in order."""
@@ -383,7 +383,7 @@ class LlamaLmModel(LmModel):
         scale = math.sqrt(c.hidden_dim) if c.scale_embeddings else c.embed_scale
         return _scaled(self.embed_tokens.embed(tokens), scale)
 
-    def _final(self, x: NamedArray) -> NamedArray:
+    def final_hidden(self, x: NamedArray) -> NamedArray:
         """The final norm, times ``logit_scale`` (Granite: 1 / ``logits_scaling``): scaling the
         hidden states scales the logits wherever they are computed (loss, decoding)."""
         return _scaled(self.norm(x), self.config.logit_scale)

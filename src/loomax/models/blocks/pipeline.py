@@ -29,7 +29,13 @@ from jax.sharding import PartitionSpec as P
 
 from loomax.config import ConfigError
 from loomax.mesh import current_mesh
-from loomax.stages import STAGE_AXIS, PipelineConfig, current_pipeline
+from loomax.models.blocks import pipeline_explicit, pipeline_tail
+from loomax.stages import (
+    LOSS_IN_LOOP_SCHEDULES,
+    STAGE_AXIS,
+    PipelineConfig,
+    current_pipeline,
+)
 
 
 def stage_count() -> int:
@@ -59,6 +65,11 @@ def pipeline_plan(layers: int, rows: int, stages: int, config: PipelineConfig) -
             f"trainer.pipeline.microbatches ({m}) must be at least trainer.mesh.stage ({stages}) "
             "for the interleaved schedule"
         )
+    if config.schedule == "interleaved_1f1b" and m % stages:
+        raise ConfigError(
+            f"trainer.pipeline.microbatches ({m}) must be a multiple of trainer.mesh.stage "
+            f"({stages}) for interleaved_1f1b"
+        )
     return m, v
 
 
@@ -69,18 +80,24 @@ def bubble(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
 
 def run_stages(
     blocks: hnn.Stacked,
-    x: NamedArray,
+    x: NamedArray | tuple,
     segment_ids: NamedArray | None,
     *,
     unroll: int | bool = 1,
     per_layer: dict[str, jax.Array] | None = None,
-) -> NamedArray:
-    """``x`` through every block of ``blocks``, pipelined over the ``stage`` mesh axis."""
+) -> NamedArray | tuple:
+    """``x`` through every block of ``blocks``, pipelined over the ``stage`` mesh axis. ``x``
+    may be ``(residual, statistics)`` (a mixture of experts' ``RouterAux``, rows per layer):
+    each microbatch's statistics go round with its residual stream, and the result's are
+    their mean over the microbatches."""
     mesh, p = current_mesh(), stage_count()
+    aux0 = None
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], NamedArray):
+        x, aux0 = x
     if not isinstance(x, NamedArray):
         raise ConfigError(
             "trainer.mesh.stage > 1: this model's layers carry more than the residual stream "
-            "(a mixture of experts' router statistics); its stack is not staged yet"
+            "and its statistics; its stack is not staged yet"
         )
     Batch = x.axes[0]
     L = blocks.Block.size
@@ -111,64 +128,98 @@ def run_stages(
 
     inner = _without_stage(hax.partitioning.current_thread_local_mapping() or {})
 
-    def stage_chunk(params, extra, inp, seg):
+    def stage_chunk(params, extra, inp, seg):  # inp: (residual, statistics or None)
         local_leaves = list(leaves)
         for i, a, n in zip(where, params, names, strict=True):
             local_leaves[i] = a if n is None else hax.named(a, n)
         local = jax.tree.unflatten(treedef, local_leaves)
         stack = dataclasses.replace(blocks, stacked=local, Block=blocks.Block.resize(chunk))
-        h = hax.named(inp, (Micro.name, *x_axes[1:]))
+        h = hax.named(inp[0], (Micro.name, *x_axes[1:]))
         s_ids = None if seg is None else hax.named(seg, (Micro.name, *seg_axes[1:]))
         with hax.axis_mapping(inner):  # stage is manual in here: no constraint may name it
-            return stack.fold(h, s_ids, unroll=unroll, **extra).array
+            out = stack.fold(h if aux0 is None else (h, inp[1]), s_ids, unroll=unroll, **extra)
+        return (out.array, None) if aux0 is None else (out[0].array, out[1])
+
+    tail = pipeline_tail.current_tail()
+    if tail is not None and current_pipeline().schedule in LOSS_IN_LOOP_SCHEDULES:
+        if aux0 is not None:
+            raise ConfigError(
+                f"trainer.pipeline.schedule {current_pipeline().schedule!r}: not with a "
+                "mixture of experts yet (its router statistics); use gpipe or interleaved"
+            )
+
+        def residual_chunk(params, extra, inp, seg):
+            return stage_chunk(params, extra, (inp, None), seg)[0]
+
+        staged = pipeline_explicit.Staged(
+            mesh, p, m, v, residual_chunk, stacked_in, layer_in, x_in, seg_in, inner,
+            lambda a: hax.named(a, (Micro.name, *x_axes[1:])),
+        )  # fmt: skip
+        loss, g_stack, g_x, g_tail = pipeline_explicit.run(
+            staged, current_pipeline().schedule, tail, [micro(tail.targets), micro(tail.weights)]
+        )
+        g_stack = [g.reshape(a.shape) for g, a in zip(g_stack, raw, strict=True)]
+        g_x = g_x.swapaxes(0, 1).reshape(x.array.shape)
+        pairs = [(raw, g_stack), (x.array, g_x), (tail.params, g_tail)]
+        tail.loss = pipeline_tail.surrogate(loss, pairs)
+        return x  # the model's forward pass goes on to hidden states the loss does not read
 
     items, slots = v * m, v * m + p - 1
     ring = [(i, (i + 1) % p) for i in range(p)]
 
-    def body(params, extra, x_mb, seg_mb):
+    def body(params, extra, x_mb, seg_mb, aux_in):
         s = jax.lax.axis_index(STAGE_AXIS)
         params = [a[:, 0] for a in params]  # (v, chunk, ...): this stage's chunks
         extra = {k: a[:, 0] for k, a in extra.items()}
-        zero = jnp.zeros_like(x_mb[0])
+        zero = (jnp.zeros_like(x_mb[0]), _map(jnp.zeros_like, aux_in))
+
+        def pick(cond, a, b):
+            return _map(lambda u, w: jnp.where(cond, u, w), a, b)
 
         def slot(carry, t):
             state, kept, outputs = carry
             item = jnp.clip(t - s, 0, items - 1)
             mb, r = item % m, item // m
-            first = x_mb[mb] if v == 1 else jnp.where(r == 0, x_mb[mb], kept[mb])
-            inp = jnp.where(s == 0, first, state)
+            start = (x_mb[mb], aux_in)
+            first = start if v == 1 else pick(r == 0, start, _map(lambda a: a[mb], kept))
+            inp = pick(s == 0, first, state)
             chunk_params = [a[r] for a in params]
             chunk_extra = {k: a[r] for k, a in extra.items()}
             seg = None if seg_mb is None else seg_mb[mb]
             y = stage_chunk(chunk_params, chunk_extra, inp, seg)
             done = (t - s >= 0) & (t - s < items) & (s == p - 1) & (r == v - 1)
-            outputs = outputs.at[mb].set(jnp.where(done, y, outputs[mb]))
+            outputs = _map(lambda o, a: o.at[mb].set(jnp.where(done, a, o[mb])), outputs, y)
             sent = jax.lax.ppermute(y, STAGE_AXIS, ring)
             if v > 1:  # stage 0 keeps what comes round the ring for the microbatch's next chunk
                 back = t - (p - 1)
                 keep = (s == 0) & (back >= 0) & (back < items - m)
-                slot_mb = jnp.clip(back, 0, items - 1) % m
-                kept = kept.at[slot_mb].set(jnp.where(keep, sent, kept[slot_mb]))
+                i = jnp.clip(back, 0, items - 1) % m
+                kept = _map(lambda k, a: k.at[i].set(jnp.where(keep, a, k[i])), kept, sent)
             return (sent, kept, outputs), None
 
-        outputs = jnp.zeros_like(x_mb) + zero[None]
+        outputs = _map(lambda a: jnp.zeros((m, *a.shape), a.dtype), zero)
         kept = outputs if v > 1 else None
         carry = (zero, kept, outputs)
         (_, _, outputs), _ = jax.lax.scan(slot, carry, jnp.arange(slots))
-        return jax.lax.psum(jnp.where(s == p - 1, outputs, 0), STAGE_AXIS)
+        return jax.lax.psum(_map(lambda a: jnp.where(s == p - 1, a, 0), outputs), STAGE_AXIS)
 
     stage_spec = [P(None, STAGE_AXIS)] * len(stacked_in)
     run = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(stage_spec, {k: P(None, STAGE_AXIS) for k in layer_in}, P(), P()),
+        in_specs=(stage_spec, {k: P(None, STAGE_AXIS) for k in layer_in}, P(), P(), P()),
         out_specs=P(),
         axis_names={STAGE_AXIS},
         check_vma=False,
     )
-    out = run(stacked_in, layer_in, x_in, seg_in)
-    out = out.swapaxes(0, 1).reshape(x.array.shape)
-    return hax.auto_sharded(hax.named(out, x_axes))
+    out, aux = run(stacked_in, layer_in, x_in, seg_in, aux0)
+    out = hax.auto_sharded(hax.named(out.swapaxes(0, 1).reshape(x.array.shape), x_axes))
+    return out if aux0 is None else (out, _map(lambda a: jnp.mean(a, axis=0), aux))
+
+
+def _map(fn, *trees):
+    """``jax.tree.map`` that leaves a None tree None."""
+    return None if trees[0] is None else jax.tree.map(fn, *trees)
 
 
 def _without_stage(mapping: dict) -> dict:

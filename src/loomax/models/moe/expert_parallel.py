@@ -131,11 +131,16 @@ def routed_experts(
         a_specs = tuple(
             P() if pair is None else specs for pair, specs in zip(adapters, pairs, strict=True)
         )
+    # inside a shard_map already manual over some axes (a pipeline's stage): over the others
+    context = jax.sharding.get_abstract_mesh()
+    manual = set(getattr(context, "manual_axes", ()) or ())
+    free = tuple(a for a in mesh.axis_names if a not in manual)
     y, sizes, unreceived, over = jax.shard_map(
         local,
-        mesh=mesh,
+        mesh=context if manual else mesh,
         in_specs=(tokens, tokens, tokens, tokens, w_in, w_in, w_out, b_specs, a_specs),
-        out_specs=(tokens, P(), P(), P(mesh.axis_names)),
+        out_specs=(tokens, P(), P(), P(free)),
+        axis_names=set(free),
         check_vma=False,  # the TPU's megablox kernel (Pallas) declares no varying axes
     )(x, weights, experts, chosen, gate, up, down, biases, adapters)
     return y, sizes, dropped + unreceived, jnp.mean(over)
