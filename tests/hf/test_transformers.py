@@ -182,6 +182,13 @@ def _jit_logits(model, ids):
     return model.logits(hax.named(ids, "position")).array
 
 
+THEIRS_TOL = {"qwen3_5_moe_text": 3e-5}
+"""Where transformers' own f32 rounding exceeds 1e-5 on the noise its parameter order draws
+(Qwen3.5-MoE: 2.5e-5 at one logit of 3,104, and transformers' Qwen3-Next gives exactly the
+same logits on those weights; our forward in float64 is 2.1e-5 from transformers' f32 and
+1.1e-5 from ours)."""
+
+
 @pytest.mark.parametrize("model_type", HF_TYPES)
 def test_every_family_round_trips_through_transformers(
     tmp_path, model_type, families, torch, transformers
@@ -216,7 +223,8 @@ def test_every_family_round_trips_through_transformers(
     hf.save_pretrained(tmp_path / "theirs")
     loaded = load_hf(tmp_path / "theirs")
     assert type(loaded.config) is type(config)
-    np.testing.assert_allclose(*_logits(torch, hf, loaded, ids), rtol=1e-5, atol=1e-5)
+    tol = THEIRS_TOL.get(model_type, 1e-5)
+    np.testing.assert_allclose(*_logits(torch, hf, loaded, ids), rtol=tol, atol=tol)
 
 
 GOAL_FAMILIES = ("qwen3", "mistral", "gemma2", "olmo2")
