@@ -70,9 +70,11 @@ def test_a_same_model_family_builds_the_other_familys_model(model_type, config, 
     other = families.tiny_config(families.SAME_MODEL[model_type], seq_len=SEQ)
     ours, theirs = (jax.eval_shape(lambda c=c: c.build(VOCAB, key=jax.random.PRNGKey(0))) for c in (config, other))  # fmt: skip
     assert type(ours) is type(theirs)
-    shapes = lambda m: [
-        (jax.tree_util.keystr(k), x.shape) for k, x in jax.tree_util.tree_leaves_with_path(m)
-    ]  # noqa: E731
+
+    def shapes(m):
+        leaves = jax.tree_util.tree_leaves_with_path(m)
+        return [(jax.tree_util.keystr(k), x.shape) for k, x in leaves]
+
     assert shapes(ours) == shapes(theirs)
 
 

@@ -33,6 +33,7 @@ kind: transformers' generate needs a full-attention layer)."""
 NO_REFERENCE: dict[str, str] = {
     "qwen3_next": "Gated DeltaNet layers: held to transformers instead (tests/hf/test_transformers.py)",
     "qwen3_5_moe_text": "Gated DeltaNet layers: held to transformers instead (tests/hf/test_transformers.py)",
+    "qwen3_5_text": "Gated DeltaNet layers: held to transformers instead (tests/hf/test_transformers.py)",
     "deepseek_v3": "MLA and DeepSeek routing: held to transformers instead (tests/hf/test_transformers.py)",
 }
 """HF families that tests/hf/hf_reference.py's numpy forward does not compute, with the reason."""
