@@ -1,9 +1,10 @@
 """Qwen3.5-MoE's text model (``model.type: qwen3_5_moe_text``): a model transformers built
 (random weights, a linear and a full layer) imports with its logits (f32, 1e-5) and greedy
 tokens and exports back tensor for tensor (the DeltaNet's four projections regrouped into
-Qwen3-Next's fused layout and out again); our model, trained a few steps, exports to
-transformers with the same logits and tokens; a router that does not renormalise is refused.
-Decoding, packing, remat and the refusals are Qwen3-Next's model (test_qwen3_next.py)."""
+Qwen3-Next's fused layout and out again); a router that does not renormalise is refused.
+The export direction (logits, greedy tokens) is tests/hf/test_transformers.py's round trip
+over every family; training, decoding, packing, remat and the refusals are Qwen3-Next's
+model (test_qwen3_next.py: trained 12 steps, exported, transformers' greedy tokens)."""
 
 from __future__ import annotations
 
@@ -86,23 +87,6 @@ def test_a_model_transformers_built_imports_with_its_logits_tokens_and_tensors(t
     assert all(f"model.layers.0.linear_attn.{n}.weight" in back for n in FOUR)
     for name, array in theirs.items():
         np.testing.assert_array_equal(back[name], array, err_msg=name)
-
-
-def test_trained_export_gives_transformers_logits_and_greedy_tokens(tmp_path, families):
-    """Trained 12 Adam steps on a repeating sequence, exported: transformers' logits (f32,
-    1e-5) and greedy tokens; the config.json comes back as the config."""
-    import torch
-    import transformers
-
-    model = families.trained(TINY, VOCAB, KEY)
-    export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert type(hf).__name__ == "Qwen3_5MoeForCausalLM"
-    np.testing.assert_allclose(logits(model), hf_logits(torch, hf), rtol=1e-5, atol=1e-5)
-    ours = sample_tokens(model, PROMPT, seq_len=16, max_new_tokens=8, temperature=0.0, key=KEY)
-    assert ours[5:7] == [9, 2]  # it learned the sequence
-    assert ours == hf_greedy(torch, hf, 8)
-    assert load_hf(tmp_path).config.hf_config(VOCAB) == TINY.hf_config(VOCAB)
 
 
 def test_a_router_that_does_not_renormalise_is_refused_naming_the_key():
