@@ -182,6 +182,14 @@ def _jit_logits(model, ids):
     return model.logits(hax.named(ids, "position")).array
 
 
+THEIRS_TOL = {"qwen3_5_moe_text": 3e-5, "qwen3_5_text": 3e-5}
+"""Where the Gated DeltaNet's f32 rounding exceeds 1e-5 on the noise transformers' parameter
+order draws (measured against our float64 forward, seq 32). Qwen3.5-MoE: 2.5e-5 at one logit
+of 3,104; transformers' f32 is 2.1e-5 off, ours 1.1e-5 (and transformers' Qwen3-Next gives
+exactly its Qwen3.5 logits on those weights). Dense Qwen3.5: up to 2e-5 at one position;
+ours is 1.4e-5 off, transformers' 3.7e-6 (our chunk size alone moves ours by 5e-6)."""
+
+
 @pytest.mark.parametrize("model_type", HF_TYPES)
 def test_every_family_round_trips_through_transformers(
     tmp_path, model_type, families, torch, transformers
@@ -216,7 +224,8 @@ def test_every_family_round_trips_through_transformers(
     hf.save_pretrained(tmp_path / "theirs")
     loaded = load_hf(tmp_path / "theirs")
     assert type(loaded.config) is type(config)
-    np.testing.assert_allclose(*_logits(torch, hf, loaded, ids), rtol=1e-5, atol=1e-5)
+    tol = THEIRS_TOL.get(model_type, 1e-5)
+    np.testing.assert_allclose(*_logits(torch, hf, loaded, ids), rtol=tol, atol=tol)
 
 
 GOAL_FAMILIES = ("qwen3", "mistral", "gemma2", "olmo2")

@@ -57,7 +57,29 @@ def assert_same_weights(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_forward_gives_batch_position_vocab_logits(model):
+def computed_once(model_type: str, families) -> None:
+    """Skip a family whose model is another family's (``SAME_MODEL``): computed as that one."""
+    if model_type in families.SAME_MODEL:
+        pytest.skip(f"{model_type}'s model is {families.SAME_MODEL[model_type]}'s, computed there")
+
+
+def test_a_same_model_family_builds_the_other_familys_model(model_type, config, families):
+    """``SAME_MODEL``'s claim, held: the same model class, parameter names and shapes."""
+    if model_type not in families.SAME_MODEL:
+        pytest.skip("not on SAME_MODEL")
+    other = families.tiny_config(families.SAME_MODEL[model_type], seq_len=SEQ)
+    ours, theirs = (jax.eval_shape(lambda c=c: c.build(VOCAB, key=jax.random.PRNGKey(0))) for c in (config, other))  # fmt: skip
+    assert type(ours) is type(theirs)
+
+    def shapes(m):
+        leaves = jax.tree_util.tree_leaves_with_path(m)
+        return [(jax.tree_util.keystr(k), x.shape) for k, x in leaves]
+
+    assert shapes(ours) == shapes(theirs)
+
+
+def test_forward_gives_batch_position_vocab_logits(model_type, model, families):
+    computed_once(model_type, families)
     logits = eqx.filter_jit(lambda m, t: m.logits(t))(model, tokens())  # one program, not op by op
     assert [(a.name, a.size) for a in logits.axes] == [
         ("batch", 2),
@@ -73,7 +95,8 @@ def test_param_count_and_flops(config, model):
     assert config.flops_per_token(VOCAB) > 0
 
 
-def test_loss_falls_under_adam(config):
+def test_loss_falls_under_adam(model_type, config, families):
+    computed_once(model_type, families)
     model = config.build(VOCAB, key=jax.random.PRNGKey(0))
     batch = tokens(batch=4)
     opt = optax.adam(1e-2)
@@ -103,7 +126,8 @@ def test_save_and_load_round_trip_exactly(model_type, model, tmp_path):
     assert_same_weights(model, loaded)
 
 
-def test_greedy_with_cache_equals_without(model):
+def test_greedy_with_cache_equals_without(model_type, model, families):
+    computed_once(model_type, families)
     args = dict(seq_len=SEQ, max_new_tokens=10, temperature=0.0, key=jax.random.PRNGKey(0))
     cached = sample_tokens(model, [3, 1, 4], **args)
     assert cached == sample_tokens(model, [3, 1, 4], use_cache=False, **args)

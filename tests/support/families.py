@@ -32,9 +32,14 @@ HYBRID = dict(
 kind: transformers' generate needs a full-attention layer)."""
 NO_REFERENCE: dict[str, str] = {
     "qwen3_next": "Gated DeltaNet layers: held to transformers instead (tests/hf/test_transformers.py)",
+    "qwen3_5_moe_text": "Gated DeltaNet layers: held to transformers instead (tests/hf/test_transformers.py)",
+    "qwen3_5_text": "Gated DeltaNet layers: held to transformers instead (tests/hf/test_transformers.py)",
     "deepseek_v3": "MLA and DeepSeek routing: held to transformers instead (tests/hf/test_transformers.py)",
 }
 """HF families that tests/hf/hf_reference.py's numpy forward does not compute, with the reason."""
+SAME_MODEL: dict[str, str] = {"qwen3_5_moe_text": "qwen3_next"}
+"""Families whose model is another family's (the same class and parameters from the same
+fields; only the HF layout differs): the contract suite computes with it once, as that family."""
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2)
 """Tiny mixtures of experts, for the families with a ``moe`` section (their routing kept)."""
 GROUPED = dict(num_groups=2, topk_groups=1, first_dense_layers=1, expert_intermediate_dim=16)

@@ -12,7 +12,8 @@ named activations only the experts' are marked). Full-attention layers:
 output), per-head zero-centred RMSNorm (``1 + w``) on queries and keys, rotary on the first
 ``partial_rotary_factor`` of each head. Every RMSNorm of the model is zero-centred; the gated
 norm inside the DeltaNet layer is not (as transformers has it). The routed experts run through ``models/moe`` (dropless grouped matmul, router statistics and
-balance losses as the other MoE families).
+balance losses as the other MoE families); a config without experts (``has_experts``
+false: dense Qwen3.5) has a SwiGLU MLP (``mlp.{gate,up,down}_proj``) in every layer instead.
 
 Decoding carries a ``HybridCache``: keys and values for the full layers (``max_len``
 positions) and the conv + recurrent state for the linear ones (constant in the position).
@@ -127,6 +128,8 @@ class Qwen3NextLmModel(LmModel):
         tokens, split as ``lead``, the tokens' axes, are) plus the shared expert times
         ``sigmoid(shared_expert_gate(x))``; ``aux`` gets router row ``row``."""
         c, p = self.config, f"model.layers.{i}.mlp."
+        if not c.has_experts:  # dense Qwen3.5: a SwiGLU MLP in every layer
+            return self._mlp(p, x), aux
         E = Axis(Experts, c.moe.num_experts)
         D, M = Axis(Embed, x.shape[-1]), Axis(Mlp, c.expert_dim)
         router = hnn.Linear(hax.named(self._p(p + "gate.weight"), (E, D)), None, E, D)
@@ -176,6 +179,8 @@ class Qwen3NextLmModel(LmModel):
         for i in range(c.num_layers):
             x, aux = layer(self, (x, aux), i, seg, pos, causal, self._lead(tokens, B))
         x = zc_norm(x, self._p("model.norm.weight"), c.rms_norm_eps)
+        if not c.has_experts:
+            return self._unflat(x, tokens), AuxOutputs()
         losses = aux.losses(c.moe.load_balance_loss_weight, c.moe.router_z_loss_weight)
         return self._unflat(x, tokens), AuxOutputs(losses, aux.metrics(), {})
 

@@ -173,6 +173,11 @@ class Qwen3NextConfig(LmConfig):
         return tuple(self.layer_types[i % n] for i in range(self.num_layers))
 
     @property
+    def has_experts(self) -> bool:
+        """Each layer's MLP is the experts and the shared expert (dense Qwen3.5: False)."""
+        return True
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
