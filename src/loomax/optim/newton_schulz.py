@@ -2,24 +2,25 @@
 
 Design (why not a sharded iteration): under FSDP, tensor or expert parallelism a weight rests
 split along its matrix dimensions (``embed -> data``, ``mlp -> model``), so every
-Newton-Schulz matmul of a matrix taken where it rests needs collectives: the Gram matrix
-``X X^T`` contracts over the split dimension (a partial sum, all-reduced five times per
-step and per matrix), or XLA gathers the whole matrix onto every device and every device
-repeats the same iteration (the global model's FLOPs on each device). Instead each matrix
-is gathered *once*, whole, and each device runs the iteration on its own whole matrices with no communication at all. The ``layers`` and ``experts`` axes are
-batch dimensions. A stack with at least as many matrices as devices (a mixture's expert
-weights, ``layers x experts`` of them) is split in place over its own batch dims: ``experts``
-stays on ``expert`` where it rests, the other mesh axes (but ``replica``) go to the batch
-dims they divide (unevenly, padded by XLA, where none does), so the matrix dims are gathered
-within each device's share by one all-to-all and never a whole stack. The smaller stacks of
-one matrix shape (``q_proj`` and ``o_proj`` of a few layers) are joined into one batch,
-padded to a multiple of the devices and split over every mesh axis but ``replica``. The
-results go back to where the parameters rest (XLA's all-to-all). Per device that is about
-``matrices / devices`` iterations: the per-device share of the work, not the global model
-(never a concatenation of differently laid out large stacks, which XLA gathers whole: 7.4
-TB a chip for Kimi K2's experts). ``replica`` (across slices, over DCN) is left out: every
-replica group repeats the work rather than sending updates across slices. With fewer
-matrices of a shape than devices, some devices idle for that shape.
+Newton-Schulz matmul of a matrix taken where it rests needs collectives: the Gram matrix ``X
+X^T`` contracts over the split dimension (a partial sum, all-reduced five times per step and
+per matrix), or XLA gathers the whole matrix onto every device and every device repeats the
+same iteration (the global model's FLOPs on each device). Instead each matrix is gathered
+*once*, whole, and each device runs the iteration on its own whole matrices with no
+communication at all. The ``layers`` and ``experts`` axes are batch dimensions. A stack with
+at least as many matrices as devices (a mixture's expert weights, ``layers x experts`` of
+them) is split in place over its own batch dims: ``experts`` stays on ``expert`` where it
+rests, the other mesh axes (but ``replica``) go to the batch dims they divide (unevenly,
+padded by XLA, where none does), so the matrix dims are gathered within each device's share by
+one all-to-all and never a whole stack. The smaller stacks of one matrix shape (``q_proj`` and
+``o_proj`` of a few layers) are joined into one batch, padded to a multiple of the devices and
+split over every mesh axis but ``replica``. The results go back to where the parameters rest
+(XLA's all-to-all). Per device that is about ``matrices / devices`` iterations: the per-device
+share of the work, not the global model (never a concatenation of differently laid out large
+stacks, which XLA gathers whole: 7.4 TB a chip for Kimi K2's experts). ``replica`` (across
+slices, over DCN) is left out: every replica group repeats the work rather than sending
+updates across slices. With fewer matrices of a shape than devices, some devices idle for that
+shape.
 
 The exact result per matrix is that of one device: each matrix is orthogonalised whole,
 by the same program; only where it runs changes.
