@@ -10,6 +10,9 @@
 * ``scaling``: only Muon's update (compiled, not run) of a stack of ``layers`` matrices:
   1 device x 1 layer, 8 devices x 8 layers (the same work per device: weak scaling) split
   and not split, 8 devices x 1 layer; XLA's FLOPs and temporaries per device.
+* ``experts``: only Muon's update (compiled) of a mixture's bare expert weights resting on
+  ``experts -> expert``, ``embed -> data``: 4 experts on data 2 x expert 2, 8 experts on
+  data 2 x expert 4 (the same share per device); XLA's FLOPs and temporaries per device.
 """
 
 from __future__ import annotations
@@ -149,6 +152,52 @@ def update_cost(devices: int, layers: int, split: bool) -> dict:
     }
 
 
+EXPERT_LAYERS, EXPERT_EMBED, EXPERT_MLP = 2, 64, 128
+
+
+def expert_update_cost(data: int, expert: int, experts: int) -> dict:
+    """XLA's per-device temporaries and FLOPs of Muon's direction on a mixture's bare expert
+    weights (gate, up: ``(layers, experts, embed, mlp)``; down: ``(layers, experts, mlp,
+    embed)``) resting as the trainer keeps them (``experts -> expert``, ``embed -> data``) on
+    ``data x expert`` devices, compiled only."""
+    L, X = hax.Axis("layers", EXPERT_LAYERS), hax.Axis("experts", experts)
+    E, M = hax.Axis("embed", EXPERT_EMBED), hax.Axis("mlp", EXPERT_MLP)
+
+    def bare(*axes):
+        return hax.NamedArray(jax.ShapeDtypeStruct(tuple(a.size for a in axes), jnp.float32), axes)
+
+    params = {"gate": bare(L, X, E, M), "up": bare(L, X, E, M), "down": bare(L, X, M, E)}
+    grid = np.array(jax.devices()[: data * expert]).reshape(1, data, expert, 1, 1, 1)
+    mesh = Mesh(grid, MESH_AXES)
+    tx = MuonConfig().direction()
+    mapping = {"embed": "data", "experts": "expert"}
+    with hax.partitioning.set_mesh(mesh):
+        shardings = hax.partitioning.infer_resource_partitions(
+            params, mapping, preserve_existing_shardings=False, mesh=mesh
+        )
+        state = jax.eval_shape(tx.init, params)
+        state_shardings = hax.partitioning.infer_resource_partitions(
+            state, mapping, preserve_existing_shardings=False, mesh=mesh
+        )
+        step = jax.jit(
+            lambda g, s: tx.update(g, s, g),
+            in_shardings=(shardings, state_shardings),
+            out_shardings=(shardings, state_shardings),
+        )
+        compiled = step.lower(params, state).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    hlo = compiled.as_text()
+    return {
+        "devices": data * expert,
+        "experts": experts,
+        "flops": float(cost["flops"]),
+        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+        "all_gather": hlo.count("all-gather("),
+        "all_to_all": hlo.count("all-to-all("),
+    }
+
+
 def main() -> dict:
     scaling = {
         "one_device_1_layer": update_cost(1, 1, True),
@@ -156,7 +205,12 @@ def main() -> dict:
         "fsdp8_8_layers_not_split": update_cost(8, 8, False),
         "one_device_8_layers": update_cost(1, 8, True),
     }
+    experts = {
+        "data2_expert2_4_experts": expert_update_cost(2, 2, 4),
+        "data2_expert4_8_experts": expert_update_cost(2, 4, 8),
+    }
     return {
+        "experts": experts,
         "losses": {name: losses(mesh) for name, mesh in MESHES.items()},
         "updates": update_differences(),
         "scaling": scaling,

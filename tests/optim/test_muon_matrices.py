@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import equinox as eqx
 import haliax as hax
 import haliax.nn as hnn
@@ -12,7 +14,7 @@ import pytest
 from loomax.models import LlamaConfig, MixtralConfig, MoeConfig
 from loomax.optim import MuonConfig
 from loomax.optim.muon_matrices import muon_labels, orthogonalize_matrices
-from loomax.optim.newton_schulz import newton_schulz, orthogonalize_stacks
+from loomax.optim.newton_schulz import batch_split, newton_schulz, orthogonalize_stacks
 
 MOE = MixtralConfig(
     seq_len=8, hidden_dim=16, intermediate_dim=24, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -80,3 +82,18 @@ def test_update_rms_scales_the_matrix_updates():
     small, big = update(0.2), update(0.4)
     np.testing.assert_allclose(big.weight.array, 2 * small.weight.array, rtol=1e-5)
     np.testing.assert_allclose(big.bias.array, small.bias.array)  # Adam's, unscaled
+
+
+def test_large_stacks_split_in_place_over_their_own_batch_dims():
+    # Kimi K2's experts on data 64 x expert 32: experts stay on expert (12 a chip), data takes
+    # the 60 layers unevenly (XLA pads): one layer x 12 experts a chip, nothing gathered whole
+    mesh = SimpleNamespace(shape={"data": 64, "expert": 32, "model": 1})
+    got = batch_split((60, 384), ("layers", "experts"), mesh, ("data", "expert"))
+    assert got == [("data",), ("expert",)]
+    # an axis that divides a dim goes there; one with a matrix a device or fewer is left out
+    mesh = SimpleNamespace(shape={"data": 4, "expert": 2})
+    assert batch_split((6, 8), ("layers", "experts"), mesh, ("data", "expert")) == [
+        None,
+        ("expert", "data"),
+    ]
+    assert batch_split((1,), (), mesh, ("data",)) == [None]

@@ -91,7 +91,7 @@ def orthogonalize_matrices(
 
     def update(updates, state, params=None):
         nodes, treedef = jax.tree.flatten(updates, is_leaf=_is_node)
-        picked, stacks, layouts = [], [], []
+        picked, stacks, names, layouts = [], [], [], []
         for i, node in enumerate(nodes):
             if isinstance(node, hnn.Linear) and not is_named_array(node.weight):
                 continue  # a Linear whose weight is another transform's (masked)
@@ -104,9 +104,10 @@ def orthogonalize_matrices(
             m = math.prod(w.array.shape[nb : nb + len(rows)])
             n = math.prod(w.array.shape[nb + len(rows) :])
             picked.append(i)
-            stacks.append(w.array.reshape(-1, m, n))
+            stacks.append(w.array.reshape(*w.array.shape[:nb], m, n))
+            names.append(batch)
             layouts.append((w, m, n))
-        ortho = orthogonalize_stacks(stacks, steps, split=split)
+        ortho = orthogonalize_stacks(stacks, steps, split=split, batch_names=names)
         nodes = list(nodes)
         for i, o, (w, m, n) in zip(picked, ortho, layouts, strict=True):
             scaled = (o * (update_rms * max(m, n) ** 0.5)).astype(w.dtype)

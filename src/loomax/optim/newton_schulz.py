@@ -2,21 +2,25 @@
 
 Design (why not a sharded iteration): under FSDP, tensor or expert parallelism a weight rests
 split along its matrix dimensions (``embed -> data``, ``mlp -> model``), so every
-Newton-Schulz matmul of a matrix taken where it rests needs collectives: the Gram matrix
-``X X^T`` contracts over the split dimension (a partial sum, all-reduced five times per
-step and per matrix), or XLA gathers the whole matrix onto every device and every device
-repeats the same iteration (the global model's FLOPs on each device). Instead the updates
-are gathered *once*, by matrix: the matrices of one shape (the ``layers`` and ``experts``
-axes are batch dimensions, and different parameters of the same shape, e.g. ``q_proj`` and
-``o_proj``, join one batch) are stacked, padded to a multiple of the devices and split along
-that batch over every mesh axis but ``replica`` (one all-to-all); each device runs the
-iteration on its own whole matrices with no communication at all, and the results go back
-to where the parameters rest (the second all-to-all, XLA's, from the parameter layout the
-update is added to). Per device that is ``ceil(matrices / devices)`` iterations: the
-per-device share of the work, not the global model. ``replica`` (across slices, over DCN)
-is left out: every replica group repeats the work rather than sending updates across slices.
-With fewer matrices of a shape than devices, some devices idle for that shape (the work per
-device is still one matrix, never more than one device's whole share).
+Newton-Schulz matmul of a matrix taken where it rests needs collectives: the Gram matrix ``X
+X^T`` contracts over the split dimension (a partial sum, all-reduced five times per step and
+per matrix), or XLA gathers the whole matrix onto every device and every device repeats the
+same iteration (the global model's FLOPs on each device). Instead each matrix is gathered
+*once*, whole, and each device runs the iteration on its own whole matrices with no
+communication at all. The ``layers`` and ``experts`` axes are batch dimensions. A stack with
+at least as many matrices as devices (a mixture's expert weights, ``layers x experts`` of
+them) is split in place over its own batch dims: ``experts`` stays on ``expert`` where it
+rests, the other mesh axes (but ``replica``) go to the batch dims they divide (unevenly,
+padded by XLA, where none does), so the matrix dims are gathered within each device's share by
+one all-to-all and never a whole stack. The smaller stacks of one matrix shape (``q_proj`` and
+``o_proj`` of a few layers) are joined into one batch, padded to a multiple of the devices and
+split over every mesh axis but ``replica``. The results go back to where the parameters rest
+(XLA's all-to-all). Per device that is about ``matrices / devices`` iterations: the per-device
+share of the work, not the global model (never a concatenation of differently laid out large
+stacks, which XLA gathers whole: 7.4 TB a chip for Kimi K2's experts). ``replica`` (across
+slices, over DCN) is left out: every replica group repeats the work rather than sending
+updates across slices. With fewer matrices of a shape than devices, some devices idle for that
+shape.
 
 The exact result per matrix is that of one device: each matrix is orthogonalised whole,
 by the same program; only where it runs changes.
@@ -35,6 +39,8 @@ from loomax.mesh import current_mesh
 
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)
 """The quintic's coefficients (Jordan et al.), pushing singular values into a band around 1."""
+PREFERRED_AXES = {"experts": "expert", "layers": "stage"}
+"""The mesh axis a named batch dim rests on (``mesh.make_axis_mappings``), kept when split."""
 SPLIT_AXES_EXCLUDED = ("replica",)
 """Mesh axes the matrices are not split over (each replica group repeats the work)."""
 
@@ -68,38 +74,80 @@ def split_axes(mesh) -> tuple[str, ...]:
 
 
 def orthogonalize_stacks(
-    stacks: list[jax.Array], steps: int, *, split: bool = True
+    stacks: list[jax.Array],
+    steps: int,
+    *,
+    split: bool = True,
+    batch_names: list[tuple[str, ...]] | None = None,
 ) -> list[jax.Array]:
-    """Orthogonalise every matrix of every ``[batch, m, n]`` array of ``stacks``.
+    """Orthogonalise every matrix of every ``[*batch, m, n]`` array of ``stacks``.
 
-    Arrays whose matrices have the same shape (up to a transpose) and dtype are
-    orthogonalised as one batch; with ``split`` and a mesh in context that batch is padded
-    to a multiple of the devices and split over them, whole matrices per device (see the
-    module docstring). Returns float32 arrays in the shapes given.
+    With ``split`` and a mesh in context (see the module docstring): a stack of at least as
+    many matrices as devices is split in place over its own batch dims (named by
+    ``batch_names``: ``experts`` stays on ``expert``, ``layers`` on ``stage``, the other mesh
+    axes taken by the batch dims they divide); the smaller stacks whose matrices have the
+    same shape (up to a transpose) are joined into one batch, padded to a multiple of the
+    devices and split. Returns float32 arrays in the shapes given.
     """
     mesh = current_mesh() if split else None
     axes = split_axes(mesh)
     ways = math.prod(mesh.shape[n] for n in axes) if axes else 1
+    names = batch_names or [()] * len(stacks)
     groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     wide = []
+    out: list[jax.Array | None] = [None] * len(stacks)
     for i, s in enumerate(stacks):
         w = s.astype(jnp.float32)
         w = w if w.shape[-2] <= w.shape[-1] else jnp.swapaxes(w, -1, -2)
         wide.append(w)
-        groups[w.shape[-2:]].append(i)
-    out: list[jax.Array | None] = [None] * len(stacks)
+        if ways == 1:
+            out[i] = _iterate(w, steps)
+        elif math.prod(w.shape[:-2]) >= ways:
+            spec = PartitionSpec(*batch_split(w.shape[:-2], names[i], mesh, axes), None, None)
+            w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
+            out[i] = jax.lax.with_sharding_constraint(_iterate(w, steps), spec)
+        else:
+            groups[w.shape[-2:]].append(i)
     for members in groups.values():
-        x = jnp.concatenate([wide[i] for i in members], axis=0)
+        x = jnp.concatenate([wide[i].reshape(-1, *wide[i].shape[-2:]) for i in members])
         total = x.shape[0]
-        if ways > 1:
-            x = jnp.pad(x, ((0, -total % ways), (0, 0), (0, 0)))  # zeros stay zeros
-            spec = PartitionSpec(axes if len(axes) > 1 else axes[0], None, None)
-            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        x = jnp.pad(x, ((0, -total % ways), (0, 0), (0, 0)))  # zeros stay zeros
+        spec = PartitionSpec(axes if len(axes) > 1 else axes[0], None, None)
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
         y = _iterate(x, steps)[:total]
         start = 0
         for i in members:
-            n = wide[i].shape[0]
-            part = y[start : start + n]
+            n = math.prod(wide[i].shape[:-2])
+            out[i] = y[start : start + n].reshape(wide[i].shape)
             start += n
-            out[i] = part if part.shape == stacks[i].shape else jnp.swapaxes(part, -1, -2)
-    return out  # type: ignore[return-value]
+    return [
+        o if o.shape == s.shape else jnp.swapaxes(o, -1, -2)  # type: ignore[union-attr]
+        for o, s in zip(out, stacks, strict=True)
+    ]
+
+
+def batch_split(
+    shape: tuple[int, ...], names: tuple[str, ...], mesh, axes: tuple[str, ...]
+) -> list[tuple[str, ...] | None]:
+    """The mesh axes each batch dim of ``shape`` is split over: a named dim first on its
+    preferred axis (where the weights rest), then each other axis, largest first, on the dim
+    it divides with the most matrices a device, else (unevenly, XLA pads) on the dim with
+    the most, or on none when every dim has at most one matrix a device."""
+    placed: list[list[str]] = [[] for _ in shape]
+    per_device = list(shape)
+    left = list(axes)
+    for d, name in enumerate(names):
+        axis = PREFERRED_AXES.get(name)
+        if axis in left and per_device[d] % mesh.shape[axis] == 0:
+            placed[d].append(axis)
+            per_device[d] //= mesh.shape[axis]
+            left.remove(axis)
+    for axis in sorted(left, key=lambda a: -mesh.shape[a]):
+        size = mesh.shape[axis]
+        even = [d for d in range(len(shape)) if per_device[d] % size == 0]
+        d = max(even or range(len(shape)), key=lambda d: per_device[d])
+        if per_device[d] <= 1:
+            continue  # every device of this axis repeats the work
+        placed[d].append(axis)
+        per_device[d] = -(-per_device[d] // size)
+    return [tuple(p) if p else None for p in placed]
