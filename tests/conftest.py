@@ -117,20 +117,37 @@ RAY_MODULES: set[Path] = set()
 """The collected modules that use `ray_cluster` (filled at collection)."""
 
 
+FILE_COSTS = REPO / "tests" / "support" / "file_costs.json"
+"""The test files that take long (wall seconds on a `make test` worker; `bench/suite_file_costs.py`
+writes it from a run's timeline)."""
+
+
+def schedule_key(path: Path, costs: dict[str, int], slow: bool, ray: bool) -> tuple:
+    """Where a module's tests go in the run: the machine-wide Ray modules first (mostly
+    waiting on Ray's daemons, they overlap best with work that needs the CPU), then the long
+    files of `FILE_COSTS`, longest first (`make test` hands out whole files in this order, so
+    the last files a worker takes are short and the two workers end together), then modules
+    with `slow` tests, then the rest; within each part the modules that use `ray_cluster` come
+    together, so a worker's Ray serves them in a row."""
+    cost = (
+        costs.get(path.relative_to(REPO / "tests").as_posix(), 0)
+        if path.is_relative_to(REPO / "tests")
+        else 0
+    )
+    return (path.name not in MACHINE_RAY_MODULES, -cost, not slow, not ray)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """The machine-wide Ray modules go first (mostly waiting on Ray's daemons, they overlap
-    best with work that needs the CPU), then modules with `slow` tests (`make test` hands out
-    whole files in this order), so no worker is left with a long tail; within each part the
-    modules that use `ray_cluster` come together, so a worker's Ray serves them in a row.
-    A module's tests stay together: moving to another module and back would build its
-    module fixtures twice."""
+    """Sorts the modules by `schedule_key`. A module's tests stay together: moving to another
+    module and back would build its module fixtures twice (the sort is stable)."""
+    import json
+
+    costs = json.loads(FILE_COSTS.read_text()) if FILE_COSTS.exists() else {}
     slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
     RAY_MODULES.update(item.path for item in items if "ray_cluster" in item.fixturenames)
     items.sort(
-        key=lambda item: (
-            item.path.name not in MACHINE_RAY_MODULES,
-            item.path not in slow_modules,
-            item.path not in RAY_MODULES,
+        key=lambda item: schedule_key(
+            item.path, costs, item.path in slow_modules, item.path in RAY_MODULES
         )
     )
 

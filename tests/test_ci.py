@@ -77,3 +77,28 @@ def test_make_demo_installs_what_the_demo_runs_and_make_test_the_test_extra(repo
     assert demo and all(line.endswith(" -e .") for line in demo), demo
     test = installs("test")
     assert test and all('-e ".[test,docs]"' in line for line in test), test
+
+
+def test_the_long_files_go_first_longest_first_and_every_listed_file_exists(repo_root):
+    # `make test` hands whole files to its two workers in this order: a long file taken last
+    # would leave the other worker idle for its whole length (the shipped-config compiles,
+    # ~300 s, once ran last)
+    import json
+    import sys
+
+    sys.path.insert(0, str(repo_root / "tests"))
+    from conftest import FILE_COSTS, MACHINE_RAY_MODULES, schedule_key
+
+    costs = json.loads(FILE_COSTS.read_text())
+    assert costs["plan/test_shipped_configs.py"] == max(costs.values())
+    for name in costs:
+        assert (repo_root / "tests" / name).is_file(), f"{FILE_COSTS.name} lists {name}"
+    tests = repo_root / "tests"
+    paths = [
+        tests / "test_ci.py",
+        tests / "plan" / "test_shipped_configs.py",
+        tests / "train" / "test_diloco.py",
+        tests / "distributed" / MACHINE_RAY_MODULES[0],
+    ]
+    order = sorted(paths, key=lambda p: schedule_key(p, costs, slow=False, ray=False))
+    assert order == [paths[3], paths[1], paths[2], paths[0]]
