@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import time
+
+from suite_cpu_plugin import _cpu  # this process's CPU and its waited-for children's
 
 OUT = os.environ.get("SUITE_TIMELINE_OUT", "suite_timeline.jsonl")
 _state: dict = {}
-
-
-def _cpu() -> float:
-    own, children = (
-        resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-    )
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _file_done() -> None:

@@ -127,3 +127,46 @@ def trained(config: LmConfig, vocab: int, key, steps: int = 12):
         losses.append(float(loss))
     assert losses[-1] < losses[0] / 2, losses
     return model
+
+
+def noisy_hf_model(hf_config, scale: float):
+    """transformers' model of ``hf_config`` (torch seed 0, eval mode), every parameter moved by
+    ``scale`` times a standard normal draw: no weight left at its init's zeros or ones."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return hf
+
+
+def jit_logits(model, ids):
+    """Our logits [position, vocab] of one row of token ids, as one compiled forward."""
+    import equinox as eqx
+    import haliax as hax
+    import numpy as np
+
+    return np.asarray(eqx.filter_jit(lambda m: m.logits(hax.named(ids, "position")).array)(model))
+
+
+def hf_logits(hf, ids):
+    """transformers' logits [position, vocab] of one row of token ids."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        return hf(torch.tensor(np.asarray(ids)[None], dtype=torch.long)).logits[0].numpy()
+
+
+def hf_greedy(hf, prompt, steps: int) -> list[int]:
+    """``prompt`` and exactly ``steps`` greedy tokens of transformers' ``generate``."""
+    import torch
+
+    with torch.no_grad():
+        return hf.generate(
+            torch.tensor([list(prompt)]), max_new_tokens=steps, do_sample=False,
+            eos_token_id=None, pad_token_id=0, min_new_tokens=steps,
+        )[0].tolist()  # fmt: skip

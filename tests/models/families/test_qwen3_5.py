@@ -19,7 +19,7 @@ IDS = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (16,), 0, VOCAB))
 PROMPT = [3, 1, 4, 1, 5]
 
 
-def test_a_model_transformers_built_imports_with_its_logits_tokens_and_tensors(tmp_path):
+def test_a_model_transformers_built_imports_with_its_logits_tokens_and_tensors(tmp_path, families):
     import torch
     import transformers
     from safetensors.numpy import load_file
@@ -30,11 +30,7 @@ def test_a_model_transformers_built_imports_with_its_logits_tokens_and_tensors(t
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
         layer_types=["linear_attention", "full_attention"], max_position_embeddings=16,
     )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.5 * torch.randn_like(p))
+    hf = families.noisy_hf_model(config, 0.5)
     hf.save_pretrained(tmp_path / "theirs")
     loaded = load_hf(tmp_path / "theirs")
     assert type(loaded.config).__name__ == "Qwen35Config" and not loaded.config.has_experts

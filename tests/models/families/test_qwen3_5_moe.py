@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import equinox as eqx
-import haliax as hax
 import jax
 import numpy as np
 import pytest
@@ -36,31 +34,13 @@ TINY = Qwen35Moe(
 FOUR = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
-def logits(model) -> np.ndarray:
-    return np.asarray(eqx.filter_jit(lambda m: m.logits(hax.named(IDS, "position")).array)(model))
-
-
-def hf_logits(torch, hf) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor(IDS[None], dtype=torch.long)).logits[0].numpy()
-
-
-def hf_greedy(torch, hf, steps: int) -> list[int]:
-    with torch.no_grad():
-        return hf.generate(
-            torch.tensor([PROMPT]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
-            pad_token_id=0, min_new_tokens=steps,
-        )[0].tolist()  # fmt: skip
-
-
 def tensors(path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     return load_file(path / "model.safetensors")
 
 
-def test_a_model_transformers_built_imports_with_its_logits_tokens_and_tensors(tmp_path):
-    import torch
+def test_a_model_transformers_built_imports_with_its_logits_tokens_and_tensors(tmp_path, families):
     import transformers
 
     config = transformers.Qwen3_5MoeTextConfig(
@@ -70,17 +50,15 @@ def test_a_model_transformers_built_imports_with_its_logits_tokens_and_tensors(t
         moe_intermediate_size=16, shared_expert_intermediate_size=24,
         layer_types=["linear_attention", "full_attention"], max_position_embeddings=16,
     )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.5 * torch.randn_like(p))
+    hf = families.noisy_hf_model(config, 0.5)
     hf.save_pretrained(tmp_path / "theirs")
     loaded = load_hf(tmp_path / "theirs")
     assert type(loaded.config) is Qwen35Moe and loaded.config.rotary_dim == 2
-    np.testing.assert_allclose(logits(loaded), hf_logits(torch, hf), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        families.jit_logits(loaded, IDS), families.hf_logits(hf, IDS), rtol=1e-5, atol=1e-5
+    )
     ours = sample_tokens(loaded, PROMPT, seq_len=16, max_new_tokens=8, temperature=0.0, key=KEY)
-    assert ours == hf_greedy(torch, hf, 8)
+    assert ours == families.hf_greedy(hf, PROMPT, 8)
     export_hf(loaded, tmp_path / "back")
     theirs, back = tensors(tmp_path / "theirs"), tensors(tmp_path / "back")
     assert sorted(back) == sorted(theirs)

@@ -33,26 +33,8 @@ TINY = Qwen3Next(
 )  # fmt: skip
 
 
-def logits(model) -> np.ndarray:
-    return np.asarray(eqx.filter_jit(lambda m: m.logits(hax.named(IDS, "position")).array)(model))
-
-
-def hf_logits(torch, hf) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor(IDS[None], dtype=torch.long)).logits[0].numpy()
-
-
-def hf_greedy(torch, hf, steps: int) -> list[int]:
-    with torch.no_grad():
-        return hf.generate(
-            torch.tensor([PROMPT]), max_new_tokens=steps, do_sample=False, eos_token_id=None,
-            pad_token_id=0, min_new_tokens=steps,
-        )[0].tolist()  # fmt: skip
-
-
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    import torch
+def hf_dir(tmp_path_factory, families):
     import transformers
 
     config = transformers.Qwen3NextConfig(
@@ -62,26 +44,23 @@ def hf_dir(tmp_path_factory):
         num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
         layer_types=["linear_attention", "full_attention"], max_position_embeddings=16,
     )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.5 * torch.randn_like(p))
+    hf = families.noisy_hf_model(config, 0.5)
     path = tmp_path_factory.mktemp("qwen3_next")
     hf.save_pretrained(path)
     return path, hf
 
 
-def test_a_model_transformers_built_imports_with_its_logits_and_greedy_tokens(hf_dir):
-    import torch
+def test_a_model_transformers_built_imports_with_its_logits_and_greedy_tokens(hf_dir, families):
 
     path, hf = hf_dir
     loaded = load_hf(path)
     assert loaded.config.layer_kinds == ("linear_attention", "full_attention")
     assert loaded.config.rotary_dim == 2  # partial rotary: a quarter of 8
-    np.testing.assert_allclose(logits(loaded), hf_logits(torch, hf), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        families.jit_logits(loaded, IDS), families.hf_logits(hf, IDS), rtol=1e-5, atol=1e-5
+    )
     ours = sample_tokens(loaded, PROMPT, seq_len=16, max_new_tokens=8, temperature=0.0, key=KEY)
-    assert ours == hf_greedy(torch, hf, 8)
+    assert ours == families.hf_greedy(hf, PROMPT, 8)
 
 
 def test_trained_export_gives_transformers_logits_and_greedy_tokens(tmp_path, families):
@@ -94,10 +73,12 @@ def test_trained_export_gives_transformers_logits_and_greedy_tokens(tmp_path, fa
     export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(hf).__name__ == "Qwen3NextForCausalLM"
-    np.testing.assert_allclose(logits(model), hf_logits(torch, hf), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        families.jit_logits(model, IDS), families.hf_logits(hf, IDS), rtol=1e-5, atol=1e-5
+    )
     ours = sample_tokens(model, PROMPT, seq_len=16, max_new_tokens=8, temperature=0.0, key=KEY)
     assert ours[5:7] == [9, 2]  # it learned the sequence
-    assert ours == hf_greedy(torch, hf, 8)
+    assert ours == families.hf_greedy(hf, PROMPT, 8)
     assert load_hf(tmp_path).config.hf_config(VOCAB) == TINY.hf_config(VOCAB)
 
 
