@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [
         "_jax_compat",
         "peak_flops",
         "batch_schedule",
+        "trace_frames",
     },
     {"cli_parser", "row_blocks"},
     {"mesh", "tree_paths", "stages", "mesh_fit", "pipeline_schedules"},

@@ -15,12 +15,10 @@ scores and sinks are refused in one line (``refuse_reason``).
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
-
 import haliax as hax
 import jax
+
+from loomax.trace_frames import FrameStack
 
 ATTN = "attn"
 """The key under which an attention reports within its frame."""
@@ -28,39 +26,26 @@ ATTN = "attn"
 MAX_BACKENDS = ("vanilla", "blockwise")
 """The attention backends that compute per-head maximum logits."""
 
-_local = threading.local()
-
-
-def _stack() -> list[dict[str, hax.NamedArray]]:
-    if not hasattr(_local, "stack"):
-        _local.stack = []
-    return _local.stack
+_FRAMES = FrameStack()
 
 
 def active() -> bool:
     """Whether a ``collecting()`` block is open (attention reports its maximum logits)."""
-    return bool(_stack())
+    return _FRAMES.active()
 
 
-@contextlib.contextmanager
-def collecting() -> Iterator[dict[str, hax.NamedArray]]:
+def collecting():
     """Open a frame: reports inside it land in the dict yielded (``{name: maxima}``)."""
-    seen: dict[str, hax.NamedArray] = {}
-    _stack().append(seen)
-    try:
-        yield seen
-    finally:
-        _stack().pop()
+    return _FRAMES.open()
 
 
 def record(name: str, maxima: hax.NamedArray) -> None:
     """Record ``maxima`` under ``name`` in the open frame (the elementwise maximum with what
     is there already), if one is open; stopped from the gradient."""
-    stack = _stack()
-    if not stack:
+    frame = _FRAMES.innermost()
+    if frame is None:
         return
     maxima = jax.lax.stop_gradient(maxima)
-    frame = stack[-1]
     frame[name] = maxima if name not in frame else hax.maximum(frame[name], maxima)
 
 

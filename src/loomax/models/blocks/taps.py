@@ -14,8 +14,6 @@ global (XLA reduces across devices).
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import haliax as hax
@@ -24,6 +22,7 @@ import jax.numpy as jnp
 
 from loomax.models.attention import max_logits
 from loomax.models.blocks import offload
+from loomax.trace_frames import FrameStack
 
 STATS = ("mean", "std", "absmax", "rms", "near_zero")
 """What ``tap`` records of an activation."""
@@ -31,30 +30,18 @@ STATS = ("mean", "std", "absmax", "rms", "near_zero")
 NEAR_ZERO = 1e-3
 """A value is near zero when its magnitude is below this fraction of the tensor's RMS."""
 
-_local = threading.local()
-
-
-def _stack() -> list[dict[str, Any]]:
-    if not hasattr(_local, "stack"):
-        _local.stack = []
-    return _local.stack
+_FRAMES = FrameStack()
 
 
 def active() -> bool:
     """Whether a ``collect()`` block is open (statistics are being taken)."""
-    return bool(_stack())
+    return _FRAMES.active()
 
 
-@contextlib.contextmanager
-def collect() -> Iterator[dict[str, Any]]:
+def collect():
     """Open a collection: ``tap`` calls inside it record into the dict yielded
     (``{name: {stat: value}}``; ``scan_layers`` adds ``layer_<i>/<name>``)."""
-    recorded: dict[str, Any] = {}
-    _stack().append(recorded)
-    try:
-        yield recorded
-    finally:
-        _stack().pop()
+    return _FRAMES.open()
 
 
 def stats_of(x) -> dict[str, jax.Array]:
@@ -72,18 +59,18 @@ def stats_of(x) -> dict[str, jax.Array]:
 
 def tap(name: str, x):
     """``x``, its statistics recorded under ``name`` if a collection is open."""
-    stack = _stack()
-    if stack:
-        stack[-1][name] = stats_of(x)
+    frame = _FRAMES.innermost()
+    if frame is not None:
+        frame[name] = stats_of(x)
     return x
 
 
 def record(name: str, stats: dict[str, jax.Array]) -> None:
     """Record ``STATS`` computed elsewhere (e.g. of logits that never exist whole) under
     ``name``, if a collection is open."""
-    stack = _stack()
-    if stack:
-        stack[-1][name] = stats
+    frame = _FRAMES.innermost()
+    if frame is not None:
+        frame[name] = stats
 
 
 def scan_layers(
@@ -117,13 +104,13 @@ def scan_layers(
     )(x, blocks.stacked, *args, **kwargs)
     if max_logits.ATTN in seen:
         max_logits.record(max_logits.stack_key(first_layer), seen[max_logits.ATTN])
-    stack = _stack()
-    if stack:
+    frame = _FRAMES.innermost()
+    if frame is not None:
         width = len(str(first_layer + size - 1))
         for name, stats in per_layer.items():
             for i in range(size):
                 where = f"layer_{first_layer + i:0{width}d}/{name}"
-                stack[-1][where] = {k: v[i] for k, v in stats.items()}
+                frame[where] = {k: v[i] for k, v in stats.items()}
     return out
 
 
