@@ -7,7 +7,7 @@ import math
 import jax
 import pytest
 
-pytestmark = pytest.mark.usefixtures("libtpu")  # in the test extra: fails, not skips, without it
+pytestmark = pytest.mark.usefixtures("libtpu", "quick_compiles")  # conftest.py: why quick
 
 from loomax.lm.config import TrainLmConfig  # noqa: E402
 

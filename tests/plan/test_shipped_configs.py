@@ -14,7 +14,7 @@ compiler aborts on it (async_slice_util.cc: "Sublane slicing size not multiple o
 chunk sublane size"); Loomax's ``offload`` moves the layer inputs only.
 
 These compiles run at XLA's lowest execution-time optimization effort
-(``jax_exec_time_optimization_effort`` -1, the ``quick_compiles`` fixture): libtpu then
+(``jax_exec_time_optimization_effort`` -1, tests/plan/conftest.py's ``quick_compiles``): libtpu then
 skips optimizations that only make the program run faster, and compiles in about half the
 CPU time (DeepSeek-V3's shrunk step: 52.6 against 29.9 CPU-s, AMD EPYC). What the tests
 check (each config builds, partitions, compiles, fits and gets an estimate) does not depend on
@@ -28,7 +28,6 @@ import functools
 import math
 from pathlib import Path
 
-import jax
 import pytest
 
 pytestmark = pytest.mark.usefixtures("libtpu", "quick_compiles")  # libtpu: fails, not skips
@@ -61,15 +60,6 @@ topology = functools.cache(get_topology)  # libtpu makes the devices once per pr
 _COMPILED: dict[str, object] = {}
 """Compile results by the shrunk config's YAML: configs that differ only in what ``small``
 overrides (llama_8b_128k and llama_8b_1m: the sequence, the pod) are one program here."""
-
-
-@pytest.fixture(scope="module")
-def quick_compiles():
-    """This file's compiles at the lowest execution-time optimization effort (see above)."""
-    before = jax.config.jax_exec_time_optimization_effort
-    jax.config.update("jax_exec_time_optimization_effort", -1.0)
-    yield
-    jax.config.update("jax_exec_time_optimization_effort", before)
 
 
 def small(config: TrainLmConfig) -> list[str]:
