@@ -34,9 +34,9 @@ from loomax.plan.candidates import (
     remat_of,
     remat_variants,
     run_default,
-    stage_strategies,
 )
 from loomax.plan.compile import CompileResult, compile_run
+from loomax.plan.stage_strategies import stage_strategies
 from loomax.plan.topology import Topology
 from loomax.plan.worker import compile_isolated
 
@@ -159,8 +159,9 @@ def search(
     long = context_strategies(
         topology.num_devices, topology.num_slices, config.model.seq_len, batch=batch
     )
+    layers = getattr(config.model, "num_layers", 0)
     staged = stage_strategies(
-        topology.num_devices, topology.num_slices, getattr(config.model, "num_layers", 0), batch
+        topology.num_devices, topology.num_slices, layers, batch, explicit=experts is None
     )
     for c in [
         *staged,
