@@ -97,7 +97,7 @@ def pipeline_bubble(jaxpr: Any, pipeline: PipelineConfig, stages: int) -> Pipeli
         if codes is not None
         else v * m
     )
-    slots_bubble = 1 - busy / slots if slots else None
+    slots_bubble = (slots - busy) / slots if slots else None
     counted = lockstep = None
     if not explicit:
         counted = slots_bubble
