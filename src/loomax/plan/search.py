@@ -1,7 +1,8 @@
 """``loomax plan``'s search: compile every candidate, rank them by estimated step time.
 
 Four rounds, as a researcher would go: every mesh shape and mapping with the run's own
-remat policy and batch split (at long sequence lengths, context parallelism first; a mesh
+remat policy and batch split (for deep models, pipeline stages under each schedule first,
+``plan/stage_strategies.py``; at long sequence lengths, context parallelism; a mesh
 whose data-parallel devices cannot split the batch is reported, not compiled); then, for the two best so far, the other remat policies;
 then, for the two best after that, 2, 4 or 8 microbatches; then, for the best, the optimizer
 state in host memory (streamed, or updated there; two candidates are kept for this round).
