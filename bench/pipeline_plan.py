@@ -4,8 +4,8 @@
   python bench/pipeline_plan.py [--compile NAME ...] [--out FILE]
 
 Variants (``config/llama_70b.yaml`` with these keys): ``gpipe_m8`` (as shipped: 256 rows, 8
-microbatches), ``gpipe_m16`` and ``1f1b_m16`` (512 rows, 16 microbatches: rows a microbatch
-as at m 8). Each variant's ``loomax compile`` report is read from ``--reports`` (a JSON per
+microbatches), ``gpipe_m16``, ``1f1b_m16`` and ``zero_bubble_m16`` (512 rows, 16
+microbatches: rows a microbatch as at m 8). Each variant's ``loomax compile`` report is read from ``--reports`` (a JSON per
 variant, ``compile-<variant>.json``, written by ``loomax compile --out``; a full-size compile
 takes 10-15 minutes of a loaded 2-core host) or compiled here with ``--compile NAME``. Where a
 report has no ``pipeline`` figures (written before ``plan/stage_loop.py``), the step is
@@ -41,6 +41,10 @@ VARIANTS = {
     "1f1b_m16": [
         "--trainer.train_batch_size", "512", "--trainer.pipeline.microbatches", "16",
         "--trainer.pipeline.schedule", "1f1b",
+    ],
+    "zero_bubble_m16": [
+        "--trainer.train_batch_size", "512", "--trainer.pipeline.microbatches", "16",
+        "--trainer.pipeline.schedule", "zero_bubble",
     ],
 }  # fmt: skip
 

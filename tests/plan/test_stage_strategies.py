@@ -11,7 +11,7 @@ import pytest
 
 from loomax.config import parse_config
 from loomax.lm.config import TrainLmConfig
-from loomax.plan.candidates import OFFLOAD_KEYS
+from loomax.plan.candidates import OFFLOAD_KEYS, run_default
 from loomax.plan.stage_loop import schedule_bubble
 from loomax.plan.stage_strategies import schedule_plans, stage_strategies
 
@@ -39,6 +39,8 @@ def test_deep_models_try_each_schedule_on_each_stage_count():
     assert applied.trainer.mesh.resolve(128)["stage"] == 4
     assert applied.trainer.pipeline.schedule == "1f1b"
     assert applied.trainer.pipeline.microbatches == 16
+    staged_run = parse_config(TrainLmConfig, None, ["--trainer.mesh.stage", "4"])
+    assert run_default(staged_run, 8).label == "fsdp pp4 2x1 (the run's)"
 
 
 def test_the_loss_in_loop_schedules_run_more_microbatches_for_a_smaller_bubble():

@@ -287,6 +287,7 @@ def run_default(config: TrainLmConfig, num_devices: int) -> Candidate:
     kind = ("fsdp" if config.trainer.shard_params else "zero2") if fsdp else "dp"
     tp = f" tp{sizes['model']}" if sizes["model"] > 1 else ""
     tp += f" cp{sizes['context']}" if sizes["context"] > 1 else ""
+    tp += f" pp{sizes['stage']}" if sizes.get("stage", 1) > 1 else ""
     shape = f"{sizes['data']}x{sizes['model']}"
     if sizes["expert"] > 1:
         kind, shape = (
