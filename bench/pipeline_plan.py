@@ -1,4 +1,4 @@
-"""Llama-3-70B at 8k on v5p:4x4x8 (stage 4 x data 32) under GPipe and 1F1B, compile only
+"""Llama-3-70B at 8k on v5p:4x4x8 (stage 4 x data 32) under GPipe, 1F1B and zero-bubble, compile only
 (libtpu, no chips; issue 67): memory per chip, the estimated step and each schedule's bubble.
 
   python bench/pipeline_plan.py [--compile NAME ...] [--out FILE]
