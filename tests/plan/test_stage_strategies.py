@@ -39,8 +39,14 @@ def test_deep_models_try_each_schedule_on_each_stage_count():
     assert applied.trainer.mesh.resolve(128)["stage"] == 4
     assert applied.trainer.pipeline.schedule == "1f1b"
     assert applied.trainer.pipeline.microbatches == 16
-    staged_run = parse_config(TrainLmConfig, None, ["--trainer.mesh.stage", "4"])
+    flags = ["--trainer.mesh.stage", "4", "--trainer.pipeline.schedule", "interleaved"]
+    staged_run = parse_config(
+        TrainLmConfig, None, [*flags, "--trainer.pipeline.virtual_stages", "2"]
+    )
     assert run_default(staged_run, 8).label == "fsdp pp4 2x1 (the run's)"
+    for candidate in stage_strategies(128, 1, 80, 512)[4:8]:  # from 2 chunks a device, and to
+        pipeline = candidate.apply(staged_run).trainer.pipeline
+        assert pipeline.virtual_stages == (2 if "interleaved" in candidate.label else 1)
 
 
 def test_the_loss_in_loop_schedules_run_more_microbatches_for_a_smaller_bubble():

@@ -55,12 +55,15 @@ class StagePlan:
         return f"{self.schedule}{chunks} m{self.microbatches}"
 
     def overrides(self) -> dict:
-        """The ``trainer.pipeline`` keys of this plan."""
-        return {
-            "trainer.pipeline.schedule": self.schedule,
-            "trainer.pipeline.microbatches": self.microbatches,
-            "trainer.pipeline.virtual_stages": self.virtual_stages,
-        }
+        """The ``trainer.pipeline`` keys of this plan, in an order each step of
+        ``apply_overrides`` validates (chunks a device set after an interleaved schedule,
+        back to 1 before another)."""
+        keys = [
+            ("trainer.pipeline.schedule", self.schedule),
+            ("trainer.pipeline.virtual_stages", self.virtual_stages),
+        ]
+        keys = keys if self.virtual_stages > 1 else keys[::-1]
+        return {**dict(keys), "trainer.pipeline.microbatches": self.microbatches}
 
 
 def schedule_plans(
