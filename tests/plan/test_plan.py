@@ -274,16 +274,3 @@ def test_plan_tries_offloading_the_best_and_ranks_it_with_the_others(monkeypatch
     assert all(labels[i].startswith(labels[0].split(" offload-")[0]) for i in offloaded)
     n = len(labels)
     assert offloaded == ([0, 1, 2] if not others_fit else [n - 3, n - 2, n - 1])
-
-
-def test_deep_models_try_pipeline_stages():
-    from loomax.plan.candidates import stage_strategies
-
-    assert stage_strategies(128, 1, 32, 512) == []  # shallower than STAGES_FROM_LAYERS
-    staged = stage_strategies(128, 1, 80, 512)
-    assert [c.label for c in staged] == ["fsdp pp2 64x2", "fsdp pp4 32x4", "fsdp pp8 16x8"]
-    assert [c.label for c in stage_strategies(16, 1, 60, 64)] == ["fsdp pp2 8x2", "fsdp pp4 4x4"]
-    assert stage_strategies(16, 1, 80, 16) == []  # no microbatch splits over the data devices
-    applied = staged[1].apply(parse_config(TrainLmConfig, None, []))
-    assert applied.trainer.mesh.resolve(128)["stage"] == 4
-    assert applied.trainer.pipeline.microbatches == 8

@@ -138,5 +138,9 @@ def test_shipped_config_compiles_with_no_extra_flag(name):
     assert result.error is None and result.fits, (result.error, result.notes)
     assert result.est_mfu is not None and 0 < result.est_mfu <= 1
     assert math.isfinite(result.est_step_s)
+    if config.trainer.mesh.stage > 1:  # 2 stages, 2 microbatches: a loop of 3 slots, 2 busy
+        assert result.pipeline["schedule"] == config.trainer.pipeline.schedule
+        assert (result.pipeline["slots"], result.pipeline["busy"]) == (3, 2)
+        assert result.pipeline["counted"] == result.pipeline["formula"] == 1 / 3
     if config.model.gradient_checkpointing == "offload":
         assert result.host_bytes > 0  # the layer inputs wait in host memory

@@ -132,40 +132,6 @@ def context_strategies(
     return out
 
 
-STAGES_FROM_LAYERS = 60
-"""Models with at least this many layers also try pipeline stages (``stage_strategies``)."""
-
-
-def stage_strategies(
-    num_devices: int, num_slices: int, num_layers: int, batch: int, max_stage: int = 8
-) -> list[Candidate]:
-    """FSDP with the layers split over ``stage`` = 2, 4, 8 devices (GPipe, twice as many
-    microbatches as stages), where it divides the devices of a slice and the layers and the
-    batch's microbatches split over the data devices; none for models shallower than
-    ``STAGES_FROM_LAYERS``. Their estimate counts the bubble: the staged loop's idle slots
-    compute too, and the estimate scales the loop by its trip count."""
-    if num_layers < STAGES_FROM_LAYERS:
-        return []
-    per_slice = num_devices // num_slices
-    out = []
-    stage = 2
-    while stage <= min(max_stage, per_slice):
-        data = per_slice // stage
-        rows = batch // (2 * stage) if batch % (2 * stage) == 0 else 0
-        if per_slice % stage == 0 and num_layers % stage == 0 and rows and rows % data == 0:
-            mesh = {"replica": num_slices, "data": data, "expert": 1, "context": 1, "model": 1}
-            shape = f"{num_slices}x{data}x{stage}" if num_slices > 1 else f"{data}x{stage}"
-            overrides = {
-                "trainer.mesh": {**mesh, "stage": stage},
-                "trainer.fsdp_axis": "embed",
-                "trainer.shard_params": True,
-                "trainer.pipeline.microbatches": 2 * stage,
-            }
-            out.append(Candidate(f"fsdp pp{stage} {shape}", overrides))
-        stage *= 2
-    return out
-
-
 def batch_split_error(candidate: Candidate, config: TrainLmConfig) -> str | None:
     """Why ``candidate``'s data-parallel devices cannot split ``config``'s batch (the run
     would refuse it before compiling), or None when they can."""
@@ -321,6 +287,7 @@ def run_default(config: TrainLmConfig, num_devices: int) -> Candidate:
     kind = ("fsdp" if config.trainer.shard_params else "zero2") if fsdp else "dp"
     tp = f" tp{sizes['model']}" if sizes["model"] > 1 else ""
     tp += f" cp{sizes['context']}" if sizes["context"] > 1 else ""
+    tp += f" pp{sizes['stage']}" if sizes.get("stage", 1) > 1 else ""
     shape = f"{sizes['data']}x{sizes['model']}"
     if sizes["expert"] > 1:
         kind, shape = (

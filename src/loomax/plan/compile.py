@@ -31,7 +31,9 @@ from loomax.plan.collectives import Traffic, communication, traffic
 from loomax.plan.estimate import Inputs, efficiency, estimate
 from loomax.plan.flops import StepCount, count_step
 from loomax.plan.ideal import ideal_seconds, kernel_seconds
+from loomax.plan.stage_loop import pipeline_bubble
 from loomax.plan.topology import Topology
+from loomax.stages import STAGE_AXIS
 
 
 @dataclass
@@ -103,6 +105,9 @@ class CompileResult:
     """False where the step was not compiled (its state alone cannot fit)."""
     estimate: str = "cost model"
     """How ``est_step_s`` was found: ``cost model`` (XLA's) or ``roofline`` (a lower bound)."""
+    pipeline: dict | None = None
+    """A staged step's schedule, microbatches, loop slots and bubble, as estimates
+    (``plan/stage_loop.py``'s ``PipelineBubble``); None without stages."""
 
     @property
     def over_bytes(self) -> int:
@@ -161,6 +166,9 @@ def compile_run(
         start = time.perf_counter()
         traced = built.trace()
         count = count_step(traced.jaxpr)
+        if mesh.get(STAGE_AXIS, 1) > 1:
+            staged = pipeline_bubble(traced.jaxpr, config.trainer.pipeline, mesh[STAGE_AXIS])
+            result.pipeline = staged.to_json()
         result.step_flops, result.kernel_flops = count.total_flops, count.kernel_flops
         worst = count_step(traced.jaxpr, with_fallbacks=True) if count.fallbacks else None
         try:

@@ -10,6 +10,7 @@ from loomax.plan.candidates import Candidate, as_flags, nested
 from loomax.plan.compile import CompileResult
 from loomax.plan.estimate import efficiency
 from loomax.plan.search import Ranked
+from loomax.plan.stage_loop import bubble_text
 
 ESTIMATE_NOTE = (
     "step time and MFU are estimates, not measurements: a range (best / expected / worst) "
@@ -26,6 +27,13 @@ ROOFLINE_NOTE = (
     "fitted to H200 measurements, docs/planning.md), plus the collectives' bytes over NVLink "
     "or the network and the MoE load; `est. step` and `est. MFU` are the expected end, "
     "ranked by it"
+)
+
+BUBBLE_NOTE = (
+    "bubble f/c (estimates, not measurements): the idle share of a staged candidate's pipeline "
+    "by its schedule's formula / as the compiled loop's FLOP count implies (idle slots and, "
+    "for 1f1b, interleaved_1f1b and zero_bubble, every slot counted at its costliest branch); "
+    "the estimated step counts the latter"
 )
 
 
@@ -84,6 +92,8 @@ def compile_text(result: CompileResult) -> str:
         f"FLOPs/step: {result.model_flops:.3e} model (3 x forward, causal attention as half), "
         f"{result.step_flops:.3e} executed matmuls (with remat)"
     )
+    if result.pipeline:
+        lines.append(bubble_text(result.pipeline))
     lines += estimate_lines(result)
     if result.measured_step_s is not None:
         mfu = f", MFU {result.measured_mfu:.1%}" if result.measured_mfu is not None else ""
@@ -150,11 +160,15 @@ def fmt_seconds(s: float | None) -> str:
 
 def plan_table(ranked: list[Ranked]) -> str:
     """Candidates as ranked, one row each; ``kernels`` is the share of the estimated step
-    time that is Pallas kernels' (``loomax.plan.compile.kernel_seconds``)."""
+    time that is Pallas kernels' (``loomax.plan.compile.kernel_seconds``). Where a candidate
+    is staged, ``bubble f/c`` is its pipeline bubble by the schedule's formula and as the
+    compiled loop's count implies (estimates, ``plan/stage_loop.py``)."""
     w = max([34, *(len(r.candidate.label) for r in ranked)])
+    staged = any(r.result is not None and r.result.pipeline for r in ranked)
     header = (
         f"{'#':>2}  {'strategy':<{w}} {'state':>10} {'temp':>10} {'total':>10}  "
         f"{'fits':<20} {'est. step':>10} {'est. MFU':>8} {'range':>9} {'kernels':>7} {'compile':>8}"
+        + (f" {'bubble f/c':>13}" if staged else "")
     )
     rows = [header, "-" * len(header)]
     for i, r in enumerate(ranked, 1):
@@ -185,8 +199,19 @@ def plan_table(ranked: list[Ranked]) -> str:
             f"{_g(res.temp_bytes) if res.compiled else '-':>10} {_g(res.total_bytes):>10}  "
             f"{fits:<20} {step:>10} {mfu:>8} {spread:>9} {kernels:>7} "
             + (f"{res.compile_s:>7.1f}s" if res.compiled else f"{'-':>8}")
+            + (f" {_bubbles(res.pipeline):>13}" if staged else "")
         )
+    if staged:
+        rows.append(BUBBLE_NOTE)
     return "\n".join(rows)
+
+
+def _bubbles(pipeline: dict | None) -> str:
+    """``formula/counted`` bubble of a staged candidate (``-`` unstaged)."""
+    if not pipeline:
+        return "-"
+    counted = pipeline.get("counted")
+    return f"{pipeline['formula']:.1%}/" + ("?" if counted is None else f"{counted:.1%}")
 
 
 _GLOG = re.compile(r"[FEWI]\d{4} [\d:.]+\s+\d+ ")  # glog's line prefix in XLA's messages

@@ -1,7 +1,8 @@
 """``loomax plan``'s search: compile every candidate, rank them by estimated step time.
 
 Four rounds, as a researcher would go: every mesh shape and mapping with the run's own
-remat policy and batch split (at long sequence lengths, context parallelism first; a mesh
+remat policy and batch split (for deep models, pipeline stages under each schedule first,
+``plan/stage_strategies.py``; at long sequence lengths, context parallelism; a mesh
 whose data-parallel devices cannot split the batch is reported, not compiled); then, for the two best so far, the other remat policies;
 then, for the two best after that, 2, 4 or 8 microbatches; then, for the best, the optimizer
 state in host memory (streamed, or updated there; two candidates are kept for this round).
@@ -34,9 +35,9 @@ from loomax.plan.candidates import (
     remat_of,
     remat_variants,
     run_default,
-    stage_strategies,
 )
 from loomax.plan.compile import CompileResult, compile_run
+from loomax.plan.stage_strategies import stage_strategies
 from loomax.plan.topology import Topology
 from loomax.plan.worker import compile_isolated
 
@@ -159,8 +160,9 @@ def search(
     long = context_strategies(
         topology.num_devices, topology.num_slices, config.model.seq_len, batch=batch
     )
+    layers = getattr(config.model, "num_layers", 0)
     staged = stage_strategies(
-        topology.num_devices, topology.num_slices, getattr(config.model, "num_layers", 0), batch
+        topology.num_devices, topology.num_slices, layers, batch, explicit=experts is None
     )
     for c in [
         *staged,
