@@ -47,6 +47,27 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+GC_SITE = REPO / "tests" / "support" / "gc_site"
+"""The cyclic garbage collector's thresholds (its ``sitecustomize.py`` says why): applied
+here, and on the ``PYTHONPATH`` of the processes the tests start, which import it first."""
+if str(GC_SITE) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(GC_SITE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+
+
+def _tune_gc() -> None:
+    import gc
+    import importlib.util
+
+    gc.collect()
+    gc.freeze()  # what the imports made is never garbage: out of every later scan
+    spec = importlib.util.spec_from_file_location("loomax_gc_site", GC_SITE / "sitecustomize.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # sets the thresholds
+
+
+_tune_gc()
+
 # One persistent compilation cache for the tests and the processes they start. Programs that
 # take 0.1 s or more to compile go in it: on a cold run ~60 of the tiny trainers' train steps
 # and inits repeat a program another test or process compiled before (~20 CPU-s of compiling),

@@ -19,8 +19,8 @@ import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
+from loomax.optim.global_norm import global_norm
 from loomax.train.hook_config import HookConfig, hook_type
 from loomax.train.hooks import Hook, StepInfo
 from loomax.train.step import JitHook, StepContext
@@ -102,7 +102,7 @@ def norm_metrics(
     }
     out: dict[str, jax.Array] = {}
     for kind, tree in trees.items():
-        out[f"norms/{kind}"] = optax.tree.norm(tree).astype(jnp.float32)
+        out[f"norms/{kind}"] = global_norm(tree).astype(jnp.float32)
         if per_layer:
             for name, array, stacked in _named_leaves(tree):
                 x = array.astype(jnp.float32)

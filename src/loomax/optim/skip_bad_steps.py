@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from loomax.optim.global_norm import global_norm
+
 
 class SkipBadStepsState(NamedTuple):
     """The inner state plus the rolling history of accepted steps."""
@@ -68,7 +70,7 @@ def skip_bad_steps(
         return SkipBadStepsState(inner.init(params), zeros, zeros, zero, zero, zero)
 
     def update(updates, state: SkipBadStepsState, params=None, *, value=None, **extra):
-        grad_norm = optax.tree.norm(updates).astype(jnp.float32)
+        grad_norm = global_norm(updates).astype(jnp.float32)
         loss = jnp.asarray(0.0 if value is None else value, jnp.float32)
         filled = jnp.minimum(state.count, window)
         enough = state.count >= min_history

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from loomax.optim.global_norm import global_norm
 from loomax.tree_paths import is_named_array
 
 
@@ -47,7 +48,7 @@ def clip_update_norm(window: int, sigma_factor: float) -> optax.GradientTransfor
         return UpdateNormHistory(jnp.zeros((window,), jnp.float32), jnp.zeros((), jnp.int32))
 
     def update(updates, state, params=None):
-        norm = optax.tree.norm(updates).astype(jnp.float32)
+        norm = global_norm(updates).astype(jnp.float32)
         mean = jnp.mean(state.norms)
         limit = mean + sigma_factor * jnp.std(state.norms)
         full = state.count >= window

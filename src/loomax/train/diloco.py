@@ -25,6 +25,7 @@ import jmp
 import numpy as np
 import optax
 
+from loomax.optim.global_norm import global_norm
 from loomax.train.fragments import Piece, nodes, plan_fragments, put, synced_at, take
 from loomax.train.state import TrainerState
 from loomax.train.step import LossFn, Metrics, make_train_step, trainable_mask, trainable_params
@@ -217,7 +218,7 @@ class DiLoCo:
             jax.tree.structure(workers, is_leaf=hax.is_named_array),
             put(nodes(workers), pieces, copies),
         )
-        return params, workers, outer_state, optax.tree.norm(grads)
+        return params, workers, outer_state, global_norm(grads)
 
 
 def _array(x: Any) -> jax.Array:

@@ -24,6 +24,7 @@ from loomax.models.blocks.buffers import (
     update_state,
     without_buffers,
 )
+from loomax.optim.global_norm import global_norm, norms_shared
 from loomax.optim.qk_clip import clip_model
 from loomax.train.loss_metrics import add_sums, metric_values, split_loss, zero_sums
 from loomax.train.state import TrainerState
@@ -233,6 +234,10 @@ def make_train_step(
         return total, weight, sums, grads, peaks
 
     def train_step(state: TrainerState, batch) -> tuple[TrainerState, Metrics]:
+        with norms_shared():  # clipping, skipping, the metric and hooks: one gradient norm
+            return step(state, batch)
+
+    def step(state: TrainerState, batch) -> tuple[TrainerState, Metrics]:
         key, step_key = jax.random.split(state.key)
         total, weight, sums, grads, peaks = sum_and_grads(state.model, batch, step_key)
         loss = total / weight
@@ -256,7 +261,7 @@ def make_train_step(
                     opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
                 updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
             model = eqx.apply_updates(before, updates)
-            grad_norm = optax.tree.norm(grads)
+            grad_norm = global_norm(grads)  # clipping's, traced once
         values, state_stats = split_state(metric_values(sums))
         model = update_state(model, state_stats)  # buffers: outside the optimizer
         metrics: Metrics = {"train/loss": loss, "optim/grad_norm": grad_norm}
@@ -331,7 +336,7 @@ def _update_params_on_host(
         )  # on the host, its own memory is the default space
         grads = jax.tree.map(lambda g: g / weight.astype(g.dtype), grads)
         updates, state = optimizer.update(grads, state, params, value=loss)
-        return optax.tree.norm(grads), grads, updates, eqx.apply_updates(params, updates), state
+        return global_norm(grads), grads, updates, eqx.apply_updates(params, updates), state
 
     to_host = lambda tree: jax.device_put(tree, jax.memory.Space.Host)  # noqa: E731
     with compute_on("device_host"):
