@@ -13,7 +13,10 @@ cotangent wait, where the values arriving this slot are kept): stage inputs and 
 wait in buffers of the most a stage ever holds at once (about ``p`` for 1F1B, not ``m``:
 what 1F1B is for), a slot reused once its backward is done. Every slot ends with two
 ``ppermute``s round the ring (outputs forward, input gradients backward). The backward
-recomputes the chunk's forward from its input (only inputs are stashed).
+recomputes the chunk's forward from its input (only inputs are stashed). A mixture of
+experts' router statistics do not travel: each chunk fills its own layers' rows from zeros,
+and its backward differentiates its share of their losses (linear in the rows) beside the
+residual stream's cotangent; the forwards' statistics are summed into the step's mean.
 """
 
 from __future__ import annotations
