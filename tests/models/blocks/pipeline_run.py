@@ -10,7 +10,7 @@ four more compiles, are ``bench/pipeline_memory.py``'s.)
   python pipeline_run.py [SCHEDULE ...] [resume] [flops] [moe_SCHEDULE ...] [gpt2] [mla]
                          [moe_balance]
   (resume needs gpipe; without arguments: what test_pipeline.py checks, the mixture of
-  experts under gpipe and zero_bubble; gpt2, mla: those families under 1F1B; moe_balance:
+  experts under every schedule but interleaved; gpt2, mla: those under 1F1B; moe_balance:
   every MoE schedule at moe_tiny's load-balance weight, and 1 device accumulating 4
   microbatches)
 """
@@ -250,9 +250,7 @@ if __name__ == "__main__":
         out["resume"] = resume(saved)
     if len(sys.argv) < 2 or "flops" in sys.argv[1:]:
         out["stack_flops"] = stack_flops()
-    tested = ("gpipe", "zero_bubble")  # the suite's; moe_1f1b, moe_interleaved_1f1b on demand
-    moe_runs = [k for k in MOE_SCHEDULES if f"moe_{k}" in sys.argv[1:]]
-    moe_runs = moe_runs if len(sys.argv) > 1 else list(tested)
+    moe_runs = [k for k in MOE_SCHEDULES if len(sys.argv) < 2 or f"moe_{k}" in sys.argv[1:]]
     if moe_runs:
         out["moe"] = moe(moe_runs)
     if "gpt2" in sys.argv[1:]:
