@@ -9,7 +9,9 @@ plan's matmul count (every loop at its trips, ``plan/flops.py``: the staged loop
 slots included), the parameters and optimizer state at rest and XLA's temporaries, each as
 a ratio to the one-device program (ideal for 8 devices: 0.125). Then every schedule's
 bubble from its table (``loomax/pipeline_schedules.py``) beside its formula. No figure here
-is a time.
+is a time. With ``--config config/moe_tiny.yaml --meshes one_device,expert2_data4,
+stage2_expert2_data2`` (and ``--trainer.pipeline.schedule=1f1b``), the mixture of experts
+with expert parallelism within the stages.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ MESHES = {  # name: (devices, mesh, pipeline microbatches)
     "stage2_data4": (8, {"data": 4, "stage": 2}, 4),
     "stage4_data2": (8, {"data": 2, "stage": 4}, 8),
     "stage8": (8, {"data": 1, "stage": 8}, 16),
+    # a mixture of experts (--config config/moe_tiny.yaml): expert parallelism without and
+    # within stages (add --trainer.pipeline.schedule=1f1b for the explicit loop)
+    "expert2_data4": (8, {"data": 4, "expert": 2}, None),
+    "stage2_expert2_data2": (8, {"data": 2, "expert": 2, "stage": 2}, 4),
 }
 
 
@@ -113,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, b in table_bubbles.items():
         print(f"{name:>17} (p 4, m 8, v {b['v']}): bubble {b['table']:.1%} (formula "
               f"{b['formula']:.1%}), peak microbatches held {b['peak_in_flight']}")  # fmt: skip
-    out = {"config": args.config, "cpu": _cpu(), "results": results, "bubbles": table_bubbles}
+    out = {"config": args.config, "overrides": extra, "cpu": _cpu(), "results": results}
+    out["bubbles"] = table_bubbles
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

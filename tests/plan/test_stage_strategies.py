@@ -32,7 +32,7 @@ def test_deep_models_try_each_schedule_on_each_stage_count():
     assert [c.label for c in stage_strategies(16, 1, 60, 64, explicit=False)] == [
         "fsdp pp2 8x2 gpipe m4",
         "fsdp pp4 4x4 gpipe m8",
-    ]  # a mixture of experts: GPipe only
+    ]  # two stacks or MTP (DeepSeek-V3): GPipe only
     assert stage_strategies(16, 1, 80, 16) == []  # no microbatch splits over the data devices
     one_f = next(c for c in stage_strategies(128, 1, 80, 512) if c.label.endswith("1f1b m16"))
     applied = one_f.apply(parse_config(TrainLmConfig, None, []))

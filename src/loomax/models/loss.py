@@ -110,7 +110,7 @@ def next_token_loss_and_metrics(
         return plain_cross_entropy_sum(h, w, t, m, z_loss_weight, cap)
 
     ce = plain if block_size is None else fused
-    tail = pipeline_tail.loss_tail(model, ce, targets, weights, pipeline.stage_count())
+    tail = pipeline_tail.loss_tail(model, ce, targets, weights, pipeline.stage_count(), aux_losses)
     with pipeline_tail.tail_context(tail):  # 1F1B & co: the stack runs the loss per microbatch
         hidden, aux = model.hidden_states_and_aux(tokens, segment_ids=segment_ids, key=key)
     w = model.lm_head_weight().rearrange((Vocab, Embed)).array

@@ -80,6 +80,14 @@ class Ranked:
         return (1, 0.0) if key[0] == 3 else (2, key[1]) if key[0] == 2 else key
 
 
+def _one_stack(config) -> bool:
+    """Whether the model is one stack of layers with nothing reading its output inside the
+    loop, as the explicit schedules need (no dense first layers, no multi-token prediction)."""
+    moe = getattr(config.model, "moe", None)
+    dense_first = moe is not None and getattr(moe, "first_dense_layers", 0) > 0
+    return not dense_first and not getattr(config.model, "mtp_depth", 0)
+
+
 def default_jobs() -> int:
     """Parallel compiles: half the cores, and no more than one per 8 GiB of free memory."""
     cores = max(1, (os.cpu_count() or 1) // 2)
@@ -162,7 +170,7 @@ def search(
     )
     layers = getattr(config.model, "num_layers", 0)
     staged = stage_strategies(
-        topology.num_devices, topology.num_slices, layers, batch, explicit=experts is None
+        topology.num_devices, topology.num_slices, layers, batch, explicit=_one_stack(config)
     )
     for c in [
         *staged,

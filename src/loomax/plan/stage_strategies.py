@@ -6,7 +6,8 @@ microbatches (bubble ``(p - 1) / (m + p - 1)``). The schedules that run the loss
 backward inside the loop (1F1B, interleaved 1F1B, zero-bubble) hold about ``p`` microbatches'
 inputs whatever ``m`` is, so they try ``4 p`` (``2 p`` where that does not split over the data
 devices): a smaller bubble for about the memory. Interleaved 1F1B needs the layers to divide
-into ``2 p`` chunks; none of the three runs a mixture of experts yet (``explicit=False``).
+into ``2 p`` chunks; none of the three runs a model of two stacks or with multi-token
+prediction (DeepSeek-V3's dense first layers, ``mtp_depth``: ``explicit=False``).
 The formula is an estimate of the idle share of the slots; the compiled program's own count
 is read by ``plan/stage_loop.py``.
 """

@@ -3,11 +3,16 @@ one reference every schedule is compared with) and on 8 CPU devices as stage 4 x
 under each executed schedule (each step compiled once, ahead of time: its loop's trip
 counts read off that program); then a checkpoint written at step 1 by the stage-4 run
 resumed on 4 devices as stage 2 x data 2 for steps 2 and 3; the stack's FLOPs; a tiny
-mixture of experts on stage 2 x expert 2 x data 2; prints JSON. (The temporaries of GPipe
-against 1F1B, four more compiles, are ``bench/pipeline_memory.py``'s.)
+mixture of experts on 1 device and on stage 2 x expert 2 x data 2 under GPipe, 1F1B,
+interleaved 1F1B and zero-bubble; prints JSON. (The temporaries of GPipe against 1F1B,
+four more compiles, are ``bench/pipeline_memory.py``'s.)
 
-  python pipeline_run.py [SCHEDULE ...] [resume] [flops] [moe] [moe_balance]
-  (resume needs gpipe)
+  python pipeline_run.py [SCHEDULE ...] [resume] [flops] [moe_SCHEDULE ...] [gpt2] [mla]
+                         [moe_balance]
+  (resume needs gpipe; without arguments: what test_pipeline.py checks, the mixture of
+  experts under every schedule but interleaved; gpt2, mla: those under 1F1B; moe_balance:
+  every MoE schedule at moe_tiny's load-balance weight, and 1 device accumulating 4
+  microbatches)
 """
 
 from __future__ import annotations
@@ -123,32 +128,99 @@ def stack_flops() -> dict:
     return out
 
 
-def moe(balance: float = 0.0) -> dict:
-    """A tiny mixture of experts (moe_tiny's routing: 16 experts, top 4, z-loss 1e-3 and the
-    aux-loss-free bias at rate 1e-3; 2 layers of width 32) trained 3 steps on 1 device and on
-    stage 2 x expert 2 x data 2 (GPipe, 4 microbatches); ``balance``: the load-balance
-    loss's weight (moe_tiny's is 1e-3; a product of batch shares, per microbatch staged)."""
+MOE_SCHEDULES = {  # stage 2 x expert 2 x data 2, 4 microbatches
+    "gpipe": PipelineConfig(microbatches=4),
+    "1f1b": PipelineConfig(schedule="1f1b", microbatches=4),
+    "interleaved_1f1b": PipelineConfig(
+        schedule="interleaved_1f1b", microbatches=4, virtual_stages=2
+    ),
+    "zero_bubble": PipelineConfig(schedule="zero_bubble", microbatches=4),
+}
+
+
+def moe_config(balance: float = 0.0):
+    """A tiny mixture of experts: moe_tiny's routing (16 experts, top 4, z-loss 1e-3 and the
+    aux-loss-free bias at rate 1e-3), 4 layers of width 32 (2 chunks of 1 layer on each of 2
+    stages for interleaved 1F1B); ``balance``: the load-balance loss's weight (moe_tiny's is
+    1e-3; a product of batch shares, per microbatch staged)."""
     from loomax.models import MixtralConfig, MoeConfig
 
-    config = MixtralConfig(
-        seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
+    return MixtralConfig(
+        seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=4, num_heads=4,
         num_kv_heads=2, moe=MoeConfig(
             num_experts=16, num_experts_per_tok=4, expert_intermediate_dim=16,
             load_balance_loss_weight=balance, router_z_loss_weight=1e-3, bias_update_rate=1e-3,
         ),
     )  # fmt: skip
+
+
+def fit(config, runs) -> dict:
+    """``config``'s model trained ``STEPS`` steps for each ``(name, mesh, pipeline, devices,
+    settings)`` of ``runs``: ``{name: {losses, grad_norms}}``."""
     out = {}
-    for name, mesh, devices in (
-        ("single", MeshConfig(data=1), jax.devices()[:1]),
-        ("staged", MeshConfig(data=2, expert=2, stage=2), None),
-    ):
-        trainer = make_trainer(mesh, PipelineConfig(microbatches=4), devices, tempfile.mkdtemp())
+    for name, mesh, pipeline, devices, settings in runs:
+        trainer = make_trainer(mesh, pipeline, devices, tempfile.mkdtemp(), **settings)
         losses: list[float] = []
+        norms: list[float] = []
         trainer.add_hook(lambda info, losses=losses: losses.append(info.loss))
+        trainer.add_hook(
+            lambda info, norms=norms: norms.append(float(info.metrics["optim/grad_norm"]))
+        )
         state = trainer.initial_state(lambda key: config.build(VOCAB, key=key))
         trainer.train(state, loader().iter_from(0, *trainer.runtime.row_block))
-        out[name] = losses
+        out[name] = {"losses": losses, "grad_norms": norms}
     return out
+
+
+def moe(schedules, balance: float = 0.0) -> dict:
+    """``moe_config(balance)`` trained on 1 device (one reference) and on stage 2 x expert 2
+    x data 2 under each of ``schedules``; with a ``balance`` also on 1 device accumulating 4
+    microbatches (the pipeline's rows)."""
+    one = jax.devices()[:1]
+    runs = [("single", MeshConfig(data=1), PipelineConfig(), one, {})]
+    if balance:
+        accumulate = {"per_device_parallelism": BATCH // 4}
+        runs += [("single_accumulated_4", MeshConfig(data=1), PipelineConfig(), one, accumulate)]
+    mesh = MeshConfig(data=2, expert=2, stage=2)
+    runs += [(name, mesh, MOE_SCHEDULES[name], None, {}) for name in schedules]
+    return fit(moe_config(balance), runs)
+
+
+def gpt2() -> dict:
+    """A tiny GPT-2 (2 layers of width 32, tied head; its final LayerNorm is the loss's tail)
+    on 1 device and on stage 2 x data 4 under 1F1B, 4 microbatches."""
+    from loomax.models import Gpt2Config
+
+    config = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=4)
+    return fit(config, [
+        ("single", MeshConfig(data=1), PipelineConfig(), jax.devices()[:1], {}),
+        ("1f1b", MeshConfig(data=4, stage=2), MOE_SCHEDULES["1f1b"], None, {}),
+    ])  # fmt: skip
+
+
+def mla() -> dict:
+    """A tiny DeepSeek-V3 (multi-head latent attention, sigmoid group-limited routing with
+    the bias and a shared expert; 2 layers of width 32, no dense first layers nor MTP) on 1
+    device and on stage 2 x expert 2 x data 2 under 1F1B, 4 microbatches."""
+    from loomax.models import MoeConfig
+    from loomax.models.attention.rotary import DefaultRotary
+    from loomax.models.families.deepseek_v3 import DeepseekV3Config
+
+    config = DeepseekV3Config(
+        seq_len=16, hidden_dim=32, intermediate_dim=32, num_layers=2, num_heads=4,
+        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+        rope=DefaultRotary(theta=10000.0), moe=MoeConfig(
+            num_experts=8, num_experts_per_tok=2, expert_intermediate_dim=16,
+            score_function="sigmoid", num_shared_experts=1, num_groups=2, topk_groups=1,
+            routing_bias=True, bias_update_rate=1e-3, first_dense_layers=0,
+            load_balance_loss_weight=0.0, router_z_loss_weight=1e-3,
+        ),
+    )  # fmt: skip
+    mesh = MeshConfig(data=2, expert=2, stage=2)
+    return fit(config, [
+        ("single", MeshConfig(data=1), PipelineConfig(), jax.devices()[:1], {}),
+        ("1f1b", mesh, MOE_SCHEDULES["1f1b"], None, {}),
+    ])  # fmt: skip
 
 
 def resume(run_dir: str) -> dict:
@@ -178,8 +250,13 @@ if __name__ == "__main__":
         out["resume"] = resume(saved)
     if len(sys.argv) < 2 or "flops" in sys.argv[1:]:
         out["stack_flops"] = stack_flops()
-    if len(sys.argv) < 2 or "moe" in sys.argv[1:]:
-        out["moe"] = moe()
+    moe_runs = [k for k in MOE_SCHEDULES if len(sys.argv) < 2 or f"moe_{k}" in sys.argv[1:]]
+    if moe_runs:
+        out["moe"] = moe(moe_runs)
+    if "gpt2" in sys.argv[1:]:
+        out["gpt2"] = gpt2()
+    if "mla" in sys.argv[1:]:
+        out["mla"] = mla()
     if "moe_balance" in sys.argv[1:]:
-        out["moe_balance"] = moe(1e-3)
+        out["moe_balance"] = moe(list(MOE_SCHEDULES), 1e-3)
     print(json.dumps(out))

@@ -257,7 +257,11 @@ class Gpt2LmModel(LmModel):
             unroll=c.scan_unroll,
             per_layer=per_layer,
         )
-        return taps.tap("final", self.ln_final(x))
+        return taps.tap("final", self.final_hidden(x))
+
+    def final_hidden(self, x: NamedArray) -> NamedArray:
+        """The final LayerNorm of the stack's output (the loss's tail under 1F1B & co)."""
+        return self.ln_final(x)
 
     def init_cache(self, batch_axes, max_len: int, dtype) -> KvCache:
         c = self.config

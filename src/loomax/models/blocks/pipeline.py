@@ -142,27 +142,33 @@ def run_stages(
 
     tail = pipeline_tail.current_tail()
     if tail is not None and current_pipeline().schedule in LOSS_IN_LOOP_SCHEDULES:
-        if aux0 is not None:
+        if tail.loss is not None:
             raise ConfigError(
-                f"trainer.pipeline.schedule {current_pipeline().schedule!r}: not with a "
-                "mixture of experts yet (its router statistics); use gpipe or interleaved"
+                f"trainer.pipeline.schedule {current_pipeline().schedule!r}: this model runs "
+                "more than one staged stack (the loss inside the loop needs one); use gpipe"
             )
 
-        def residual_chunk(params, extra, inp, seg):
-            return stage_chunk(params, extra, (inp, None), seg)[0]
+        def stats_zeros():  # each chunk fills its own layers' rows of a microbatch's statistics
+            return _map(lambda a: jnp.zeros(a.shape, a.dtype), aux0)
+
+        def chunk_fn(params, extra, inp, seg):
+            return stage_chunk(params, extra, (inp, stats_zeros()), seg)
 
         staged = pipeline_explicit.Staged(
-            mesh, p, m, v, residual_chunk, stacked_in, layer_in, x_in, seg_in, inner,
-            lambda a: hax.named(a, (Micro.name, *x_axes[1:])),
+            mesh, p, m, v, chunk_fn, stacked_in, layer_in, x_in, seg_in, inner,
+            lambda a: hax.named(a, (Micro.name, *x_axes[1:])), stats_zeros,
         )  # fmt: skip
-        loss, g_stack, g_x, g_tail = pipeline_explicit.run(
+        loss, g_stack, g_x, g_tail, stats = pipeline_explicit.run(
             staged, current_pipeline().schedule, tail, [micro(tail.targets), micro(tail.weights)]
         )
         g_stack = [g.reshape(a.shape) for g, a in zip(g_stack, raw, strict=True)]
         g_x = g_x.swapaxes(0, 1).reshape(x.array.shape)
         pairs = [(raw, g_stack), (x.array, g_x), (tail.params, g_tail)]
         tail.loss = pipeline_tail.surrogate(loss, pairs)
-        return x  # the model's forward pass goes on to hidden states the loss does not read
+        # the model's forward pass goes on to hidden states the loss does not read; the
+        # statistics (their mean over the microbatches) carry values only: their losses'
+        # gradients are in the loop's
+        return x if aux0 is None else (x, stats)
 
     items, slots = v * m, v * m + p - 1
     ring = [(i, (i + 1) % p) for i in range(p)]

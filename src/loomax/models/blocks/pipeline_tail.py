@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,13 +34,16 @@ from loomax.stages import LOSS_IN_LOOP_SCHEDULES, current_pipeline
 class StageTail:
     """What follows the layer stack, per microbatch: ``loss(params, h, targets, weights)``,
     the sum of the token losses of stack outputs ``h`` (a ``NamedArray``), differentiable in
-    ``params`` (an array pytree: the model without its blocks); ``loss`` is set by the stack."""
+    ``params`` (an array pytree: the model without its blocks); ``loss`` is set by the stack.
+    ``aux_loss(stats)``: the per-token loss terms the model adds for its stack's statistics
+    (a mixture of experts' ``RouterAux``), linear in them; None: no such terms."""
 
     params: Any
     fn: Callable[[Any, NamedArray, jax.Array, jax.Array], jax.Array]
     targets: jax.Array
     weights: jax.Array
     loss: jax.Array | None = None
+    aux_loss: Callable[[Any], jax.Array] | None = None
 
 
 _TAIL = contextvars.ContextVar[StageTail | None]("loomax_stage_tail", default=None)
@@ -51,11 +55,18 @@ def wanted(stages: int) -> bool:
 
 
 def loss_tail(
-    model, ce: Callable, targets: NamedArray, weights: NamedArray, stages: int
+    model,
+    ce: Callable,
+    targets: NamedArray,
+    weights: NamedArray,
+    stages: int,
+    aux_losses: bool = True,
 ) -> StageTail | None:
     """``model``'s tail for the schedule in context, or None when it does not need one.
     ``ce(h, w, t, m)`` is the cross-entropy sum of rows ``h [tokens, embed]`` against head
-    ``w [vocab, embed]``; ``targets`` and ``weights`` are ``(batch, position)``."""
+    ``w [vocab, embed]``; ``targets`` and ``weights`` are ``(batch, position)``. With
+    ``aux_losses`` the model's ``router_losses(stats)`` (a mixture of experts') become the
+    tail's ``aux_loss``, their sum."""
     if not wanted(stages):
         return None
     if not hasattr(model, "final_hidden") or not hasattr(model, "blocks"):
@@ -63,6 +74,19 @@ def loss_tail(
             f"trainer.pipeline.schedule {current_pipeline().schedule!r}: "
             f"{type(model).__name__} has no final_hidden (the loss inside the loop needs "
             "the model's last layer apart); use gpipe or interleaved"
+        )
+    schedule = current_pipeline().schedule
+    if getattr(model, "dense_blocks", None) is not None:
+        raise ConfigError(
+            f"trainer.pipeline.schedule {schedule!r}: {type(model).__name__} has dense first "
+            "layers (model.moe.first_dense_layers), a second layer stack (the loss inside "
+            "the loop runs one); use gpipe or interleaved, or first_dense_layers: 0"
+        )
+    if getattr(model, "mtp", None) is not None:
+        raise ConfigError(
+            f"trainer.pipeline.schedule {schedule!r}: multi-token prediction "
+            "(model.mtp_depth) reads the stack's output, which stays inside the loop; use "
+            "gpipe or interleaved, or mtp_depth: 0"
         )
     rest = eqx.tree_at(lambda m: m.blocks, model, None)
     params, static = eqx.partition(rest, eqx.is_array)
@@ -75,8 +99,14 @@ def loss_tail(
             hidden.reshape(-1, w.shape[1]), w.astype(hidden.dtype), t.reshape(-1), m.reshape(-1)
         )
 
+    terms = getattr(model, "router_losses", None) if aux_losses else None
+
+    def aux_loss(stats) -> jax.Array:
+        return sum(terms(stats).values(), jnp.zeros((), jnp.float32))
+
     order = targets.axes
-    return StageTail(params, fn, targets.array, weights.rearrange(order).array)
+    tail = StageTail(params, fn, targets.array, weights.rearrange(order).array)
+    return tail if terms is None else dataclasses.replace(tail, aux_loss=aux_loss)
 
 
 @contextlib.contextmanager

@@ -307,13 +307,19 @@ class MixtralLmModel(LlamaLmModel):
         routed = {k: v[n:] - n if k == "layer" else v[n:] for k, v in per_layer.items()}
         carry = (x, RouterAux.zeros(c.num_layers - n, c.moe.num_experts))
         x, aux = run_layers(self.blocks, carry, segment_ids, per_layer=routed, first_layer=n, **run)
-        losses = aux.losses(c.moe.load_balance_loss_weight, c.moe.router_z_loss_weight)
+        losses = self.router_losses(aux)
         metrics, state = aux.metrics(), {}
         bias = self.blocks.stacked.mlp.bias
         if bias is not None:  # aux-loss-free balancing: the step moves the bias from the load
             state["moe_load"] = aux.load
             metrics.update(bias_metrics(bias.value.rearrange((c.Layers.name, Experts)).array))
         return x, AuxOutputs(losses, metrics, state)
+
+    def router_losses(self, aux: RouterAux) -> dict[str, jax.Array]:
+        """The weighted balance and z losses of the router statistics ``aux`` (per-token
+        means; linear in ``aux``: a staged stack's chunks each differentiate their rows')."""
+        moe = self.config.moe
+        return aux.losses(moe.load_balance_loss_weight, moe.router_z_loss_weight)
 
     def decode_stacks(self) -> list[hnn.Stacked]:
         """The dense first layers' blocks (``moe.first_dense_layers``), then the MoE blocks."""
