@@ -1,8 +1,9 @@
 """lm-eval's task index kept on disk (``loomax.downstream.task_index``): read back by a later
-process instead of indexed again, and indexed again when a YAML changes."""
+process instead of indexed again, and indexed again when a YAML changes or the file is damaged."""
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 
@@ -45,10 +46,15 @@ def test_a_folders_index_is_read_back_until_one_of_its_yamls_changes(
     assert builds == [folder] and summary(again) == summary(first)  # read back, not built
     assert again["tiny_mc"] is not first["tiny_mc"]  # a copy of its own for each manager
 
+    kept.write_bytes(kept.read_bytes()[:1000])  # damaged: indexed again, replaced
+    task_index._pickled_index.cache_clear()
+    assert summary(task_index.index_folder(folder)) == summary(first)
+    assert builds == [folder, folder] and summary(pickle.loads(kept.read_bytes())) == summary(first)
+
     t = lm_eval_tasks
     t.write_task(folder, "tiny_mc2", t.MC, data="mc2", **t.MULTIPLE_CHOICE)
     edited = task_index.index_folder(folder)
-    assert builds == [folder, folder] and "tiny_mc2" in edited
+    assert builds == [folder, folder, folder] and "tiny_mc2" in edited
     assert len(list(kept.parent.glob("*.pkl"))) == 2
 
 

@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import pickle
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,8 @@ def folder_key(folder: Path) -> str:
     modification time): an edited, added or removed YAML gives another key."""
     from importlib.metadata import version
 
-    digest = hashlib.sha256(f"{version('lm_eval')}\n{folder.resolve()}\n".encode())
+    python = ".".join(map(str, sys.version_info[:2]))
+    digest = hashlib.sha256(f"{version('lm_eval')}\n{python}\n{folder.resolve()}\n".encode())
     for path in sorted(folder.rglob("*.yaml")):
         stat = path.stat()
         digest.update(f"{path.relative_to(folder)}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
@@ -71,8 +73,15 @@ def index_folder(folder: str | Path) -> dict[str, Any]:
     """lm-eval's index ``{name: Entry}`` of the task YAMLs under ``folder``, as
     ``TaskIndex.build([folder])`` gives it, from the on-disk cache when it is current.
     Each call returns a fresh copy (lm-eval may change entries as it loads tasks)."""
-    folder = Path(folder)
-    return pickle.loads(_pickled_index(folder, folder_key(folder), cache_root()))
+    folder, root = Path(folder), cache_root()
+    key = folder_key(folder)
+    try:
+        return pickle.loads(_pickled_index(folder, key, root))
+    except Exception as error:  # a damaged file (a full disk, say): index again, replace it
+        log.warning("lm-eval's task index in %s is unreadable (%s): indexing again", root, error)
+        (root / f"{key}.pkl").unlink(missing_ok=True)
+        _pickled_index.cache_clear()
+        return pickle.loads(_pickled_index(folder, key, root))
 
 
 def manager_with_cached_defaults(include_path: Sequence[str]) -> Any:
