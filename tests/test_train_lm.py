@@ -16,11 +16,19 @@ from loomax.train_lm import train_lm
 pytestmark = pytest.mark.usefixtures("ray_cluster")  # one local Ray for the cache builds here
 
 
-def small_config(tmp_path, corpus, *extra):
-    return parse_config(TrainLmConfig, None, small_args(tmp_path, corpus, *extra))
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One data cache for the module's runs of the small config: the first run builds its
+    tokenizer and token cache, the others (same data settings) read them. A test that checks
+    that nothing is built passes a folder of its own."""
+    return tmp_path_factory.mktemp("cache")
 
 
-def small_args(tmp_path, corpus, *extra):
+def small_config(tmp_path, corpus, *extra, cache):
+    return parse_config(TrainLmConfig, None, small_args(tmp_path, corpus, *extra, cache=cache))
+
+
+def small_args(tmp_path, corpus, *extra, cache):
     return [
         "--data.train",
         json.dumps([{"urls": [str(corpus)]}]),
@@ -29,7 +37,7 @@ def small_args(tmp_path, corpus, *extra):
         "--data.validation_fraction",
         "0.1",
         "--data.cache_dir",
-        str(tmp_path / "cache"),
+        str(cache),
         "--model.seq_len",
         "32",
         "--model.hidden_dim",
@@ -60,8 +68,8 @@ def small_args(tmp_path, corpus, *extra):
     ]
 
 
-def test_train_lm_learns_and_writes_contract(tmp_path, tiny_corpus):
-    result = train_lm(small_config(tmp_path, tiny_corpus))
+def test_train_lm_learns_and_writes_contract(tmp_path, tiny_corpus, cache):
+    result = train_lm(small_config(tmp_path, tiny_corpus, cache=cache))
     evals = dict(result.evals)
     assert sorted(evals) == [0, 20, 40]
     assert evals[40]["eval/loss"] < 0.6 * evals[0]["eval/loss"]
@@ -83,7 +91,7 @@ def test_train_lm_learns_and_writes_contract(tmp_path, tiny_corpus):
     )
 
 
-def test_same_seed_same_trajectory(tmp_path, tiny_corpus):
+def test_same_seed_same_trajectory(tmp_path, tiny_corpus, cache):
     a = train_lm(
         small_config(
             tmp_path / "a",
@@ -92,6 +100,7 @@ def test_same_seed_same_trajectory(tmp_path, tiny_corpus):
             "6",
             "--sample.enabled",
             "false",
+            cache=cache,
         )
     )
     b = train_lm(
@@ -102,23 +111,26 @@ def test_same_seed_same_trajectory(tmp_path, tiny_corpus):
             "6",
             "--sample.enabled",
             "false",
+            cache=cache,
         )
     )
     assert a.final.host_metrics()["train/loss"] == b.final.host_metrics()["train/loss"]
     assert a.evals == b.evals
 
 
-def test_vocab_smaller_than_tokenizer_is_an_error(tmp_path, tiny_corpus):
+def test_vocab_smaller_than_tokenizer_is_an_error(tmp_path, tiny_corpus, cache):
     with pytest.raises(ValueError, match="model.vocab_size"):
-        train_lm(small_config(tmp_path, tiny_corpus, "--model.vocab_size", "100"))
+        train_lm(small_config(tmp_path, tiny_corpus, "--model.vocab_size", "100", cache=cache))
 
 
 @pytest.mark.slow
-def test_quickstart_cli_few_steps(tmp_path, repo_root):
-    # the quickstart config as `make demo` runs it (its own BPE, a local Ray, the token cache,
-    # training, evals, a sample), smaller: the first 200 standard-library files (the whole
-    # library's tokenizer and cache cost a minute of CPU here) and batches of 8 rows, not 32
-    # (on a cold cache the test takes 12 instead of 19 CPU-seconds)
+def test_quickstart_cli_few_steps(tmp_path, repo_root, ray_cluster):
+    # the quickstart config as `make demo` runs it (its own BPE, the token cache, training,
+    # evals, a sample), smaller: the first 200 standard-library files (the whole library's
+    # tokenizer and cache cost a minute of CPU here) and batches of 8 rows, not 32 (on a cold
+    # cache the test takes 12 instead of 19 CPU-seconds). Its cache builds on the run's
+    # shared Ray head, not on a local Ray of its own (~15 s and 10-25 CPU-seconds of Ray's
+    # daemons): `loomax train` starting a local Ray is test_ray_cluster.py's test
     cmd = [
         sys.executable,
         "-m",
@@ -142,6 +154,8 @@ def test_quickstart_cli_few_steps(tmp_path, repo_root):
         str(repo_root / ".cache" / "quickstart-data"),
         "--sample.max_new_tokens",
         "8",
+        "--trainer.ray.address",
+        ray_cluster.address,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -167,7 +181,9 @@ def test_quickstart_cli_few_steps(tmp_path, repo_root):
     ],
 )
 def test_missing_weights_fail_before_the_data_is_built(tmp_path, tiny_corpus, flags, message):
-    config = small_config(tmp_path, tiny_corpus, *flags, str(tmp_path / "nowhere"))
+    config = small_config(
+        tmp_path, tiny_corpus, *flags, str(tmp_path / "nowhere"), cache=tmp_path / "cache"
+    )
     with pytest.raises(FileNotFoundError, match=message):
         train_lm(config)
     assert not (tmp_path / "cache").exists()  # no tokenizer trained, no cache written
@@ -175,7 +191,9 @@ def test_missing_weights_fail_before_the_data_is_built(tmp_path, tiny_corpus, fl
 
 def test_a_data_path_that_matches_nothing_names_its_config_key(tmp_path, tiny_corpus):
     missing = json.dumps([{"urls": [str(tiny_corpus)]}, {"urls": [str(tmp_path / "no/*.txt")]}])
-    config = small_config(tmp_path, tiny_corpus, "--data.validation", missing)
+    config = small_config(
+        tmp_path, tiny_corpus, "--data.validation", missing, cache=tmp_path / "cache"
+    )
     with pytest.raises(FileNotFoundError) as error:
         train_lm(config)
     assert str(error.value).startswith(
@@ -186,14 +204,14 @@ def test_a_data_path_that_matches_nothing_names_its_config_key(tmp_path, tiny_co
 
 @pytest.mark.slow
 def test_a_step_that_will_not_fit_ends_in_one_line_before_training(
-    tmp_path, tiny_corpus, monkeypatch, capsys
+    tmp_path, tiny_corpus, cache, monkeypatch, capsys
 ):
     from loomax.cli import main
     from loomax.train import memory_fit
 
     monkeypatch.setattr(memory_fit, "host_available_bytes", lambda: 2**20)  # 1 MiB of RAM left
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", *small_args(tmp_path, tiny_corpus)])
+        main(["train", *small_args(tmp_path, tiny_corpus, cache=cache)])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2
     assert err[-1].startswith(
@@ -214,23 +232,24 @@ def test_a_step_that_will_not_fit_ends_in_one_line_before_training(
             "false",
             "--sample.enabled",
             "false",
+            cache=cache,
         )
     )
     assert result.final.step == 1
 
 
 def test_fp8_without_fp8_devices_fails_before_the_data_is_built(tmp_path, tiny_corpus):
-    config = small_config(tmp_path, tiny_corpus, "--model.fp8", "on")
+    config = small_config(tmp_path, tiny_corpus, "--model.fp8", "on", cache=tmp_path / "cache")
     with pytest.raises(ConfigError, match="model.fp8: on needs FP8 matmuls"):
         train_lm(config)
     assert not (tmp_path / "cache").exists()
 
 
-def test_eval_batch_must_split_over_data_parallel_devices(tmp_path, tiny_corpus):
+def test_eval_batch_must_split_over_data_parallel_devices(tmp_path, tiny_corpus, cache):
     from loomax.data import build_lm_datasets
     from loomax.lm import eval_sets
 
-    config = small_config(tmp_path, tiny_corpus)
+    config = small_config(tmp_path, tiny_corpus, cache=cache)
     data = build_lm_datasets(config.data, config.model.seq_len)
     whole = eval_sets(config, data, 2)[0]
     assert whole.shape[0] == 8  # one process holds all 8 rows
@@ -240,15 +259,17 @@ def test_eval_batch_must_split_over_data_parallel_devices(tmp_path, tiny_corpus)
         eval_sets(config, data, 3)
 
 
-def test_eval_budget_in_tokens_and_eval_microbatches_must_divide(tmp_path, tiny_corpus):
+def test_eval_budget_in_tokens_and_eval_microbatches_must_divide(tmp_path, tiny_corpus, cache):
     from loomax.data import build_lm_datasets
     from loomax.lm import eval_sets
 
-    config = small_config(tmp_path, tiny_corpus, "--trainer.max_eval_batches", "null")
+    config = small_config(tmp_path, tiny_corpus, "--trainer.max_eval_batches", "null", cache=cache)
     data = build_lm_datasets(config.data, config.model.seq_len)
     assert len(eval_sets(config, data, 1)) >= 3  # enough batches for the budget to bite
     for tokens, batches in [("600", 2), ("100", 1)]:  # 256 tokens a batch; at least one
-        budget = small_config(tmp_path, tiny_corpus, "--trainer.max_eval_tokens", tokens)
+        budget = small_config(
+            tmp_path, tiny_corpus, "--trainer.max_eval_tokens", tokens, cache=cache
+        )
         assert len(eval_sets(budget, data, 1)) == batches
     both = small_config(
         tmp_path,
@@ -257,22 +278,27 @@ def test_eval_budget_in_tokens_and_eval_microbatches_must_divide(tmp_path, tiny_
         "2000",
         "--trainer.max_eval_batches",
         "1",
+        cache=cache,
     )
     assert len(eval_sets(both, data, 1)) == 1  # the smaller limit wins
-    micro = small_config(tmp_path, tiny_corpus, "--trainer.per_device_eval_parallelism", "3")
+    micro = small_config(
+        tmp_path, tiny_corpus, "--trainer.per_device_eval_parallelism", "3", cache=cache
+    )
     with pytest.raises(ValueError, match=r"trainer.per_device_eval_parallelism \(3\) must divide"):
         eval_sets(micro, data, 1)
-    micro = small_config(tmp_path, tiny_corpus, "--trainer.per_device_eval_parallelism", "2")
+    micro = small_config(
+        tmp_path, tiny_corpus, "--trainer.per_device_eval_parallelism", "2", cache=cache
+    )
     assert eval_sets(micro, data, 2)[0].shape[0] == 8  # 2 devices x 2 rows divide 8
     for key, value in [("max_eval_tokens", "0"), ("per_device_eval_parallelism", "0")]:
         with pytest.raises(ValueError, match=f"trainer.{key} must be"):
-            small_config(tmp_path, tiny_corpus, f"--trainer.{key}", value)
+            small_config(tmp_path, tiny_corpus, f"--trainer.{key}", value, cache=cache)
 
 
-def test_eval_only_cli_prints_the_eval_and_trains_nothing(tmp_path, tiny_corpus, capsys):
+def test_eval_only_cli_prints_the_eval_and_trains_nothing(tmp_path, tiny_corpus, cache, capsys):
     from loomax.cli import main
 
-    main(["train", *small_args(tmp_path, tiny_corpus, "--trainer.eval_only", "true")])
+    main(["train", *small_args(tmp_path, tiny_corpus, "--trainer.eval_only", "true", cache=cache)])
     out = capsys.readouterr().out
     # the run's first line says where it runs
     assert out.splitlines()[0] == (

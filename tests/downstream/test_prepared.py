@@ -15,6 +15,11 @@ from loomax.errors import UserError
 # in the test extra: fails, not skips, without it
 pytestmark = pytest.mark.usefixtures("needs_lm_eval")
 
+# The tests that need lm-eval's own tasks index them with ``tasks_dir`` beside (one key of
+# ``loomax.downstream._manager``): the module builds one manager over lm-eval's ~14,700 task
+# YAMLs (~7 CPU-s to index, ~1.8 to read the index back from disk), not one with and one
+# without a folder.
+
 
 def arc_rows(mc: list[dict]) -> list[dict]:
     """The multiple-choice rows in ARC's layout (what lm-eval's ``arc_easy`` reads)."""
@@ -91,7 +96,9 @@ def test_prepared_tasks_score_as_the_originals_without_their_files(lm, tasks_dir
 
 
 @pytest.mark.slow
-def test_builtin_task_is_served_from_the_prepared_set_offline(lm, tmp_path, lm_eval_tasks):
+def test_builtin_task_is_served_from_the_prepared_set_offline(
+    lm, tmp_path, lm_eval_tasks, tasks_dir
+):
     """lm-eval's own ``arc_easy`` (its prompts and metrics) over documents in a prepared set
     written as prepare writes it from the hub: evaluation never reaches the hub."""
     import datasets
@@ -111,7 +118,8 @@ def test_builtin_task_is_served_from_the_prepared_set_offline(lm, tmp_path, lm_e
         "groups": {},
     }
     (out / "manifest.json").write_text(json.dumps(manifest))
-    results = evaluate_tasks(lm, ["arc_easy"], prepared=out, bootstrap_iters=0)["results"]
+    kwargs = dict(include_path=tasks_dir, prepared=out, bootstrap_iters=0)
+    results = evaluate_tasks(lm, ["arc_easy"], **kwargs)["results"]
     assert 0 <= results["arc_easy"]["acc,none"] <= 1
     assert results["arc_easy"]["acc,none"] * len(ARC) == pytest.approx(
         round(results["arc_easy"]["acc,none"] * len(ARC))
@@ -120,12 +128,12 @@ def test_builtin_task_is_served_from_the_prepared_set_offline(lm, tmp_path, lm_e
     manifest["tasks"]["arc_easy"]["version"] = 0.5  # lm-eval's task changed since
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(UserError, match="prepared at version 0.5.*loomax eval prepare"):
-        evaluate_tasks(lm, ["arc_easy"], prepared=out, bootstrap_iters=0)
+        evaluate_tasks(lm, ["arc_easy"], **kwargs)
 
 
-def test_builtin_task_without_a_prepared_set_names_the_command():
+def test_builtin_task_without_a_prepared_set_names_the_command(tasks_dir):
     with pytest.raises(UserError, match=r"arc_easy.*loomax eval prepare --tasks arc_easy --out"):
-        task_manager(["arc_easy"], where="--tasks")
+        task_manager(["arc_easy"], tasks_dir, where="--tasks")
 
 
 def test_missing_or_damaged_prepared_task_names_the_task_and_the_command(
@@ -168,7 +176,8 @@ def test_loomax_eval_prepare_command(tasks_dir, tmp_path, capsys):
         "tiny_mc" in printed and "test:5" in printed and f"prepared 1 task(s) in {out}" in printed
     )
     with pytest.raises(SystemExit) as exit:
-        main(["eval", "prepare", "--tasks", "no_such_task", "--out", str(out)])
+        args = ["--tasks", "no_such_task", "--include_path", str(tasks_dir), "--out", str(out)]
+        main(["eval", "prepare", *args])
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("loomax eval prepare: error:") and "no_such_task" in err

@@ -70,13 +70,18 @@ def _yaml_state(folder: str | Path) -> tuple[tuple[str, int, int], ...]:
 @functools.lru_cache(maxsize=8)
 def _manager(include_defaults: bool, folders: tuple[tuple[str, tuple], ...]) -> Any:
     """lm-eval's ``TaskManager`` over ``folders`` (each with its YAMLs' state, so an edited
-    folder is indexed again). Indexing lm-eval's ~14,700 built-in task YAMLs costs ~9 CPU-s
-    (2-core AMD EPYC), so a process builds the manager of one set of folders once; lm-eval
-    instantiates fresh tasks from it on every ``load``."""
+    folder is indexed again). A process builds the manager of one set of folders once;
+    lm-eval instantiates fresh tasks from it on every ``load``. Its index of lm-eval's
+    ~14,700 built-in task YAMLs (~7 CPU-s to build, 2-core AMD EPYC) is read from disk
+    where an earlier process kept it (``loomax.downstream.task_index``)."""
     from lm_eval.tasks import TaskManager
 
+    from loomax.downstream.task_index import manager_with_cached_defaults
+
     paths = [folder for folder, _ in folders]
-    return TaskManager(include_path=paths or None, include_defaults=include_defaults)
+    if include_defaults:
+        return manager_with_cached_defaults(paths)
+    return TaskManager(include_path=paths or None, include_defaults=False)
 
 
 def task_manager(
