@@ -20,7 +20,7 @@ from loomax.batch_schedule import BatchSchedule
 from loomax.optim.mask import regex_mask, weight_decay_mask
 from loomax.optim.schedule import SCHEDULES, LrSchedule
 from loomax.optim.skip_bad_steps import skip_bad_steps
-from loomax.optim.transforms import clip_update_norm, clip_update_rms
+from loomax.optim.transforms import clip_by_global_norm, clip_update_norm, clip_update_rms
 
 LR_BATCH_SCALINGS = ("none", "sqrt", "linear")
 
@@ -216,7 +216,7 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
         lr = self.lr_scheduler(num_train_steps, batch_sizes)
         parts = []
         if self.max_grad_norm is not None:
-            parts.append(optax.clip_by_global_norm(self.max_grad_norm))
+            parts.append(clip_by_global_norm(self.max_grad_norm))
         parts.append(self.direction())
         if self.update_rms_clipping is not None:
             parts.append(clip_update_rms(self.update_rms_clipping))

@@ -1,4 +1,5 @@
-"""Small optax transforms the optimizers are chained from (update clipping, raw-array adapters)."""
+"""Small optax transforms the optimizers are chained from (gradient and update clipping,
+raw-array adapters), and the gradients' global norm."""
 
 from __future__ import annotations
 
@@ -8,8 +9,40 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
+from loomax.mesh import current_mesh
 from loomax.tree_paths import is_named_array
+
+
+def global_norm(tree) -> jax.Array:
+    """The L2 norm of ``tree``'s arrays (float32), with the same bits however they are
+    sharded: each array's squares are summed over all but its first axis (per layer of a
+    stacked array, whatever the ``stage`` split of the layers), those sums gathered whole and
+    added in order, then the arrays' totals in tree order. (A sum over a sharded array adds
+    each device's share, then the devices': its bits followed the layout.)"""
+    mesh = current_mesh()
+    total = jnp.zeros((), jnp.float32)
+    for x in jax.tree.leaves(tree):
+        sq = jnp.square(jnp.abs(x).astype(jnp.float32))
+        rows = jnp.sum(sq, axis=tuple(range(1, sq.ndim))) if sq.ndim > 1 else sq
+        if mesh is not None and mesh.size > 1 and rows.ndim:
+            rows = jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, PartitionSpec()))
+        total = total + jnp.sum(rows)
+    return jnp.sqrt(total)
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """Scale the gradients down to global norm ``max_norm`` when it is above (``global_norm``:
+    the same bits at any sharding, so a run resumed on another layout clips alike)."""
+
+    def update(updates, state, params=None):
+        norm = global_norm(updates)
+        keep = norm < max_norm
+        scaled = lambda g: jnp.where(keep, g, (g / norm.astype(g.dtype)) * max_norm)  # noqa: E731
+        return jax.tree.map(scaled, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def clip_update_rms(threshold: float) -> optax.GradientTransformation:

@@ -25,6 +25,7 @@ from loomax.models.blocks.buffers import (
     without_buffers,
 )
 from loomax.optim.qk_clip import clip_model
+from loomax.optim.transforms import global_norm
 from loomax.train.loss_metrics import add_sums, metric_values, split_loss, zero_sums
 from loomax.train.state import TrainerState
 
@@ -256,7 +257,7 @@ def make_train_step(
                     opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
                 updates, opt_state = optimizer.update(grads, opt_state, params, value=loss)
             model = eqx.apply_updates(before, updates)
-            grad_norm = optax.tree.norm(grads)
+            grad_norm = global_norm(grads)
         values, state_stats = split_state(metric_values(sums))
         model = update_state(model, state_stats)  # buffers: outside the optimizer
         metrics: Metrics = {"train/loss": loss, "optim/grad_norm": grad_norm}

@@ -1,13 +1,13 @@
 """Worker for the pipeline tests: a tiny Llama (8 layers) trained 3 steps on 1 device (the
 one reference every schedule is compared with) and on 8 CPU devices as stage 4 x data 2
 under each executed schedule (each step compiled once, ahead of time: its loop's trip
-counts read off that program); then a checkpoint written at step 1 by the stage-4 1F1B run
+counts read off that program); then a checkpoint written at step 1 by the stage-4 GPipe run
 resumed on 4 devices as stage 2 x data 2 for steps 2 and 3; the stack's FLOPs; a tiny
 mixture of experts on stage 2 x expert 2 x data 2; prints JSON. (The temporaries of GPipe
 against 1F1B, four more compiles, are ``bench/pipeline_memory.py``'s.)
 
   python pipeline_run.py [SCHEDULE ...] [resume] [flops] [moe] [moe_balance]
-  (resume needs 1f1b)
+  (resume needs gpipe)
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def make_trainer(
 
 
 def train(mesh: MeshConfig, pipeline: PipelineConfig, devices, run_dir: str | None = None) -> dict:
-    """``STEPS`` steps; the stage-4 1F1B run (given ``run_dir``) also saves step ``SAVED_AT``."""
+    """``STEPS`` steps; the stage-4 GPipe run (given ``run_dir``) also saves step ``SAVED_AT``."""
     saving = CheckpointerConfig(fixed_steps=[SAVED_AT], save_at_end=False, async_save=False)
     settings = {"checkpointer": saving} if run_dir else {}
     trainer = make_trainer(mesh, pipeline, devices, run_dir or tempfile.mkdtemp(), **settings)
@@ -152,12 +152,11 @@ def moe(balance: float = 0.0) -> dict:
 
 
 def resume(run_dir: str) -> dict:
-    """The stage-4 1F1B run's checkpoint of step ``SAVED_AT`` (in ``run_dir``) resumed at
-    stage 2 x data 2 (4 devices, 1F1B) for the steps after it."""
+    """The stage-4 GPipe run's checkpoint of step ``SAVED_AT`` (in ``run_dir``) resumed at
+    stage 2 x data 2 (4 devices, GPipe) for the steps after it."""
     again = make_trainer(
-        MeshConfig(data=2, stage=2), PipelineConfig(schedule="1f1b", microbatches=8),
-        jax.devices()[:4], tempfile.mkdtemp(), load_checkpoint=True,
-        load_checkpoint_path=f"{run_dir}/checkpoints",
+        MeshConfig(data=2, stage=2), PipelineConfig(microbatches=8), jax.devices()[:4],
+        tempfile.mkdtemp(), load_checkpoint=True, load_checkpoint_path=f"{run_dir}/checkpoints",
     )  # fmt: skip
     resumed: list[float] = []
     norms: list[float] = []  # of the gradients the update takes: step 3's follow step 2's update
@@ -176,7 +175,7 @@ if __name__ == "__main__":
     saved = tempfile.mkdtemp()
     for name, (mesh, pipeline) in RUNS.items():
         if len(sys.argv) < 2 or name in sys.argv[1:]:
-            out[name] = train(mesh, pipeline, None, saved if name == "1f1b" else None)
+            out[name] = train(mesh, pipeline, None, saved if name == "gpipe" else None)
     if len(sys.argv) < 2 or "resume" in sys.argv[1:]:
         out["resume"] = resume(saved)
     if len(sys.argv) < 2 or "flops" in sys.argv[1:]:

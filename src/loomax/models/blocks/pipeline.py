@@ -229,6 +229,11 @@ def run_stages(
         check_vma=False,
     )
     out, aux = run(stacked_in, layer_in, x_in, seg_in, aux0)
+    if tail is not None and aux0 is None:  # the loss after the loop, microbatches over stages
+        rows = [micro(tail.targets), micro(tail.weights)]
+        named = lambda a: hax.named(a, (Micro.name, *x_axes[1:]))  # noqa: E731
+        loss, g_tail, g_out = pipeline_tail.after_loop(tail, mesh, p, out, rows, inner, named)
+        tail.loss = pipeline_tail.surrogate(loss, [(out, g_out), (tail.params, g_tail)])
     out = hax.auto_sharded(hax.named(out.swapaxes(0, 1).reshape(x.array.shape), x_axes))
     return out if aux0 is None else (out, _map(lambda a: jnp.mean(a, axis=0), aux))
 
