@@ -1,4 +1,4 @@
-"""The loss's tail handed to a staged stack, for the schedules that run the loss inside the loop.
+"""The loss's tail handed to a staged stack: inside the loop, or after it by stages.
 
 1F1B, interleaved 1F1B and zero-bubble start a microbatch's backward as soon as its forward
 has left the last stage, so the last stage must compute that microbatch's loss inside the
@@ -7,9 +7,10 @@ with a ``StageTail`` (the model's final layer, the LM head and the cross-entropy
 microbatch's rows, with their targets and weights) and enters ``tail_context`` around the
 model's forward pass; the staged stack (``models/blocks/pipeline.py``) then runs the whole
 loss and its gradient per slot (``pipeline_explicit.py``) and leaves the loss in
-``StageTail.loss``. Without a tail in context (evaluation's logits, generation, GPipe) the
-stack runs its forward loop as usual.
-"""
+``StageTail.loss``. Under GPipe and interleaved the stack runs the tail after its forward
+loop (``after_loop``: whole microbatches per stage, gradients in one pairwise tree, so
+the bits do not depend on the stage count). Without a tail in context (evaluation's
+logits, generation) the stack runs its forward loop as usual."""
 
 from __future__ import annotations
 
