@@ -10,6 +10,7 @@ import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from loomax.batch_schedule import BatchSchedule, BatchStage
@@ -17,6 +18,7 @@ from loomax.config import parse_config
 from loomax.lm import TrainLmConfig
 from loomax.models import Gpt2Config
 from loomax.optim import AdamConfig, MuonConfig, SkipBadStepsConfig, regex_mask
+from loomax.optim.global_norm import clip_by_global_norm, global_norm
 from loomax.optim.muon import muon_labels
 from loomax.optim.newton_schulz import newton_schulz
 from loomax.optim.transforms import clip_update_norm, clip_update_rms
@@ -33,6 +35,22 @@ def test_update_rms_clipping_caps_each_leaf():
     out, _ = tx.update(updates, tx.init(updates))
     np.testing.assert_allclose(out["big"], 0.5)
     np.testing.assert_allclose(out["small"], 0.1)
+
+
+def test_global_norm_and_its_clipping_equal_optaxs():
+    # summed per row of the first axis, then in order (the same bits at any sharding: the
+    # staged resume in tests/models/blocks/test_pipeline.py); the value is optax's
+    tree = {
+        "stacked": jnp.arange(24.0).reshape(2, 3, 4) / 7,
+        "bias": jnp.array([3.0, -4.0]),
+        "scale": jnp.array(2.0),
+    }
+    np.testing.assert_allclose(global_norm(tree), optax.tree.norm(tree), rtol=1e-6)
+    for max_norm in (1.0, 1e3):  # clipped, then not
+        ours, _ = clip_by_global_norm(max_norm).update(tree, optax.EmptyState())
+        theirs, _ = optax.clip_by_global_norm(max_norm).update(tree, optax.EmptyState())
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def test_clip_update_norm_uses_the_history():

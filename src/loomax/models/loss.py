@@ -120,8 +120,9 @@ def next_token_loss_and_metrics(
     m = weights.rearrange(targets.axes).array.reshape(-1)
     if taps.active():
         taps.record("logits", logits_stats(h, w, block_size or h.shape[0]))
-    if tail is not None:
-        total = pipeline_tail.loss_of(tail)
+    total = None if tail is None else pipeline_tail.loss_of(tail)
+    if total is not None:
+        pass
     elif block_size is not None and (context_ways() > 1 or _rows_split(hidden.array.shape[0])):
         rows = [x.reshape(-1, hidden.resolve_axis(Position).size, *x.shape[1:]) for x in (h, t, m)]
         total = per_device_sum(fused, w.astype(h.dtype), *rows)

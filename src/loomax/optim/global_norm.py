@@ -5,15 +5,14 @@ scales by it, skip-bad-steps checks it, the step reports it (``optim/grad_norm``
 norms hook logs it again. XLA merges the copies when it compiles, but each is traced and
 lowered first (a tiny GPT-2's norm is ~100 of the step's ~1,300 equations, clipping ~150).
 Inside ``norms_shared()`` (the train step's trace) ``global_norm`` of the very same arrays
-(the same tracer objects, in the same trace) is traced once; its value is bitwise
-``optax.tree.norm``'s.
+(the same tracer objects, in the same trace) is traced once. Its value has the same bits at
+any sharding (``_norm``), so a run resumed on another layout (another stage count) clips
+alike; it equals ``optax.tree.norm``'s to float32 rounding.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import operator
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +21,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.extend.core import get_opaque_trace_state
+from jax.sharding import NamedSharding, PartitionSpec
+
+from loomax.mesh import current_mesh
 
 _local = threading.local()
 
@@ -39,8 +41,8 @@ def norms_shared() -> Iterator[None]:
 
 
 def global_norm(tree: Any) -> jax.Array:
-    """``sqrt(sum of squares)`` of every array in ``tree``, bitwise ``optax.tree.norm(tree)``;
-    traced once per set of arrays inside ``norms_shared()``."""
+    """``sqrt(sum of squares)`` of every array in ``tree`` (``_norm``: the same bits at any
+    sharding); traced once per set of arrays inside ``norms_shared()``."""
     leaves = jax.tree.leaves(tree)
     memo = getattr(_local, "memo", None)
     if memo is None:
@@ -56,11 +58,20 @@ def global_norm(tree: Any) -> jax.Array:
 
 
 def _norm(leaves: list) -> jax.Array:
-    if any(jnp.iscomplexobj(x) for x in leaves):
-        return optax.tree.norm(leaves)
-    # optax adds each real leaf's zero imaginary part, squared: exact, so the sums agree
-    sums = [jnp.sum(jnp.square(x)) for x in leaves]
-    return jnp.sqrt(functools.reduce(operator.add, sums, 0))
+    """The L2 norm (float32) with the same bits however the arrays are sharded: each array's
+    squares summed over all but its first axis (per layer of a stacked array, whatever the
+    ``stage`` split of the layers), those sums gathered whole and added in order, then the
+    arrays' totals in tree order. (A sum over a sharded array adds each device's share, then
+    the devices': its bits would follow the layout.)"""
+    mesh = current_mesh()
+    total = jnp.zeros((), jnp.float32)
+    for x in leaves:
+        sq = jnp.square(jnp.abs(x).astype(jnp.float32))
+        rows = jnp.sum(sq, axis=tuple(range(1, sq.ndim))) if sq.ndim > 1 else sq
+        if mesh is not None and mesh.size > 1 and rows.ndim:
+            rows = jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, PartitionSpec()))
+        total = total + jnp.sum(rows)
+    return jnp.sqrt(total)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:

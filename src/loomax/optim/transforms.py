@@ -1,4 +1,5 @@
-"""Small optax transforms the optimizers are chained from (update clipping, raw-array adapters)."""
+"""Small optax transforms the optimizers are chained from (gradient and update clipping,
+raw-array adapters), and the gradients' global norm."""
 
 from __future__ import annotations
 

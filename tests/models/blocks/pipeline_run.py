@@ -1,7 +1,7 @@
 """Worker for the pipeline tests: a tiny Llama (8 layers) trained 3 steps on 1 device (the
 one reference every schedule is compared with) and on 8 CPU devices as stage 4 x data 2
 under each executed schedule (each step compiled once, ahead of time: its loop's trip
-counts read off that program); then a checkpoint written at step 1 by the stage-4 run
+counts read off that program); then a checkpoint written at step 1 by the stage-4 GPipe run
 resumed on 4 devices as stage 2 x data 2 for steps 2 and 3; the stack's FLOPs; a tiny
 mixture of experts on 1 device and on stage 2 x expert 2 x data 2 under GPipe, 1F1B,
 interleaved 1F1B and zero-bubble; prints JSON. (The temporaries of GPipe against 1F1B,
@@ -224,20 +224,22 @@ def mla() -> dict:
 
 
 def resume(run_dir: str) -> dict:
-    """The stage-4 run's checkpoint of step ``SAVED_AT`` (in ``run_dir``) resumed at stage 2 x
-    data 2 (4 devices) for the steps after it."""
+    """The stage-4 GPipe run's checkpoint of step ``SAVED_AT`` (in ``run_dir``) resumed at
+    stage 2 x data 2 (4 devices, GPipe) for the steps after it."""
     again = make_trainer(
         MeshConfig(data=2, stage=2), PipelineConfig(microbatches=8), jax.devices()[:4],
         tempfile.mkdtemp(), load_checkpoint=True, load_checkpoint_path=f"{run_dir}/checkpoints",
     )  # fmt: skip
     resumed: list[float] = []
+    norms: list[float] = []  # of the gradients the update takes: step 3's follow step 2's update
     again.add_hook(lambda info: resumed.append(info.loss))
+    again.add_hook(lambda info: norms.append(float(info.metrics["optim/grad_norm"])))
     state = again.initial_state(lambda key: MODEL.build(VOCAB, key=key))
     start = int(state.step)
     up = state.model.blocks.stacked.mlp.up_proj.weight.array
     shape = list(up.addressable_shards[0].data.shape)
     again.train(state, loader().iter_from(start, *again.runtime.row_block))
-    return {"start": start, "losses": resumed, "mlp_up_shard_shape": shape}
+    return {"start": start, "losses": resumed, "grad_norms": norms, "mlp_up_shard_shape": shape}
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from loomax.models.attention.max_logits import stack_key
 from loomax.models.attention.rotary import apply_rotary
 from loomax.models.attention.sequence_layout import context_ways, layout_positions, token_positions
 from loomax.models.axes import KeyPosition, Position
-from loomax.models.blocks import taps
+from loomax.models.blocks import pipeline, taps
 from loomax.models.blocks.dropout import adapter_keys, dropout, split
 from loomax.models.blocks.mlp_activations import activation
 from loomax.models.blocks.remat import name_activation
@@ -344,7 +344,7 @@ class LlamaLmModel(LmModel):
         key: PRNGKeyArray | None = None,
     ) -> NamedArray:
         c = self.config
-        x = _maybe(self.embed_norm, hax.auto_sharded(self._embed(tokens)))
+        x = pipeline.stack_input(lambda t: _maybe(self.embed_norm, self._embed(t)), tokens)
         k_embed, k_layers = split(key if c.dropout_active else None, 2)
         x = dropout(x, c.embed_pdrop, k_embed)
         mixed = len(set(c.layer_windows)) > 1

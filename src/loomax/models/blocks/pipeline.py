@@ -18,6 +18,7 @@ way round the ring), so gradients are those of the unstaged stack and accumulate
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import equinox as eqx
 import haliax as hax
@@ -44,6 +45,21 @@ def stage_count() -> int:
     if mesh is None or STAGE_AXIS not in mesh.axis_names:
         return 1
     return int(mesh.shape[STAGE_AXIS])
+
+
+def stack_input(embed: Callable[[NamedArray], NamedArray], tokens: NamedArray) -> NamedArray:
+    """``embed(tokens)``, sharded by the compute mapping in context; over stages, whole on every
+    stage of a data shard (``batch`` split over the data axes, not ``stage``), as the staged
+    stack reads it anyway. The lookup's backward, a scatter-add of the shard's rows into the
+    embedding's gradient (and an embedding norm's, summed over the rows), then adds the same
+    rows in the same order at any stage count: split over ``data x stage`` it summed each
+    device's rows, then the devices', and the gradient's last bits followed the stage count.
+    It costs each stage the data shard's gather and scatter-add (no matmul)."""
+    if stage_count() == 1:
+        return hax.auto_sharded(embed(tokens))
+    mapping = hax.partitioning.current_thread_local_mapping() or {}
+    with hax.axis_mapping(_without_stage(mapping)):
+        return hax.auto_sharded(embed(hax.auto_sharded(tokens)))
 
 
 def pipeline_plan(layers: int, rows: int, stages: int, config: PipelineConfig) -> tuple[int, int]:
@@ -219,6 +235,11 @@ def run_stages(
         check_vma=False,
     )
     out, aux = run(stacked_in, layer_in, x_in, seg_in, aux0)
+    if tail is not None and aux0 is None:  # the loss after the loop, microbatches over stages
+        rows = [micro(tail.targets), micro(tail.weights)]
+        named = lambda a: hax.named(a, (Micro.name, *x_axes[1:]))  # noqa: E731
+        loss, g_tail, g_out = pipeline_tail.after_loop(tail, mesh, p, out, rows, inner, named)
+        tail.loss = pipeline_tail.surrogate(loss, [(out, g_out), (tail.params, g_tail)])
     out = hax.auto_sharded(hax.named(out.swapaxes(0, 1).reshape(x.array.shape), x_axes))
     return out if aux0 is None else (out, _map(lambda a: jnp.mean(a, axis=0), aux))
 
