@@ -54,10 +54,13 @@ def test_rolling_attention_equals_the_full_cache_step_by_step():
     cache_axes = (hax.Axis("key_position", 11), axes[1], axes[2])
     full = (hax.zeros(cache_axes), hax.zeros(cache_axes))
     ring = (hax.zeros((hax.Axis("key_position", 3), *cache_axes[1:])),) * 2
+    # each a compiled program per chunk length, the window static (op by op: ~3.5x the CPU)
+    full_step = jax.jit(cached_attention, static_argnums=6)
+    ring_step = jax.jit(rolling_attention, static_argnums=6)
     for a, b in [(0, 5), (5, 6), (6, 7), (7, 9), (9, 10), (10, 11)]:  # a chunk past the window
         new = [x["position", a:b] for x in (q, k, v)]
-        want, *full = cached_attention(*new, *full, jnp.int32(a), 3)
-        got, *ring = rolling_attention(*new, *ring, jnp.int32(a), 3)
+        want, *full = full_step(*new, *full, jnp.int32(a), 3)
+        got, *ring = ring_step(*new, *ring, jnp.int32(a), 3)
         np.testing.assert_allclose(got.array, want.array, rtol=1e-5, atol=1e-6)
 
 

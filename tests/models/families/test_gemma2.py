@@ -145,9 +145,10 @@ def test_capped_attention_and_its_gradient_agree_on_vanilla_and_blockwise():
         total, count = next_token_loss(m, batch, block_size=8)
         return total / count
 
-    want, got = (np.asarray(m.logits(IDS).array) for m in models)
+    # each as one compiled program (op by op, the blocks' own gradient compiles many)
+    want, got = (np.asarray(eqx.filter_jit(lambda m: m.logits(IDS).array)(m)) for m in models)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    grads = [jax.tree.leaves(eqx.filter_grad(loss)(m)) for m in models]
+    grads = [jax.tree.leaves(eqx.filter_jit(eqx.filter_grad(loss))(m)) for m in models]
     for g, w in zip(grads[1], grads[0], strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
@@ -159,15 +160,19 @@ def test_the_capped_loss_and_its_gradient_equal_the_plain_form():
     t = jax.random.randint(kt, (12,), 0, VOCAB)
     m = jnp.ones(12).at[3].set(0.0)
 
+    @jax.jit  # one program each (op by op, the blocked loss's gradient compiles many)
     def capped(h, w):
         return capped_cross_entropy_sum(h, w, t, m, 5, 1e-3, 2.0)  # 3 blocks, the last padded
 
+    @jax.jit
     def plain(h, w):
         return plain_cross_entropy_sum(h, w, t, m, 1e-3, 2.0)
 
     np.testing.assert_allclose(capped(h, w), plain(h, w), rtol=1e-6)
     for got, want in zip(
-        jax.grad(capped, (0, 1))(h, w), jax.grad(plain, (0, 1))(h, w), strict=True
+        jax.jit(jax.grad(capped, (0, 1)))(h, w),
+        jax.jit(jax.grad(plain, (0, 1)))(h, w),
+        strict=True,
     ):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert abs(plain(h, w) - plain_cross_entropy_sum(h, w, t, m, 1e-3)) > 1.0

@@ -82,9 +82,22 @@ def test_trained_export_gives_transformers_logits_and_greedy_tokens(tmp_path, fa
     assert load_hf(tmp_path).config.hf_config(VOCAB) == TINY.hf_config(VOCAB)
 
 
-def test_decoding_equals_the_training_forward():
+@pytest.fixture(scope="module")
+def noisy():
+    """TINY with every weight moved off its initial value (shared: one eager build)."""
     model = TINY.build(VOCAB, key=KEY)
-    model = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(KEY, x.shape), model)
+    return jax.tree.map(lambda x: x + 0.1 * jax.random.normal(KEY, x.shape), model)
+
+
+@eqx.filter_jit
+def hidden(model, ids, segment_ids=None):
+    """The training forward's hidden states, as one compiled program (op by op, the DeltaNet's
+    chunked scan compiles hundreds of small ones)."""
+    return model.hidden_states(hax.named(ids, "position"), segment_ids=segment_ids).array
+
+
+def test_decoding_equals_the_training_forward(noisy):
+    model = noisy
     cache = model.init_cache((), 16, np.float32)
     decode = eqx.filter_jit(lambda m, ids, cache, t: m.decode(hax.named(ids, "position"), cache, t))
     # the position traced, as generation passes it: one compile for the prefill, one a token
@@ -94,7 +107,7 @@ def test_decoding_equals_the_training_forward():
         h, cache = decode(model, IDS[t : t + 1], cache, jnp.asarray(t, jnp.int32))
         rest.append(h.array)
     got = np.concatenate([first.array, *rest])
-    want = model.hidden_states(hax.named(IDS, "position")).array
+    want = hidden(model, IDS)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -108,17 +121,14 @@ def test_context_parallelism_is_refused_naming_the_key():
         TrainLmConfig(model=TINY, trainer=trainer)
 
 
-def test_packed_documents_never_see_each_other():
+def test_packed_documents_never_see_each_other(noisy):
     """The second of two packed documents computes as it would alone (rotary is relative;
     the DeltaNet's state and convolution restart at the boundary)."""
-    model = TINY.build(VOCAB, key=KEY)
-    model = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(KEY, x.shape), model)
-    hidden = eqx.filter_jit(lambda m, ids, seg: m.hidden_states(ids, segment_ids=seg).array)
     seg = hax.named(np.repeat([0, 1], [6, 10]), "position")
-    packed = hidden(model, hax.named(IDS, "position"), seg)
-    alone = hidden(model, hax.named(IDS[6:], "position"), None)
+    packed = hidden(noisy, IDS, seg)
+    alone = hidden(noisy, IDS[6:])
     np.testing.assert_allclose(packed[6:], alone, rtol=1e-5, atol=1e-5)
-    mixed = hidden(model, hax.named(IDS, "position"), None)
+    mixed = hidden(noisy, IDS)
     assert not np.allclose(mixed[6:], alone, atol=1e-3)
 
 
@@ -158,23 +168,35 @@ def test_parameters_name_their_hidden_and_expert_axes_for_the_mesh():
         assert ("experts" in names) == (".mlp.experts." in name), name
 
 
-def test_each_layer_is_rematerialised_under_the_remat_policy():
+def test_each_layer_is_rematerialised_under_the_remat_policy(noisy):
     """``gradient_checkpointing`` true (the default) or recompute: each layer's forward is
     checkpointed (recomputed in the backward pass), false: none; the gradients agree."""
     import dataclasses
 
     ids = hax.named(IDS, "position")
+    loss = lambda m: jnp.sum(m.hidden_states(ids).array ** 2)  # noqa: E731
 
-    def grad(policy, values: bool = True):
-        model = dataclasses.replace(TINY, gradient_checkpointing=policy).build(VOCAB, key=KEY)
-        loss = lambda m: jnp.sum(m.hidden_states(ids).array ** 2)  # noqa: E731
-        eqns = jax.make_jaxpr(jax.grad(loss))(model).jaxpr.eqns
+    def traced(policy, float64: bool = False):
+        """``jit(grad(loss))`` of the shared weights under ``policy`` (in float64 if asked),
+        traced once: its count of checkpointed regions, and the trace to compile."""
+        config = dataclasses.replace(TINY, gradient_checkpointing=policy)
+        skeleton = jax.tree.structure(jax.eval_shape(lambda: config.build(VOCAB, key=KEY)))
+        cast = (lambda x: x.astype(jnp.float64)) if float64 else (lambda x: x)
+        model = jax.tree.unflatten(skeleton, [cast(x) for x in jax.tree.leaves(noisy)])
+        trace = jax.jit(jax.grad(loss)).trace(model)
+        eqns = trace.jaxpr.eqns
         remats = sum("remat" in e.primitive.name or "checkpoint" in e.primitive.name for e in eqns)
-        return remats, jax.tree.leaves(eqx.filter_jit(jax.grad(loss))(model)) if values else []
+        return remats, trace, model
 
-    assert grad("recompute", False)[0] == TINY.num_layers
+    assert traced("recompute")[0] == TINY.num_layers
     with jax.enable_x64(True):  # float64: f32's rounding, fused otherwise, moves small terms
-        (on, with_remat), (off, without) = grad(True), grad(False)
+        (on, on_trace, on_model), (off, off_trace, off_model) = (
+            traced(True, True),
+            traced(False, True),
+        )
+        assert {x.dtype for x in jax.tree.leaves(on_model)} == {jnp.dtype(jnp.float64)}
+        with_remat = jax.tree.leaves(on_trace.lower().compile()(on_model))
+        without = jax.tree.leaves(off_trace.lower().compile()(off_model))
     assert (on, off) == (TINY.num_layers, 0)
     for a, b in zip(with_remat, without, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-9)

@@ -65,7 +65,8 @@ def stored_bytes(model) -> int:
 @pytest.mark.parametrize("kind,max_error,ratio", [("int8", 0.05, 0.28), ("nf4", 0.5, 0.16)])
 def test_step_0_is_close_to_the_base_and_the_store_shrinks(base, kind, max_error, ratio):
     """Logits' error relative to their norm: int8 0.17%, nf4 ~11% (a random tiny model)."""
-    model = qlora(kind).for_training(base)
+    # quantising and merging each as one program (op by op: a few hundred small ones)
+    model = eqx.filter_jit(qlora(kind).for_training)(base)
     layers = adapter_layers(model)
     assert len(layers) == 7 and all(x.weight is None for x in layers.values())
     ref, out = (np.asarray(m.logits(IDS).array) for m in (base, model))
@@ -77,7 +78,7 @@ def test_step_0_is_close_to_the_base_and_the_store_shrinks(base, kind, max_error
     assert stores <= ratio * plain, (stores, plain)  # codes + float32 scales, blocks of 64
     # the export's view: merged, and the base, are the dequantised weights (plus B A)
     np.testing.assert_allclose(
-        np.asarray(merge_lora(model).logits(IDS).array), out, rtol=1e-5, atol=1e-5
+        np.asarray(eqx.filter_jit(merge_lora)(model).logits(IDS).array), out, rtol=1e-5, atol=1e-5
     )
 
 
