@@ -1,8 +1,8 @@
-"""Worker for the pipeline tests: a tiny Llama (8 layers) trained 3 steps on 1 device (the
+"""Worker for the pipeline tests: a tiny Llama (8 layers) trained 5 steps on 1 device (the
 one reference every schedule is compared with) and on 8 CPU devices as stage 4 x data 2
 under each executed schedule (each step compiled once, ahead of time: its loop's trip
 counts read off that program); then a checkpoint written at step 1 by the stage-4 GPipe run
-resumed on 4 devices as stage 2 x data 2 for steps 2 and 3; the stack's FLOPs; a tiny
+resumed on 4 devices as stage 2 x data 2 for steps 2 to 5; the stack's FLOPs; a tiny
 mixture of experts on 1 device and on stage 2 x expert 2 x data 2 under GPipe, 1F1B,
 interleaved 1F1B and zero-bubble; prints JSON. (The temporaries of GPipe against 1F1B,
 four more compiles, are ``bench/pipeline_memory.py``'s.)
@@ -42,7 +42,7 @@ from loomax.train import Trainer, TrainerConfig  # noqa: E402
 MODEL = LlamaConfig(
     seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=8, num_heads=4, num_kv_heads=2
 )  # fmt: skip
-VOCAB, STEPS, BATCH, SAVED_AT = 64, 3, 16, 1  # 2 steps after the save: its Adam state counts
+VOCAB, STEPS, BATCH, SAVED_AT = 64, 5, 16, 1  # 4 steps after the save: its Adam state counts
 RUNS = {
     "gpipe": (MeshConfig(data=2, stage=4), PipelineConfig(microbatches=8)),
     "interleaved": (
@@ -231,7 +231,7 @@ def resume(run_dir: str) -> dict:
         tempfile.mkdtemp(), load_checkpoint=True, load_checkpoint_path=f"{run_dir}/checkpoints",
     )  # fmt: skip
     resumed: list[float] = []
-    norms: list[float] = []  # of the gradients the update takes: step 3's follow step 2's update
+    norms: list[float] = []  # of the gradients the update takes: steps 3-5 follow updates
     again.add_hook(lambda info: resumed.append(info.loss))
     again.add_hook(lambda info: norms.append(float(info.metrics["optim/grad_norm"])))
     state = again.initial_state(lambda key: MODEL.build(VOCAB, key=key))
