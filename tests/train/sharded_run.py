@@ -32,6 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from loomax.checkpoint import CheckpointerConfig  # noqa: E402
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
 from loomax.distributed import DistributedConfig  # noqa: E402
 from loomax.hooks import ActivationStatsHook  # noqa: E402
@@ -52,6 +53,10 @@ def loader() -> BatchLoader:
 
 
 def make_trainer(mesh: MeshConfig, run_dir: str, devices=None, **settings) -> Trainer:
+    processes = getattr(settings.get("distributed"), "num_processes", None)
+    # the pair's runs save their last step (the tests read those checkpoints); the
+    # one-process runs' checkpoints nobody reads
+    settings.setdefault("checkpointer", CheckpointerConfig(save_at_end=(processes or 1) > 1))
     config = TrainerConfig(
         num_train_steps=STEPS,
         train_batch_size=BATCH,
@@ -111,7 +116,8 @@ def run(
     trainer.add_hook(lambda info: losses.append(info.loss))
     activations: dict[str, float] = {}
     if distributed is None:  # the mesh runs: the last step's activation statistics, sharded
-        trainer.add_hook(ActivationStatsHook(every=STEPS))
+        # taken every step: one step program per mesh (the statistics' variant), not two
+        trainer.add_hook(ActivationStatsHook(every=1))
         trainer.add_hook(lambda info: activations.update(_activations(info)), every=STEPS)
     if sigterm_at is not None and jax.process_index() == jax.process_count() - 1:
         trainer.add_hook(lambda info: info.step == sigterm_at and os.kill(os.getpid(), SIGTERM))

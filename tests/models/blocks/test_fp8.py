@@ -242,11 +242,15 @@ def test_the_fp8_gradients_of_any_dimension_numbers(lhs_shape, rhs_shape, dimens
 
 
 SMALL = LlamaConfig(
-    seq_len=32, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4,
+    seq_len=32, hidden_dim=64, intermediate_dim=128, num_layers=1, num_heads=4,
     num_kv_heads=2, scan_layers=False, gradient_checkpointing=False,
 )  # fmt: skip
-"""Layers one after another and no remat: each linear runs its three matmuls once a step."""
-SMALL_LINEARS = 2 * 7  # q, k, v, o, gate, up, down in each of two blocks
+"""No layer scan and no remat: each linear runs its three matmuls once a step. One block:
+a block's linears are the program's every kind of linear (a second block repeats them, and
+doubled the H100 compiles' GEMMs for no other check)."""
+SMALL_LINEARS = SMALL.num_layers * 7  # q, k, v, o, gate, up, down in each block
+SMALL_OTHER_GEMMS = 3 + 6 * SMALL.num_layers
+"""The GEMMs that stay in the compute dtype: the LM head's three, attention's six per block."""
 
 
 def _model_gradient(config):
@@ -332,20 +336,22 @@ def fp8_step():
 
 @pytest.mark.parametrize("triton_gemm", [True, False], ids=["triton", "cublaslt"])
 def test_the_compiled_h100_step_runs_three_fp8_gemms_per_linear(fp8_step, triton_gemm):
-    """The train-step gradient of a Llama with fp8, compiled for an H100: each of its 14
+    """The train-step gradient of a Llama with fp8, compiled for an H100: each of its 7
     linear layers is three FP8 GEMMs (forward, dgrad, wgrad). XLA's default makes them Triton
-    GEMM fusions of FP8 operands; with Triton GEMMs off, cuBLASLt FP8 calls. The other 15
+    GEMM fusions of FP8 operands; with Triton GEMMs off, cuBLASLt FP8 calls. The other 9
     GEMMs (the LM head's three, attention's six per block) stay in the compute dtype. (XLA's
     dot merger is off here so that each matmul is its own GEMM; see the next test.)"""
     hlo = _gpu_program(*fp8_step, triton_gemm=triton_gemm, dot_merger=False)
     cublas_f8, triton_f8, other = _fp8_gemms(hlo)
     fp8 = 3 * SMALL_LINEARS
-    assert (cublas_f8, triton_f8, other) == ((0, fp8, 15) if triton_gemm else (fp8, 0, 15))
+    expected = (0, fp8) if triton_gemm else (fp8, 0)
+    assert (cublas_f8, triton_f8, other) == (*expected, SMALL_OTHER_GEMMS)
 
 
 def test_xlas_default_h100_program_merges_fp8_gemms_and_keeps_them_fp8(fp8_step):
     """With XLA's defaults, q, k and v (one input) and gate and up (one input) merge into one
-    forward and one weight-gradient GEMM each: 42 - 2·6 = 30 FP8 GEMMs, still all FP8, and the
-    same 15 others. (The dequantise-then-dot form before compiled to 45 GEMMs and no FP8 at all:
-    XLA folded the quantisation round trip away.)"""
-    assert _fp8_gemms(_gpu_program(*fp8_step)) == (0, 3 * SMALL_LINEARS - 2 * 6, 15)
+    forward and one weight-gradient GEMM each: 21 - 6 = 15 FP8 GEMMs (6 fewer a block), still
+    all FP8, and the same 9 others. (The dequantise-then-dot form before compiled to no FP8
+    GEMM at all, 45 GEMMs at two blocks: XLA folded the quantisation round trip away.)"""
+    merged = 6 * SMALL.num_layers
+    assert _fp8_gemms(_gpu_program(*fp8_step)) == (0, 3 * SMALL_LINEARS - merged, SMALL_OTHER_GEMMS)
