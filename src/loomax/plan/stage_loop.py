@@ -138,28 +138,26 @@ def _loop(scan) -> StageLoop:
 
 
 def _outer_scans(jaxpr: Any) -> list:
-    """The ``scan`` equations of ``jaxpr`` not inside another ``scan``."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            out.append(eqn)
-        elif eqn.primitive.name != "cond":
-            for sub in _subjaxprs(eqn.params):
-                out += _outer_scans(sub)
-    return out
+    """The ``scan`` equations of ``jaxpr`` not inside another ``scan`` (nor a ``cond``)."""
+    return _outermost(jaxpr, "scan", "cond")
 
 
 def _conds(jaxpr: Any) -> list:
     """The ``cond`` equations of ``jaxpr`` outside any inner ``scan`` or ``cond``."""
+    return _outermost(jaxpr, "cond", "scan")
+
+
+def _outermost(jaxpr: Any, name: str, stop: str) -> list:
+    """The ``name`` equations of ``jaxpr``, looking inside sub-jaxprs but not into a ``name``
+    or ``stop`` equation's."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     out = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond":
+        if eqn.primitive.name == name:
             out.append(eqn)
-        elif eqn.primitive.name != "scan":
+        elif eqn.primitive.name != stop:
             for sub in _subjaxprs(eqn.params):
-                out += _conds(sub)
+                out += _outermost(sub, name, stop)
     return out
 
 
