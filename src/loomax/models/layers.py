@@ -59,19 +59,22 @@ def run_layers(
 ) -> NamedArray:
     """``x`` through every block in order; ``per_layer`` (from ``layer_inputs``) is sliced
     per block; ``first_layer`` is the model index of the stack's first block (how the
-    activation statistics name its layers). With activation statistics or QK-clip's maxima asked for (``taps``, ``max_logits``) the blocks are scanned (all
-    unrolled when ``scan`` is false), since taps records them as scan outputs. A stack in
-    host memory is scanned by ``offload.scan`` (not unrolled: a ``ConfigError``). Over a
-    ``stage`` mesh axis of more than one device the stack runs as a pipeline
-    (``loomax.models.blocks.pipeline``)."""
+    activation statistics name its layers). With activation statistics or QK-clip's maxima
+    asked for (``taps``, ``max_logits``) the blocks are scanned (all unrolled when ``scan``
+    is false), since taps records them as scan outputs. A stack in host memory is scanned by
+    ``offload.scan`` (not unrolled: a ``ConfigError``). Over a ``stage`` mesh axis of more
+    than one device the stack runs as a pipeline (``loomax.models.blocks.pipeline``; the
+    statistics go round its ring with each microbatch, GPipe's loop only)."""
     per_layer = per_layer or {}
     if pipeline.stage_count() > 1:
-        if taps.active() or max_logits.active() or offload.any_on_host(blocks.stacked):
+        if offload.any_on_host(blocks.stacked):
             raise ConfigError(
-                "trainer.mesh.stage > 1: not with activation statistics, QK-clip or "
-                "trainer.offload_params (a staged stack is neither tapped nor streamed yet)"
+                "trainer.mesh.stage > 1: not with trainer.offload_params (a staged stack is "
+                "not streamed yet)"
             )
-        return pipeline.run_stages(blocks, x, segment_ids, unroll=unroll, per_layer=per_layer)
+        return pipeline.run_stages(
+            blocks, x, segment_ids, unroll=unroll, per_layer=per_layer, first_layer=first_layer
+        )
     if taps.active() or max_logits.active():  # per-layer outputs of the scan
         unroll = unroll if scan else True
         return taps.scan_layers(

@@ -4,15 +4,18 @@ under each executed schedule (each step compiled once, ahead of time: its loop's
 counts read off that program); then a checkpoint written at step 1 by the stage-4 GPipe run
 resumed on 4 devices as stage 2 x data 2 for steps 2 to 5; the stack's FLOPs; a tiny
 mixture of experts on 1 device and on stage 2 x expert 2 x data 2 under GPipe, 1F1B,
-interleaved 1F1B and zero-bubble; prints JSON. (The temporaries of GPipe against 1F1B,
-four more compiles, are ``bench/pipeline_memory.py``'s.)
+interleaved 1F1B and zero-bubble; a 4-layer stack's activation statistics and per-head
+maximum logits on 1 device and on stage 2 x data 2 under GPipe, and 1F1B's refusal of
+them; prints JSON. (The temporaries of GPipe against 1F1B, four more compiles, are
+``bench/pipeline_memory.py``'s.)
 
   python pipeline_run.py [SCHEDULE ...] [resume] [flops] [moe_SCHEDULE ...] [gpt2] [mla]
-                         [moe_balance]
+                         [moe_balance] [stats] [stats_interleaved]
   (resume needs gpipe; without arguments: what test_pipeline.py checks, the mixture of
   experts under every schedule but interleaved; gpt2, mla: those under 1F1B; moe_balance:
   every MoE schedule at moe_tiny's load-balance weight, and 1 device accumulating 4
-  microbatches)
+  microbatches; stats: a 4-layer stack's activation statistics and QK-clip maxima on 1
+  device and stage 2 x data 2 under GPipe, stats_interleaved also interleaved)
 """
 
 from __future__ import annotations
@@ -223,6 +226,67 @@ def mla() -> dict:
     ])  # fmt: skip
 
 
+def stack_stats(schedules=("gpipe",)) -> dict:
+    """A 4-layer ``MODEL`` stack's activation statistics and per-head maximum logits
+    (QK-clip's), taken in a forward pass (a batch of 8 rows), on 1 device and
+    on stage 2 x data 2 under each of ``schedules`` (``gpipe``, ``interleaved``: 2 chunks a
+    stage; 4 microbatches): ``{run: {key: values}}``."""
+    import dataclasses
+
+    import equinox as eqx
+    import haliax as hax
+
+    from loomax.models.attention import max_logits
+    from loomax.models.blocks import taps
+    from loomax.models.layers import run_layers
+    from loomax.runtime import MeshRuntime
+
+    config = dataclasses.replace(MODEL, num_layers=4)
+    blocks = config.build(VOCAB, key=jax.random.PRNGKey(0)).blocks
+    axes = (hax.Axis("batch", 8), hax.Axis("position", config.seq_len), config.Embed)
+    x = hax.random.normal(jax.random.PRNGKey(1), axes)
+
+    staged = {
+        "gpipe": PipelineConfig(microbatches=4),
+        "interleaved": PipelineConfig(schedule="interleaved", microbatches=4, virtual_stages=2),
+    }
+    runs = {"single": (MeshConfig(data=1), PipelineConfig(), jax.devices()[:1])}
+    runs |= {k: (MeshConfig(data=2, stage=2), staged[k], jax.devices()[:4]) for k in schedules}
+    out = {}
+    for name, (mesh, pipeline, devices) in runs.items():
+        mappings = TrainerConfig(mesh=mesh).axis_mappings()
+        runtime = MeshRuntime.create(mesh, mappings, devices, pipeline)
+
+        def loss(b, x):  # a function per run: each traces under its own mesh and schedule
+            with taps.collect() as recorded, max_logits.collecting() as seen:
+                total = hax.sum(run_layers(b, x, None) ** 2).array
+            return total, (taps.flatten(recorded), {k: v.array for k, v in seen.items()})
+
+        with runtime.mesh_context():  # the forward pass only: a gradient triples the compile
+            _, (acts, peaks) = eqx.filter_jit(loss)(blocks, x)
+        out[name] = {k: np.asarray(v).tolist() for k, v in {**acts, **peaks}.items()}
+    return out
+
+
+def stats_under_1f1b() -> str:
+    """What training under 1F1B (stage 2 x data 2) with activation statistics due at step 0
+    raises (a ``ConfigError``'s message), before any step runs."""
+    from loomax.config import ConfigError
+    from loomax.hooks import ActivationStatsHook
+
+    pipeline = PipelineConfig(schedule="1f1b", microbatches=4)
+    trainer = make_trainer(
+        MeshConfig(data=2, stage=2), pipeline, jax.devices()[:4], tempfile.mkdtemp()
+    )
+    trainer.add_hook(ActivationStatsHook(every=1))
+    state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+    try:
+        trainer.train(state, loader().iter_from(0, *trainer.runtime.row_block))
+    except ConfigError as error:
+        return str(error)
+    return "trained"
+
+
 def resume(run_dir: str) -> dict:
     """The stage-4 GPipe run's checkpoint of step ``SAVED_AT`` (in ``run_dir``) resumed at
     stage 2 x data 2 (4 devices, GPipe) for the steps after it."""
@@ -259,6 +323,11 @@ if __name__ == "__main__":
         out["gpt2"] = gpt2()
     if "mla" in sys.argv[1:]:
         out["mla"] = mla()
+    if len(sys.argv) < 2 or "stats" in sys.argv[1:]:
+        out["stack_stats"] = stack_stats()
+        out["stats_1f1b"] = stats_under_1f1b()
+    if "stats_interleaved" in sys.argv[1:]:
+        out["stack_stats"] = stack_stats(("gpipe", "interleaved"))
     if "moe_balance" in sys.argv[1:]:
         out["moe_balance"] = moe(list(MOE_SCHEDULES), 1e-3)
     print(json.dumps(out))

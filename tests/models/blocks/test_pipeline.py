@@ -150,3 +150,26 @@ def test_loop_bubble_follows_its_formula():
     assert bubble(4, 8) == pytest.approx(3 / 11)
     assert bubble(4, 8, 2) == pytest.approx(3 / 19)
     assert bubble(1, 8) == 0
+
+
+@pytest.mark.slow
+def test_activation_statistics_and_max_logits_on_stages_equal_one_device(runs):
+    # GPipe on stage 2 x data 2, 4 microbatches: each chunk fills its layers' rows of the
+    # statistics that go round the ring with each microbatch; the whole batch's come from
+    # the microbatches' (mean of means, std and RMS from mean squares, max of maxima). The
+    # near-zero fraction is the one approximate figure (each microbatch's own threshold)
+    stats = runs["stack_stats"]
+    single, staged = stats["single"], stats["gpipe"]
+    assert set(staged) == set(single)
+    assert "activations/layer_3/residual/std" in single and "layers_from_0" in single
+    assert np.asarray(single["layers_from_0"]).shape == (4, 4)  # (layers, heads)
+    for key, value in single.items():
+        if key.endswith("/near_zero"):  # 4096 values, 1024 a microbatch: within 3 values
+            np.testing.assert_allclose(staged[key], value, atol=3 / 4096, err_msg=key)
+        else:
+            np.testing.assert_allclose(staged[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+@pytest.mark.slow
+def test_explicit_schedules_refuse_activation_statistics_naming_the_schedule(runs):
+    assert runs["stats_1f1b"].startswith("trainer.pipeline.schedule '1f1b': not with activation")

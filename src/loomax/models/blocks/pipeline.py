@@ -30,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 from loomax.config import ConfigError
 from loomax.mesh import current_mesh
-from loomax.models.blocks import pipeline_explicit, pipeline_tail
+from loomax.models.attention import max_logits
+from loomax.models.blocks import pipeline_explicit, pipeline_tail, taps
 from loomax.stages import (
     LOSS_IN_LOOP_SCHEDULES,
     STAGE_AXIS,
@@ -101,11 +102,15 @@ def run_stages(
     *,
     unroll: int | bool = 1,
     per_layer: dict[str, jax.Array] | None = None,
+    first_layer: int = 0,
 ) -> NamedArray | tuple:
     """``x`` through every block of ``blocks``, pipelined over the ``stage`` mesh axis. ``x``
     may be ``(residual, statistics)`` (a mixture of experts' ``RouterAux``, rows per layer):
     each microbatch's statistics go round with its residual stream, and the result's are
-    their mean over the microbatches."""
+    their mean over the microbatches. Activation statistics and QK-clip's maxima (``taps``,
+    ``max_logits``, asked for) travel the same way, rows per layer, each chunk filling its
+    own layers' rows; the whole batch's are recorded (``taps.combine_microbatches``, the
+    largest maxima), layers named from ``first_layer``. ``gpipe`` only."""
     mesh, p = current_mesh(), stage_count()
     aux0 = None
     if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], NamedArray):
@@ -143,8 +148,10 @@ def run_stages(
     Micro = Batch.resize(Batch.size // m)
 
     inner = _without_stage(hax.partitioning.current_thread_local_mapping() or {})
+    recording = taps.active() or max_logits.active()
+    peak_axes = []  # the maxima's axis names, found when the chunk is traced
 
-    def stage_chunk(params, extra, inp, seg):  # inp: (residual, statistics or None)
+    def stage_chunk(params, extra, inp, seg, first=None):  # inp: (residual, statistics)
         local_leaves = list(leaves)
         for i, a, n in zip(where, params, names, strict=True):
             local_leaves[i] = a if n is None else hax.named(a, n)
@@ -152,12 +159,34 @@ def run_stages(
         stack = dataclasses.replace(blocks, stacked=local, Block=blocks.Block.resize(chunk))
         h = hax.named(inp[0], (Micro.name, *x_axes[1:]))
         s_ids = None if seg is None else hax.named(seg, (Micro.name, *seg_axes[1:]))
+        if first is not None:  # recording: inp[1] is (statistics, rows per model layer)
+            return _recorded_chunk(stack, h, inp[1], s_ids, extra, first)
         with hax.axis_mapping(inner):  # stage is manual in here: no constraint may name it
             out = stack.fold(h if aux0 is None else (h, inp[1]), s_ids, unroll=unroll, **extra)
         return (out.array, None) if aux0 is None else (out[0].array, out[1])
 
+    def _recorded_chunk(stack, h, stats, s_ids, extra, first):
+        moe, rows = stats
+        with hax.axis_mapping(inner):
+            out, acts, seen = taps.scan_recording(
+                stack, h if moe is None else (h, moe), s_ids, unroll=unroll, **extra
+            )
+        peaks = seen.get(max_logits.ATTN)
+        if peaks is not None and not peak_axes:
+            peak_axes.append(tuple(ax.name for ax in peaks.axes))
+        mine = (acts, None if peaks is None else peaks.array)
+        if rows is not None:  # this chunk's layers' rows, from model layer ``first`` on
+            put = jax.lax.dynamic_update_slice_in_dim
+            mine = jax.tree.map(lambda full, part: put(full, part, first, 0), rows, mine)
+        return (out.array, (None, mine)) if moe is None else (out[0].array, (out[1], mine))
+
     tail = pipeline_tail.current_tail()
     if tail is not None and current_pipeline().schedule in LOSS_IN_LOOP_SCHEDULES:
+        if recording:
+            raise ConfigError(
+                f"trainer.pipeline.schedule {current_pipeline().schedule!r}: not with "
+                "activation statistics or QK-clip (optimizer.qk_clip_tau) yet; use gpipe"
+            )
         if tail.loss is not None:
             raise ConfigError(
                 f"trainer.pipeline.schedule {current_pipeline().schedule!r}: this model runs "
@@ -193,6 +222,14 @@ def run_stages(
         s = jax.lax.axis_index(STAGE_AXIS)
         params = [a[:, 0] for a in params]  # (v, chunk, ...): this stage's chunks
         extra = {k: a[:, 0] for k, a in extra.items()}
+        if recording:  # rows per model layer, zero until each chunk fills its own
+            seg0 = None if seg_mb is None else seg_mb[0]
+            probe = jax.eval_shape(
+                lambda p_, e_, x_, a_, g_: stage_chunk(p_, e_, (x_, (a_, None)), g_, first=0),
+                [a[0] for a in params], {k: a[0] for k, a in extra.items()}, x_mb[0], aux_in, seg0,
+            )  # fmt: skip
+            rows = jax.tree.map(lambda a: jnp.zeros((L, *a.shape[1:]), a.dtype), probe[1][1])
+            aux_in = (aux_in, rows)
         zero = (jnp.zeros_like(x_mb[0]), _map(jnp.zeros_like, aux_in))
 
         def pick(cond, a, b):
@@ -208,7 +245,8 @@ def run_stages(
             chunk_params = [a[r] for a in params]
             chunk_extra = {k: a[r] for k, a in extra.items()}
             seg = None if seg_mb is None else seg_mb[mb]
-            y = stage_chunk(chunk_params, chunk_extra, inp, seg)
+            first = (r * p + s) * chunk if recording else None
+            y = stage_chunk(chunk_params, chunk_extra, inp, seg, first=first)
             done = (t - s >= 0) & (t - s < items) & (s == p - 1) & (r == v - 1)
             outputs = _map(lambda o, a: o.at[mb].set(jnp.where(done, a, o[mb])), outputs, y)
             sent = jax.lax.ppermute(y, STAGE_AXIS, ring)
@@ -241,6 +279,13 @@ def run_stages(
         loss, g_tail, g_out = pipeline_tail.after_loop(tail, mesh, p, out, rows, inner, named)
         tail.loss = pipeline_tail.surrogate(loss, [(out, g_out), (tail.params, g_tail)])
     out = hax.auto_sharded(hax.named(out.swapaxes(0, 1).reshape(x.array.shape), x_axes))
+    if recording:
+        aux, (acts, peaks) = aux
+        acts = {name: taps.combine_microbatches(st) for name, st in acts.items()}
+        seen = {}
+        if peaks is not None:
+            seen[max_logits.ATTN] = hax.named(jnp.max(peaks, axis=0), peak_axes[0])
+        taps.record_layers(acts, seen, first_layer, L)
     return out if aux0 is None else (out, _map(lambda a: jnp.mean(a, axis=0), aux))
 
 

@@ -73,20 +73,11 @@ def record(name: str, stats: dict[str, jax.Array]) -> None:
         frame[name] = stats
 
 
-def scan_layers(
-    blocks: hax.nn.Stacked,
-    x,
-    *args,
-    unroll: int | bool | None = None,
-    first_layer: int = 0,
-    **kwargs,
-):
-    """``blocks.fold(x, *args)`` that also records, per layer, what the blocks tap and the
-    residual stream after each block (``layer_<i>/<name>/<stat>``, ``i`` counted from
-    ``first_layer``: a model with two stacks names them in model order), when a ``collect()``
-    is open, and the attention's per-head maximum logits (``(layers, heads)`` under
-    ``max_logits.stack_key(first_layer)``), when a ``max_logits.collecting()`` is. Same remat
-    policy; a stack in host memory is fetched a layer at a time (``offload.scan``)."""
+def scan_recording(blocks: hax.nn.Stacked, x, *args, unroll: int | bool | None = None, **kwargs):
+    """``blocks.fold(x, *args)`` and what each layer recorded: ``(out, per_layer, seen)``,
+    ``per_layer`` ``{name: {stat: (layers,)}}`` (what the blocks tap and the residual stream
+    after each block) while a ``collect()`` is open, ``seen`` ``{max_logits.ATTN: (layers,
+    heads)}`` while a ``max_logits.collecting()`` is. Records nothing itself."""
     tapping, peaks = active(), max_logits.active()
 
     def layer(carry, block, *extra, **kw):
@@ -102,6 +93,13 @@ def scan_layers(
     out, (per_layer, seen) = offload.scan(
         layer, blocks.Block, remat=blocks.gradient_checkpointing, unroll=steps
     )(x, blocks.stacked, *args, **kwargs)
+    return out, per_layer, seen
+
+
+def record_layers(per_layer: dict, seen: dict, first_layer: int, size: int) -> None:
+    """Record a stack's per-layer statistics (``scan_recording``'s ``per_layer`` and
+    ``seen``, rows per layer) into the open frames as ``layer_<i>/<name>`` and under
+    ``max_logits.stack_key(first_layer)``."""
     if max_logits.ATTN in seen:
         max_logits.record(max_logits.stack_key(first_layer), seen[max_logits.ATTN])
     frame = _FRAMES.innermost()
@@ -111,7 +109,41 @@ def scan_layers(
             for i in range(size):
                 where = f"layer_{first_layer + i:0{width}d}/{name}"
                 frame[where] = {k: v[i] for k, v in stats.items()}
+
+
+def scan_layers(
+    blocks: hax.nn.Stacked,
+    x,
+    *args,
+    unroll: int | bool | None = None,
+    first_layer: int = 0,
+    **kwargs,
+):
+    """``blocks.fold(x, *args)`` that also records, per layer, what the blocks tap and the
+    residual stream after each block (``layer_<i>/<name>/<stat>``, ``i`` counted from
+    ``first_layer``: a model with two stacks names them in model order), when a ``collect()``
+    is open, and the attention's per-head maximum logits (``(layers, heads)`` under
+    ``max_logits.stack_key(first_layer)``), when a ``max_logits.collecting()`` is. Same remat
+    policy; a stack in host memory is fetched a layer at a time (``offload.scan``)."""
+    out, per_layer, seen = scan_recording(blocks, x, *args, unroll=unroll, **kwargs)
+    record_layers(per_layer, seen, first_layer, blocks.Block.size)
     return out
+
+
+def combine_microbatches(stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """``STATS`` of a whole batch from its equal microbatches' (leading axis: microbatch):
+    the mean of means, the standard deviation and RMS from the mean squares, the largest
+    magnitude, and the mean of the near-zero fractions (each microbatch's threshold from its
+    own RMS: the one approximate figure)."""
+    mean = jnp.mean(stats["mean"], axis=0)
+    square = jnp.mean(stats["std"] ** 2 + stats["mean"] ** 2, axis=0)
+    return {
+        "mean": mean,
+        "std": jnp.sqrt(jnp.maximum(square - mean**2, 0.0)),
+        "absmax": jnp.max(stats["absmax"], axis=0),
+        "rms": jnp.sqrt(jnp.mean(stats["rms"] ** 2, axis=0)),
+        "near_zero": jnp.mean(stats["near_zero"], axis=0),
+    }
 
 
 def flatten(recorded: dict[str, Any], prefix: str = "activations") -> dict[str, jax.Array]:
