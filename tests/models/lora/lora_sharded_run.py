@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parents[2] / "train"))
 from sharded_run import VOCAB, loader, make_trainer  # noqa: E402
 
-from loomax.checkpoint import list_checkpoints  # noqa: E402
+from loomax.checkpoint import CheckpointerConfig, list_checkpoints  # noqa: E402
 from loomax.inference import _read_model  # noqa: E402
 from loomax.lm import TrainLmConfig  # noqa: E402
 from loomax.mesh import MeshConfig  # noqa: E402
@@ -43,7 +43,10 @@ MODEL = LlamaConfig(
 
 def main() -> dict:
     run_dir = tempfile.mkdtemp()
-    trainer = make_trainer(MeshConfig(data=2, model=2), run_dir, freeze=LORA.freeze_patterns())
+    trainer = make_trainer(
+        MeshConfig(data=2, model=2), run_dir, freeze=LORA.freeze_patterns(),
+        checkpointer=CheckpointerConfig(save_at_end=True),  # read back below
+    )  # fmt: skip
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
     state = trainer.initial_state(lambda key: MODEL.for_training(MODEL.build(VOCAB, key=key)))
