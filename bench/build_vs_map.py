@@ -28,13 +28,14 @@ import argparse
 import gzip
 import importlib.util
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from machine import cpu_name  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = REPO / ".venv" / "bin" / "python"
@@ -75,13 +76,6 @@ def spawn(kind: str, corpus: Path, tokenizer: Path, out: Path, threads: str) -> 
     else:
         raise RuntimeError(f"{kind} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1]) | {"busy_before": busy}
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def main() -> None:

@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import platform
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from machine import cpu_name  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,13 +35,6 @@ def _races():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:
@@ -75,7 +69,7 @@ def main() -> None:
     result = {
         "bench": "lease_races",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "cpu": _cpu(),
+        "cpu": cpu_name(),
         "cpus": len(__import__("os").sched_getaffinity(0)),
         "load_before": load,
         "load_after": Path("/proc/loadavg").read_text().split()[:3],

@@ -32,6 +32,7 @@ from loomax.config import parse_config  # noqa: E402
 from loomax.lm.config import TrainLmConfig  # noqa: E402
 from loomax.plan.build import built_step  # noqa: E402
 from loomax.plan.flops import count_step  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 MESHES = {  # name: (devices, mesh overrides, other flags)
     "one_device": (1, {}, []),
@@ -97,19 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:>10}: per device vs one device: {ratios}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"config": args.config, "cpu": _cpu(), "results": results}, f, indent=1)
+            json.dump({"config": args.config, "cpu": cpu_name(), "results": results}, f, indent=1)
     print(json.dumps(results))  # last line: what a test reads
     return results
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ from loomax.config import parse_config  # noqa: E402
 from loomax.lm.config import TrainLmConfig  # noqa: E402
 from loomax.plan.build import built_step  # noqa: E402
 from loomax.plan.flops import count_step  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 OPTIMIZERS = {
     "adam": ["--optimizer.type=adam"],
@@ -100,17 +100,6 @@ def cpu_step_ms(name: str, steps: int, rows: int = 16) -> float:
     trainer.train(state, BatchLoader(TokenWindows(tokens, 128), rows, seed=0).iter_from(0))
     trainer.finish()
     return 1000 * statistics.median(np.diff(stamps[1:]))
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -34,6 +34,7 @@ from loomax.lm.config import TrainLmConfig  # noqa: E402
 from loomax.pipeline_schedules import formula, table  # noqa: E402
 from loomax.plan.build import built_step  # noqa: E402
 from loomax.plan.flops import count_step  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 BATCH = 16
 MESHES = {  # name: (devices, mesh, pipeline microbatches)
@@ -119,23 +120,13 @@ def main(argv: list[str] | None = None) -> dict:
     for name, b in table_bubbles.items():
         print(f"{name:>17} (p 4, m 8, v {b['v']}): bubble {b['table']:.1%} (formula "
               f"{b['formula']:.1%}), peak microbatches held {b['peak_in_flight']}")  # fmt: skip
-    out = {"config": args.config, "overrides": extra, "cpu": _cpu(), "results": results}
+    out = {"config": args.config, "overrides": extra, "cpu": cpu_name(), "results": results}
     out["bubbles"] = table_bubbles
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     print(json.dumps(out))
     return out
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from loomax.optim import AdamConfig  # noqa: E402
 from loomax.stages import PipelineConfig  # noqa: E402
 from loomax.tracking import NoopTrackerConfig  # noqa: E402
 from loomax.train import Trainer, TrainerConfig  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 MODEL = LlamaConfig(
     seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=8, num_heads=4, num_kv_heads=2
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": "Llama 8 layers, hidden 32, intermediate 64, seq 16, vocab 64",
         "mesh": f"stage {STAGES} x data 2 (8 fake CPU devices)",
         "rows_per_microbatch": ROWS,
-        "cpu": f"{_cpu()}, {os.cpu_count()} cores (shared, loaded: no figure here is a time)",
+        "cpu": f"{cpu_name()}, {os.cpu_count()} cores (shared, loaded: no figure here is a time)",
         "xla_flags": os.environ["XLA_FLAGS"].strip(),
         "date": datetime.date.today().isoformat(),
         "results": results,
@@ -94,16 +95,6 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(out, fh, indent=1)
     print(json.dumps(out))
     return out
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":
