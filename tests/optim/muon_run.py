@@ -112,6 +112,28 @@ def update_differences() -> dict[str, float]:
 EMBED, MLP = 256, 512
 
 
+def compiled_update(tx, params, mapping: dict, mesh: Mesh) -> tuple[dict, str, int]:
+    """XLA's cost analysis, HLO text and temporaries' bytes of ``tx``'s update, compiled only, with the
+    gradients, parameters and state split by ``mapping`` over ``mesh``."""
+    with hax.partitioning.set_mesh(mesh):
+        shardings = hax.partitioning.infer_resource_partitions(
+            params, mapping, preserve_existing_shardings=False, mesh=mesh
+        )
+        state = jax.eval_shape(tx.init, params)
+        state_shardings = hax.partitioning.infer_resource_partitions(
+            state, mapping, preserve_existing_shardings=False, mesh=mesh
+        )
+        step = jax.jit(
+            lambda g, s: tx.update(g, s, g),
+            in_shardings=(shardings, state_shardings),
+            out_shardings=(shardings, state_shardings),
+        )
+        compiled = step.lower(params, state).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return cost, compiled.as_text(), int(compiled.memory_analysis().temp_size_in_bytes)
+
+
 def update_cost(devices: int, layers: int, split: bool) -> dict:
     """XLA's per-device FLOPs and temporaries of Muon's direction on ``layers`` stacked
     (embed, mlp) Linear weights split FSDP-style (``embed -> data``), compiled only."""
@@ -123,29 +145,13 @@ def update_cost(devices: int, layers: int, split: bool) -> dict:
     grid = np.array(jax.devices()[:devices]).reshape(1, devices, 1, 1, 1, 1)
     mesh = Mesh(grid, MESH_AXES)
     tx = MuonConfig(split_newton_schulz=split).direction()
-    with hax.partitioning.set_mesh(mesh):
-        shardings = hax.partitioning.infer_resource_partitions(
-            params, {"embed": "data"}, preserve_existing_shardings=False, mesh=mesh
-        )
-        state = jax.eval_shape(tx.init, params)
-        state_shardings = hax.partitioning.infer_resource_partitions(
-            state, {"embed": "data"}, preserve_existing_shardings=False, mesh=mesh
-        )
-        step = jax.jit(
-            lambda g, s: tx.update(g, s, g),
-            in_shardings=(shardings, state_shardings),
-            out_shardings=(shardings, state_shardings),
-        )
-        compiled = step.lower(params, state).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    hlo = compiled.as_text()
+    cost, hlo, temp_bytes = compiled_update(tx, params, {"embed": "data"}, mesh)
     return {
         "devices": devices,
         "layers": layers,
         "split": split,
         "flops": float(cost["flops"]),
-        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+        "temp_bytes": temp_bytes,
         "all_to_all": hlo.count("all-to-all("),
         "all_reduce": hlo.count("all-reduce("),
         "all_gather": hlo.count("all-gather("),
@@ -171,28 +177,12 @@ def expert_update_cost(data: int, expert: int, experts: int) -> dict:
     mesh = Mesh(grid, MESH_AXES)
     tx = MuonConfig().direction()
     mapping = {"embed": "data", "experts": "expert"}
-    with hax.partitioning.set_mesh(mesh):
-        shardings = hax.partitioning.infer_resource_partitions(
-            params, mapping, preserve_existing_shardings=False, mesh=mesh
-        )
-        state = jax.eval_shape(tx.init, params)
-        state_shardings = hax.partitioning.infer_resource_partitions(
-            state, mapping, preserve_existing_shardings=False, mesh=mesh
-        )
-        step = jax.jit(
-            lambda g, s: tx.update(g, s, g),
-            in_shardings=(shardings, state_shardings),
-            out_shardings=(shardings, state_shardings),
-        )
-        compiled = step.lower(params, state).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    hlo = compiled.as_text()
+    cost, hlo, temp_bytes = compiled_update(tx, params, mapping, mesh)
     return {
         "devices": data * expert,
         "experts": experts,
         "flops": float(cost["flops"]),
-        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+        "temp_bytes": temp_bytes,
         "all_gather": hlo.count("all-gather("),
         "all_to_all": hlo.count("all-to-all("),
     }
