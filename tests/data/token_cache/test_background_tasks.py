@@ -43,13 +43,22 @@ def test_shards_past_background_from_run_nice_on_ray_never_here(
     ray_cluster, corpus, tmp_path, autogroups
 ):
     """A streaming run's build past its first chunk yields the cores: its Ray tasks run at
-    BACKGROUND_NICE; a build in this process (a memory:// cache) never renices the driver."""
-    build(corpus, tmp_path / "cache", background_from=4)
-    ledger = [
-        json.loads((tmp_path / "cache" / "ledger" / f"{i}.json").read_text())
-        for i in range(NUM_SHARDS)
-    ]
+    BACKGROUND_NICE, and start only once the first chunk's tasks have ended (they share the
+    Ray node's autogroup, whose nice each sets); a build in this process (a memory:// cache)
+    never renices the driver."""
+    starts = tmp_path / "starts"
+    starts.mkdir()
+
+    def record_start(shard) -> None:  # a closure: pickled by value to the tasks
+        (starts / Path(shard.name).name).write_text(str(time.time()))
+
+    build(corpus, tmp_path / "cache", background_from=4, before_piece=record_start)
+    ledger_files = [tmp_path / "cache" / "ledger" / f"{i}.json" for i in range(NUM_SHARDS)]
+    ledger = [json.loads(p.read_text()) for p in ledger_files]
     assert [e["nice"] >= BACKGROUND_NICE for e in ledger[4:]] == [True, True]
+    first_chunk_end = max(p.stat().st_mtime for p in ledger_files[:4])  # each task's last write
+    background_start = min(float((starts / f"shard_{k}.jsonl").read_text()) for k in (4, 5))
+    assert background_start >= first_chunk_end
     before = os.nice(0)
     own_group = autogroup_nice()  # None in the default group (a CI container's entry point)
     if autogroup_id() is not None:  # Linux with autogroups: the Ray head is a session of its own

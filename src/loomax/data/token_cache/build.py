@@ -91,8 +91,11 @@ def build_token_cache(
     `background_from`: the Ray tasks of the shards from this position on raise their
     worker's niceness by `BACKGROUND_NICE` (a streaming run's build past its first chunk,
     which the training process next to it waits on less than on its own compile and
-    steps). Their worker processes stay that nice; tasks are started in shard order, so
-    the earlier shards' tasks run first, at the workers' own priority. While `held()` is
+    steps). Their worker processes stay that nice. The first of them starts once every
+    earlier shard's task has ended: the tasks on a Ray node share its autogroup, whose nice
+    each task sets as it starts, and Ray does not start tasks in the order they were
+    submitted, so a first-chunk task starting late would set the group back to 0 under a
+    background one (the ledger's `autogroup_nice` recorded it once). While `held()` is
     true those tasks also run at most (Ray CPUs - 1) at a time, at least one: a streaming
     run holds its build so until its first step, leaving a core to its compiles.
 
@@ -319,6 +322,9 @@ def _run_on_ray(
         while not failed and len(running) < in_flight:
             job = queue.popleft() if queue else next(pending, None)  # read as needed
             if job is None:
+                break
+            if job.nice and any(not other.nice for other in running.values()):
+                queue.appendleft(job)  # one autogroup nice at a time: see `build_token_cache`
                 break
             if job.nice and held is not None and len(running) >= max(1, cpus - 1) and held():
                 queue.appendleft(job)  # background shards wait: see `build_token_cache`
