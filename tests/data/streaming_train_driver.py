@@ -4,8 +4,10 @@ kill it (not a test itself).
 Usage: python streaming_train_driver.py '{"args": [...], "sleep": seconds}': `args` are the
 `loomax train` overrides; the cache builds in this process shard by shard (no Ray, as
 `token_cache_driver.in_process_builds`), every shard past the first two sleeping `sleep`
-seconds first so training overtakes the build; the build lease lasts 2 s, so a run after
-a killed one takes the build over at once.
+seconds first so training overtakes the build, and those from position `stall_from` (if
+given) sleeping `stall` seconds instead: a run to be killed waits there, however late the
+kill comes on a loaded machine. The build lease lasts 2 s, so a run after a killed one
+takes the build over at once.
 """
 
 import contextlib
@@ -25,7 +27,9 @@ def main() -> None:
     tokenize = build.build_piece
 
     def slowed(job, tokenizer_json):
-        if job.position >= 2:
+        if job.position >= options.get("stall_from", job.position + 1):
+            time.sleep(options["stall"])
+        elif job.position >= 2:
             time.sleep(options["sleep"])
         return tokenize(job, tokenizer_json)
 
