@@ -41,10 +41,23 @@ def config(model_type, families) -> LmConfig:
 
 
 @pytest.fixture(scope="module")
-def model(config) -> LmModel:
+def built(config) -> LmModel:
+    """The tiny model as built (eager: its init ops' compiles are shared between families of
+    the same shapes; one jitted build a family costs more)."""
+    return config.build(VOCAB, key=jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="module")
+def model(built) -> LmModel:
     """A tiny model with weights scaled up, so greedy decoding follows real logit gaps."""
-    built = config.build(VOCAB, key=jax.random.PRNGKey(0))
     return jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, built)
+
+
+@eqx.filter_jit
+def logits_of(model: LmModel, tokens: hax.NamedArray) -> hax.NamedArray:
+    """``model``'s logits as one program, not op by op: the forward test and the greedy
+    reference (the same shapes) share its compile."""
+    return model.logits(tokens)
 
 
 def tokens(batch: int = 2, seed: int = 1) -> hax.NamedArray:
@@ -85,7 +98,7 @@ def test_same_model_holds_for_every_listed_family(families):
 def test_forward_gives_batch_position_vocab_logits(model_type, config, model, families):
     if same_model(model_type, config, families):
         return
-    logits = eqx.filter_jit(lambda m, t: m.logits(t))(model, tokens())  # one program, not op by op
+    logits = logits_of(model, tokens())
     assert [(a.name, a.size) for a in logits.axes] == [
         ("batch", 2),
         ("position", SEQ),
@@ -100,10 +113,10 @@ def test_param_count_and_flops(config, model):
     assert config.flops_per_token(VOCAB) > 0
 
 
-def test_loss_falls_under_adam(model_type, config, families):
+def test_loss_falls_under_adam(model_type, config, built, families):
     if same_model(model_type, config, families):
         return
-    model = config.build(VOCAB, key=jax.random.PRNGKey(0))
+    model = built  # as built, not scaled
     batch = tokens(batch=4)
     opt = optax.adam(1e-2)
 
@@ -132,12 +145,26 @@ def test_save_and_load_round_trip_exactly(model_type, model, tmp_path):
     assert_same_weights(model, loaded)
 
 
+def greedy_by_recomputation(model: LmModel, prompt: list[int], new_tokens: int) -> list[int]:
+    """``prompt`` and ``new_tokens`` greedy tokens, each by rerunning the whole forward
+    (``logits_of`` on the [2, SEQ] buffer: the forward test's program) and taking the argmax
+    at the last filled position. ``sample_tokens(use_cache=False)``'s own loop is
+    tests/models/decoding/test_generate.py's."""
+    out = list(prompt)
+    for _ in range(new_tokens):
+        buffer = np.zeros((2, SEQ), np.int32)
+        buffer[0, : len(out)] = out
+        logits = logits_of(model, hax.named(buffer, ("batch", "position")))
+        out.append(int(np.argmax(np.asarray(logits.array[0, len(out) - 1]))))
+    return out
+
+
 def test_greedy_with_cache_equals_without(model_type, config, model, families):
     if same_model(model_type, config, families):
         return
     args = dict(seq_len=SEQ, max_new_tokens=10, temperature=0.0, key=jax.random.PRNGKey(0))
     cached = sample_tokens(model, [3, 1, 4], **args)
-    assert cached == sample_tokens(model, [3, 1, 4], use_cache=False, **args)
+    assert cached == greedy_by_recomputation(model, [3, 1, 4], 10)
     assert len(cached) == 13
 
 
