@@ -33,7 +33,11 @@ KEY = jax.random.PRNGKey(0)
 
 @pytest.fixture(scope="module")
 def config(families):
-    return families.tiny_config("deepseek_v3", seq_len=SEQ, mtp_depth=2)
+    """The tiny DeepSeek-V3 with 2 MTP depths; its experts' grouped matmul ``ragged_dot``
+    (CPU's ``blocked`` loops over row tiles, dozens of while loops more in the train step to
+    compile; the two are held equal in tests/models/moe/test_grouped_matmul.py)."""
+    tiny = families.tiny_config("deepseek_v3", seq_len=SEQ, mtp_depth=2)
+    return dataclasses.replace(tiny, moe=dataclasses.replace(tiny.moe, matmul="ragged_dot"))
 
 
 @pytest.fixture(scope="module")
