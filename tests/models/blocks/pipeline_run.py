@@ -6,7 +6,7 @@ resumed on 4 devices as stage 2 x data 2 for steps 2 to 5; the stack's FLOPs; a 
 mixture of experts on 1 device and on stage 2 x expert 2 x data 2 under GPipe, 1F1B,
 interleaved 1F1B and zero-bubble; a 4-layer stack's activation statistics and per-head
 maximum logits on 1 device and on stage 2 x data 2 under GPipe, and 1F1B's refusal of
-them; prints JSON. (The temporaries of GPipe against 1F1B, four more compiles, are
+them (stage 4 x data 2); prints JSON. (The temporaries of GPipe against 1F1B, four more compiles, are
 ``bench/pipeline_memory.py``'s.)
 
   python pipeline_run.py [SCHEDULE ...] [resume] [flops] [moe_SCHEDULE ...] [gpt2] [mla]
@@ -141,11 +141,16 @@ MOE_SCHEDULES = {  # stage 2 x expert 2 x data 2, 4 microbatches
 }
 
 
-def moe_config(balance: float = 0.0):
+def moe_config(balance: float = 0.0, matmul: str = "ragged_dot"):
     """A tiny mixture of experts: moe_tiny's routing (16 experts, top 4, z-loss 1e-3 and the
     aux-loss-free bias at rate 1e-3), 4 layers of width 32 (2 chunks of 1 layer on each of 2
     stages for interleaved 1F1B); ``balance``: the load-balance loss's weight (moe_tiny's is
-    1e-3; a product of batch shares, per microbatch staged)."""
+    1e-3; a product of batch shares, per microbatch staged). The experts' grouped matmul is
+    ``jax.lax.ragged_dot``: CPU's default (``blocked``, equal to it in
+    tests/models/moe/test_grouped_matmul.py) loops over row tiles, ~80 more while loops in a
+    zero-bubble step (each chunk's forward and vjp in 6 branches), whose compile took 17 s
+    instead of 11.6 s (``time.process_time``, AMD EPYC, loaded); the schedules do not see
+    the difference."""
     from loomax.models import MixtralConfig, MoeConfig
 
     return MixtralConfig(
@@ -153,6 +158,7 @@ def moe_config(balance: float = 0.0):
         num_kv_heads=2, moe=MoeConfig(
             num_experts=16, num_experts_per_tok=4, expert_intermediate_dim=16,
             load_balance_loss_weight=balance, router_z_loss_weight=1e-3, bias_update_rate=1e-3,
+            matmul=matmul,
         ),
     )  # fmt: skip
 
@@ -178,7 +184,8 @@ def fit(config, runs) -> dict:
 def moe(schedules, balance: float = 0.0) -> dict:
     """``moe_config(balance)`` trained on 1 device (one reference) and on stage 2 x expert 2
     x data 2 under each of ``schedules``; with a ``balance`` also on 1 device accumulating 4
-    microbatches (the pipeline's rows)."""
+    microbatches (the pipeline's rows), and the ``blocked`` grouped matmul (what docs/pipeline.md's
+    figures for it were measured with)."""
     one = jax.devices()[:1]
     runs = [("single", MeshConfig(data=1), PipelineConfig(), one, {})]
     if balance:
@@ -186,7 +193,7 @@ def moe(schedules, balance: float = 0.0) -> dict:
         runs += [("single_accumulated_4", MeshConfig(data=1), PipelineConfig(), one, accumulate)]
     mesh = MeshConfig(data=2, expert=2, stage=2)
     runs += [(name, mesh, MOE_SCHEDULES[name], None, {}) for name in schedules]
-    return fit(moe_config(balance), runs)
+    return fit(moe_config(balance, "blocked" if balance else "ragged_dot"), runs)
 
 
 def gpt2() -> dict:
@@ -269,15 +276,13 @@ def stack_stats(schedules=("gpipe",)) -> dict:
 
 
 def stats_under_1f1b() -> str:
-    """What training under 1F1B (stage 2 x data 2) with activation statistics due at step 0
-    raises (a ``ConfigError``'s message), before any step runs."""
+    """What training under 1F1B (``RUNS``' stage 4 x data 2: its state's init is the one the
+    1F1B run compiled, read back from the compilation cache) with activation statistics due
+    at step 0 raises (a ``ConfigError``'s message), before any step runs."""
     from loomax.config import ConfigError
     from loomax.hooks import ActivationStatsHook
 
-    pipeline = PipelineConfig(schedule="1f1b", microbatches=4)
-    trainer = make_trainer(
-        MeshConfig(data=2, stage=2), pipeline, jax.devices()[:4], tempfile.mkdtemp()
-    )
+    trainer = make_trainer(*RUNS["1f1b"], None, tempfile.mkdtemp())
     trainer.add_hook(ActivationStatsHook(every=1))
     state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
     try:

@@ -33,7 +33,11 @@ KEY = jax.random.PRNGKey(0)
 
 @pytest.fixture(scope="module")
 def config(families):
-    return families.tiny_config("deepseek_v3", seq_len=SEQ, mtp_depth=2)
+    """The tiny DeepSeek-V3 with 2 MTP depths; its experts' grouped matmul ``ragged_dot``
+    (CPU's ``blocked`` loops over row tiles, dozens of while loops more in the train step to
+    compile; the two are held equal in tests/models/moe/test_grouped_matmul.py)."""
+    tiny = families.tiny_config("deepseek_v3", seq_len=SEQ, mtp_depth=2)
+    return dataclasses.replace(tiny, moe=dataclasses.replace(tiny.moe, matmul="ragged_dot"))
 
 
 @pytest.fixture(scope="module")
@@ -61,22 +65,24 @@ def test_the_mtp_losses_fall_and_are_logged_under_mtp(run):
 
 
 def test_trained_but_left_out_of_the_loss_value(config, run):
-    model, _, history = run
+    model, trained, history = run
     without = dataclasses.replace(model, mtp=None, config=dataclasses.replace(config, mtp_depth=0))
     tokens = hax.named(BATCH, ("batch", "position"))
 
     def loss(m):
-        (total, count), metrics = next_token_loss_and_metrics(m, tokens, block_size=16)
-        return total / count, metrics
+        (total, count), _ = next_token_loss_and_metrics(m, tokens, block_size=16)
+        return total / count
 
-    (with_mtp, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(model)
-    plain, _ = jax.jit(loss)(without)
-    # the side loss adds term - term (0); the two programs may round the rest differently
-    assert float(with_mtp) == pytest.approx(float(plain), rel=1e-6, abs=0)
+    plain = jax.jit(loss)(without)
+    # the train step's loss at the first model, with MTP: its side loss adds term - term (0);
+    # the two programs may round the rest differently
     assert history[0]["train/loss"] == pytest.approx(float(plain), rel=1e-6)
-    assert {"mtp/loss_1", "mtp/loss_2"} <= set(metrics)
-    for depth in grads.mtp.depths:  # the side loss's gradient reaches every depth
-        assert float(jnp.abs(depth.proj.weight.array).max()) > 0
+    assert {"mtp/loss_1", "mtp/loss_2"} <= set(history[0])
+    for before, after in zip(model.mtp.depths, trained.mtp.depths, strict=True):
+        # the side loss's gradient reaches every depth: plain Adam moves a parameter by
+        # exactly 0 at every step its gradient is 0
+        moved = after.proj.weight.array - before.proj.weight.array
+        assert float(jnp.abs(moved).max()) > 0
 
 
 def test_exported_as_the_model_without_mtp(config, run, tmp_path):
