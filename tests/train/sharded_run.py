@@ -7,12 +7,13 @@ Run as a subprocess (the device count is fixed when JAX starts):
       start: STEP_DIR                                    the GPT-2's step-0 checkpoint
       llama: [[kv_heads, replica, data, model, devices], ...]  a grouped-query Llama on meshes
       mixtral: [[replica, data, model, devices], ...]    a tiny Mixtral (MoE) on meshes
-      context: true                                      a Llama, data 2 x context 4 over 8 devices
+      context: STEP_DIR                                  a Llama, data 2 x context 4 over 8 devices,
+          from the pair's step-0 checkpoint of it
       load: [CHECKPOINTS, [[replica, data, model, devices], ...]]  the checkpoint loaded on meshes
   python sharded_run.py process ID COUNT PORT RUN_DIR STEP   # one of COUNT processes of 4 devices:
       the GPT-2 on data=4 over the first 2 devices of each (RUN_DIR, its fresh state saved as
-      step 0), the Llama of `context` (RUN_DIR-context), then the GPT-2 again from that step 0
-      with a SIGTERM to the last process after STEP (RUN_DIR-sigterm)
+      step 0), the Llama of `context` (RUN_DIR-context, likewise), then the GPT-2 again from
+      that step 0 with a SIGTERM to the last process after STEP (RUN_DIR-sigterm)
 
 The pair's runs save a final checkpoint under their run dir. One process runs its cases in a
 row (a start and the imports once, not once per case). A model's init is compiled once:
@@ -229,9 +230,12 @@ def run_mixtral(mesh: MeshConfig, devices, start=None, run_dir=None) -> dict:
     return {"losses": losses, "load_balance": balance}
 
 
-def run_context(distributed: DistributedConfig | None = None, run_dir=None) -> dict:
-    """4 steps and an eval of a tiny Llama, data 2 x context 4 over 8 devices interleaved
-    across processes (a process's devices at every other place of each context group)."""
+def run_context(
+    distributed: DistributedConfig | None = None, run_dir=None, start: str | None = None
+) -> dict:
+    """5 steps and an eval of a tiny Llama, data 2 x context 4 over 8 devices interleaved
+    across processes (a process's devices at every other place of each context group); the
+    pair's from a fresh init (saved as step 0), one process's from that checkpoint ``start``."""
     from loomax.data.loader import process_rows
     from loomax.hooks.eval import make_loss_evaluator
     from loomax.mesh import context_spans_processes
@@ -250,6 +254,8 @@ def run_context(distributed: DistributedConfig | None = None, run_dir=None) -> d
         mesh,
         run_dir or tempfile.mkdtemp(),
         interleaved,
+        start=start,
+        save_start=distributed is not None,
         distributed=distributed or DistributedConfig(),
     )
     rows = trainer.runtime.row_block
@@ -311,7 +317,7 @@ def suite(cases: dict) -> dict:
         for i, (r, d, m, n) in enumerate(cases.get("mixtral", []))
     ]
     if cases.get("context"):
-        out["context"] = run_context()
+        out["context"] = run_context(start=cases["context"])
     if "load" in cases:
         path, load_meshes = cases["load"]
         out["load"] = [

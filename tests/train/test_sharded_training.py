@@ -79,7 +79,7 @@ def one_process(two_process_run):
         "start": str(run_dir / "checkpoints" / "step-0"),
         "llama": [[2, 1, 1, 1, 1], [2, 1, 2, 2, 4], [1, 1, 1, 1, 1], [1, 1, 2, 2, 4]],
         "mixtral": [[1, 1, 1, 1], [1, 4, 2, 8]],
-        "context": True,
+        "context": str(run_dir.with_name(run_dir.name + "-context") / "checkpoints" / "step-0"),
         "load": [str(run_dir / "checkpoints"), [[1, 1, 1, 1], [1, 4, 2, 8], [2, 2, 2, 8]]],
     }
     return result_of(run_worker(["suite", json.dumps(cases)], devices=8))
@@ -255,7 +255,8 @@ def test_context_groups_spanning_two_processes_train_as_one_process(two_process_
     match one process with the same 8 devices to ``MESH_RTOL`` (measured: the losses bit
     for bit, the eval loss to 1.1e-7; the weights differ in their last bits, as the
     processes' all-reduces go through gloo, which sums in another order); the two processes
-    agree exactly."""
+    agree exactly. The one process starts from the pair's step-0 checkpoint (its init
+    compiled once); that the pair's sharded init is one device's, the GPT-2's meshes say."""
     results = [r["context"] for r in two_process_run[1]]
     single = one_process["context"]
     assert single["row_block"] == [0, 1] and not single["spans_processes"]
