@@ -2,7 +2,8 @@
 
   python muon_run.py
 
-* ``losses``: a tiny Llama trained with Muon on one device and on FSDP 8 (data=8).
+* ``losses``: a tiny Llama trained with Muon on one device and on FSDP 8 (data=8), the latter
+  from the former's step-0 checkpoint.
 * ``updates``: Muon's update (two steps) of a tiny Mixtral's parameters (stacked layers,
   experts: Linear and bare expert weights) from the same gradients, on one device and on
   data 2 x expert 2 x model 2 (FSDP, expert and tensor parallel at once): the largest
@@ -32,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from loomax.checkpoint import CheckpointerConfig  # noqa: E402
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
 from loomax.lm import lm_loss  # noqa: E402
 from loomax.mesh import MESH_AXES, MeshConfig, make_axis_mappings  # noqa: E402
@@ -54,7 +56,9 @@ MESHES = {"one_device": MeshConfig(1, 1, 1), "fsdp8": MeshConfig(1, 8, 1)}
 UPDATE_MESHES = {"data2_expert2_model2": MeshConfig(1, 2, 2, expert=2)}
 
 
-def losses(mesh: MeshConfig) -> list[float]:
+def losses(mesh: MeshConfig, start: str | None = None, run_dir: str | None = None) -> list[float]:
+    """The Llama's losses on ``mesh``: from a fresh init, saved as step 0 under ``run_dir``,
+    or from such a step-0 checkpoint ``start`` (the init compiled once, not per mesh)."""
     devices = jax.devices()[: len(jax.devices()) if mesh.data != 1 else 1]
     config = TrainerConfig(
         num_train_steps=STEPS,
@@ -62,8 +66,10 @@ def losses(mesh: MeshConfig) -> list[float]:
         mesh=mesh,
         progress_bar=False,
         tracker=NoopTrackerConfig(),
-        load_checkpoint=False,
-        run_dir=tempfile.mkdtemp(),
+        load_checkpoint=start is not None,
+        load_checkpoint_path=start,
+        checkpointer=CheckpointerConfig(save_at_start=start is None, save_at_end=False),
+        run_dir=run_dir or tempfile.mkdtemp(),
     )
     trainer = Trainer(config, OPTIMIZER.build(STEPS), lm_loss(), devices=devices)
     out: list[float] = []
@@ -195,13 +201,17 @@ def main() -> dict:
         "fsdp8_8_layers_not_split": update_cost(8, 8, False),
         "one_device_8_layers": update_cost(1, 8, True),
     }
+    first = tempfile.mkdtemp()
     experts = {
         "data2_expert2_4_experts": expert_update_cost(2, 2, 4),
         "data2_expert4_8_experts": expert_update_cost(2, 4, 8),
     }
     return {
         "experts": experts,
-        "losses": {name: losses(mesh) for name, mesh in MESHES.items()},
+        "losses": {
+            "one_device": losses(MESHES["one_device"], run_dir=first),
+            "fsdp8": losses(MESHES["fsdp8"], start=os.path.join(first, "checkpoints", "step-0")),
+        },
         "updates": update_differences(),
         "scaling": scaling,
     }

@@ -2,18 +2,23 @@
 
 Run as a subprocess (the device count is fixed when JAX starts):
   python sharded_run.py suite '{"meshes": [[1,1,1,1], ...], ...}'  # one process, every case named:
-      meshes: [[replica, data, model, devices], ...]     a GPT-2 on each mesh
+      meshes: [[replica, data, model, devices], ...]     a GPT-2 on each mesh (the first from
+          a fresh init, the others from the checkpoint ``start``)
+      start: STEP_DIR                                    the GPT-2's step-0 checkpoint
       llama: [[kv_heads, replica, data, model, devices], ...]  a grouped-query Llama on meshes
       mixtral: [[replica, data, model, devices], ...]    a tiny Mixtral (MoE) on meshes
-      context: true                                      a Llama, data 2 x context 4 over 8 devices
+      context: STEP_DIR                                  a Llama, data 2 x context 4 over 8 devices,
+          from the pair's step-0 checkpoint of it
       load: [CHECKPOINTS, [[replica, data, model, devices], ...]]  the checkpoint loaded on meshes
   python sharded_run.py process ID COUNT PORT RUN_DIR STEP   # one of COUNT processes of 4 devices:
-      the GPT-2 on data=4 over the first 2 devices of each (RUN_DIR), the Llama of `context`
-      (RUN_DIR-context), then the GPT-2 again with a SIGTERM to the last process after STEP
-      (RUN_DIR-sigterm)
+      the GPT-2 on data=4 over the first 2 devices of each (RUN_DIR, its fresh state saved as
+      step 0), the Llama of `context` (RUN_DIR-context, likewise), then the GPT-2 again from
+      that step 0 with a SIGTERM to the last process after STEP (RUN_DIR-sigterm)
 
-The training modes save a final checkpoint under their run dir (or a temporary directory).
-One process runs its cases in a row (a start and the imports once, not once per case).
+The pair's runs save a final checkpoint under their run dir. One process runs its cases in a
+row (a start and the imports once, not once per case). A model's init is compiled once:
+the runs of a model on other meshes start from its first run's step-0 checkpoint (a load,
+read straight into their layout, costs a fraction of compiling the init for every mesh).
 """
 
 from __future__ import annotations
@@ -52,11 +57,24 @@ def loader() -> BatchLoader:
     return BatchLoader(TokenWindows(tokens, MODEL.seq_len), BATCH, seed=0)
 
 
-def make_trainer(mesh: MeshConfig, run_dir: str, devices=None, **settings) -> Trainer:
+def make_trainer(
+    mesh: MeshConfig,
+    run_dir: str,
+    devices=None,
+    *,
+    start: str | None = None,
+    save_start: bool = False,
+    **settings,
+) -> Trainer:
+    """A trainer of ``STEPS`` on ``mesh``; its state resumed from the step-0 checkpoint
+    ``start`` (instead of a fresh init), or its fresh state saved as step 0 (``save_start``)."""
     processes = getattr(settings.get("distributed"), "num_processes", None)
     # the pair's runs save their last step (the tests read those checkpoints); the
     # one-process runs' checkpoints nobody reads
-    settings.setdefault("checkpointer", CheckpointerConfig(save_at_end=(processes or 1) > 1))
+    saving = CheckpointerConfig(save_at_end=(processes or 1) > 1, save_at_start=save_start)
+    settings.setdefault("checkpointer", saving)
+    if start is not None:
+        settings.update(load_checkpoint=True, load_checkpoint_path=start)
     config = TrainerConfig(
         num_train_steps=STEPS,
         train_batch_size=BATCH,
@@ -99,19 +117,24 @@ def _activations(info) -> dict[str, float]:
     return {k: v for k, v in info.host_metrics().items() if k.startswith("activations/")}
 
 
+def step0(run_dir) -> str:
+    """The step-0 checkpoint under ``run_dir`` (saved by ``make_trainer(save_start=True)``)."""
+    return os.path.join(run_dir, "checkpoints", "step-0")
+
+
 def run(
     mesh: MeshConfig,
     devices=None,
     distributed: DistributedConfig | None = None,
     run_dir=None,
     sigterm_at: int | None = None,
+    start: str | None = None,
+    save_start: bool = False,
 ) -> dict:
     trainer = make_trainer(
-        mesh,
-        run_dir or tempfile.mkdtemp(),
-        devices,
+        mesh, run_dir or tempfile.mkdtemp(), devices, start=start, save_start=save_start,
         distributed=distributed or DistributedConfig(),
-    )
+    )  # fmt: skip
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
     activations: dict[str, float] = {}
@@ -160,8 +183,9 @@ def load(path: str, mesh: MeshConfig, devices) -> dict:
     }
 
 
-def run_llama(kv_heads: int, mesh: MeshConfig, devices) -> dict:
-    """A few steps of a grouped-query Llama (4 query heads) under the default mappings."""
+def run_llama(kv_heads: int, mesh: MeshConfig, devices, start=None, run_dir=None) -> dict:
+    """A few steps of a grouped-query Llama (4 query heads) under the default mappings,
+    from the step-0 checkpoint ``start`` or a fresh init (then saved as step 0)."""
     model = LlamaConfig(
         seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
         num_kv_heads=kv_heads,
@@ -170,7 +194,9 @@ def run_llama(kv_heads: int, mesh: MeshConfig, devices) -> dict:
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("loomax").addHandler(handler)
-    trainer = make_trainer(mesh, tempfile.mkdtemp(), devices)
+    trainer = make_trainer(
+        mesh, run_dir or tempfile.mkdtemp(), devices, start=start, save_start=start is None
+    )
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
     state = trainer.initial_state(lambda key: model.build(VOCAB, key=key))
@@ -185,13 +211,16 @@ def run_llama(kv_heads: int, mesh: MeshConfig, devices) -> dict:
     }
 
 
-def run_mixtral(mesh: MeshConfig, devices) -> dict:
-    """A few steps of a tiny Mixtral (4 experts, top 2) under the default mappings."""
+def run_mixtral(mesh: MeshConfig, devices, start=None, run_dir=None) -> dict:
+    """A few steps of a tiny Mixtral (4 experts, top 2) under the default mappings, from the
+    step-0 checkpoint ``start`` or a fresh init (then saved as step 0)."""
     model = MixtralConfig(
         seq_len=16, hidden_dim=32, intermediate_dim=32, num_layers=2, num_heads=4,
         num_kv_heads=2, moe=MoeConfig(num_experts=4, num_experts_per_tok=2),
     )  # fmt: skip
-    trainer = make_trainer(mesh, tempfile.mkdtemp(), devices)
+    trainer = make_trainer(
+        mesh, run_dir or tempfile.mkdtemp(), devices, start=start, save_start=start is None
+    )
     losses: list[float] = []
     balance: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
@@ -201,9 +230,12 @@ def run_mixtral(mesh: MeshConfig, devices) -> dict:
     return {"losses": losses, "load_balance": balance}
 
 
-def run_context(distributed: DistributedConfig | None = None, run_dir=None) -> dict:
-    """4 steps and an eval of a tiny Llama, data 2 x context 4 over 8 devices interleaved
-    across processes (a process's devices at every other place of each context group)."""
+def run_context(
+    distributed: DistributedConfig | None = None, run_dir=None, start: str | None = None
+) -> dict:
+    """5 steps and an eval of a tiny Llama, data 2 x context 4 over 8 devices interleaved
+    across processes (a process's devices at every other place of each context group); the
+    pair's from a fresh init (saved as step 0), one process's from that checkpoint ``start``."""
     from loomax.data.loader import process_rows
     from loomax.hooks.eval import make_loss_evaluator
     from loomax.mesh import context_spans_processes
@@ -211,6 +243,7 @@ def run_context(distributed: DistributedConfig | None = None, run_dir=None) -> d
     model = LlamaConfig(
         seq_len=64, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
         num_kv_heads=2, cross_entropy_block_size=32,
+        gradient_checkpointing=False,  # the ring's step compiles 20% faster without remat
     )  # fmt: skip
 
     def interleaved():
@@ -221,6 +254,8 @@ def run_context(distributed: DistributedConfig | None = None, run_dir=None) -> d
         mesh,
         run_dir or tempfile.mkdtemp(),
         interleaved,
+        start=start,
+        save_start=distributed is not None,
         distributed=distributed or DistributedConfig(),
     )
     rows = trainer.runtime.row_block
@@ -252,20 +287,37 @@ def two_per_process() -> list:
 
 
 def suite(cases: dict) -> dict:
-    """Every case of ``cases`` (see the module's docstring), on this process's devices."""
+    """Every case of ``cases`` (see the module's docstring), on this process's devices. A
+    model's first run starts fresh; its runs on the other meshes start from a step-0
+    checkpoint (``start`` for the GPT-2, else that first run's)."""
     out: dict = {}
     meshes = [(MeshConfig(r, d, m), jax.devices()[:n]) for r, d, m, n in cases.get("meshes", [])]
-    out["meshes"] = [run(mesh, devices=devices) for mesh, devices in meshes]
-    out["llama"] = [
-        run_llama(kv_heads, MeshConfig(r, d, m), jax.devices()[:n])
-        for kv_heads, r, d, m, n in cases.get("llama", [])
+    start = cases.get("start")
+    out["meshes"] = [
+        run(mesh, devices=devices, start=start if i else None)
+        for i, (mesh, devices) in enumerate(meshes)
     ]
+    out["llama"] = []
+    first: dict[int, str] = {}  # kv_heads -> the run dir of its first (fresh) run
+    for kv_heads, r, d, m, n in cases.get("llama", []):
+        begun = kv_heads in first
+        run_dir = first.setdefault(kv_heads, tempfile.mkdtemp())
+        out["llama"].append(run_llama(
+            kv_heads, MeshConfig(r, d, m), jax.devices()[:n],
+            start=step0(run_dir) if begun else None, run_dir=None if begun else run_dir,
+        ))  # fmt: skip
+    mixtral_dir = tempfile.mkdtemp()
     out["mixtral"] = [
-        run_mixtral(MeshConfig(r, d, m), jax.devices()[:n])
-        for r, d, m, n in cases.get("mixtral", [])
+        run_mixtral(
+            MeshConfig(r, d, m),
+            jax.devices()[:n],
+            start=step0(mixtral_dir) if i else None,
+            run_dir=None if i else mixtral_dir,
+        )  # fmt: skip
+        for i, (r, d, m, n) in enumerate(cases.get("mixtral", []))
     ]
     if cases.get("context"):
-        out["context"] = run_context()
+        out["context"] = run_context(start=cases["context"])
     if "load" in cases:
         path, load_meshes = cases["load"]
         out["load"] = [
@@ -285,13 +337,16 @@ def main() -> None:
             coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid
         )
         where = {"process_index": jax.process_index, "process_count": jax.process_count}
-        result = run(MeshConfig(1, -1, 1), two_per_process, distributed=dist, run_dir=run_dir)
+        result = run(
+            MeshConfig(1, -1, 1), two_per_process, distributed=dist, run_dir=run_dir,
+            save_start=True,
+        )  # fmt: skip
         result.update({k: f() for k, f in where.items()})
         result["context"] = {**run_context(dist, run_dir + "-context"), **{
             k: f() for k, f in where.items()}}  # fmt: skip
         result["sigterm"] = run(
             MeshConfig(1, -1, 1), two_per_process, distributed=dist,
-            run_dir=run_dir + "-sigterm", sigterm_at=sigterm_at,
+            run_dir=run_dir + "-sigterm", sigterm_at=sigterm_at, start=step0(run_dir),
         )  # fmt: skip
         print(json.dumps(result))
 
