@@ -29,9 +29,10 @@ These compiles run at XLA's lowest execution-time optimization effort
 skips optimizations that only make the program run faster, and compiles in about half the
 CPU time (DeepSeek-V3's shrunk step: 52.6 against 29.9 CPU-s, AMD EPYC). What the tests
 check (each config builds, partitions, compiles, fits and gets an estimate) does not depend on
-them; its temporaries come out ~4% smaller. XLA's other compile-time knobs (``jax_optimization_level``
-O0, ``jax_memory_fitting_level`` O0, ``jax_memory_fitting_effort`` -1,
-``jax_disable_most_optimizations``) save nothing more (llama_8b's step 6.7 against 6.1-6.6 CPU-s). ``loomax compile`` itself, and the figures in
+them; its temporaries come out ~4% smaller. XLA's other compile-time knobs
+(``jax_optimization_level`` O0, ``jax_memory_fitting_level`` O0,
+``jax_memory_fitting_effort`` -1, ``jax_disable_most_optimizations``) save nothing more
+(llama_8b's step 6.7 against 6.1-6.6 CPU-s). ``loomax compile`` itself, and the figures in
 bench/README.md, use the default effort.
 """
 
