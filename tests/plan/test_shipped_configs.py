@@ -5,8 +5,19 @@ Run configs are ``config/*.yaml`` and ``config/bench/*.yaml``; ``config/data`` a
 runs are ``quickstart.yaml`` resized). Each config is read as shipped (its vocabulary size
 known without a flag or a download), then compiled with its own model type, attention
 backend, remat policy, precision, loss, document masks and hooks, at a size that compiles in
-seconds: two layers, one sequence per chip, at most 512 positions, a vocabulary of 4096
-a residual stream of at most 256 and at most 16 experts (libtpu takes minutes for the full widths; bench/README.md has those figures).
+seconds: two layers, one sequence per chip, at most 128 positions (one splash block: ``auto``
+still picks splash), a vocabulary of 4096, a residual stream of at most 256 (a latent
+attention's ranks 128 and 64, experts 256 wide) and at most 16 experts (libtpu takes minutes
+for the full widths; bench/README.md has those figures).
+
+Nearly all of this file's CPU is libtpu compiling (AMD EPYC, loaded: DeepSeek-V3's shrunk
+step 38.4 of 44.4 CPU-s, the trace 2.6, lowering 1.0, the estimate with the program's text
+1.4; quickstart's 3.9 of 5.6); each distinct program is compiled once, and nothing else
+(no init, no eval). What a compile costs follows the program's structure (its ops, its
+Pallas kernels: splash, megablox) more than its shapes: 512 positions and the full latent
+and expert widths cost DeepSeek-V3 43.2 against 33.0 CPU-s, Kimi K2 32.5 against 20.1, the
+whole file 286.8 against 249.9 CPU-s (fresh compilation cache); the tiny configs (at most
+128 positions, 256 wide) compile as shipped and hold half of it.
 
 ``llama_8b.yaml`` (offload, splash, document mask, FSDP) is the case Haliax's own offload
 policy broke: it also offloads each layer's slice of the sharded parameters, and libtpu's
@@ -18,7 +29,10 @@ These compiles run at XLA's lowest execution-time optimization effort
 skips optimizations that only make the program run faster, and compiles in about half the
 CPU time (DeepSeek-V3's shrunk step: 52.6 against 29.9 CPU-s, AMD EPYC). What the tests
 check (each config builds, partitions, compiles, fits and gets an estimate) does not depend on
-them; its temporaries come out ~4% smaller. ``loomax compile`` itself, and the figures in
+them; its temporaries come out ~4% smaller. XLA's other compile-time knobs
+(``jax_optimization_level`` O0, ``jax_memory_fitting_level`` O0,
+``jax_memory_fitting_effort`` -1, ``jax_disable_most_optimizations``) save nothing more
+(llama_8b's step 6.7 against 6.1-6.6 CPU-s). ``loomax compile`` itself, and the figures in
 bench/README.md, use the default effort.
 """
 
@@ -62,19 +76,27 @@ _COMPILED: dict[str, object] = {}
 overrides (llama_8b_128k and llama_8b_1m: the sequence, the pod) are one program here."""
 
 
+SEQ = 128
+"""Positions of a shrunk run: still a whole splash block (``auto`` picks splash on TPU)."""
+
+
 def small(config: TrainLmConfig) -> list[str]:
     """Flags that shrink ``config`` to a quick compile and keep its structure."""
     model = config.model
     flags = ["--model.num_layers", "2", "--trainer.train_batch_size", "4"]
     flags += ["--model.vocab_size", "4096"]  # its own is checked as shipped (vocab_size_of)
-    flags += ["--model.seq_len", str(min(model.seq_len, 512))]
+    flags += ["--model.seq_len", str(min(model.seq_len, SEQ))]
+    moe = getattr(model, "moe", None)
     if model.hidden_dim > 256:
         flags += ["--model.hidden_dim", "256", "--model.num_heads", "4"]
         if hasattr(model, "intermediate_dim"):
             flags += ["--model.intermediate_dim", "512", "--model.head_dim", "64"]
         if getattr(model, "num_kv_heads", None):
             flags += ["--model.num_kv_heads", "2"]
-    moe = getattr(model, "moe", None)
+        if getattr(model, "kv_lora_rank", None):  # DeepSeek-V3's latent attention, narrowed
+            flags += ["--model.q_lora_rank", "128", "--model.kv_lora_rank", "64"]
+        if moe is not None and (moe.expert_intermediate_dim or 0) > 256:
+            flags += ["--model.moe.expert_intermediate_dim", "256"]
     if moe is not None and moe.num_experts > 16:  # OLMoE's 64: compiles 3x slower, same code
         flags += ["--model.moe.num_experts", "16"]
     if moe is not None and moe.first_dense_layers > 1:  # DeepSeek-V3's 3: one dense, one routed
