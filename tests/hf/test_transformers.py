@@ -19,6 +19,7 @@ import draccus
 import equinox as eqx
 import haliax as hax
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -36,7 +37,8 @@ from loomax.models.blocks.mlp_activations import ACTIVATION_FUNCTIONS
 from loomax.models.decoding.generate import sample_tokens
 from loomax.train_lm import train_lm
 
-from .test_convert import CASES, HF_TYPES, VOCAB, randomized
+from .test_convert import CASES, HF_TYPES, VOCAB
+from .test_convert import jax_randomized as randomized
 
 KEY = jax.random.PRNGKey(0)
 
@@ -204,7 +206,8 @@ def test_every_family_round_trips_through_transformers(
     assert type(hf).__name__ == config.hf_architecture
     ids = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (32,), 0, VOCAB))
     np.testing.assert_allclose(*_logits(torch, hf.eval(), model, ids), rtol=1e-5, atol=1e-5)
-    sharp = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, model)  # real logit gaps
+    # real logit gaps; numpy's product (JAX's would compile a program per weight shape)
+    sharp = jax.tree.map(lambda x: jnp.asarray(np.asarray(x) * 3.0) if x.ndim >= 2 else x, model)
     export_hf(sharp, tmp_path / "sharp", special_tokens={"eos_token_id": 0})
     hf_sharp = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "sharp", dtype=torch.float32

@@ -108,3 +108,23 @@ def test_the_init_compiles_with_the_cpu_options(tiny, tmp_path, monkeypatch):
     trainer = tiny.trainer(tmp_path, steps=1)
     with pytest.raises(Exception, match="xla_no_such_option"):
         trainer.initial_state(lambda key: tiny.model.build(tiny.vocab, key=key))
+
+
+def test_a_start_from_given_weights_compiles_no_init(tiny, tmp_path, monkeypatch):
+    """Weights given (``initial_weights``: a Hugging Face checkpoint's) replace the fresh
+    model: its random init is neither compiled (an option XLA does not know would fail it)
+    nor run; the state starts at step 0 with the fresh state's train key, the given weights
+    and Adam's zero moments."""
+    given = jax.tree.map(lambda x: x + 1.0, tiny.model.build(tiny.vocab, key=jax.random.key(7)))
+    fresh = tiny.init(tiny.trainer(tmp_path / "fresh", steps=1))
+    monkeypatch.setattr(restore, "CPU_INIT_COMPILER_OPTIONS", {"xla_no_such_option": 1})
+    trainer = tiny.trainer(tmp_path / "given", steps=1)
+    state = trainer.initial_state(
+        lambda key: tiny.model.build(tiny.vocab, key=key), initial_weights=lambda: given
+    )
+    assert int(state.step) == 0
+    np.testing.assert_array_equal(np.asarray(state.key), np.asarray(fresh.key))
+    for a, b in zip(jax.tree.leaves(state.model), jax.tree.leaves(given), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    moments = [np.asarray(x) for x in jax.tree.leaves(state.opt_state) if np.ndim(x) > 0]
+    assert moments and not any(np.any(m) for m in moments)

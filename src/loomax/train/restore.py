@@ -172,10 +172,10 @@ class StateBuilder:
 
             def start() -> TrainerState:  # the state of a run that resumes nothing
                 if self.config.initialize_from is not None:
-                    return self._initialize_from(shapes, shardings, fresh)
-                if initial_weights is not None:
+                    return self._initialize_from(shapes, shardings, fresh, key)
+                if initial_weights is not None:  # no random init compiled, none allocated
                     model = policy.cast_to_param(initial_weights())
-                    return self._start_from(fresh(), model, shardings)
+                    return self._start_from(key, model, shardings)
                 return fresh()
 
             resumed = self._resume(checkpointer, shapes, shardings, fresh, start)
@@ -273,26 +273,28 @@ class StateBuilder:
             float(checkpoint.metadata.get("train_seconds", 0.0)),
         )
 
-    def _initialize_from(self, shapes, shardings, fresh) -> TrainerState:
+    def _initialize_from(self, shapes, shardings, fresh, key: jax.Array) -> TrainerState:
         path = self.config.initialize_from
         reading = self._reading(shardings)
         found = load_latest(path, shapes, reading, fall_back=False, prefix="model")
         if found is None:
             raise MissingFileError(f"trainer.initialize_from: no complete checkpoint at {path}")
         checkpoint, loaded, missing = found
-        state = fresh()
-        model, missing = _new_adapters(loaded.model, missing, state.model)
-        model = self._fill_missing(checkpoint, model, missing, lambda: state.model)
+        fresh_model = functools.cache(lambda: fresh().model)  # only for what the checkpoint lacks
+        model, missing = _new_adapters(loaded.model, missing, fresh_model)
+        model = self._fill_missing(checkpoint, model, missing, fresh_model)
         logger.info(
             "model weights from %s (step %d); optimizer fresh at step 0",
             checkpoint,
             checkpoint.step,
         )
-        return self._start_from(state, model, shardings)
+        return self._start_from(key, model, shardings)
 
-    def _start_from(self, state: TrainerState, model: eqx.Module, shardings) -> TrainerState:
-        """``state`` with ``model`` as its weights (placed by the parameter mapping), and the
-        optimizer state and the hooks' extras (e.g. EMA weights) made anew from them."""
+    def _start_from(self, key: jax.Array, model: eqx.Module, shardings) -> TrainerState:
+        """A fresh state (step 0, the train key ``init`` splits from ``key``) with ``model``
+        as its weights (placed by the parameter mapping), and the optimizer state and the
+        hooks' extras (e.g. EMA weights) made anew from them: the random init is neither
+        compiled nor run."""
 
         def place_and_derive(m):
             params = eqx.filter(m, eqx.is_inexact_array)
@@ -302,7 +304,11 @@ class StateBuilder:
         out = (shardings.model, shardings.opt_state, shardings.extras)
         with self.runtime.mesh_context():
             model, opt_state, extras = jax.jit(place_and_derive, out_shardings=out)(model)
-        return TrainerState(state.step, model, opt_state, state.key, extras)
+        _, train_key = jax.random.split(key)  # as init splits it
+        step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+        return TrainerState(
+            step, model, opt_state, jax.device_put(train_key, shardings.key), extras
+        )
 
     def _fill_missing(self, checkpoint: CheckpointInfo, tree, missing: list[str], fresh):
         if not missing:
@@ -321,16 +327,18 @@ class StateBuilder:
         return _fill(tree, fresh())
 
 
-def _new_adapters(model: Any, missing: list[str], fresh: Any) -> tuple[Any, list[str]]:
+def _new_adapters(
+    model: Any, missing: list[str], fresh: Callable[[], Any]
+) -> tuple[Any, list[str]]:
     """``model`` with the LoRA adapters (``model.lora``) a base model's checkpoint lacks
-    taken from ``fresh`` (B = 0: the base's outputs), and the names still missing (refused,
+    taken from ``fresh()`` (B = 0: the base's outputs), and the names still missing (refused,
     or started fresh too with ``trainer.allow_partial_checkpoint``, by ``_fill_missing``)."""
     new = [n for n, layer in adapter_layers(model).items() if layer.lora_a is None]
     if not new:
         return model, missing
     logger.info("%d LoRA adapter(s) start fresh (the checkpoint has none)", len(new))
     rest = [n for n in missing if n.rsplit("/", 1)[-1] not in ADAPTER_LEAVES]
-    return _fill(model, fresh), rest
+    return _fill(model, fresh()), rest
 
 
 def _fill(tree: Any, source: Any) -> Any:

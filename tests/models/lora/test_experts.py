@@ -58,7 +58,14 @@ def models():
 
 
 def logits(model):
-    return np.asarray(model.logits(IDS).array)
+    """``model``'s logits of ``IDS``, as one compiled forward per model structure (op by op,
+    the routed experts compile ~100 small programs)."""
+    return np.asarray(_jit_logits(model))
+
+
+@eqx.filter_jit
+def _jit_logits(model):
+    return model.logits(IDS).array
 
 
 def bytes_of(tree) -> int:
