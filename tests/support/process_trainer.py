@@ -43,7 +43,7 @@ def make_trainer(pid: int, count: int, port: int, run_dir: str, steps: int, **se
         ),
         **settings,
     )
-    optimizer = AdamConfig(learning_rate=1e-3, warmup=0)
+    optimizer = AdamConfig(learning_rate=1e-3, warmup=0, lr_schedule="constant")
     return Trainer(config, optimizer.build(steps), lm_loss(), run_id=setup_process(config))
 
 

@@ -82,14 +82,17 @@ def params(state):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    trainer = make_trainer(tmp_path_factory.mktemp("full"))
+    """One whole run of ``STEPS`` steps: its losses, final parameters and model, and its
+    checkpoints (4, 8, 12), which the initialize_from and partial tests read (never write)."""
+    run_dir = tmp_path_factory.mktemp("full")
+    trainer = make_trainer(run_dir)
     recorder = trainer.add_hook(Recorder())
     final = trainer.train(*start(trainer))
-    return recorder.losses, params(final.state)
+    return recorder.losses, params(final.state), final.state.model, run_dir / "checkpoints"
 
 
 def test_restart_continues_bitwise_identically(tmp_path, uninterrupted):
-    full_losses, full_params = uninterrupted
+    full_losses, full_params, _, _ = uninterrupted
     first = make_trainer(tmp_path)
     first.add_hook(Recorder())
     first.add_hook(terminate_at(6))  # preemption: the step finishes, a checkpoint is saved
@@ -128,19 +131,16 @@ def test_load_checkpoint_modes(tmp_path):
     assert int(start(elsewhere)[0].step) == 4
 
 
-def test_initialize_from_takes_weights_only(tmp_path):
-    source = make_trainer(tmp_path / "source", num_train_steps=3)
-    trained = source.train(*start(source)).state
-    trainer = make_trainer(
-        tmp_path / "new", initialize_from=str(tmp_path / "source" / "checkpoints")
-    )
+def test_initialize_from_takes_weights_only(tmp_path, uninterrupted):
+    _, trained, _, source = uninterrupted
+    trainer = make_trainer(tmp_path / "new", initialize_from=str(source))
     trainer.add_hook(EmaHook(decay=0.9))  # hook extras start from the loaded weights too
     state, _ = start(trainer)
     assert int(state.step) == 0
-    for a, b in zip(params(state), params(trained), strict=True):
+    for a, b in zip(params(state), trained, strict=True):
         np.testing.assert_array_equal(a, b)
     ema = [np.asarray(x) for x in jax.tree.leaves(state.extras["ema"])]
-    for a, b in zip(ema, params(trained), strict=True):
+    for a, b in zip(ema, trained, strict=True):
         np.testing.assert_array_equal(a, b)
     mu = jax.tree.leaves(state.opt_state[1].mu)
     assert all(not np.any(np.asarray(m)) for m in mu)  # a fresh optimizer
@@ -165,11 +165,10 @@ def test_missing_checkpoints_are_named_before_any_work(tmp_path):
         check_restore_sources(TrainerConfig(initialize_from=missing, load_checkpoint=False), own)
 
 
-def test_partial_checkpoints_need_permission(tmp_path):
-    source = make_trainer(tmp_path / "tied", num_train_steps=2)
-    trained = source.train(*start(source)).state
+def test_partial_checkpoints_need_permission(tmp_path, uninterrupted):
+    *_, trained, source = uninterrupted
     untied = Gpt2Config(**{**MODEL.__dict__, "tie_word_embeddings": False})
-    path = str(tmp_path / "tied" / "checkpoints")
+    path = str(source)
     with pytest.raises(
         CheckpointError, match=r"lacks \d+ array\(s\) of the state, e\.g\. .*lm_head"
     ):
@@ -179,9 +178,9 @@ def test_partial_checkpoints_need_permission(tmp_path):
             tmp_path / "b", model=untied, load_checkpoint_path=path, allow_partial_checkpoint=True
         )
     )
-    assert int(state.step) == 2 and state.model.lm_head is not None
+    assert int(state.step) == STEPS and state.model.lm_head is not None
     np.testing.assert_array_equal(
-        state.model.token_embeddings.weight.array, trained.model.token_embeddings.weight.array
+        state.model.token_embeddings.weight.array, trained.token_embeddings.weight.array
     )
 
 
@@ -229,7 +228,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_initialize_from_a_base_run_starts_lora_adapters_fresh(tmp_path):
+def test_initialize_from_a_base_run_starts_lora_adapters_fresh(tmp_path, uninterrupted):
     """A LoRA run (model.lora) from a base run's checkpoint: the base weights are the
     checkpoint's, the adapters (which it lacks) start fresh with B = 0, no flag needed."""
     import dataclasses
@@ -237,19 +236,18 @@ def test_initialize_from_a_base_run_starts_lora_adapters_fresh(tmp_path):
     from loomax.models.lora.config import LoraConfig
     from loomax.models.lora.linear import adapter_layers, without_adapters
 
-    source = make_trainer(tmp_path / "source", num_train_steps=2)
-    trained = source.train(*start(source)).state
+    _, trained, _, source = uninterrupted
     lora = LoraConfig(rank=2)
     model = dataclasses.replace(MODEL, lora=lora)
     trainer = make_trainer(
         tmp_path / "new",
         model=model,
-        initialize_from=str(tmp_path / "source" / "checkpoints"),
+        initialize_from=str(source),
         freeze=lora.freeze_patterns(),
     )
     state = trainer.initial_state(lambda key: model.for_training(model.build(VOCAB, key=key)))
     base = jax.tree.leaves(without_adapters(state.model))
-    for a, b in zip(base, jax.tree.leaves(trained.model), strict=True):
+    for a, b in zip(base, trained, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     layers = adapter_layers(state.model)
     assert layers and all(not np.any(np.asarray(x.lora_b.array)) for x in layers.values())

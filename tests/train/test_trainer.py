@@ -7,46 +7,32 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from loomax.hooks import NanCheckHook, NonFiniteLossError
 from loomax.lm import lm_loss
-from loomax.models import Gpt2Config
-from loomax.optim import AdamConfig
-from loomax.tracking import JsonlTrackerConfig
-from loomax.train import Hook, JitHook, StepInfo, Trainer, TrainerConfig
-
-MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=1, num_heads=2)
-VOCAB = 40
+from loomax.train import Hook, JitHook, StepInfo, TrainerConfig
 
 
-def make_trainer(tmp_path, steps=6, loss_fn=None, **overrides):
-    config = TrainerConfig(
-        num_train_steps=steps,
-        train_batch_size=4,
-        run_dir=str(tmp_path / "run"),
-        tracker=JsonlTrackerConfig(),
-        progress_bar=False,
-        **overrides,
-    )
-    opt = AdamConfig(learning_rate=1e-3, warmup=0)
-    return Trainer(
-        config, opt.build(steps), loss_fn or lm_loss(), lr_schedule=opt.lr_scheduler(steps)
-    )
+@pytest.fixture
+def make_trainer(tiny):
+    """The shared tiny trainer (tests/train/tiny_setup.py): one model and a constant learning
+    rate, so the train step's program is the same whatever the step count, and each test
+    after the first (and the hook tests) loads it from the compilation cache."""
+    return tiny.trainer
 
 
-def batches(seed=0):
-    rng = np.random.default_rng(seed)
-    while True:
-        yield rng.integers(0, VOCAB, (4, MODEL.seq_len), dtype=np.int32)
+@pytest.fixture
+def batches(tiny):
+    return tiny.batches
 
 
-def init(trainer):
-    return trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+@pytest.fixture
+def init(tiny):
+    return tiny.init
 
 
-def test_hook_every_and_decorator_form(tmp_path):
+def test_hook_every_and_decorator_form(tmp_path, make_trainer, batches, init):
     trainer = make_trainer(tmp_path, steps=7)
     seen = {"every1": [], "every3": [], "decorated": []}
     trainer.add_hook(lambda info: seen["every1"].append(info.step), every=1)
@@ -65,7 +51,7 @@ def test_hook_every_and_decorator_form(tmp_path):
     assert seen["decorated"][-1] == (7, round(final.loss, 6))
 
 
-def test_hooks_run_in_registration_order_with_lifecycle(tmp_path):
+def test_hooks_run_in_registration_order_with_lifecycle(tmp_path, make_trainer, batches, init):
     trainer = make_trainer(tmp_path, steps=2)
     calls = []
 
@@ -97,7 +83,7 @@ def test_hooks_run_in_registration_order_with_lifecycle(tmp_path):
     ]
 
 
-def test_previous_step_is_one_behind_and_finished(tmp_path):
+def test_previous_step_is_one_behind_and_finished(tmp_path, make_trainer, batches, init):
     trainer = make_trainer(tmp_path, steps=4)
     previous = []
     trainer.add_hook(
@@ -107,7 +93,7 @@ def test_previous_step_is_one_behind_and_finished(tmp_path):
     assert previous == [None, 1, 2, 3]
 
 
-def test_step_compiles_once(tmp_path):
+def test_step_compiles_once(tmp_path, make_trainer, batches, init):
     trainer = make_trainer(tmp_path, steps=5)
     trainer.train(init(trainer), batches())
     assert trainer.compilations() == 1
@@ -126,7 +112,7 @@ def nan_after(step_to_break):
     return loss_fn
 
 
-def test_nan_loss_stops_with_clear_error(tmp_path):
+def test_nan_loss_stops_with_clear_error(tmp_path, make_trainer, batches, init):
     trainer = make_trainer(tmp_path, steps=10, loss_fn=nan_after(3))
     trainer.add_hook(NanCheckHook())
     seen = []
@@ -144,7 +130,7 @@ def test_nan_loss_stops_with_clear_error(tmp_path):
     assert max(seen) <= 4  # stopped at most one step after the bad one
 
 
-def test_jsonl_records_contract(tmp_path):
+def test_jsonl_records_contract(tmp_path, make_trainer, batches, init):
     from loomax.hooks import LogMetricsHook, SpeedMonitorHook
 
     trainer = make_trainer(tmp_path, steps=6)
@@ -170,7 +156,7 @@ def test_jsonl_records_contract(tmp_path):
         assert r["throughput/tokens_per_second"] > 0
 
 
-def test_jit_hook_via_add_hook(tmp_path):
+def test_jit_hook_via_add_hook(tmp_path, make_trainer, batches, init):
     """A JitHook's outputs reach whoever holds it (``info.traced``), never the shared metrics."""
     trainer = make_trainer(tmp_path, steps=4)
     seen = JitHook(lambda ctx: {"debug/step_seen": ctx.step.astype(jnp.float32)})
@@ -195,7 +181,7 @@ def test_batch_must_divide_over_microbatches():
     assert TrainerConfig(train_batch_size=8).microbatches(1) == 1
 
 
-def test_max_train_time_stops_cleanly_and_runs_end_hooks(tmp_path):
+def test_max_train_time_stops_cleanly_and_runs_end_hooks(tmp_path, make_trainer, batches, init):
     from datetime import timedelta
 
     trainer = make_trainer(tmp_path, steps=50, max_train_time=timedelta(seconds=0))
@@ -210,7 +196,9 @@ def test_max_train_time_stops_cleanly_and_runs_end_hooks(tmp_path):
     assert final.step == 1 and ended == [(1, 1)]
 
 
-def test_step_k_plus_1_is_dispatched_before_waiting_on_step_k(tmp_path):
+def test_step_k_plus_1_is_dispatched_before_waiting_on_step_k(
+    tmp_path, make_trainer, batches, init
+):
     """Step k-1 is seen finished (``info.previous.finished_at``) only after step k was
     dispatched: the host never leaves the device idle while it waits."""
     trainer = make_trainer(tmp_path, steps=4)

@@ -19,8 +19,11 @@ from loomax.tracking import NoopTrackerConfig
 from loomax.train import Hook, Trainer, TrainerConfig, check_restore_sources, process, setup_process
 from loomax.train.restore import CheckpointOwnerError
 
-MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=1, num_heads=2)
+MODEL = Gpt2Config(seq_len=16, hidden_dim=32, num_layers=2, num_heads=2)
 VOCAB, BATCH = 48, 4
+"""tests/train/tiny_setup.py's model, batch and optimizer: with a constant learning rate the
+train step is one program whatever ``num_train_steps`` is, so every run here after the
+first (and the trainer and hook tests) loads it from the compilation cache."""
 
 
 def make_config(run_dir, steps=8, run_id=None, **checkpointer):
@@ -36,7 +39,8 @@ def make_config(run_dir, steps=8, run_id=None, **checkpointer):
 
 
 def trainer_for(config, run_id=None):
-    opt, steps = AdamConfig(learning_rate=3e-3, warmup=0), config.num_train_steps
+    steps = config.num_train_steps
+    opt = AdamConfig(learning_rate=1e-3, warmup=0, lr_schedule="constant")
     return Trainer(
         config, opt.build(steps), lm_loss(), lr_schedule=opt.lr_scheduler(steps), run_id=run_id
     )
