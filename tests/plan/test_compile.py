@@ -11,6 +11,14 @@ pytestmark = pytest.mark.usefixtures("libtpu", "quick_compiles")  # conftest.py:
 
 from loomax.lm.config import TrainLmConfig  # noqa: E402
 
+SPLASH = (
+    "--model.seq_len", "256", "--model.num_heads", "4",
+    "--model.splash_block_q", "128", "--model.splash_block_kv", "128",
+)  # fmt: skip
+"""Llama on v5p:2x2x1 is compiled once, with these flags (splash blocks of 128 over 256
+positions), for the hand count, the splash count and the range below."""
+EXTRA = {("llama", "v5p:2x2x1"): SPLASH}
+
 
 def hand_state_bytes(config: TrainLmConfig, fsdp_ways: int) -> int:
     """Params + Adam's two moments (f32), each split `fsdp_ways` along `embed`; no scalars."""
@@ -34,8 +42,9 @@ def hand_state_bytes(config: TrainLmConfig, fsdp_ways: int) -> int:
     ],
 )
 def test_tiny_models_compile_and_state_bytes_match_hand_count(model, topology, plan_runs):
-    config = plan_runs.tiny(model)
-    result = plan_runs.compiled(model, topology)
+    extra = EXTRA.get((model, topology), ())
+    config = plan_runs.tiny(model, *extra)
+    result = plan_runs.compiled(model, topology, *extra)
     assert result.devices == 4 and result.mesh == {
         "replica": 1,
         "data": 4,
@@ -67,10 +76,8 @@ def test_splash_kernels_are_counted_from_their_math_not_as_free(plan_runs):
     visible causal pairs: forward (4 per pair and head dimension, twice: once more when the
     backward recomputes the layer), dq (6) and dkv (8)."""
     seq, layers, batch, heads, head = 256, 2, 8, 4, 16
-    result = plan_runs.compiled(
-        "llama", "v5p:2x2x1", "--model.seq_len", str(seq), "--model.num_heads", str(heads),
-        "--model.splash_block_q", "128", "--model.splash_block_kv", "128",
-    )  # fmt: skip
+    result = plan_runs.compiled("llama", "v5p:2x2x1", *SPLASH)
+    assert (str(seq), str(heads)) == SPLASH[1:4:2]
     pairs = seq * (seq + 1) / 2
     assert result.kernel_flops == layers * batch * heads * head * pairs * (2 * 4 + 6 + 8)
     assert 0 < result.est_kernel_s < result.est_step_s
@@ -88,7 +95,7 @@ def test_compile_reports_a_range_with_its_assumptions(plan_runs):
     reductions of the compiled program are its communication term, named in the report."""
     from loomax.plan.report import compile_text
 
-    result = plan_runs.compiled("llama", "v5p:2x2x1")
+    result = plan_runs.compiled("llama", "v5p:2x2x1", *SPLASH)  # the program above
     assert 0 < result.est_best_s <= result.est_step_s <= result.est_worst_s
     assert result.est_best_mfu >= result.est_mfu >= result.est_worst_mfu > 0
     assert result.comm_bytes > 0 and result.comm_s > 0  # FSDP gathers every layer's weights

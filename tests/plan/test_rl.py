@@ -38,8 +38,11 @@ def test_plan_refuses_an_rl_run_and_points_to_compile(repo_root, capsys):
 
 
 @pytest.mark.usefixtures("libtpu")
-def test_compile_reports_the_rollout_and_the_update(repo_root, tmp_path, capsys):
+def test_compile_reports_the_rollout_and_the_update(repo_root, tmp_path, capsys, monkeypatch):
     """The command line's path: the config told apart, both programs compiled in the child."""
+    # the child at libtpu's quick effort (conftest.py's quick_compiles): the checks read
+    # fits, the mesh and nonzero sizes, not the optimized program
+    monkeypatch.setenv("JAX_EXEC_TIME_OPTIMIZATION_EFFORT", "-1")
     out = tmp_path / "report.json"
     with_ref = ["--rl.kl_beta", "0.1"]  # as shipped, with a reference: its log-probs in the batch
     path = str(repo_root / "config" / "rl_tiny.yaml")
