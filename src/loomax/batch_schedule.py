@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import jax.numpy as jnp
+if TYPE_CHECKING:  # jax only where a traced step is asked for: the data loader needs none
+    import jax.numpy as jnp
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class BatchSchedule:
 
     def traced_size(self, step) -> jnp.ndarray:
         """``size_at`` for a traced step (inside jit), as float32."""
+        import jax.numpy as jnp
+
         step = jnp.asarray(step)
         out = jnp.asarray(self.sizes[0], jnp.float32)
         for start, size in zip(self.starts[1:], self.sizes[1:], strict=True):

@@ -18,6 +18,18 @@ def test_reading_a_token_cache_does_not_import_ray() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_building_a_token_cache_and_batching_it_import_no_jax() -> None:
+    """A process that only tokenizes and batches (a `loomax cache` builder under the lease,
+    the loader) starts without JAX's ~1 CPU-s of imports."""
+    code = (
+        "import sys, loomax.data.token_cache.build, loomax.data.token_cache.shared;"
+        "import loomax.data.loader, loomax.data.growing_windows, loomax.data.windows;"
+        "from loomax.distributed import RayConfig;"
+        "assert 'jax' not in sys.modules, 'jax imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def _imports(path: Path, modules: set[str]) -> set[str]:
     """The modules of `modules` that `path` imports anywhere (function bodies included)."""
     found = set()

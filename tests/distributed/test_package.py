@@ -8,8 +8,11 @@ import sys
 import loomax.distributed
 
 
-def test_importing_the_package_does_not_import_ray():
-    code = "import sys, loomax.distributed; assert 'ray' not in sys.modules, 'ray was imported'"
+def test_importing_the_package_imports_neither_ray_nor_jax():
+    code = (
+        "import sys, loomax.distributed; assert 'ray' not in sys.modules, 'ray was imported';"
+        "assert 'jax' not in sys.modules, 'jax was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

@@ -7,20 +7,44 @@
 - ``net`` and ``process_groups``: free ports, this host's address, stopping process groups;
   shared with ``loomax.launch``, which sits above this package.
 
-Importing this package imports JAX but not Ray.
+Importing this package imports neither JAX nor Ray: each name loads its module when first
+asked for (``DistributedConfig`` and the collectives import JAX), so a process that only
+tokenizes (a token-cache build, a Ray task) and asks for ``RayConfig`` starts without JAX.
 """
 
-from loomax.distributed.jax_processes import (
-    COORDINATOR_ENV,
-    NUM_PROCESSES_ENV,
-    PROCESS_ID_ENV,
-    DistributedConfig,
-    barrier,
-    broadcast_str,
-    coordination_client,
-)
-from loomax.distributed.pod_ray import pod_ray_cluster, pod_ray_role
-from loomax.distributed.ray_cluster import RayConfig, init_ray, ray_session
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loomax.distributed.jax_processes import (
+        COORDINATOR_ENV,
+        NUM_PROCESSES_ENV,
+        PROCESS_ID_ENV,
+        DistributedConfig,
+        barrier,
+        broadcast_str,
+        coordination_client,
+    )
+    from loomax.distributed.pod_ray import pod_ray_cluster, pod_ray_role
+    from loomax.distributed.ray_cluster import RayConfig, init_ray, ray_session
+
+_MODULES = {
+    "COORDINATOR_ENV": "jax_processes",
+    "NUM_PROCESSES_ENV": "jax_processes",
+    "PROCESS_ID_ENV": "jax_processes",
+    "DistributedConfig": "jax_processes",
+    "barrier": "jax_processes",
+    "broadcast_str": "jax_processes",
+    "coordination_client": "jax_processes",
+    "pod_ray_cluster": "pod_ray",
+    "pod_ray_role": "pod_ray",
+    "RayConfig": "ray_cluster",
+    "init_ray": "ray_cluster",
+    "ray_session": "ray_cluster",
+}
+"""Each public name -> the module of this package that defines it."""
 
 __all__ = [
     "COORDINATOR_ENV",
@@ -36,3 +60,12 @@ __all__ = [
     "pod_ray_role",
     "ray_session",
 ]
+
+
+def __getattr__(name: str):
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # asked once
+    return value

@@ -7,7 +7,7 @@ runs), `ledger` (the build's state at the cache URL), `damage` (finding damaged
 files), `assemble` (pieces into flat splits), `build` (the orchestration), `reader`
 (reading a finished cache; no Ray).
 The names below are imported on first use, so a Ray worker importing `tasks` does not
-import `build` (and JAX through `loomax.distributed`).
+import `build`.
 """
 
 from __future__ import annotations
