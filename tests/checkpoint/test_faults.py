@@ -167,13 +167,19 @@ def test_sigterm_saves_at_the_current_step_and_exits_0(tmp_path, tiny_corpus, da
     assert steps == [(stopped + 2, True)]  # the preemption checkpoint was temporary
 
 
-def test_unwritable_base_path_fails_before_any_work(tmp_path, tiny_corpus):
+def test_unwritable_base_path_fails_before_any_work(tmp_path, tiny_corpus, capsys):
+    """`loomax train` in this process (its exit code and stderr as a child's would be: a
+    refusal before any work needs no JAX process of its own, ~1.5 CPU-s of start-up)."""
+    from loomax.cli import main
+
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     config = write_config(tmp_path, tiny_corpus, num_train_steps=5)
-    proc = start(config, "--trainer.checkpointer.base_path", str(blocker / "ckpt"))
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config_path", str(config),
+              "--trainer.checkpointer.base_path", str(blocker / "ckpt")])  # fmt: skip
+    out = capsys.readouterr().err
+    assert exit_info.value.code == 2
     assert "trainer.checkpointer.base_path: cannot write to" in out and "a-file/ckpt" in out
     assert not (tmp_path / "cache").exists()  # stopped before the data was even tokenized
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,24 +25,21 @@ def env(devices: int) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_two_processes_score_as_one(tasks_dir, tokenizer_path, tmp_path, processes_support):
-    single = subprocess.run(
-        [sys.executable, str(WORKER), "single", str(tasks_dir), str(tokenizer_path),
-         str(tmp_path / "single")],
-        env=env(4), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert single.returncode == 0, single.stderr[-3000:]
-    want = json.loads(single.stdout.strip().splitlines()[-1])
-
     def scenario(processes):
+        # the one-process reference runs beside the pair, not before it: the cores the
+        # pair leaves idle while it waits on its collectives serve the reference
+        processes.start("single", [sys.executable, str(WORKER), "single", str(tasks_dir),
+                                   str(tokenizer_path), str(processes.directory / "single")],
+                        env(4))  # fmt: skip
         port = free_port("")
         for i in range(2):
             args = ["process", str(i), "2", str(port), str(tasks_dir), str(tokenizer_path),
                     str(processes.directory / "run")]  # fmt: skip
             processes.start(f"p{i}", [sys.executable, str(WORKER), *args], env(2))
         out = processes.wait(timeout=600)
-        return [json.loads(out[f"p{i}"].strip().splitlines()[-1]) for i in range(2)]
+        return [json.loads(out[name].strip().splitlines()[-1]) for name in ("single", "p0", "p1")]
 
-    got = processes_support.run_scenario(tmp_path / "two", scenario)
+    want, *got = processes_support.run_scenario(tmp_path / "two", scenario)
     assert want["processes"] == 1 and want["devices"] == 4
     # a JAX run's evaluation imports no torch (lm-eval's env report, its torch seed)
     assert not any(r["torch_imported"] for r in [want, *got])
