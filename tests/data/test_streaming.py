@@ -39,6 +39,18 @@ def shards(tmp_path_factory):
     return str(root / f"part_{{0..{NUM_SHARDS - 1}}}.jsonl")
 
 
+@pytest.fixture(scope="module")
+def finished_losses(tmp_path_factory, shards) -> list[float]:
+    """The losses of the tiny run on a cache built whole before it starts: what the runs
+    on a building cache (test 1) and the killed-and-resumed run (test 3) must equal. One
+    run serves both."""
+    tmp_path = tmp_path_factory.mktemp("finished")
+    finished = config(tmp_path, shards, f"memory://finished-{uuid.uuid4().hex[:8]}", "run")
+    build_caches(finished.data, prepare_tokenizer(finished.data), progress=False)
+    assert train_lm(finished).final.step == 12
+    return losses(tmp_path, "run")
+
+
 def config(tmp_path, shards, cache: str, run: str, *extra: str, **source) -> TrainLmConfig:
     return parse_config(
         TrainLmConfig, None, arguments(tmp_path, shards, cache, run, *extra, **source)
@@ -78,7 +90,7 @@ def losses(tmp_path, run: str) -> list[float]:
 
 @pytest.mark.slow
 def test_a_run_on_a_building_cache_has_the_finished_caches_losses(
-    tmp_path, shards, monkeypatch, caplog
+    tmp_path, shards, monkeypatch, caplog, finished_losses
 ):
     slow = build_module.build_piece
 
@@ -98,11 +110,8 @@ def test_a_run_on_a_building_cache_has_the_finished_caches_losses(
         "the run caught up with the build"
     )
 
-    monkeypatch.setattr(build_module, "build_piece", slow)
-    build_caches(building.data, prepare_tokenizer(building.data), progress=False)  # `loomax cache`
-    finished = train_lm(config(tmp_path, shards, cache, "finished"))
-    assert first.final.step == finished.final.step == 12
-    assert losses(tmp_path, "building") == losses(tmp_path, "finished")
+    assert first.final.step == 12
+    assert losses(tmp_path, "building") == finished_losses
     assert len(losses(tmp_path, "building")) == 12
 
 
@@ -137,7 +146,9 @@ def test_a_source_read_as_one_stream_trains_while_its_cache_builds(
 
 
 @pytest.mark.slow
-def test_a_run_killed_while_the_cache_builds_resumes_to_the_uninterrupted_losses(tmp_path, shards):
+def test_a_run_killed_while_the_cache_builds_resumes_to_the_uninterrupted_losses(
+    tmp_path, shards, finished_losses
+):
     """A streaming run (a real process, building the cache as it trains) is SIGKILLed after
     its step-4 checkpoint, mid-build; a run resumed from that checkpoint takes the build
     over and trains steps 5-12 with bitwise the losses of an uninterrupted run on the
@@ -179,9 +190,7 @@ def test_a_run_killed_while_the_cache_builds_resumes_to_the_uninterrupted_losses
     )
     assert resumed.wait(300) == 0
     assert (tokens / "meta.json").exists(), "the resumed run finished the build"
-    uninterrupted = train_lm(config(tmp_path, shards, cache, "uninterrupted"))
-    assert uninterrupted.final.step == 12
-    expected = losses(tmp_path, "uninterrupted")
+    expected = finished_losses  # an uninterrupted run's, on a cache built whole first
     assert losses(tmp_path, "resumed") == expected[4:]
     logged = losses(tmp_path, "killed")  # those written out before the kill (steps 5-9
     assert len(logged) <= 9 and logged == expected[: len(logged)]  # may run before it lands)
