@@ -85,11 +85,19 @@ def losses(mesh: MeshConfig, start: str | None = None, run_dir: str | None = Non
 
 def update_differences() -> dict[str, float]:
     """Largest |difference| from one device of two Muon updates of a tiny Mixtral, per mesh."""
-    params = eqx.filter(MOE.build(VOCAB, key=jax.random.PRNGKey(0)), eqx.is_inexact_array)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
-    grads = jax.tree.unflatten(
-        treedef, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves, strict=True)]
+    # the Mixtral's parameter tree (shapes only: no init run op by op, one program a shape),
+    # parameters and gradients drawn on the host: nothing compiled but the updates
+    shapes = eqx.filter(
+        jax.eval_shape(lambda: MOE.build(VOCAB, key=jax.random.PRNGKey(0))),
+        lambda x: isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact),
+    )
+    leaves, treedef = jax.tree.flatten(shapes)
+    rng = np.random.default_rng(0)
+    params, grads = (
+        jax.tree.unflatten(
+            treedef, [(rng.standard_normal(x.shape) * scale).astype(x.dtype) for x in leaves]
+        )  # fmt: skip
+        for scale in (0.02, 1.0)
     )
     tx = OPTIMIZER.direction()
 
@@ -110,7 +118,9 @@ def update_differences() -> dict[str, float]:
             )
             placed = jax.device_put((grads, params), (shard, shard))
             got = jax.jit(two_updates)(*placed)
-        diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got, reference)
+        diffs = jax.tree.map(  # on the host: no program a leaf shape
+            lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), got, reference
+        )
         out[name] = max(jax.tree.leaves(diffs))
     return out
 

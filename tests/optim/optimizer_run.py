@@ -110,13 +110,29 @@ def trainer_for(name: str, data: int, run_dir: str, **settings) -> Trainer:
     )
 
 
+WEIGHTS: list = []
+"""The first run's fresh model, on the host: every optimizer starts from these weights."""
+
+
+def fresh_state(trainer: Trainer):
+    """The fresh state of ``trainer``: the first run's from the random init (compiled once per
+    process), the others' from its weights through ``initial_weights`` (the product's start
+    from given weights: the optimizer state made anew, no init compiled per optimizer)."""
+    build = lambda key: MODEL.build(VOCAB, key=key)  # noqa: E731
+    if WEIGHTS:
+        return trainer.initial_state(build, initial_weights=lambda: WEIGHTS[0])
+    state = trainer.initial_state(build)
+    WEIGHTS.append(jax.device_get(state.model))  # before training donates it
+    return state
+
+
 def run(name: str, data: int = 1, restore: bool = True) -> dict:
     """Train ``STEPS`` steps with optimizer ``name`` (final checkpoint saved), then reload it."""
     run_dir = tempfile.mkdtemp()
     trainer = trainer_for(name, data, run_dir, load_checkpoint=False)
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
-    state = trainer.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+    state = fresh_state(trainer)
     final = trainer.train(state, batches())
     trainer.finish()
     spec = str(jax.tree.leaves(final.state.model.blocks.stacked.mlp.up.weight)[0].sharding.spec)

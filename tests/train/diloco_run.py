@@ -2,7 +2,9 @@
 
 Run as a subprocess (the device count is fixed when JAX starts):
   python diloco_run.py suite RUN_DIR                   # every single-process scenario below
-  python diloco_run.py process ID COUNT PORT RUN_DIR   # scenario "streaming" as one of COUNT processes
+  python diloco_run.py process ID COUNT PORT RUN_DIR START  # scenario "streaming" as one of
+      COUNT processes, from the one process's step-0 checkpoint START (its init, not compiled
+      again in each process; the checkpoint's bits are the init's)
 """
 
 from __future__ import annotations
@@ -73,11 +75,29 @@ def per_worker(value: jax.Array) -> dict[int, float]:
     return {s.index[0].start or 0: float(s.data[0]) for s in value.addressable_shards}
 
 
+WEIGHTS: list = []
+"""The first run's fresh model, on the host: every later fresh run starts from these weights."""
+
+
+def fresh_state(t: Trainer):
+    """``t``'s state: resumed if it loads a checkpoint, else fresh: the process's first run
+    from the random init (compiled once), the others from its weights through
+    ``initial_weights`` (the product's start from given weights: the workers' copies and the
+    optimizer states made anew from them, no init compiled per DiLoCo setting)."""
+    build = lambda key: MODEL.build(VOCAB, key=key)  # noqa: E731
+    if WEIGHTS:
+        return t.initial_state(build, initial_weights=lambda: WEIGHTS[0])
+    state = t.initial_state(build)
+    if t.restored_from is None:
+        WEIGHTS.append(jax.device_get(state.model))  # before training donates it
+    return state
+
+
 def train(t: Trainer, start: int = 0) -> dict:
     losses: list = []
     logged: list[float] = []  # what hooks and trackers read: the mean over this process's workers
     t.add_hook(lambda info: (losses.append(info.metrics["train/loss"]), logged.append(info.loss)))
-    state = t.initial_state(lambda key: MODEL.build(VOCAB, key=key))
+    state = fresh_state(t)
     batches = loader().iter_from(int(state.step), jax.process_index(), jax.process_count())
     final = t.train(state, batches).state
     if t.config.diloco is None:
@@ -196,7 +216,7 @@ def suite(run_dir: Path) -> dict:
     out: dict = {}
     # 1. streaming, 2 workers: against the reference; the programs' collectives; resume
     t = trainer(MeshConfig(2, -1, 1), inner(), run_dir / "a", STREAMING,
-                checkpointer=CheckpointerConfig(fixed_steps=[3]))  # fmt: skip
+                checkpointer=CheckpointerConfig(fixed_steps=[3], save_at_start=True))  # fmt: skip
     run = train(t)
     ref = reference(STREAMING, 2, inner())
     out["streaming"] = {
@@ -204,6 +224,7 @@ def suite(run_dir: Path) -> dict:
         "diff": max_diff(run["final"], ref),
         "inner": cross_replica_bytes(t, run["final"]),
         "sync": cross_replica_bytes(t, run["final"], sync=0),
+        "start": str(run_dir / "a" / "checkpoints" / "step-0"),  # the processes start there
     }  # fmt: skip
     resumed = trainer(MeshConfig(2, -1, 1), inner(), run_dir / "b", STREAMING,
                       load_checkpoint_path=str(run_dir / "a" / "checkpoints" / "step-3"))  # fmt: skip
@@ -246,7 +267,8 @@ def main() -> None:
             coordinator_address=f"127.0.0.1:{port}", num_processes=count, process_id=pid
         )
         t = trainer(MeshConfig(2, -1, 1), inner(), sys.argv[5], STREAMING, distributed=dist,
-                    checkpointer=CheckpointerConfig(save_at_end=False))  # fmt: skip
+                    checkpointer=CheckpointerConfig(save_at_end=False),
+                    load_checkpoint=True, load_checkpoint_path=sys.argv[6])  # fmt: skip
         run = train(t)
         print(json.dumps({"losses": run["losses"], "logged": run["logged"], "digest": run["digest"],
                           "process_index": jax.process_index()}))  # fmt: skip

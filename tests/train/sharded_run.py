@@ -17,8 +17,9 @@ Run as a subprocess (the device count is fixed when JAX starts):
 
 The pair's runs save a final checkpoint under their run dir. One process runs its cases in a
 row (a start and the imports once, not once per case). A model's init is compiled once:
-the runs of a model on other meshes start from its first run's step-0 checkpoint (a load,
-read straight into their layout, costs a fraction of compiling the init for every mesh).
+the GPT-2's runs on other meshes start from the pair's step-0 checkpoint (a load, read
+straight into their layout, costs a fraction of compiling the init for every mesh), the
+Llamas' and the Mixtral's from their first run's weights (``initial_weights``).
 """
 
 from __future__ import annotations
@@ -183,9 +184,25 @@ def load(path: str, mesh: MeshConfig, devices) -> dict:
     }
 
 
-def run_llama(kv_heads: int, mesh: MeshConfig, devices, start=None, run_dir=None) -> dict:
+WEIGHTS: dict[str, object] = {}
+"""A model's first (fresh) run's weights, on the host, by model: its runs on other meshes
+start from them."""
+
+
+def first_or_same_weights(trainer: Trainer, name: str, build) -> object:
+    """``trainer``'s state: the model ``name``'s first from a fresh init (compiled once), the
+    others from that init's weights, placed by their mesh's mapping (``initial_weights``, the
+    product's start from given weights: the optimizer state made anew, no init compiled)."""
+    if name in WEIGHTS:
+        return trainer.initial_state(build, initial_weights=lambda: WEIGHTS[name])
+    state = trainer.initial_state(build)
+    WEIGHTS[name] = jax.device_get(state.model)  # before training donates it
+    return state
+
+
+def run_llama(kv_heads: int, mesh: MeshConfig, devices) -> dict:
     """A few steps of a grouped-query Llama (4 query heads) under the default mappings,
-    from the step-0 checkpoint ``start`` or a fresh init (then saved as step 0)."""
+    from a fresh init (the first with ``kv_heads``) or the first's weights."""
     model = LlamaConfig(
         seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
         num_kv_heads=kv_heads,
@@ -194,12 +211,11 @@ def run_llama(kv_heads: int, mesh: MeshConfig, devices, start=None, run_dir=None
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("loomax").addHandler(handler)
-    trainer = make_trainer(
-        mesh, run_dir or tempfile.mkdtemp(), devices, start=start, save_start=start is None
-    )
+    trainer = make_trainer(mesh, tempfile.mkdtemp(), devices)
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
-    state = trainer.initial_state(lambda key: model.build(VOCAB, key=key))
+    build = lambda key: model.build(VOCAB, key=key)  # noqa: E731
+    state = first_or_same_weights(trainer, f"llama{kv_heads}", build)
     k_proj = state.model.blocks.stacked.attn.k_proj.weight
     trainer.train(state, loader().iter_from(0, 0, 1))
     logging.getLogger("loomax").removeHandler(handler)
@@ -211,21 +227,20 @@ def run_llama(kv_heads: int, mesh: MeshConfig, devices, start=None, run_dir=None
     }
 
 
-def run_mixtral(mesh: MeshConfig, devices, start=None, run_dir=None) -> dict:
-    """A few steps of a tiny Mixtral (4 experts, top 2) under the default mappings, from the
-    step-0 checkpoint ``start`` or a fresh init (then saved as step 0)."""
+def run_mixtral(mesh: MeshConfig, devices) -> dict:
+    """A few steps of a tiny Mixtral (4 experts, top 2) under the default mappings, from a
+    fresh init (the first) or the first's weights."""
     model = MixtralConfig(
         seq_len=16, hidden_dim=32, intermediate_dim=32, num_layers=2, num_heads=4,
         num_kv_heads=2, moe=MoeConfig(num_experts=4, num_experts_per_tok=2),
     )  # fmt: skip
-    trainer = make_trainer(
-        mesh, run_dir or tempfile.mkdtemp(), devices, start=start, save_start=start is None
-    )
+    trainer = make_trainer(mesh, tempfile.mkdtemp(), devices)
     losses: list[float] = []
     balance: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
     trainer.add_hook(lambda info: balance.append(float(info.metrics["moe/load_balance_loss"])))
-    state = trainer.initial_state(lambda key: model.build(VOCAB, key=key))
+    build = lambda key: model.build(VOCAB, key=key)  # noqa: E731
+    state = first_or_same_weights(trainer, "mixtral", build)
     trainer.train(state, loader().iter_from(0, 0, 1))
     return {"losses": losses, "load_balance": balance}
 
@@ -288,8 +303,9 @@ def two_per_process() -> list:
 
 def suite(cases: dict) -> dict:
     """Every case of ``cases`` (see the module's docstring), on this process's devices. A
-    model's first run starts fresh; its runs on the other meshes start from a step-0
-    checkpoint (``start`` for the GPT-2, else that first run's)."""
+    model's first run starts fresh; its runs on the other meshes start from the same
+    weights: the GPT-2's from the step-0 checkpoint ``start``, the others' from their first
+    run's weights (``first_or_same_weights``)."""
     out: dict = {}
     meshes = [(MeshConfig(r, d, m), jax.devices()[:n]) for r, d, m, n in cases.get("meshes", [])]
     start = cases.get("start")
@@ -297,24 +313,13 @@ def suite(cases: dict) -> dict:
         run(mesh, devices=devices, start=start if i else None)
         for i, (mesh, devices) in enumerate(meshes)
     ]
-    out["llama"] = []
-    first: dict[int, str] = {}  # kv_heads -> the run dir of its first (fresh) run
-    for kv_heads, r, d, m, n in cases.get("llama", []):
-        begun = kv_heads in first
-        run_dir = first.setdefault(kv_heads, tempfile.mkdtemp())
-        out["llama"].append(run_llama(
-            kv_heads, MeshConfig(r, d, m), jax.devices()[:n],
-            start=step0(run_dir) if begun else None, run_dir=None if begun else run_dir,
-        ))  # fmt: skip
-    mixtral_dir = tempfile.mkdtemp()
+    out["llama"] = [
+        run_llama(kv_heads, MeshConfig(r, d, m), jax.devices()[:n])
+        for kv_heads, r, d, m, n in cases.get("llama", [])
+    ]
     out["mixtral"] = [
-        run_mixtral(
-            MeshConfig(r, d, m),
-            jax.devices()[:n],
-            start=step0(mixtral_dir) if i else None,
-            run_dir=None if i else mixtral_dir,
-        )  # fmt: skip
-        for i, (r, d, m, n) in enumerate(cases.get("mixtral", []))
+        run_mixtral(MeshConfig(r, d, m), jax.devices()[:n])
+        for r, d, m, n in cases.get("mixtral", [])
     ]
     if cases.get("context"):
         out["context"] = run_context(start=cases["context"])

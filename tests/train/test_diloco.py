@@ -84,11 +84,14 @@ def test_two_processes_equal_one_process_with_the_same_devices(suite, tmp_path, 
     def scenario(processes):
         port = free_port("")
         for i in range(2):
-            args = ["process", str(i), "2", str(port), str(processes.directory / "run")]
+            run_dir = str(processes.directory / "run")
+            args = ["process", str(i), "2", str(port), run_dir, suite["streaming"]["start"]]
             processes.start(f"p{i}", [sys.executable, str(WORKER), *args], worker_env(4))
         outputs = processes.wait(timeout=600)
         return [json.loads(outputs[f"p{i}"].strip().splitlines()[-1]) for i in range(2)]
 
+    # both processes start from the one process's step-0 checkpoint (its init, exactly):
+    # that a pair's sharded fresh init is one process's, test_sharded_training's pair says
     results = processes_support.run_scenario(tmp_path, scenario)
     one = suite["streaming"]
     for i, result in enumerate(results):  # process i holds worker i (mesh devices in process order)

@@ -48,6 +48,10 @@ def placement(x) -> dict:
     }
 
 
+WEIGHTS: list = []
+"""The one-device run's fresh model, on the host: the expert-parallel run starts from it."""
+
+
 def run(mesh: MeshConfig, devices) -> dict:
     config = TrainerConfig(
         num_train_steps=STEPS, train_batch_size=BATCH, mesh=mesh, progress_bar=False,
@@ -57,7 +61,12 @@ def run(mesh: MeshConfig, devices) -> dict:
     trainer = Trainer(config, optimizer, lm_loss(), devices=devices)
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
-    state = trainer.initial_state(lambda key: MODEL.for_training(MODEL.build(VOCAB, key=key)))
+    build = lambda key: MODEL.for_training(MODEL.build(VOCAB, key=key))  # noqa: E731
+    if WEIGHTS:  # placed by the mapping of this mesh (initial_weights): one init compiled
+        state = trainer.initial_state(build, initial_weights=lambda: WEIGHTS[0])
+    else:
+        state = trainer.initial_state(build)
+        WEIGHTS.append(jax.device_get(state.model))  # before training donates it
     mlp = state.model.blocks.stacked.mlp
     base = jax.device_get(eqx.filter(without_adapters(state.model), eqx.is_inexact_array))
     arrays = {

@@ -182,6 +182,17 @@ MODEL = MixtralConfig(
 VOCAB, STEPS, BATCH = 64, 5, 8
 
 
+WEIGHTS: list = []
+"""The one-device run's fresh Mixtral, on the host: the expert-parallel runs start from it."""
+
+
+def configured(model: MixtralConfig):
+    """The first run's weights in ``model``'s module (its static settings: the weights are
+    the same arrays whatever the remat and saved-rows settings)."""
+    shapes = jax.eval_shape(lambda: model.build(VOCAB, key=jax.random.PRNGKey(0)))
+    return jax.tree.unflatten(jax.tree.structure(shapes), jax.tree.leaves(WEIGHTS[0]))
+
+
 def train_losses(mesh: MeshConfig, devices, model: MixtralConfig = MODEL) -> dict:
     config = TrainerConfig(
         num_train_steps=STEPS, train_batch_size=BATCH, mesh=mesh, progress_bar=False,
@@ -191,7 +202,12 @@ def train_losses(mesh: MeshConfig, devices, model: MixtralConfig = MODEL) -> dic
     trainer = Trainer(config, optimizer, lm_loss(), devices=devices)
     losses: list[float] = []
     trainer.add_hook(lambda info: losses.append(info.loss))
-    state = trainer.initial_state(lambda key: model.build(VOCAB, key=key))
+    build = lambda key: model.build(VOCAB, key=key)  # noqa: E731
+    if WEIGHTS:  # placed by this mesh's mapping (initial_weights): one init compiled
+        state = trainer.initial_state(build, initial_weights=lambda: configured(model))
+    else:
+        state = trainer.initial_state(build)
+        WEIGHTS.append(jax.device_get(state.model))  # before training donates it
     gate = state.model.blocks.stacked.mlp.gate.array
     tokens = np.random.default_rng(0).integers(0, VOCAB, 40 * model.seq_len, dtype=np.int32)
     batches = BatchLoader(TokenWindows(tokens, model.seq_len), BATCH, seed=0)
