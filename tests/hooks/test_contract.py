@@ -17,7 +17,7 @@ NOTIFY_URL = "http://127.0.0.1:9/services/s3cr3t"
 """The discard port: nothing answers there."""
 
 SETTINGS = {
-    "activations": {"every": 1},  # every step: one variant of the step a sequence length, not two
+    "activations": {"every": 2},
     "batch_size_schedule": {"every": 4},
     "config_saver": {},
     "console": {"every": 2},
@@ -40,7 +40,8 @@ SETTINGS = {
     "profiler": {"wait": 1, "active": 1},
     "progress": {},
     "router_collapse": {"patience": 2, "every": 2},
-    # step 1 at 16 tokens, the rest at 32: the shortest warm-up, two lengths compiled
+    # step 1 at 16 tokens, the rest at 32: the activation statistics (even steps) compile at 32
+    # only, one variant of the step fewer than a warm-up that reaches into them
     "seq_len_warmup": {"min_seq_len": 16, "warmup_steps": 1},
     "speed": {"every": 2},
     "stability": {"window": 4, "every": 2, "min_history": 2},
