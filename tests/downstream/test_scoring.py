@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import equinox as eqx
 import haliax as hax
 import jax
 import numpy as np
@@ -9,10 +10,24 @@ import numpy as np
 from loomax.downstream.scoring import Scorer, has_absolute_positions
 
 
+@eqx.filter_jit
+def _logits(model, ids):
+    return model.logits(hax.named(ids, "position")).array
+
+
+def logits_of(model, row) -> np.ndarray:
+    """The model's logits of one row, computed as one program over the row followed by zeros
+    up to ``seq_len`` (the models are causal: what follows a position never reaches it), so
+    one compile a model serves every length (op by op, each length compiled its own ops)."""
+    padded = np.zeros(model.config.seq_len, np.int32)
+    padded[: len(row)] = row
+    return np.asarray(_logits(model, padded))[: len(row)]
+
+
 def direct(model, context, continuation):
-    """Sum of log p(continuation) and greedy-ness from the model's logits, one unpadded row."""
+    """Sum of log p(continuation) and greedy-ness from the model's logits, one request alone."""
     whole = np.asarray(context + continuation, np.int32)
-    logits = np.asarray(model.logits(hax.named(whole[:-1], "position")).array, np.float64)
+    logits = logits_of(model, whole[:-1]).astype(np.float64)
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
     logp -= logits.max(-1, keepdims=True)
     n = len(continuation)
@@ -48,9 +63,9 @@ def test_packing_gives_the_same_loglikelihoods_as_one_request_per_row(llama):
 
 def test_greedy_continuations_are_reported(llama):
     ctx = [5, 6, 7]
-    logits = llama.logits(hax.named(np.asarray(ctx, np.int32), "position")).array
-    best = int(np.asarray(logits[-1]).argmax())
-    worst = int(np.asarray(logits[-1]).argmin())
+    logits = logits_of(llama, ctx)
+    best = int(logits[-1].argmax())
+    worst = int(logits[-1].argmin())
     (_, greedy), (_, not_greedy) = Scorer(llama).score([(ctx, [best]), (ctx, [worst])])
     assert greedy and not not_greedy
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,9 @@ from loomax.models.blocks.logits_stats import logits_stats
 from loomax.models.loss import fused_cross_entropy_sum, plain_cross_entropy_sum
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def problem(n=37, d=16, v=101, seed=0):
+    """Hidden states, LM head, targets and a mask: one compiled program a shape."""
     k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
     h = jax.random.normal(k1, (n, d))
     w = jax.random.normal(k2, (v, d)) * 0.3
@@ -24,14 +28,17 @@ def problem(n=37, d=16, v=101, seed=0):
 @pytest.mark.parametrize("block", [1, 8, 16, 37, 64])
 def test_value_and_gradients_match_plain(block):
     h, w, t, m = problem()
-    ref, ref_grads = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1, 3))(h, w, t, m)
-    val = fused_cross_entropy_sum(h, w, t, m, block)
-    grads = jax.grad(lambda h, w, m: fused_cross_entropy_sum(h, w, t, m, block), argnums=(0, 1, 2))(
-        h, w, m
-    )
-    _, fwd_grads = jax.value_and_grad(
-        lambda h, w, m: fused_cross_entropy_sum(h, w, t, m, block), argnums=(0, 1, 2)
-    )(h, w, m)
+
+    @jax.jit  # one program a case (op by op, the scans' pieces compiled one by one)
+    def run(h, w, t, m):
+        ref = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1, 3))(h, w, t, m)
+        val = fused_cross_entropy_sum(h, w, t, m, block)
+        fused = lambda h, w, m: fused_cross_entropy_sum(h, w, t, m, block)  # noqa: E731
+        grads = jax.grad(fused, argnums=(0, 1, 2))(h, w, m)
+        _, fwd_grads = jax.value_and_grad(fused, argnums=(0, 1, 2))(h, w, m)
+        return ref, val, grads, fwd_grads
+
+    (ref, ref_grads), val, grads, fwd_grads = run(h, w, t, m)
     np.testing.assert_allclose(val, ref, rtol=1e-5)
     for got, want in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -41,29 +48,44 @@ def test_value_and_gradients_match_plain(block):
 
 def test_cotangent_scales_gradient():
     h, w, t, m = problem()
-    g1 = jax.grad(lambda h: fused_cross_entropy_sum(h, w, t, m, 8))(h)
-    g3 = jax.grad(lambda h: 3.0 * fused_cross_entropy_sum(h, w, t, m, 8))(h)
+    g1, g3 = jax.jit(
+        lambda h: (
+            jax.grad(lambda h: fused_cross_entropy_sum(h, w, t, m, 8))(h),
+            jax.grad(lambda h: 3.0 * fused_cross_entropy_sum(h, w, t, m, 8))(h),
+        )
+    )(h)
     np.testing.assert_allclose(g3, 3 * g1, rtol=1e-6)
 
 
 def test_extreme_logits_stay_finite():
     h, w, t, m = problem()
     h = h * 1e3
-    val, grads = jax.value_and_grad(lambda h: fused_cross_entropy_sum(h, w, t, m, 16))(h)
+    fused = lambda h: fused_cross_entropy_sum(h, w, t, m, 16)  # noqa: E731
+    (val, grads), plain = jax.jit(
+        lambda h: (jax.value_and_grad(fused)(h), plain_cross_entropy_sum(h, w, t, m))
+    )(h)
     assert np.isfinite(val) and np.all(np.isfinite(grads))
-    np.testing.assert_allclose(val, plain_cross_entropy_sum(h, w, t, m), rtol=1e-5)
+    np.testing.assert_allclose(val, plain, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block", [8, 37])
 def test_z_loss_value_and_gradients_match_plain(block):
     h, w, t, m = problem()
     z = 1e-3
-    ref, ref_grads = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
-    val, grads = jax.value_and_grad(
-        lambda h, w: fused_cross_entropy_sum(h, w, t, m, block, z), argnums=(0, 1)
-    )(h, w)
+
+    @jax.jit
+    def run(h, w):
+        ref = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
+        fused = lambda h, w: fused_cross_entropy_sum(h, w, t, m, block, z)  # noqa: E731
+        return (
+            ref,
+            jax.value_and_grad(fused, argnums=(0, 1))(h, w),
+            plain_cross_entropy_sum(h, w, t, m),
+        )
+
+    (ref, ref_grads), (val, grads), without_z = run(h, w)
     np.testing.assert_allclose(val, ref, rtol=1e-5)
-    assert val > plain_cross_entropy_sum(h, w, t, m)
+    assert val > without_z
     for got, want in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -75,13 +97,17 @@ def test_padded_vocabulary_matches_plain(multiple):
     gradient keeps the vocabulary's 101 rows."""
     h, w, t, m = problem()
     z = 1e-3
-    ref, ref_grads = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
 
     def fused(h, w):
         return fused_cross_entropy_sum(h, w, t, m, 16, z, None, multiple)
 
-    np.testing.assert_allclose(fused(h, w), ref, rtol=1e-5)
-    val, grads = jax.value_and_grad(fused, argnums=(0, 1))(h, w)
+    @jax.jit
+    def run(h, w):
+        ref = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
+        return ref, fused(h, w), jax.value_and_grad(fused, argnums=(0, 1))(h, w)
+
+    (ref, ref_grads), primal, (val, grads) = run(h, w)
+    np.testing.assert_allclose(primal, ref, rtol=1e-5)
     np.testing.assert_allclose(val, ref, rtol=1e-5)
     assert grads[1].shape == w.shape
     for got, want in zip(grads, ref_grads, strict=True):
@@ -92,13 +118,17 @@ def test_padded_vocabulary_matches_plain(multiple):
 def test_vocab_blocks_match_plain(block, vocab_block):
     h, w, t, m = problem()
     z = 1e-3
-    ref, ref_grads = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
 
     def fused(h, w):
         return fused_cross_entropy_sum(h, w, t, m, block, z, vocab_block)
 
-    np.testing.assert_allclose(fused(h, w), ref, rtol=1e-5)
-    val, grads = jax.value_and_grad(fused, argnums=(0, 1))(h, w)
+    @jax.jit
+    def run(h, w):
+        ref = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
+        return ref, fused(h, w), jax.value_and_grad(fused, argnums=(0, 1))(h, w)
+
+    (ref, ref_grads), primal, (val, grads) = run(h, w)
+    np.testing.assert_allclose(primal, ref, rtol=1e-5)
     np.testing.assert_allclose(val, ref, rtol=1e-5)
     for got, want in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -109,13 +139,16 @@ def test_logits_statistics_block_by_block_equal_those_of_the_whole_logits(block)
     h, w, _, _ = problem()
     h = h.at[3].set(0.0)  # a row of exact zeros: near-zero logits to count
     got = jax.jit(logits_stats, static_argnums=2)(h, w, block)  # 37 rows: padding at 8
-    want = taps.stats_of(h @ w.T)
+    want = jax.jit(lambda h, w: taps.stats_of(h @ w.T))(h, w)
     assert float(want["near_zero"]) >= 101 / (37 * 101)
     for stat in taps.STATS:
         np.testing.assert_allclose(got[stat], want[stat], rtol=1e-5, atol=1e-7, err_msg=stat)
-    grad = jax.grad(lambda h: fused_cross_entropy_sum(h, w, problem()[2], problem()[3], block)
-                    + logits_stats(h, w, block)["rms"])(h)  # fmt: skip
-    ref = jax.grad(lambda h: fused_cross_entropy_sum(h, w, problem()[2], problem()[3], block))(h)
+    _, _, t, m = problem()
+    grad, ref = jax.jit(lambda h: (
+        jax.grad(lambda h: fused_cross_entropy_sum(h, w, t, m, block)
+                 + logits_stats(h, w, block)["rms"])(h),
+        jax.grad(lambda h: fused_cross_entropy_sum(h, w, t, m, block))(h),
+    ))(h)  # fmt: skip
     np.testing.assert_array_equal(grad, ref)  # outside the gradient
 
 
@@ -155,7 +188,7 @@ def test_the_per_device_loss_equals_plain(settings):
     def plain(w, h):
         return plain_cross_entropy_sum(h, w, t, m, 1e-4, softcap)
 
-    ref, ref_grads = jax.value_and_grad(plain, argnums=(0, 1))(w, h)
+    ref, ref_grads = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(w, h)
     np.testing.assert_allclose(val, ref, rtol=1e-5)
     np.testing.assert_allclose(grads[0], ref_grads[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grads[1].reshape(h.shape), ref_grads[1], rtol=1e-5, atol=1e-6)

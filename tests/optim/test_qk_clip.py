@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -27,10 +28,16 @@ CONFIG = LlamaConfig(seq_len=8, hidden_dim=16, intermediate_dim=16, num_layers=1
                      num_kv_heads=2, head_dim=4)  # fmt: skip
 
 
-def logits(attn, x):
-    """Per query head, q . k over every (query, key) position pair, unscaled (no rotary)."""
+@eqx.filter_jit  # one program (op by op, each projection's ops compiled on their own)
+def projections(attn, x):
     q = attn.q_proj(x).rearrange(("layers", "position", "heads", "head_size")).array[0]
     k = attn.k_proj(x).rearrange(("layers", "position", "kv_heads", "head_size")).array[0]
+    return q, k
+
+
+def logits(attn, x):
+    """Per query head, q . k over every (query, key) position pair, unscaled (no rotary)."""
+    q, k = projections(attn, x)
     k = np.repeat(np.asarray(k), 2, axis=1)  # query head h reads key head h // 2
     return np.einsum("phd,shd->hps", np.asarray(q), k)
 
@@ -42,7 +49,7 @@ def test_heads_over_the_threshold_come_back_to_it_exactly():
     x = hax.random.normal(jax.random.PRNGKey(1), (hax.Axis("position", 8), hax.Axis("embed", 16)))
     before = np.abs(logits(attn, x)).max(axis=(1, 2))
     threshold = float(np.sort(before)[1])  # two heads over it, two under
-    clipped = qk_clip(attn, hax.named(before[None], ("layers", "heads")), threshold)
+    clipped = eqx.filter_jit(qk_clip)(attn, hax.named(before[None], ("layers", "heads")), threshold)
     after = np.abs(logits(clipped, x)).max(axis=(1, 2))
     np.testing.assert_allclose(after, np.minimum(before, threshold), rtol=1e-4)
     v = clipped.v_proj.weight.array
@@ -84,10 +91,18 @@ def maxima(model, batch):
 
 
 @functools.cache
+def built(config):
+    """``config``'s model (key 0), built once (the steps do not donate it). Op by op: a jitted
+    build compiles one large init program (2.5 CPU-s for the DeepSeek-V3 here) against ops
+    that other tests have mostly compiled already."""
+    return config.build(VOCAB, key=jax.random.PRNGKey(0))
+
+
+@functools.cache
 def one_step(config, tau):
     """(model before, maxima before, model after one Adam step with ``qk_clip_tau=tau``,
     the step's metrics)."""
-    model = config.build(VOCAB, key=jax.random.PRNGKey(0))
+    model = built(config)
     opt = AdamConfig(learning_rate=1e-4, warmup=0, weight_decay=0.0).build(10)
     state = TrainerState(jnp.zeros((), jnp.int32), model,
                          opt.init(trainable_params(model)), jax.random.PRNGKey(1))  # fmt: skip
@@ -105,7 +120,7 @@ def threshold(seen) -> float:
 @pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
 def runs(request):
     config = {"llama": LLAMA, "deepseek_v3": DEEPSEEK}[request.param]
-    before = maxima(config.build(VOCAB, key=jax.random.PRNGKey(0)), tokens())
+    before = maxima(built(config), tokens())
     tau = threshold(before)
     return request.param, before, tau, one_step(config, None), one_step(config, tau)
 

@@ -5,6 +5,7 @@ same at every position, against a full-attention KV cache that grows with it."""
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +15,7 @@ from loomax.models.blocks.gated_deltanet import GatedDeltaNet, cache_bytes
 B, T, D = 2, 20, 16
 
 
+@eqx.filter_jit  # one program (op by op, the init compiled each random draw on its own)
 def layer(chunk=8):
     return GatedDeltaNet.init(D, key_heads=2, value_heads=4, dk=8, dv=6, conv_kernel=4,
                               chunk=chunk, key=jax.random.PRNGKey(0))  # fmt: skip
@@ -36,12 +38,15 @@ def test_decoding_a_position_at_a_time_gives_the_training_outputs():
 def test_packed_documents_never_see_each_other():
     net, x = layer(), jax.random.normal(jax.random.PRNGKey(1), (1, T, D))
     seg = jnp.asarray([[0] * 7 + [1] * 13])
-    packed = net(x, seg)
-    alone = net(x[:, 7:])
+
+    @jax.jit  # the four forwards as one program (op by op: ~200 small compiles)
+    def forwards(net, x, seg):
+        return net(x, seg), net(x[:, 7:]), net(x.at[:, :7].add(3.0), seg), net(x)
+
+    packed, alone, other, unpacked = forwards(net, x, seg)
     np.testing.assert_allclose(packed[:, 7:], alone, atol=1e-5)
-    other = net(x.at[:, :7].add(3.0), seg)
     np.testing.assert_array_equal(other[:, 7:], packed[:, 7:])
-    assert not np.allclose(net(x)[:, 7:10], packed[:, 7:10], atol=1e-3)  # without: it leaks
+    assert not np.allclose(unpacked[:, 7:10], packed[:, 7:10], atol=1e-3)  # without: it leaks
 
 
 def test_the_cache_is_the_same_size_at_every_position():
@@ -89,4 +94,5 @@ def test_the_layer_is_transformers_qwen3_next_gated_deltanet():
     x = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (B, T, D)))
     with torch.no_grad():
         want = hf(torch.tensor(x)).numpy()
-    np.testing.assert_allclose(net(jnp.asarray(x)), want, atol=1e-5, rtol=1e-5)
+    got = jax.jit(lambda net, x: net(x))(net, jnp.asarray(x))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
