@@ -1,0 +1,38 @@
+"""Draccus's action signatures read once per class (`loomax.config_argspec`)."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import types
+
+from draccus.wrappers import field_wrapper
+
+from loomax import config_argspec
+from loomax.config import parse_config
+from loomax.lm.config import TrainLmConfig
+
+
+def test_a_parse_reads_each_action_signature_once_at_most(monkeypatch):
+    """A whole run config's ~8,000 flags ask for a handful of action classes' signatures:
+    each is read once (draccus alone reads one per flag)."""
+    reads = []
+
+    def counted(cls):
+        reads.append(cls)
+        return inspect.getfullargspec(cls)
+
+    monkeypatch.setattr(config_argspec, "inspect", types.SimpleNamespace(getfullargspec=counted))
+    config_argspec.cached_argspec.cache_clear()
+    config = parse_config(TrainLmConfig, None, ["--model.num_layers", "3"])
+    assert config.model.num_layers == 3
+    assert 0 < len(reads) == len(set(reads)) <= 10, reads
+
+
+def test_the_kept_options_are_the_actions_own():
+    """The cached signature keeps what draccus's uncached one keeps."""
+    assert field_wrapper.inspect.getfullargspec is config_argspec.cached_argspec
+    options = {"dest": "x", "default": 1, "type": int, "help": "h", "nargs": None, "bogus": 0}
+    kept = field_wrapper.only_keep_action_args(dict(options), "store_true")
+    spec = inspect.getfullargspec(argparse._StoreTrueAction)
+    assert set(kept) == {k for k in options if k in spec.args}
