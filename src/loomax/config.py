@@ -21,7 +21,7 @@ import draccus
 import yaml
 from draccus.utils import DecodingError, ParsingError
 
-from loomax import config_help
+from loomax import config_help, config_parse_cache
 from loomax.config_suggest import did_you_mean, unknown_keys_hint
 from loomax.errors import UserError
 
@@ -92,6 +92,7 @@ def _decode_duration(raw_value: object, path: Sequence[str]) -> timedelta:
 draccus.decode.register(timedelta, _decode_duration)
 draccus.encode.register(timedelta, format_duration)
 config_help.install()  # every flag's help text in one pass per class, not one per field
+config_parse_cache.install()  # draccus's per-class lookups once, not once per flag
 
 
 # --------------------------------------------------------------------------- parsing
