@@ -42,6 +42,17 @@ def install() -> bool:
         return False
     if getattr(dataclass_wrapper, "typing", None) is not typing:
         return False
-    field_wrapper.inspect = types.SimpleNamespace(getfullargspec=cached_argspec)
-    dataclass_wrapper.typing = types.SimpleNamespace(get_type_hints=cached_type_hints)
+    field_wrapper.inspect = _Overlay(inspect, getfullargspec=cached_argspec)
+    dataclass_wrapper.typing = _Overlay(typing, get_type_hints=cached_type_hints)
     return True
+
+
+class _Overlay(types.SimpleNamespace):
+    """A module with some functions replaced: every other attribute is the module's own."""
+
+    def __init__(self, module: types.ModuleType, **replaced: typing.Any) -> None:
+        super().__init__(**replaced)
+        self._module = module
+
+    def __getattr__(self, name: str) -> typing.Any:
+        return getattr(self._module, name)
