@@ -3,13 +3,17 @@
 A tiny grouped-query Llama; a 37-token prompt in a 64-position cache, prefilled whole on
 one device and split over data 2 x context 4 with each ``model.context_parallel`` variant;
 then greedy generation from each (a 60-position buffer: rounded up to 64 when split), and
-from a tiny GPT-2 and Mixtral.
+from a tiny GPT-2 and Mixtral; and bench/split_prefill.py at 256 positions (its ``main``,
+in this process).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -192,5 +196,19 @@ def _split_state(model, runtime, prompt):
         return steps.start(on_mesh(model, runtime.mesh), buffer, PROMPT)
 
 
+def bench() -> dict:
+    """bench/split_prefill.py's rows at 256 positions (one layer of width 64, one decode step
+    timed; its 16,384-position figures are in bench/README.md), run by its ``main`` in this
+    process (8 fake devices, as its own), not a second one that imports JAX again."""
+    path = Path(__file__).parents[3] / "bench" / "split_prefill.py"
+    spec = importlib.util.spec_from_file_location("bench_split_prefill", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = Path(tempfile.mkdtemp()) / "split.json"
+    args = ["--seq", "256", "--hidden", "64", "--layers", "1", "--steps", "1"]
+    module.main([*args, "--json", str(out)])
+    return json.loads(out.read_text())
+
+
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    print(json.dumps({**main(), "bench": bench()}))
