@@ -100,7 +100,8 @@ def step_speed(
     return seq / seconds, temp, total
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: its arguments; None: ``sys.argv``'s)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--context", type=int, default=4)
@@ -114,7 +115,7 @@ def main() -> None:
     parser.add_argument(
         "--cases", default=",".join(c[0] for c in CASES), help="comma-separated subset of cases"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     chosen = args.cases.split(",")
     unknown = sorted(set(chosen) - {c[0] for c in CASES})
     if unknown:

@@ -134,7 +134,8 @@ def case(args, name: str, variant: str, tokens) -> dict:
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line (``argv``: its arguments; None: ``sys.argv``'s)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--context", type=int, default=8)
@@ -147,7 +148,7 @@ def main() -> None:
         help="compile the unsplit prefill only (its dense scores may not fit): memory, no times",
     )  # fmt: skip
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, args.seq), jnp.int32)
     variants = {"no split": "ring", "ring": "ring", "all_gather": "all_gather"}
     rows = [case(args, name, variants[name], tokens) for name in args.cases.split(",")]

@@ -3,18 +3,21 @@
 python context_parallel_run.py attention   # ring / all_gather vs one device: values, grads, HLO
 python context_parallel_run.py train       # a tiny Llama: 1 device vs data 2 x context 4
 python context_parallel_run.py memory      # compiled attention fwd+bwd bytes per device
-python context_parallel_run.py attention memory train   # several: {mode: result}, one process
+python context_parallel_run.py bench       # bench/context_parallel.py at 256 positions, context 8
+python context_parallel_run.py attention memory train bench   # several: {mode: result}, one process
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import os
 import re
 import sys
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -111,6 +114,7 @@ def attention_counts():
 def attention():
     natural, seg = attention_inputs(np.arange(SEQ))
     (_, ref_out), ref_grads = attention_loss("ring")(*[natural[n] for n in "qkvw"], seg)
+    ref = [np.asarray(a.array) for a in (ref_out, *ref_grads)]
     order = zigzag_order(SEQ, CONTEXT)
     laid, seg_l = attention_inputs(order)
     result = {}
@@ -135,9 +139,10 @@ def attention():
                 hlo = compiled.as_text()
         finally:
             ring_attention.cpu_program = cpu_program
-        errors = {"out": float(jnp.max(jnp.abs(out.array - ref_out.array[:, order])))}
-        for grad_name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
-            errors[grad_name] = float(jnp.max(jnp.abs(g.array - r.array[:, order])))
+        # on the host (numpy): eager jnp ops compile per shape and sharding
+        errors = {"out": float(np.max(np.abs(np.asarray(out.array) - ref[0][:, order])))}
+        for grad_name, g, r in zip(("dq", "dk", "dv"), grads, ref[1:], strict=True):
+            errors[grad_name] = float(np.max(np.abs(np.asarray(g.array) - r[:, order])))
         result[name] = {
             "errors": errors,
             "all_gathers": hlo.count(" all-gather("),
@@ -316,6 +321,21 @@ def memory():
     }
 
 
+def bench() -> dict:
+    """bench/context_parallel.py's rows at 256 positions, context 8 (its 65,536-position run
+    is in bench/README.md): a tiny Llama's gradient step (one layer of width 32, one timed
+    step and no warm-up: the compile is most of the time), run by its ``main`` in this
+    process (8 fake devices, as its own), not a second one that imports JAX again."""
+    path = Path(__file__).parents[3] / "bench" / "context_parallel.py"
+    spec = importlib.util.spec_from_file_location("bench_context_parallel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = Path(tempfile.mkdtemp()) / "cp.json"
+    args = ["--seq", "256", "--context", "8", "--steps", "1", "--warmup", "0"]
+    module.main([*args, "--layers", "1", "--width", "32", "--json", str(out)])
+    return json.loads(out.read_text())
+
+
 if __name__ == "__main__":  # one process for every mode named: JAX starts once
-    modes = {"attention": attention, "train": train, "memory": memory}
+    modes = {"attention": attention, "train": train, "memory": memory, "bench": bench}
     print(json.dumps({mode: modes[mode]() for mode in sys.argv[1:]}))

@@ -78,12 +78,13 @@ def main() -> dict:
                 name: count_step(jax.make_jaxpr(attention_loss("splash", policy))(*args))
                 for name, policy in REMATS.items()
             }
-        errors = {"out": float(jnp.max(jnp.abs(out.array - ref.array)))}
+        # on the host (numpy): eager jnp ops compile per shape and sharding
+        errors = {"out": float(np.max(np.abs(np.asarray(out.array) - np.asarray(ref.array))))}
         for g_name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
-            errors[g_name] = float(jnp.max(jnp.abs(g.array - r.array)))
+            errors[g_name] = float(np.max(np.abs(np.asarray(g.array) - np.asarray(r.array))))
         result[name] = {
             "errors": errors,
-            "largest": float(jnp.max(jnp.abs(ref.array))),
+            "largest": float(np.max(np.abs(np.asarray(ref.array)))),
             "kernel_flops": count.kernel_flops,
             "dot_flops": count.dot_flops,
             "kernels": sorted({k.name for k in count.kernels.values()}),

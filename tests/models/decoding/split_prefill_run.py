@@ -3,17 +3,23 @@
 A tiny grouped-query Llama; a 37-token prompt in a 64-position cache, prefilled whole on
 one device and split over data 2 x context 4 with each ``model.context_parallel`` variant;
 then greedy generation from each (a 60-position buffer: rounded up to 64 when split), and
-from a tiny GPT-2 and Mixtral.
+from a tiny GPT-2 and Mixtral; and bench/split_prefill.py at 256 positions (its ``main``,
+in this process).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import equinox as eqx  # noqa: E402
 import haliax as hax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -34,6 +40,7 @@ from loomax.runtime import MeshRuntime  # noqa: E402
 CACHE, PROMPT, VOCAB, BUFFER, NEW = 64, 37, 64, 60, 8
 
 
+@functools.cache  # the ring Llama twice: its variant's run and the trainer-weights one
 def tiny_llama(variant: str):
     config = LlamaConfig(
         seq_len=CACHE, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
@@ -43,9 +50,15 @@ def tiny_llama(variant: str):
 
 
 def sharpened(config):
-    """A random model with large weights, so greedy paths branch on real logit gaps."""
-    model = config.build(VOCAB, key=jax.random.PRNGKey(0))
-    return jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, model)
+    """A random model with large weights, so greedy paths branch on real logit gaps (built
+    and scaled in one compiled program, not an eager op compiled per weight shape)."""
+
+    @eqx.filter_jit
+    def build(key):
+        model = config.build(VOCAB, key=key)
+        return jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, model)
+
+    return build(jax.random.PRNGKey(0))
 
 
 def logits_of(model, hidden):
@@ -64,17 +77,18 @@ def unsplit(model, tokens):
     return run(model, tokens)
 
 
+@jax.jit
+def _split_run(model, tokens):
+    hidden, cache = split_prefill(model, hax.named(tokens, Position))
+    return logits_of(model, from_layout(hidden)), cache
+
+
 def split(model, tokens, runtime):
-    """Logits (put back in the tokens' order) and cache of the split prefill, the cache's
-    partition spec and whether it is in true order split contiguously."""
-
-    @jax.jit
-    def run(model, tokens):
-        hidden, cache = split_prefill(model, hax.named(tokens, Position))
-        return logits_of(model, from_layout(hidden)), cache
-
+    """Logits (put back in the tokens' order) and cache of the split prefill (one jitted
+    function: the prompt and the prompt with garbage padding share its program; every call
+    is under the one mesh of ``main``)."""
     with runtime.mesh_context():
-        logits, cache = run(on_mesh(model, runtime.mesh), tokens)
+        logits, cache = _split_run(on_mesh(model, runtime.mesh), tokens)
     return logits, cache
 
 
@@ -192,5 +206,19 @@ def _split_state(model, runtime, prompt):
         return steps.start(on_mesh(model, runtime.mesh), buffer, PROMPT)
 
 
+def bench() -> dict:
+    """bench/split_prefill.py's rows at 256 positions (one layer of width 64, one decode step
+    timed; its 16,384-position figures are in bench/README.md), run by its ``main`` in this
+    process (8 fake devices, as its own), not a second one that imports JAX again."""
+    path = Path(__file__).parents[3] / "bench" / "split_prefill.py"
+    spec = importlib.util.spec_from_file_location("bench_split_prefill", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = Path(tempfile.mkdtemp()) / "split.json"
+    args = ["--seq", "256", "--hidden", "64", "--layers", "1", "--steps", "1"]
+    module.main([*args, "--json", str(out)])
+    return json.loads(out.read_text())
+
+
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    print(json.dumps({**main(), "bench": bench()}))
