@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import equinox as eqx
+import haliax as hax
+import jax.numpy as jnp
+import numpy as np
+
 from loomax.config_reference import registry_members
 from loomax.hf.family import _MEMBERS as HF_MEMBERS
 from loomax.hf.family import families as hf_families
@@ -47,6 +52,22 @@ GROUPED = dict(num_groups=2, topk_groups=1, first_dense_layers=1, expert_interme
 experts, tiny experts, and the first layer dense."""
 MLA = dict(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
 """Tiny latent attention, for the families with its fields (DeepSeek-V3)."""
+
+
+@eqx.filter_jit
+def logits(model, tokens: hax.NamedArray) -> hax.NamedArray:
+    """``model``'s logits of ``tokens`` [batch, position] as one compiled program. One
+    function for the suites of every family (tests/models/test_contract.py, tests/hf): at the
+    same family, vocabulary and length they share its compile (in a process; the persistent
+    compilation cache between processes)."""
+    return model.logits(tokens)
+
+
+def row_logits(model, ids) -> np.ndarray:
+    """``logits`` of the ids ``ids`` [position] (as the two rows of a batch: the contract
+    suite's shape): [position, vocab]."""
+    both = hax.named(jnp.stack([jnp.asarray(ids, jnp.int32)] * 2), ("batch", "position"))
+    return np.asarray(logits(model, both).array[0])
 
 
 def model_types() -> list[str]:
