@@ -242,30 +242,15 @@ def test_a_trained_family_generates_the_same_greedy_tokens_in_transformers(
     """Train a few Adam steps (on a repeating sequence, through the blocked loss), export, and
     transformers' greedy ``generate`` gives the tokens ``sample_tokens`` (``loomax generate``)
     gives, past the window of the windowed families."""
-    import optax
-
-    from loomax.models import next_token_loss
-
     config = families.tiny_config(model_type, seq_len=32)
     model = config.build(VOCAB, key=jax.random.PRNGKey(0))
     pattern = np.tile([3, 1, 4, 1, 5, 9, 2, 6, 7], 4)[:32]
     batch = hax.named(np.stack([pattern, np.roll(pattern, 2)]), ("batch", "position"))
-    opt = optax.adam(3e-2)
-
-    @eqx.filter_jit
-    def step(m, state):
-        def loss_fn(m):
-            total, count = next_token_loss(m, batch, block_size=16)
-            return total / count
-
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(m)
-        updates, state = opt.update(grads, state, m)
-        return eqx.apply_updates(m, updates), state, loss
-
-    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    # Adam at 3e-2, blocks of 16: tests/models/test_contract.py's step for the family
+    state = families.ADAM.init(eqx.filter(model, eqx.is_inexact_array))
     losses = []
     for _ in range(12):
-        model, state, loss = step(model, state)
+        model, state, loss = families.adam_step(model, state, batch)
         losses.append(float(loss))
     assert losses[-1] < losses[0] / 2, losses
     export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})

@@ -13,14 +13,13 @@ import equinox as eqx
 import haliax as hax
 import jax
 import numpy as np
-import optax
 import pytest
 
 import loomax
 from loomax.config_reference import registry_members
 from loomax.hf import export_hf, load_hf
 from loomax.hf.family import families as hf_families
-from loomax.models import LmConfig, LmModel, next_token_loss
+from loomax.models import LmConfig, LmModel
 from loomax.models.decoding.generate import sample_tokens
 
 VOCAB = 97
@@ -113,23 +112,11 @@ def test_loss_falls_under_adam(model_type, config, built, families):
     if same_model(model_type, config, families):
         return
     model = built  # as built, not scaled
-    batch = tokens(batch=4)
-    opt = optax.adam(1e-2)
-
-    def loss_fn(m):
-        total, count = next_token_loss(m, batch, block_size=None)
-        return total / count
-
-    @eqx.filter_jit
-    def step(m, state):
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(m)
-        updates, state = opt.update(grads, state, m)
-        return eqx.apply_updates(m, updates), state, loss
-
-    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    # tests/hf/test_transformers.py's trained families take the same step (one compile)
+    batch, state = tokens(), families.ADAM.init(eqx.filter(model, eqx.is_inexact_array))
     losses = []
     for _ in range(6):
-        model, state, loss = step(model, state)
+        model, state, loss = families.adam_step(model, state, batch)
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.1, losses
 
