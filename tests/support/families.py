@@ -1,4 +1,5 @@
-"""Tiny configs of every registered model family, for the suites that run over all of them.
+"""Tiny configs of every registered model family, for the suites that run over all of them,
+and the programs those suites share (``logits``, ``adam_step``: one compile a family and shape).
 
 Nothing here lists families: ``model_types()`` is ``LmConfig``'s registry, and
 ``tiny_config`` fills a family's own fields from one tiny shape (a family's other fields
