@@ -81,7 +81,9 @@ def transformers(torch):
 
 
 @pytest.mark.parametrize("case", ALL)
-def test_transformers_loads_the_export_with_the_same_logits(tmp_path, case, torch, transformers):
+def test_transformers_loads_the_export_with_the_same_logits(
+    tmp_path, case, torch, transformers, families
+):
     model = randomized(ALL[case])
     export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -91,7 +93,7 @@ def test_transformers_loads_the_export_with_the_same_logits(tmp_path, case, torc
     ids = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (32,), 0, VOCAB))
     with torch.no_grad():
         want = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
-    got = np.asarray(model.logits(hax.named(ids, "position")).array)
+    got = families.row_logits(model, ids)
     tol = TOLERANCE.get(case, 1e-4)
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
@@ -154,7 +156,7 @@ for _case in ROPE_PARAMETERS:
 
 @pytest.mark.parametrize("case", HF_CONFIGS)
 def test_a_model_saved_by_transformers_imports_with_the_same_logits(
-    tmp_path, case, torch, transformers
+    tmp_path, case, torch, transformers, families
 ):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[case](transformers)).eval()
@@ -166,22 +168,18 @@ def test_a_model_saved_by_transformers_imports_with_the_same_logits(
     ids = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (32,), 0, VOCAB))
     with torch.no_grad():
         want = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
-    got = np.asarray(model.logits(hax.named(ids, "position")).array)
+    got = families.row_logits(model, ids)
     tol = 1e-5 if case in ("gpt2-relu-layer-scaled", "llama-bias-relu2") else 1e-4
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
-def _logits(torch, hf, model, ids) -> tuple[np.ndarray, np.ndarray]:
+def _logits(torch, hf, model, ids, families) -> tuple[np.ndarray, np.ndarray]:
     """``(ours, transformers')`` logits of ``ids``; ours as one compiled forward (op by op,
-    a mixture of experts or a linear-attention layer compiles hundreds of small programs)."""
+    a mixture of experts or a linear-attention layer compiles hundreds of small programs),
+    tests/models/test_contract.py's program for the family."""
     with torch.no_grad():
         want = hf(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
-    return np.asarray(_jit_logits(model, ids)), want
-
-
-@eqx.filter_jit
-def _jit_logits(model, ids):
-    return model.logits(hax.named(ids, "position")).array
+    return families.row_logits(model, ids), want
 
 
 THEIRS_TOL = {"qwen3_5_moe_text": 3e-5, "qwen3_5_text": 3e-5}
@@ -205,7 +203,9 @@ def test_every_family_round_trips_through_transformers(
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
     assert type(hf).__name__ == config.hf_architecture
     ids = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (32,), 0, VOCAB))
-    np.testing.assert_allclose(*_logits(torch, hf.eval(), model, ids), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        *_logits(torch, hf.eval(), model, ids, families), rtol=1e-5, atol=1e-5
+    )
     # real logit gaps; numpy's product (JAX's would compile a program per weight shape)
     sharp = jax.tree.map(lambda x: jnp.asarray(np.asarray(x) * 3.0) if x.ndim >= 2 else x, model)
     export_hf(sharp, tmp_path / "sharp", special_tokens={"eos_token_id": 0})
@@ -228,7 +228,7 @@ def test_every_family_round_trips_through_transformers(
     loaded = load_hf(tmp_path / "theirs")
     assert type(loaded.config) is type(config)
     tol = THEIRS_TOL.get(model_type, 1e-5)
-    np.testing.assert_allclose(*_logits(torch, hf, loaded, ids), rtol=tol, atol=tol)
+    np.testing.assert_allclose(*_logits(torch, hf, loaded, ids, families), rtol=tol, atol=tol)
 
 
 GOAL_FAMILIES = ("qwen3", "mistral", "gemma2", "olmo2")
@@ -242,30 +242,15 @@ def test_a_trained_family_generates_the_same_greedy_tokens_in_transformers(
     """Train a few Adam steps (on a repeating sequence, through the blocked loss), export, and
     transformers' greedy ``generate`` gives the tokens ``sample_tokens`` (``loomax generate``)
     gives, past the window of the windowed families."""
-    import optax
-
-    from loomax.models import next_token_loss
-
     config = families.tiny_config(model_type, seq_len=32)
     model = config.build(VOCAB, key=jax.random.PRNGKey(0))
     pattern = np.tile([3, 1, 4, 1, 5, 9, 2, 6, 7], 4)[:32]
     batch = hax.named(np.stack([pattern, np.roll(pattern, 2)]), ("batch", "position"))
-    opt = optax.adam(3e-2)
-
-    @eqx.filter_jit
-    def step(m, state):
-        def loss_fn(m):
-            total, count = next_token_loss(m, batch, block_size=16)
-            return total / count
-
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(m)
-        updates, state = opt.update(grads, state, m)
-        return eqx.apply_updates(m, updates), state, loss
-
-    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    # Adam at 3e-2, blocks of 16: tests/models/test_contract.py's step for the family
+    state = families.ADAM.init(eqx.filter(model, eqx.is_inexact_array))
     losses = []
     for _ in range(12):
-        model, state, loss = step(model, state)
+        model, state, loss = families.adam_step(model, state, batch)
         losses.append(float(loss))
     assert losses[-1] < losses[0] / 2, losses
     export_hf(model, tmp_path, special_tokens={"eos_token_id": 0})
@@ -366,7 +351,7 @@ def saved_by_transformers(torch, transformers, model_type, path):
     return json.loads((path / "config.json").read_text())
 
 
-def same_greedy_tokens(torch, transformers, path, prompt, n=8):
+def same_greedy_tokens(torch, transformers, families, path, prompt, n=8):
     """``(ours, theirs)``: transformers' greedy continuation of ``prompt`` from the export at
     ``path``, and ours as the argmax after each of its prefixes (one forward pass: the same
     tokens exactly when greedy decoding here would give them)."""
@@ -376,7 +361,7 @@ def same_greedy_tokens(torch, transformers, path, prompt, n=8):
             torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
             eos_token_id=None, pad_token_id=0,
         )[0].tolist()  # fmt: skip
-    logits = _jit_logits(load_hf(path), np.asarray(theirs))
+    logits = families.row_logits(load_hf(path), np.asarray(theirs))
     ours = prompt + np.asarray(logits).argmax(-1)[len(prompt) - 1 : -1].tolist()
     return ours, theirs
 
@@ -384,7 +369,7 @@ def same_greedy_tokens(torch, transformers, path, prompt, n=8):
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", GOAL_HF)
 def test_a_transformers_checkpoint_continues_exports_and_decodes_alike(
-    tmp_path, model_type, torch, transformers, data_args, caplog, capsys
+    tmp_path, model_type, torch, transformers, data_args, caplog, capsys, families
 ):
     """Issue 62's goal: a tiny model saved by transformers (random weights, no Hub) trains
     with `--trainer.initialize_from_hf DIR` and no model flag (Llama through `loomax train`
@@ -419,5 +404,5 @@ def test_a_transformers_checkpoint_continues_exports_and_decodes_alike(
     before, after = load_file(str(source / "model.safetensors")), load_file(str(out / "model.safetensors"))  # fmt: skip
     assert before.keys() == after.keys()
     assert any(not np.array_equal(before[k], after[k]) for k in before)  # it trained
-    ours, theirs = same_greedy_tokens(torch, transformers, out, [3, 1, 4, 1, 5])
+    ours, theirs = same_greedy_tokens(torch, transformers, families, out, [3, 1, 4, 1, 5])
     assert ours == theirs

@@ -13,18 +13,19 @@ import equinox as eqx
 import haliax as hax
 import jax
 import numpy as np
-import optax
 import pytest
 
 import loomax
 from loomax.config_reference import registry_members
 from loomax.hf import export_hf, load_hf
 from loomax.hf.family import families as hf_families
-from loomax.models import LmConfig, LmModel, next_token_loss
+from loomax.models import LmConfig, LmModel
 from loomax.models.decoding.generate import sample_tokens
 
-VOCAB = 37
-SEQ = 16
+VOCAB = 97
+SEQ = 32
+"""tests/hf's vocabulary and length: at the same family and shapes the forward and the
+KV-cache decoding steps here are the programs tests/hf/test_transformers.py compiles."""
 MODEL_TYPES = [name for name, _ in registry_members(LmConfig)]
 """Every built-in model type: a family is in this suite once it is registered."""
 
@@ -51,13 +52,6 @@ def built(config) -> LmModel:
 def model(built) -> LmModel:
     """A tiny model with weights scaled up, so greedy decoding follows real logit gaps."""
     return jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, built)
-
-
-@eqx.filter_jit
-def logits_of(model: LmModel, tokens: hax.NamedArray) -> hax.NamedArray:
-    """``model``'s logits as one program, not op by op: the forward test and the greedy
-    reference (the same shapes) share its compile."""
-    return model.logits(tokens)
 
 
 def tokens(batch: int = 2, seed: int = 1) -> hax.NamedArray:
@@ -98,7 +92,8 @@ def test_same_model_holds_for_every_listed_family(families):
 def test_forward_gives_batch_position_vocab_logits(model_type, config, model, families):
     if same_model(model_type, config, families):
         return
-    logits = logits_of(model, tokens())
+    # one program, not op by op: the greedy reference (the same shapes) reads its compile
+    logits = families.logits(model, tokens())
     assert [(a.name, a.size) for a in logits.axes] == [
         ("batch", 2),
         ("position", SEQ),
@@ -117,23 +112,11 @@ def test_loss_falls_under_adam(model_type, config, built, families):
     if same_model(model_type, config, families):
         return
     model = built  # as built, not scaled
-    batch = tokens(batch=4)
-    opt = optax.adam(1e-2)
-
-    def loss_fn(m):
-        total, count = next_token_loss(m, batch, block_size=None)
-        return total / count
-
-    @eqx.filter_jit
-    def step(m, state):
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(m)
-        updates, state = opt.update(grads, state, m)
-        return eqx.apply_updates(m, updates), state, loss
-
-    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    # tests/hf/test_transformers.py's trained families take the same step (one compile)
+    batch, state = tokens(), families.ADAM.init(eqx.filter(model, eqx.is_inexact_array))
     losses = []
     for _ in range(6):
-        model, state, loss = step(model, state)
+        model, state, loss = families.adam_step(model, state, batch)
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.1, losses
 
@@ -145,16 +128,18 @@ def test_save_and_load_round_trip_exactly(model_type, model, tmp_path):
     assert_same_weights(model, loaded)
 
 
-def greedy_by_recomputation(model: LmModel, prompt: list[int], new_tokens: int) -> list[int]:
+def greedy_by_recomputation(
+    model: LmModel, prompt: list[int], new_tokens: int, families
+) -> list[int]:
     """``prompt`` and ``new_tokens`` greedy tokens, each by rerunning the whole forward
-    (``logits_of`` on the [2, SEQ] buffer: the forward test's program) and taking the argmax
-    at the last filled position. ``sample_tokens(use_cache=False)``'s own loop is
+    (``families.logits`` on the [2, SEQ] buffer: the forward test's program) and taking the
+    argmax at the last filled position. ``sample_tokens(use_cache=False)``'s own loop is
     tests/models/decoding/test_generate.py's."""
     out = list(prompt)
     for _ in range(new_tokens):
         buffer = np.zeros((2, SEQ), np.int32)
         buffer[0, : len(out)] = out
-        logits = logits_of(model, hax.named(buffer, ("batch", "position")))
+        logits = families.logits(model, hax.named(buffer, ("batch", "position")))
         out.append(int(np.argmax(np.asarray(logits.array[0, len(out) - 1]))))
     return out
 
@@ -164,7 +149,7 @@ def test_greedy_with_cache_equals_without(model_type, config, model, families):
         return
     args = dict(seq_len=SEQ, max_new_tokens=10, temperature=0.0, key=jax.random.PRNGKey(0))
     cached = sample_tokens(model, [3, 1, 4], **args)
-    assert cached == greedy_by_recomputation(model, [3, 1, 4], 10)
+    assert cached == greedy_by_recomputation(model, [3, 1, 4], 10, families)
     assert len(cached) == 13
 
 

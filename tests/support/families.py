@@ -1,4 +1,5 @@
-"""Tiny configs of every registered model family, for the suites that run over all of them.
+"""Tiny configs of every registered model family, for the suites that run over all of them,
+and the programs those suites share (``logits``, ``adam_step``: one compile a family and shape).
 
 Nothing here lists families: ``model_types()`` is ``LmConfig``'s registry, and
 ``tiny_config`` fills a family's own fields from one tiny shape (a family's other fields
@@ -12,10 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import equinox as eqx
+import haliax as hax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
 from loomax.config_reference import registry_members
 from loomax.hf.family import _MEMBERS as HF_MEMBERS
 from loomax.hf.family import families as hf_families
-from loomax.models import LmConfig
+from loomax.models import LmConfig, next_token_loss
 
 SHAPE = dict(
     seq_len=16, hidden_dim=16, intermediate_dim=32, num_layers=2, num_heads=4, num_kv_heads=2
@@ -47,6 +54,42 @@ GROUPED = dict(num_groups=2, topk_groups=1, first_dense_layers=1, expert_interme
 experts, tiny experts, and the first layer dense."""
 MLA = dict(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
 """Tiny latent attention, for the families with its fields (DeepSeek-V3)."""
+
+
+@eqx.filter_jit
+def logits(model, tokens: hax.NamedArray) -> hax.NamedArray:
+    """``model``'s logits of ``tokens`` [batch, position] as one compiled program. One
+    function for the suites of every family (tests/models/test_contract.py, tests/hf): at the
+    same family, vocabulary and length they share its compile (in a process; the persistent
+    compilation cache between processes)."""
+    return model.logits(tokens)
+
+
+ADAM = optax.adam(3e-2)
+"""The optimizer of the family suites' training checks (one object: ``adam_step`` is static in it)."""
+
+
+@eqx.filter_jit
+def adam_step(model, state, batch: hax.NamedArray):
+    """One ``ADAM`` step of ``model`` on ``batch`` [batch, position] (the blocked loss, blocks
+    of half the length): ``(model, state, loss)``. One function for the suites that train
+    every family (tests/models/test_contract.py, tests/hf/test_transformers.py): at the same
+    family and shapes they share its compile; the batch is an argument, not a constant."""
+
+    def loss_fn(m):
+        total, count = next_token_loss(m, batch, block_size=batch.axis_size("position") // 2)
+        return total / count
+
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+    updates, state = ADAM.update(grads, state, model)
+    return eqx.apply_updates(model, updates), state, loss
+
+
+def row_logits(model, ids) -> np.ndarray:
+    """``logits`` of the ids ``ids`` [position] (as the two rows of a batch: the contract
+    suite's shape): [position, vocab]."""
+    both = hax.named(jnp.stack([jnp.asarray(ids, jnp.int32)] * 2), ("batch", "position"))
+    return np.asarray(logits(model, both).array[0])
 
 
 def model_types() -> list[str]:
@@ -99,31 +142,12 @@ def trained(config: LmConfig, vocab: int, key, steps: int = 12):
     """``config``'s model trained ``steps`` Adam steps on a repeating sequence (the blocked
     loss); its loss must halve. The family tests export it and compare transformers' greedy
     tokens against ours."""
-    import equinox as eqx
-    import haliax as hax
-    import numpy as np
-    import optax
-
-    from loomax.models import next_token_loss
-
     model = config.build(vocab, key=key)
     pattern = np.tile([3, 1, 4, 1, 5, 9, 2, 6, 7], 2)[:16]
     batch = hax.named(np.stack([pattern, np.roll(pattern, 2)]), ("batch", "position"))
-    opt = optax.adam(3e-2)
-
-    @eqx.filter_jit
-    def step(m, state):
-        def loss_fn(m):
-            total, count = next_token_loss(m, batch, block_size=8)
-            return total / count
-
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(m)
-        updates, state = opt.update(grads, state, m)
-        return eqx.apply_updates(m, updates), state, loss
-
-    state, losses = opt.init(eqx.filter(model, eqx.is_inexact_array)), []
+    state, losses = ADAM.init(eqx.filter(model, eqx.is_inexact_array)), []
     for _ in range(steps):
-        model, state, loss = step(model, state)
+        model, state, loss = adam_step(model, state, batch)
         losses.append(float(loss))
     assert losses[-1] < losses[0] / 2, losses
     return model
