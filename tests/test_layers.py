@@ -19,7 +19,7 @@ ROOT = Path(loomax.__file__).parent
 
 LAYERS: list[set[str]] = [
     {"errors"},
-    {"config_help", "config_suggest"},
+    {"config_help", "config_suggest", "config_parse_cache"},
     {
         "config",
         "storage",
