@@ -101,17 +101,8 @@ def test_padded_vocabulary_matches_plain(multiple):
     def fused(h, w):
         return fused_cross_entropy_sum(h, w, t, m, 16, z, None, multiple)
 
-    @jax.jit
-    def run(h, w):
-        ref = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
-        return ref, fused(h, w), jax.value_and_grad(fused, argnums=(0, 1))(h, w)
-
-    (ref, ref_grads), primal, (val, grads) = run(h, w)
-    np.testing.assert_allclose(primal, ref, rtol=1e-5)
-    np.testing.assert_allclose(val, ref, rtol=1e-5)
+    grads = _fused_equals_plain(fused, h, w, t, m, z)
     assert grads[1].shape == w.shape
-    for got, want in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("block,vocab_block", [(8, 16), (37, 101), (16, 7)])
@@ -122,16 +113,7 @@ def test_vocab_blocks_match_plain(block, vocab_block):
     def fused(h, w):
         return fused_cross_entropy_sum(h, w, t, m, block, z, vocab_block)
 
-    @jax.jit
-    def run(h, w):
-        ref = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
-        return ref, fused(h, w), jax.value_and_grad(fused, argnums=(0, 1))(h, w)
-
-    (ref, ref_grads), primal, (val, grads) = run(h, w)
-    np.testing.assert_allclose(primal, ref, rtol=1e-5)
-    np.testing.assert_allclose(val, ref, rtol=1e-5)
-    for got, want in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    _fused_equals_plain(fused, h, w, t, m, z)
 
 
 @pytest.mark.parametrize("block", [8, 37])
@@ -192,3 +174,20 @@ def test_the_per_device_loss_equals_plain(settings):
     np.testing.assert_allclose(val, ref, rtol=1e-5)
     np.testing.assert_allclose(grads[0], ref_grads[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grads[1].reshape(h.shape), ref_grads[1], rtol=1e-5, atol=1e-6)
+
+
+def _fused_equals_plain(fused, h, w, t, m, z):
+    """``fused(h, w)``'s value, primal-only value and both gradients against the plain loss's,
+    all from one jitted program; returns the fused gradients."""
+
+    @jax.jit
+    def run(h, w):
+        ref = jax.value_and_grad(plain_cross_entropy_sum, argnums=(0, 1))(h, w, t, m, z)
+        return ref, fused(h, w), jax.value_and_grad(fused, argnums=(0, 1))(h, w)
+
+    (ref, ref_grads), primal, (val, grads) = run(h, w)
+    np.testing.assert_allclose(primal, ref, rtol=1e-5)
+    np.testing.assert_allclose(val, ref, rtol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    return grads

@@ -10,7 +10,6 @@ python context_parallel_run.py attention memory train bench   # several: {mode: 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -27,6 +26,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jmp  # noqa: E402
 import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support"))
+from bench_main import bench_rows  # noqa: E402
 
 from loomax.data import BatchLoader, TokenWindows  # noqa: E402
 from loomax.hooks.eval import make_loss_evaluator  # noqa: E402
@@ -326,14 +328,8 @@ def bench() -> dict:
     is in bench/README.md): a tiny Llama's gradient step (one layer of width 32, one timed
     step and no warm-up: the compile is most of the time), run by its ``main`` in this
     process (8 fake devices, as its own), not a second one that imports JAX again."""
-    path = Path(__file__).parents[3] / "bench" / "context_parallel.py"
-    spec = importlib.util.spec_from_file_location("bench_context_parallel", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = Path(tempfile.mkdtemp()) / "cp.json"
     args = ["--seq", "256", "--context", "8", "--steps", "1", "--warmup", "0"]
-    module.main([*args, "--layers", "1", "--width", "32", "--json", str(out)])
-    return json.loads(out.read_text())
+    return bench_rows("context_parallel.py", [*args, "--layers", "1", "--width", "32"])
 
 
 if __name__ == "__main__":  # one process for every mode named: JAX starts once

@@ -10,10 +10,9 @@ in this process).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
-import tempfile
+import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -24,6 +23,9 @@ import haliax as hax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support"))
+from bench_main import bench_rows  # noqa: E402
 
 from loomax.config import ConfigError  # noqa: E402
 from loomax.mesh import MeshConfig, make_axis_mappings  # noqa: E402
@@ -210,14 +212,8 @@ def bench() -> dict:
     """bench/split_prefill.py's rows at 256 positions (one layer of width 64, one decode step
     timed; its 16,384-position figures are in bench/README.md), run by its ``main`` in this
     process (8 fake devices, as its own), not a second one that imports JAX again."""
-    path = Path(__file__).parents[3] / "bench" / "split_prefill.py"
-    spec = importlib.util.spec_from_file_location("bench_split_prefill", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = Path(tempfile.mkdtemp()) / "split.json"
     args = ["--seq", "256", "--hidden", "64", "--layers", "1", "--steps", "1"]
-    module.main([*args, "--json", str(out)])
-    return json.loads(out.read_text())
+    return bench_rows("split_prefill.py", args)
 
 
 if __name__ == "__main__":
