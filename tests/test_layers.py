@@ -18,7 +18,7 @@ import loomax
 ROOT = Path(loomax.__file__).parent
 
 LAYERS: list[set[str]] = [
-    {"errors"},
+    {"errors", "lazy_exports"},
     {"config_help", "config_suggest", "config_parse_cache"},
     {
         "config",

@@ -14,8 +14,9 @@ tokenizes (a token-cache build, a Ray task) and asks for ``RayConfig`` starts wi
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from loomax.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from loomax.distributed.jax_processes import (
@@ -31,20 +32,20 @@ if TYPE_CHECKING:
     from loomax.distributed.ray_cluster import RayConfig, init_ray, ray_session
 
 _MODULES = {
-    "COORDINATOR_ENV": "jax_processes",
-    "NUM_PROCESSES_ENV": "jax_processes",
-    "PROCESS_ID_ENV": "jax_processes",
-    "DistributedConfig": "jax_processes",
-    "barrier": "jax_processes",
-    "broadcast_str": "jax_processes",
-    "coordination_client": "jax_processes",
-    "pod_ray_cluster": "pod_ray",
-    "pod_ray_role": "pod_ray",
-    "RayConfig": "ray_cluster",
-    "init_ray": "ray_cluster",
-    "ray_session": "ray_cluster",
+    "COORDINATOR_ENV": "loomax.distributed.jax_processes",
+    "NUM_PROCESSES_ENV": "loomax.distributed.jax_processes",
+    "PROCESS_ID_ENV": "loomax.distributed.jax_processes",
+    "DistributedConfig": "loomax.distributed.jax_processes",
+    "barrier": "loomax.distributed.jax_processes",
+    "broadcast_str": "loomax.distributed.jax_processes",
+    "coordination_client": "loomax.distributed.jax_processes",
+    "pod_ray_cluster": "loomax.distributed.pod_ray",
+    "pod_ray_role": "loomax.distributed.pod_ray",
+    "RayConfig": "loomax.distributed.ray_cluster",
+    "init_ray": "loomax.distributed.ray_cluster",
+    "ray_session": "loomax.distributed.ray_cluster",
 }
-"""Each public name -> the module of this package that defines it."""
+"""Each public name -> the module that defines it."""
 
 __all__ = [
     "COORDINATOR_ENV",
@@ -62,10 +63,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    module = _MODULES.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # asked once
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _MODULES)
